@@ -1,0 +1,317 @@
+"""Typed configuration: the model architecture under Megatron-LM's field names, and training.
+
+`ModelConfig.validate(tp=...)` runs before any process group is touched, so that every rank refuses
+a bad shape with the same message instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. The message names the flag, the value and what would work."""
+
+
+@dataclass
+class ModelConfig:
+    """Transformer architecture. Field names follow Megatron-LM's `TransformerConfig` / arguments."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None
+    """Defaults to 4 * hidden_size (GELU) or Megatron's SwiGLU sizing."""
+    num_query_groups: int | None = None
+    """Grouped-query attention: number of key/value heads. None means multi-head (= heads)."""
+    kv_channels: int | None = None
+    """Per-head dim. Defaults to hidden_size // num_attention_heads."""
+    seq_length: int = 128
+    max_position_embeddings: int | None = None
+    vocab_size: int = 512
+    make_vocab_size_divisible_by: int = 128
+    normalization: str = "LayerNorm"
+    """'LayerNorm' or 'RMSNorm'."""
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"
+    """'learned_absolute' or 'rope'."""
+    rotary_base: float = 10000.0
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    params_dtype: str = "float32"
+    """'float32', 'bfloat16' or 'float16': the dtype the model's parameters are created in."""
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    """None, 'full' (whole layers) or 'selective' (the attention core)."""
+    recompute_method: str | None = None
+    """With 'full': 'uniform' or 'block' (Megatron semantics)."""
+    recompute_num_layers: int | None = None
+    domino_batch_slices: int = 1
+    """Domino: micro-slices of each layer's batch (1 = off)."""
+    domino_hidden_slices: int = 1
+    """Domino: chunks of the MLP's hidden dim (1 = off)."""
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads > 0:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.ffn_hidden_size is None:
+            if self.swiglu:
+                # Megatron-LM's sizing for SwiGLU: 2/3 of 4h, rounded down to a multiple of 64.
+                self.ffn_hidden_size = int(4 * self.hidden_size * 2 / 3 / 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+
+    @property
+    def domino_enabled(self) -> bool:
+        return self.domino_batch_slices > 1 or self.domino_hidden_slices > 1
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron's padding: a multiple of make_vocab_size_divisible_by * tp."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return ((self.vocab_size + multiple - 1) // multiple) * multiple
+
+    def validate(self, tp: int = 1) -> None:
+        """Raise ConfigError naming the flag if this shape cannot run at tensor-parallel size tp."""
+        _check(self.num_layers >= 1, "--num-layers", self.num_layers, "a positive integer")
+        _check(self.hidden_size >= 1, "--hidden-size", self.hidden_size, "a positive integer")
+        heads = self.num_attention_heads
+        _check(heads >= 1, "--num-attention-heads", heads, "a positive integer")
+        _check(
+            self.hidden_size % heads == 0,
+            "--hidden-size",
+            self.hidden_size,
+            f"a multiple of --num-attention-heads ({heads})",
+        )
+        _check(
+            heads % tp == 0,
+            "--num-attention-heads",
+            heads,
+            f"a multiple of --tensor-model-parallel-size ({tp})",
+        )
+        groups = self.num_query_groups
+        _check(
+            groups >= 1 and heads % groups == 0,
+            "--num-query-groups",
+            groups,
+            f"a divisor of --num-attention-heads ({heads})",
+        )
+        _check(
+            groups % tp == 0,
+            "--num-query-groups",
+            groups,
+            f"a multiple of --tensor-model-parallel-size ({tp})",
+        )
+        _check(
+            self.ffn_hidden_size % tp == 0,
+            "--ffn-hidden-size",
+            self.ffn_hidden_size,
+            f"a multiple of --tensor-model-parallel-size ({tp})",
+        )
+        _check(
+            self.normalization in ("LayerNorm", "RMSNorm"),
+            "--normalization",
+            self.normalization,
+            "'LayerNorm' or 'RMSNorm'",
+        )
+        _check(
+            self.position_embedding_type in ("learned_absolute", "rope"),
+            "--position-embedding-type",
+            self.position_embedding_type,
+            "'learned_absolute' or 'rope'",
+        )
+        _check(
+            self.seq_length <= self.max_position_embeddings
+            or self.position_embedding_type == "rope",
+            "--seq-length",
+            self.seq_length,
+            f"at most --max-position-embeddings ({self.max_position_embeddings})",
+        )
+        _check(
+            self.params_dtype in ("float32", "bfloat16", "float16"),
+            "params_dtype",
+            self.params_dtype,
+            "'float32', 'bfloat16' or 'float16'",
+        )
+        _check(self.vocab_size >= 1, "--vocab-size", self.vocab_size, "a positive integer")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            _check(0.0 <= value < 1.0, "--" + name.replace("_", "-"), value, "in [0, 1)")
+        _check(
+            self.recompute_granularity in (None, "full", "selective"),
+            "--recompute-granularity",
+            self.recompute_granularity,
+            "'full' or 'selective'",
+        )
+        if self.recompute_granularity == "full":
+            _check(
+                self.recompute_method in ("uniform", "block"),
+                "--recompute-method",
+                self.recompute_method,
+                "'uniform' or 'block' (required with --recompute-granularity full)",
+            )
+            n = self.recompute_num_layers
+            _check(
+                n is not None and 1 <= n <= self.num_layers,
+                "--recompute-num-layers",
+                n,
+                f"an integer in [1, --num-layers ({self.num_layers})]",
+            )
+        _check(
+            self.domino_batch_slices >= 1,
+            "--domino-batch-slices",
+            self.domino_batch_slices,
+            "a positive integer",
+        )
+        ffn_local = self.ffn_hidden_size // tp
+        _check(
+            self.domino_hidden_slices >= 1 and ffn_local % self.domino_hidden_slices == 0,
+            "--domino-hidden-slices",
+            self.domino_hidden_slices,
+            f"a divisor of the per-rank ffn size ({self.ffn_hidden_size} / tp {tp} = {ffn_local})",
+        )
+        if self.sequence_parallel:
+            _check(
+                self.seq_length % tp == 0,
+                "--seq-length",
+                self.seq_length,
+                f"a multiple of --tensor-model-parallel-size ({tp}) with --sequence-parallel",
+            )
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ModelConfig:
+        """A named architecture (see PRESETS), with fields overridden by keyword."""
+        if name not in PRESETS:
+            raise ConfigError(
+                f"--model-preset {name!r} is unknown; choose one of: {', '.join(sorted(PRESETS))}"
+            )
+        fields = dict(PRESETS[name])
+        fields.update(overrides)
+        if "num_attention_heads" in overrides and "num_query_groups" not in overrides:
+            fields.pop("num_query_groups", None)
+        if "ffn_hidden_size" not in overrides and (
+            "hidden_size" in overrides or "swiglu" in overrides
+        ):
+            fields.pop("ffn_hidden_size", None)
+        return cls(**fields)
+
+
+def _check(ok: bool, flag: str, value, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag}={value} is invalid: it must be {expected}")
+
+
+_GPT = dict(
+    normalization="LayerNorm",
+    swiglu=False,
+    position_embedding_type="learned_absolute",
+    add_bias_linear=True,
+    untie_embeddings_and_output_weights=False,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+    init_method_std=0.02,
+    seq_length=2048,
+    max_position_embeddings=2048,
+    vocab_size=50257,
+    make_vocab_size_divisible_by=128,
+    norm_epsilon=1e-5,
+)
+
+_LLAMA = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    rotary_base=10000.0,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    init_method_std=0.02,
+    seq_length=4096,
+    max_position_embeddings=4096,
+    vocab_size=32000,
+    make_vocab_size_divisible_by=128,
+    norm_epsilon=1e-5,
+)
+
+
+def _gpt(layers: int, hidden: int, heads: int, std: float = 0.02) -> dict:
+    return dict(_GPT, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                init_method_std=std)
+
+
+def _llama(layers: int, hidden: int, heads: int, ffn: int, groups: int) -> dict:
+    return dict(_LLAMA, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                ffn_hidden_size=ffn, num_query_groups=groups)
+
+
+# GPT-3 sizes as Megatron-LM's examples and the GPT-3 paper give them (hidden divisible by heads).
+PRESETS: dict[str, dict] = {
+    "gpt3-125m": _gpt(12, 768, 12, 0.023),
+    "gpt3-350m": _gpt(24, 1024, 16, 0.02),
+    "gpt3-760m": _gpt(24, 1536, 16, 0.015),
+    "gpt3-1.3b": _gpt(24, 2048, 16, 0.013),
+    "gpt3-2.7b": _gpt(32, 2560, 32, 0.011),
+    "gpt3-6.7b": _gpt(32, 4096, 32, 0.009),
+    "gpt3-13b": _gpt(40, 5120, 40, 0.008),
+    "gpt3-175b": _gpt(96, 12288, 96, 0.006),
+    "llama2-7b": _llama(32, 4096, 32, 11008, 32),
+    "llama2-13b": _llama(40, 5120, 40, 13824, 40),
+    "llama2-70b": _llama(80, 8192, 64, 28672, 8),
+    # Tiny shapes for CPU runs and tests.
+    "gpt-tiny": dict(_gpt(2, 64, 4), seq_length=64, max_position_embeddings=64, vocab_size=512,
+                     make_vocab_size_divisible_by=8),
+    "llama-tiny": dict(_llama(2, 64, 4, 176, 2), seq_length=64, max_position_embeddings=64,
+                       vocab_size=512, make_vocab_size_divisible_by=8),
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a training run that is not the architecture (Megatron flag names)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    """Defaults to micro_batch_size * data-parallel size (no accumulation)."""
+    train_iters: int | None = None
+    train_samples: int | None = None
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    """'constant', 'linear' or 'cosine'."""
+    lr_decay_iters: int | None = None
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    seed: int = 1234
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    mock_data: bool = False
+    data_path: list[str] = field(default_factory=list)
+    peak_tflops: float = 989.0
+    """Per-GPU dense bf16 peak used for MFU (H100/H200 SXM: 989)."""
+    gpus_per_node: int | None = None
