@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot run. The message names the flag, the value and what would work."""
+    """A configuration that cannot run; the message names the flag, the value and what works."""
 
 
 @dataclass
 class ModelConfig:
-    """Transformer architecture. Field names follow Megatron-LM's `TransformerConfig` / arguments."""
+    """Transformer architecture, under Megatron-LM's field names."""
 
     num_layers: int = 2
     hidden_size: int = 64

@@ -1,0 +1,147 @@
+"""The parts of a transformer block: norms, rotary embedding, attention (torch SDPA), MLP.
+
+No module here calls a collective directly: the parallel linears hide theirs. Activations are
+`[s, b, h]` (sequence first, as in Megatron-LM), `[s/tp, b, h]` between blocks under sequence
+parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megadomino.config import ModelConfig
+from megadomino.parallel import random as tp_random
+from megadomino.parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_norm(config: ModelConfig, device=None) -> nn.Module:
+    """LayerNorm (weight and bias) or RMSNorm (weight); under sequence parallelism the params are
+    marked `sequence_parallel` (each rank sees part of the sequence: its gradient is partial)."""
+    dtype = DTYPES[config.params_dtype]
+    if config.normalization == "LayerNorm":
+        norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, device=device,
+                            dtype=dtype)
+    else:
+        norm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon, device=device, dtype=dtype)
+    for param in norm.parameters():
+        param.sequence_parallel = config.sequence_parallel
+    return norm
+
+
+def rotary_tables(seq_len: int, dim: int, base: float, device=None) -> tuple[torch.Tensor, ...]:
+    """cos, sin of shape (seq_len, dim) for rotate-half RoPE (the layout HF Llama weights use)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (s, b, heads, d); cos/sin: (s, b, 1, d) or broadcastable. Computed in fp32."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads, tensor-parallel over heads.
+
+    The fused QKV weight follows Megatron's layout: per query group, its q heads then one k and
+    one v head, so a contiguous split of the output rows gives each TP rank whole groups.
+    """
+
+    def __init__(self, config: ModelConfig, dims, device=None):
+        super().__init__()
+        dtype = DTYPES[config.params_dtype]
+        self.config, self.dims = config, dims
+        self.head_dim = config.kv_channels
+        self.heads_local = config.num_attention_heads // dims.tp
+        self.groups_local = config.num_query_groups // dims.tp
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
+        sp = config.sequence_parallel and dims.tp > 1
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, dims, bias=config.add_bias_linear,
+            sequence_parallel=sp, init_std=config.init_method_std, device=device, dtype=dtype)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, dims,
+            bias=config.add_bias_linear, sequence_parallel=sp,
+            init_std=scaled_init_std(config.init_method_std, config.num_layers), device=device,
+            dtype=dtype)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """SDPA over (b, heads, s, d) tensors; attention dropout uses this rank's RNG stream."""
+        dropout = self.config.attention_dropout if self.training else 0.0
+        gqa = self.heads_per_group > 1
+        if dropout > 0.0:
+            with tp_random.tracker_of(self.dims).fork():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                      enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    def partial(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None):
+        """x (s, b, h) -> this rank's un-reduced attention output (RowParallelLinear.partial)."""
+        qkv = self.linear_qkv(x)
+        s, b = qkv.shape[:2]
+        # (s, b, groups*(hpg+2)*d) -> (s, b, groups, hpg+2, d)
+        qkv = qkv.view(s, b, self.groups_local, self.heads_per_group + 2, self.head_dim)
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.heads_local, self.head_dim)
+        k = k.reshape(s, b, self.groups_local, self.head_dim)
+        v = v.reshape(s, b, self.groups_local, self.head_dim)
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # (s, b, heads, d) -> (b, heads, s, d)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.config.recompute_granularity == "selective" and self.training:
+            context = tp_random.checkpoint(self.core, self.dims, q, k, v)
+        else:
+            context = self.core(q, k, v)
+        # (b, heads, s, d) -> (s, b, heads*d)
+        context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
+        return self.linear_proj.partial(context)
+
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+        return self.linear_proj.reduce(self.partial(x, rotary))
+
+
+class MLP(nn.Module):
+    """fc1 (column-parallel) -> GELU(tanh) or SwiGLU -> fc2 (row-parallel).
+
+    With SwiGLU, fc1 holds [gate; up] stacked, each sharded separately (stripes=2), so a rank's
+    local fc1 output is [gate_local, up_local].
+    """
+
+    def __init__(self, config: ModelConfig, dims, device=None):
+        super().__init__()
+        dtype = DTYPES[config.params_dtype]
+        self.config = config
+        sp = config.sequence_parallel and dims.tp > 1
+        stripes = 2 if config.swiglu else 1
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, stripes * config.ffn_hidden_size, dims,
+            bias=config.add_bias_linear, sequence_parallel=sp, init_std=config.init_method_std,
+            stripes=stripes, device=device, dtype=dtype)
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, dims, bias=config.add_bias_linear,
+            sequence_parallel=sp,
+            init_std=scaled_init_std(config.init_method_std, config.num_layers), device=device,
+            dtype=dtype)
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.config.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2.partial(self.activation(self.linear_fc1(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2.reduce(self.partial(x))

@@ -1,0 +1,194 @@
+"""GPTModel: embedding, transformer block, output layer and vocab-parallel loss.
+
+The model follows its ModelConfig (Megatron's GPTModel is likewise generic); the GPT-3 presets
+give pre-LayerNorm, GELU(tanh), learned absolute positions, biases and a tied output layer.
+LlamaModel (llama.py) is the same model with the Llama-2 architecture required.
+
+Call: `model(tokens, labels=None, loss_mask=None, position_ids=None)` with tokens `[b, s]`:
+- without labels: logits `[b, s, vocab_size]`, gathered over TP, padding columns dropped;
+- with labels: per-token loss `[b, s]` in fp32 (times loss_mask if given), computed
+  vocab-parallel without gathering the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megadomino.config import ModelConfig
+from megadomino.models.blocks import DTYPES, rotary_tables
+from megadomino.models.transformer import TransformerBlock
+from megadomino.parallel import mappings
+from megadomino.parallel import random as tp_random
+from megadomino.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megadomino.parallel.layers import (
+    VocabParallelEmbedding,
+    column_parallel_matmul,
+    init_sharded_,
+    shard_rows,
+    unshard_rows,
+)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: ModelConfig, dims, device=None):
+        super().__init__()
+        config.validate(dims.tp)
+        device = torch.device(device) if device is not None else default_device()
+        dtype = DTYPES[config.params_dtype]
+        self.config, self.dims = config, dims
+        self.sequence_parallel = config.sequence_parallel and dims.tp > 1
+        self.padded_vocab_size = config.padded_vocab_size(dims.tp)
+        std = config.init_method_std
+        self.word_embeddings = VocabParallelEmbedding(
+            self.padded_vocab_size, config.vocab_size, config.hidden_size, dims,
+            reduce_scatter=self.sequence_parallel, init_std=std, device=device, dtype=dtype)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, device=device, dtype=dtype)
+            init_sharded_(self.position_embeddings.weight,
+                          tuple(self.position_embeddings.weight.shape), std, _Replicated())
+            self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
+        self.decoder = TransformerBlock(config, dims, device)
+        self.output_weight = None
+        if config.untie_embeddings_and_output_weights:
+            self.output_weight = nn.Parameter(
+                torch.empty_like(self.word_embeddings.weight))
+            for attr in ("tensor_model_parallel", "tp_partition_dim", "tp_stripes", "vocab_size"):
+                setattr(self.output_weight, attr, getattr(self.word_embeddings.weight, attr))
+            init_sharded_(self.output_weight, (config.vocab_size, config.hidden_size), std, dims)
+
+    # ---- forward -------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """tokens (b, s) -> hidden (s, b, h), or (s/tp, b, h) under sequence parallelism."""
+        hidden = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                positions = self.position_embeddings.weight[: tokens.shape[1]].unsqueeze(1)
+            else:
+                positions = self.position_embeddings(position_ids).transpose(0, 1)
+            if self.sequence_parallel:
+                positions = mappings.split_dim0(positions.expand(-1, hidden.shape[1], -1)
+                                                if position_ids is None else positions,
+                                                self.dims.tp_group)
+            hidden = hidden + positions
+        p = self.config.hidden_dropout
+        if self.training and p > 0.0:
+            if self.sequence_parallel:
+                with tp_random.tracker_of(self.dims).fork():
+                    hidden = F.dropout(hidden, p, training=True)
+            else:
+                hidden = F.dropout(hidden, p, training=True)
+        return hidden
+
+    def rotary(self, seq_len: int, position_ids: torch.Tensor | None, device):
+        if self.config.position_embedding_type != "rope":
+            return None
+        length = self.config.max_position_embeddings if position_ids is not None else seq_len
+        cos, sin = rotary_tables(max(length, seq_len), self.config.kv_channels,
+                                 self.config.rotary_base, device)
+        if position_ids is None:
+            # (s, d) -> (s, 1, 1, d)
+            return cos[:seq_len, None, None, :], sin[:seq_len, None, None, :]
+        # (b, s) -> (s, b, 1, d)
+        return cos[position_ids].transpose(0, 1)[:, :, None], \
+            sin[position_ids].transpose(0, 1)[:, :, None]
+
+    def logits_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (s or s/tp, b, h) -> this rank's vocabulary shard of the logits (s, b, V/tp)."""
+        weight = self.output_weight if self.output_weight is not None \
+            else self.word_embeddings.weight
+        return column_parallel_matmul(hidden, weight, None, self.dims.tp_group,
+                                      self.sequence_parallel)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed(tokens, position_ids)
+        hidden = self.decoder(hidden, self.rotary(tokens.shape[1], position_ids, tokens.device))
+        logits = self.logits_parallel(hidden)
+        if labels is None:
+            # (s, b, V/tp) -> (b, s, vocab_size)
+            full = mappings.gather_from_tensor_parallel_region(logits, self.dims.tp_group)
+            return full[..., : self.config.vocab_size].transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims.tp_group,
+                                            self.word_embeddings.vocab_start).t()
+        return loss if loss_mask is None else loss * loss_mask
+
+    # ---- full (unsharded) state ------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded, unpadded state dict on CPU, identical on every rank and at every TP.
+        Collective over the TP group: every TP rank must call it."""
+        return {name: gather_full(param.detach(), param, self.dims).cpu()
+                for name, param in self.named_parameters()}
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded gradients (as full_state_dict); parameters without a gradient are left out.
+        Gradients of `sequence_parallel` parameters must already be summed over TP."""
+        return {name: gather_full(param.grad, param, self.dims).cpu()
+                for name, param in self.named_parameters() if param.grad is not None}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load an unsharded state dict (from full_state_dict at any TP, or a converter)."""
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(state))
+        unexpected = sorted(set(state) - set(params))
+        if missing or unexpected:
+            raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        for name, param in params.items():
+            full = state[name]
+            expected = full_shape(param, self.dims)
+            if tuple(full.shape) != expected:
+                raise ValueError(f"{name}: shape {tuple(full.shape)} but the model expects "
+                                 f"{expected}")
+            param.copy_(shard_full(full.to(param.device, torch.float32), param, self.dims))
+
+
+class _Replicated:
+    """Dims stand-in for init of a parameter every TP rank holds whole."""
+
+    tp, tp_rank = 1, 0
+
+
+def full_shape(param: torch.Tensor, dims) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.tp_partition_dim] *= dims.tp
+        if getattr(param, "vocab_size", None) is not None:
+            shape[0] = param.vocab_size
+    return tuple(shape)
+
+
+def shard_full(full: torch.Tensor, param: torch.Tensor, dims) -> torch.Tensor:
+    """This rank's shard of an unsharded, unpadded tensor for `param`."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    vocab = getattr(param, "vocab_size", None)
+    if vocab is not None:
+        full = F.pad(full, (0, 0, 0, param.shape[0] * dims.tp - vocab))
+    return shard_rows(full, param.tp_partition_dim, param.tp_stripes, dims.tp, dims.tp_rank)
+
+
+def gather_full(local: torch.Tensor, param: torch.Tensor, dims) -> torch.Tensor:
+    """The unsharded, unpadded tensor from every TP rank's `local` (collective over TP)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return local.clone()
+    local = local.contiguous()
+    shards = [torch.empty_like(local) for _ in range(dims.tp)]
+    if dims.tp > 1:
+        dist.all_gather(shards, local, group=dims.tp_group)
+    else:
+        shards = [local]
+    full = unshard_rows(shards, param.tp_partition_dim, param.tp_stripes)
+    vocab = getattr(param, "vocab_size", None)
+    return full[:vocab] if vocab is not None else full

@@ -1,0 +1,80 @@
+"""TransformerLayer (one pre-norm block) and TransformerBlock (the stack, final norm, recompute).
+
+A layer's forward is two residual lines; the parallel linears inside hide their collectives. The
+Domino schedule (a later module) runs the same layers through `partial` pieces instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megadomino.config import ModelConfig
+from megadomino.models.blocks import MLP, Attention, build_norm
+from megadomino.parallel import random as tp_random
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dims, device=None):
+        super().__init__()
+        self.config, self.dims = config, dims
+        self.input_layernorm = build_norm(config, device)
+        self.self_attention = Attention(config, dims, device)
+        self.pre_mlp_layernorm = build_norm(config, device)
+        self.mlp = MLP(config, dims, device)
+
+    def hidden_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout on the residual stream. Replicated over TP ranks it uses the default generator
+        (identical on every TP rank); sharded along the sequence, this rank's own stream."""
+        p = self.config.hidden_dropout
+        if not self.training or p == 0.0:
+            return x
+        if self.config.sequence_parallel and self.dims.tp > 1:
+            with tp_random.tracker_of(self.dims).fork():
+                return F.dropout(x, p, training=True)
+        return F.dropout(x, p, training=True)
+
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+        # x: (s, b, h), or (s/tp, b, h) under sequence parallelism
+        h = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), rotary))
+        return h + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(h)))
+
+
+class TransformerBlock(nn.Module):
+    """The layer stack and the final norm, with Megatron's full-recompute methods:
+    'uniform' checkpoints chunks of `recompute_num_layers` layers, 'block' checkpoints each of the
+    first `recompute_num_layers` layers."""
+
+    def __init__(self, config: ModelConfig, dims, device=None):
+        super().__init__()
+        self.config, self.dims = config, dims
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, dims, device) for _ in range(config.num_layers))
+        self.final_layernorm = build_norm(config, device)
+
+    def _run(self, start: int, end: int):
+        def run(x, *rotary):
+            for layer in self.layers[start:end]:
+                x = layer(x, rotary or None)
+            return x
+        return run
+
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+        config = self.config
+        rotary_args = tuple(rotary) if rotary is not None else ()
+        if config.recompute_granularity == "full" and self.training:
+            n, count = config.recompute_num_layers, len(self.layers)
+            if config.recompute_method == "uniform":
+                for start in range(0, count, n):
+                    end = min(start + n, count)
+                    x = tp_random.checkpoint(self._run(start, end), self.dims, x, *rotary_args)
+            else:
+                for i in range(count):
+                    if i < n:
+                        x = tp_random.checkpoint(self._run(i, i + 1), self.dims, x, *rotary_args)
+                    else:
+                        x = self._run(i, i + 1)(x, *rotary_args)
+        else:
+            x = self._run(0, len(self.layers))(x, *rotary_args)
+        return self.final_layernorm(x)

@@ -1,0 +1,233 @@
+"""Tensor-parallel layers with Megatron-LM semantics: ColumnParallelLinear, RowParallelLinear,
+VocabParallelEmbedding.
+
+Activations are `[s, b, h]`. Weights are `[out, in]` (torch's layout). Every sharded parameter
+carries its sharding so that full (unsharded) state dicts can be built and loaded at any TP:
+`tensor_model_parallel=True`, `tp_partition_dim` (0: output rows, 1: input columns),
+`tp_stripes` (a weight made of several stacked matrices each sharded on its own, e.g. SwiGLU's
+[gate; up]), and for vocabulary tables `vocab_size` (the unpadded row count).
+
+Init: the full weight is drawn from the default generator (identical on every TP rank, see
+`parallel.random`) and then sharded, so a model's initial weights do not depend on the TP degree.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megadomino.parallel import mappings
+from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
+
+
+def shard_rows(full: torch.Tensor, dim: int, stripes: int, tp: int, tp_rank: int) -> torch.Tensor:
+    """This rank's shard of `full` along `dim`, each of `stripes` stacked blocks sharded alone."""
+    blocks = full.chunk(stripes, dim=dim)
+    return torch.cat([block.chunk(tp, dim=dim)[tp_rank] for block in blocks], dim=dim)
+
+
+def unshard_rows(shards: list[torch.Tensor], dim: int, stripes: int) -> torch.Tensor:
+    """Inverse of shard_rows: shards of every rank, in rank order, to the full tensor."""
+    striped = [shard.chunk(stripes, dim=dim) for shard in shards]
+    return torch.cat([torch.cat([s[j] for s in striped], dim=dim) for j in range(stripes)],
+                     dim=dim)
+
+
+def _mark(param: nn.Parameter, dim: int, stripes: int = 1) -> None:
+    param.tensor_model_parallel = True
+    param.tp_partition_dim = dim
+    param.tp_stripes = stripes
+
+
+@torch.no_grad()
+def init_sharded_(param: nn.Parameter, full_shape: tuple[int, ...], std: float, dims) -> None:
+    """Draw the full weight N(0, std) and keep this rank's shard (TP-degree independent)."""
+    full = torch.empty(full_shape, dtype=torch.float32, device=param.device).normal_(0.0, std)
+    rows = getattr(param, "vocab_size", None)
+    if rows is not None:
+        padded = torch.zeros((param.shape[0] * dims.tp, *full_shape[1:]), device=param.device)
+        padded[:rows] = full[:rows]
+        full = padded
+    dim = getattr(param, "tp_partition_dim", 0)
+    param.copy_(shard_rows(full, dim, getattr(param, "tp_stripes", 1), dims.tp, dims.tp_rank))
+
+
+class _LinearWithAsyncGradReduce(torch.autograd.Function):
+    """y = x W^T + b for a column-parallel weight, with the input's collective fused in.
+
+    Forward: without sequence parallelism x is replicated (f: identity); with it, x is this rank's
+    sequence chunk and is all-gathered first. Backward: the input gradient's all-reduce (or, with
+    sequence parallelism, reduce-scatter) is launched async and overlaps the weight-gradient GEMM;
+    under sequence parallelism the input is re-gathered async during the input-gradient GEMM
+    instead of being kept from the forward. Every collective is enqueued on the current stream
+    order: the handle's wait() makes the current stream wait for it before the result is used.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.has_bias = bias is not None
+        total = all_gather_dim0(x, group)[0] if sequence_parallel else x
+        ctx.save_for_backward(x, weight)
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group, sequence_parallel = ctx.group, ctx.sequence_parallel
+        gather_handle = None
+        total = x
+        if sequence_parallel:
+            total, gather_handle = all_gather_dim0(x, group, async_op=True)
+        grad_input = grad_out.matmul(weight)
+        if gather_handle is not None:
+            gather_handle.wait()
+        reduce_handle = None
+        if ctx.needs_input_grad[0]:
+            if sequence_parallel:
+                grad_input, reduce_handle = reduce_scatter_dim0(grad_input, group, async_op=True)
+            else:
+                grad_input = grad_input.contiguous()
+                reduce_handle = all_reduce(grad_input, group, async_op=True)
+        grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = grad_out_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_bias = grad_out_2d.sum(dim=0) if ctx.has_bias else None
+        if reduce_handle is not None:
+            reduce_handle.wait()
+        return (grad_input if ctx.needs_input_grad[0] else None), grad_weight, grad_bias, None, None
+
+
+def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group, sequence_parallel: bool) -> torch.Tensor:
+    """Functional column-parallel linear (also used by the tied output layer)."""
+    return _LinearWithAsyncGradReduce.apply(x, weight, bias, group, sequence_parallel)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns (output features) over the TP group.
+
+    Input `[s, b, in]` replicated (or `[s/tp, b, in]` with sequence_parallel); output
+    `[s, b, out/tp]`, or `[s, b, out]` with gather_output. `stripes` > 1 shards each of that many
+    stacked output blocks separately (SwiGLU's [gate; up]).
+    """
+
+    def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 init_std: float = 0.02, stripes: int = 1, device=None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if output_size % (dims.tp * stripes) != 0:
+            raise ValueError(f"output size {output_size} not divisible by tp {dims.tp} "
+                             f"x stripes {stripes}")
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output is not supported with sequence parallelism")
+        self.dims, self.gather_output, self.sequence_parallel = dims, gather_output, \
+            sequence_parallel
+        self.input_size, self.output_size = input_size, output_size
+        local = output_size // dims.tp
+        self.weight = nn.Parameter(torch.empty(local, input_size, device=device, dtype=dtype))
+        _mark(self.weight, 0, stripes)
+        init_sharded_(self.weight, (output_size, input_size), init_std, dims)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype))
+            _mark(self.bias, 0, stripes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = column_parallel_matmul(x, self.weight, self.bias, self.dims.tp_group,
+                                     self.sequence_parallel)
+        if self.gather_output:
+            out = mappings.gather_from_tensor_parallel_region(out, self.dims.tp_group)
+        return out
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows (input features) over the TP group.
+
+    Input `[s, b, in/tp]` (input_is_parallel) or `[s, b, in]`; output `[s, b, out]` all-reduced,
+    or `[s/tp, b, out]` reduce-scattered along the sequence with sequence_parallel. The bias is
+    added after the reduction (so once); under sequence parallelism its gradient is partial per
+    rank and the bias is marked `sequence_parallel` for the TP gradient all-reduce.
+    """
+
+    def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 init_std: float = 0.02, device=None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if input_size % dims.tp != 0:
+            raise ValueError(f"input size {input_size} not divisible by tp {dims.tp}")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence parallelism needs input_is_parallel=True")
+        self.dims, self.input_is_parallel = dims, input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(
+            torch.empty(output_size, input_size // dims.tp, device=device, dtype=dtype))
+        _mark(self.weight, 1)
+        init_sharded_(self.weight, (output_size, input_size), init_std, dims)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, device=device, dtype=dtype))
+            self.bias.sequence_parallel = sequence_parallel
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's un-reduced contribution X_r A_r (no bias): the Domino schedule reduces it."""
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_parallel_region(x, self.dims.tp_group)
+        return F.linear(x, self.weight)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        group = self.dims.tp_group
+        if self.sequence_parallel:
+            out = mappings.reduce_scatter_to_sequence_parallel_region(partial, group)
+        else:
+            out = mappings.reduce_from_tensor_parallel_region(partial, group)
+        return out if self.bias is None else out + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.partial(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows over the TP group.
+
+    The table has `padded_vocab_size` rows (a multiple of tp); rows past `vocab_size` are padding.
+    Tokens `[b, s]` -> `[s, b, h]`: each rank looks up the tokens in its row range, the rest are
+    zero, then the partial results are all-reduced, or reduce-scattered along the sequence when
+    `reduce_scatter` (sequence parallelism).
+    """
+
+    def __init__(self, padded_vocab_size: int, vocab_size: int, hidden_size: int, dims, *,
+                 reduce_scatter: bool = False, init_std: float = 0.02, device=None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if padded_vocab_size % dims.tp != 0:
+            raise ValueError(f"padded vocab {padded_vocab_size} not divisible by tp {dims.tp}")
+        self.dims, self.reduce_scatter = dims, reduce_scatter
+        local = padded_vocab_size // dims.tp
+        self.vocab_start = dims.tp_rank * local
+        self.vocab_end = self.vocab_start + local
+        self.weight = nn.Parameter(torch.empty(local, hidden_size, device=device, dtype=dtype))
+        _mark(self.weight, 0)
+        self.weight.vocab_size = vocab_size
+        init_sharded_(self.weight, (vocab_size, hidden_size), init_std, dims)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.t()  # (b, s) -> (s, b)
+        if self.dims.tp == 1:
+            return F.embedding(tokens, self.weight)
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local_ids = (tokens - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        group = self.dims.tp_group
+        if self.reduce_scatter:
+            return mappings.reduce_scatter_to_sequence_parallel_region(partial, group)
+        return mappings.reduce_from_tensor_parallel_region(partial, group)
+
+
+def scaled_init_std(std: float, num_layers: int) -> float:
+    """Megatron's init for output layers (attention projection, fc2): std / sqrt(2 L)."""
+    return std / math.sqrt(2.0 * num_layers)
