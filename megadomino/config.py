@@ -315,3 +315,5 @@ class TrainConfig:
     peak_tflops: float = 989.0
     """Per-GPU dense bf16 peak used for MFU (H100/H200 SXM: 989)."""
     gpus_per_node: int | None = None
+    ddp_bucket_size: int = 25_000_000
+    """Elements per data-parallel all-reduce bucket (--ddp-bucket-size)."""
