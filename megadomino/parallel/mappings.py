@@ -217,3 +217,12 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _ScatterToTensorParallelRegion.apply(x, group)
+
+
+def allreduce_sequence_parallel_grads(module: torch.nn.Module, group) -> None:
+    """Sum `.grad` over the TP group for parameters marked `sequence_parallel` (their gradient is
+    partial per rank: each saw only its sequence chunk). The training loop's gradient buffer does
+    the same on its fp32 buffers; this is for plain `.grad` users."""
+    for param in module.parameters():
+        if getattr(param, "sequence_parallel", False) and param.grad is not None:
+            all_reduce(param.grad, group)
