@@ -1,0 +1,309 @@
+"""Training components: LR schedule, loss scaler, FLOPs formula, mock data, batch arithmetic
+(single process), and the DP grad buffer and the optimizer (2 gloo ranks, one process group for
+every case, see dist_utils)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_utils import CaseRunner, assert_close, check_result, run_cases
+from megadomino.config import ConfigError, ModelConfig, TrainConfig
+from megadomino.parallel import ParallelDims
+from megadomino.training.data import MockDataset
+from megadomino.training.ddp import GradBuffer
+from megadomino.training.loop import batch_plan, train_iterations
+from megadomino.training.lr_schedule import LRSchedule
+from megadomino.training.metrics import num_floating_point_operations, throughput
+from megadomino.training.optimizer import DynamicLossScaler, MixedPrecisionAdamW
+
+# ---- LR schedule -------------------------------------------------------------------------------
+
+
+def test_lr_warmup_is_linear_from_zero():
+    schedule = LRSchedule(1.0, 0.1, warmup_iters=4, decay_iters=10, decay_style="cosine")
+    assert [schedule(i) for i in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.mark.parametrize("style, midpoint", [("linear", 0.55), ("cosine", 0.55),
+                                             ("constant", 1.0)])
+def test_lr_decay_styles(style, midpoint):
+    schedule = LRSchedule(1.0, 0.1, warmup_iters=2, decay_iters=12, decay_style=style)
+    assert schedule(7) == pytest.approx(midpoint)  # halfway through the decay
+    end = 1.0 if style == "constant" else 0.1
+    assert schedule(12) == pytest.approx(end)
+    assert schedule(50) == pytest.approx(end)
+
+
+def test_lr_cosine_shape():
+    schedule = LRSchedule(2.0, 0.0, warmup_iters=0, decay_iters=8, decay_style="cosine")
+    assert schedule(2) == pytest.approx(1.0 + math.cos(math.pi / 4))
+
+
+def test_lr_from_config_defaults_and_warmup_fraction():
+    config = TrainConfig(lr=1.0, min_lr=0.0, lr_decay_style="linear", lr_warmup_fraction=0.1,
+                         lr_warmup_iters=99)
+    schedule = LRSchedule.from_config(config, train_iters=50)
+    assert (schedule.warmup_iters, schedule.decay_iters) == (5.0, 50)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(decay_style="wsd"), "--lr-decay-style"),
+    (dict(min_lr=2.0), "--min-lr"),
+    (dict(warmup_iters=20), "warmup"),
+])
+def test_lr_schedule_refuses(kwargs, flag):
+    args = dict(max_lr=1.0, min_lr=0.0, warmup_iters=0, decay_iters=10, decay_style="cosine")
+    with pytest.raises(ConfigError, match=flag):
+        LRSchedule(**{**args, **kwargs})
+
+
+# ---- loss scaler -------------------------------------------------------------------------------
+
+
+def test_loss_scaler_hysteresis_then_backoff_to_min():
+    scaler = DynamicLossScaler(16.0, min_scale=2.0, window=100, hysteresis=2)
+    scaler.update(found_inf=True)
+    assert scaler.scale == 16.0  # the first overflow only uses up hysteresis
+    scaler.update(found_inf=False)  # a clean step does not restore hysteresis
+    scaler.update(found_inf=True)
+    assert scaler.scale == 8.0
+    scaler.update(found_inf=True)
+    scaler.update(found_inf=True)
+    assert scaler.scale == 2.0
+    scaler.update(found_inf=True)
+    assert scaler.scale == 2.0  # clamped at min_loss_scale
+
+
+def test_loss_scaler_growth_after_window_restores_hysteresis():
+    scaler = DynamicLossScaler(4.0, min_scale=1.0, window=3, hysteresis=2)
+    scaler.update(found_inf=True)
+    for _ in range(2):
+        scaler.update(found_inf=False)
+    assert scaler.scale == 4.0
+    scaler.update(found_inf=False)
+    assert scaler.scale == 8.0
+    scaler.update(found_inf=True)
+    assert scaler.scale == 8.0  # hysteresis was restored by the growth
+    restored = DynamicLossScaler(1.0, 1.0, 3, 2)
+    restored.load_state_dict(scaler.state_dict())
+    restored.update(found_inf=True)
+    assert restored.scale == 4.0
+
+
+# ---- FLOPs and throughput ----------------------------------------------------------------------
+
+
+def test_flops_gpt_by_hand():
+    config = ModelConfig.preset("gpt-tiny")  # L=2, h=64, 4 heads of 16, ffn 256, s=64
+    # per layer and token: QKV 64*192 + core 64*64/2*2 + out 64*64 = 20480; MLP 64*256*2 = 32768
+    # per token: 2 * (20480 + 32768) + logits 64*512 = 139264, times 3 (fwd+bwd) * 2 (FMA)
+    assert num_floating_point_operations(config, 8, padded_vocab_size=512) == 8 * 64 * 6 * 139264
+
+
+def test_flops_llama_gqa_swiglu_by_hand():
+    config = ModelConfig.preset("llama-tiny")  # L=2, h=64, 4 heads, 2 groups, ffn 176, s=64
+    assert (config.num_query_groups, config.ffn_hidden_size, config.kv_channels) == (2, 176, 16)
+    # per layer: QKV 64*(64+2*32) + core 64*64 + out 64*64 = 16384; SwiGLU 64*176*3 = 33792
+    per_token = 6 * (2 * (16384 + 33792) + 64 * 640)
+    assert num_floating_point_operations(config, 3, padded_vocab_size=640) == 3 * 64 * per_token
+
+
+def test_throughput():
+    metrics = throughput(8e12, tokens_per_iteration=4096, seconds_per_iteration=2.0,
+                         world_size=4, peak_tflops=10.0)
+    assert metrics == pytest.approx({"tflops_per_gpu": 1.0, "mfu": 0.1, "tokens_per_s": 2048.0})
+
+
+# ---- mock data and batch arithmetic ------------------------------------------------------------
+
+
+def test_mock_data_is_deterministic_progressions():
+    data = MockDataset(seq_length=16, vocab_size=50, seed=3)
+    sample = data[7]
+    assert sample.shape == (17,) and sample.dtype == torch.long
+    assert torch.equal(sample, MockDataset(16, 50, seed=3)[7])
+    steps = (sample[1:] - sample[:-1]) % 50
+    assert steps.unique().numel() == 1 and steps[0].item() in (1, 2, 3)
+    assert not torch.equal(sample, MockDataset(16, 50, seed=3, split="valid")[7])
+    assert len({tuple(data[i].tolist()) for i in range(20)}) > 15
+    assert int(MockDataset(300, 50, seed=0)[1].max()) < 50
+
+
+def test_batch_plan():
+    assert batch_plan(TrainConfig(micro_batch_size=2, global_batch_size=12), dp=3) == (12, 2)
+    assert batch_plan(TrainConfig(micro_batch_size=2), dp=3) == (6, 1)
+    with pytest.raises(ConfigError, match="--global-batch-size=10 .*--micro-batch-size"):
+        batch_plan(TrainConfig(micro_batch_size=2, global_batch_size=10), dp=3)
+    assert train_iterations(TrainConfig(train_samples=100), global_batch_size=12) == 8
+    with pytest.raises(ConfigError, match="--train-iters"):
+        train_iterations(TrainConfig(), global_batch_size=12)
+
+
+# ---- distributed cases (2 ranks) ---------------------------------------------------------------
+
+
+def _mlp(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)  # the same weights on every rank
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype)
+
+
+def _case_dp_mean(dims: ParallelDims, dtype: torch.dtype) -> None:
+    """main_grad after two micro-batches == mean over DP ranks of the fp32-accumulated grads;
+    every bucket is launched by the backward hooks, before finish_grad_sync."""
+    model = _mlp(dtype)
+    reference = copy.deepcopy(model)
+    buffer = GradBuffer(model.parameters(), dims, bucket_numel=20)
+    assert len(buffer.buckets) == 2
+    gen = torch.Generator().manual_seed(100 + dims.dp_rank)
+    inputs = [torch.randn(4, 5, generator=gen).to(dtype) for _ in range(2)]
+    expected = [torch.zeros(p.shape) for p in reference.parameters()]
+    for x in inputs:
+        reference.zero_grad()
+        reference(x).square().sum().backward()
+        for total, p in zip(expected, reference.parameters()):
+            total += p.grad.float()
+    for total in expected:
+        dist.all_reduce(total, group=dims.dp_group)
+        total /= dims.dp
+
+    buffer.zero_grad()
+    with buffer.no_sync():
+        model(inputs[0]).square().sum().backward()
+    assert not any(b.launched for b in buffer.buckets)
+    model(inputs[1]).square().sum().backward()
+    assert all(b.launched for b in buffer.buckets)
+    buffer.finish_grad_sync()
+    for want, p in zip(expected, model.parameters()):
+        assert p.grad is None and p.main_grad.dtype == torch.float32
+        assert_close(p.main_grad, want, 1e-6, f"main_grad {tuple(p.shape)} {dtype}")
+
+
+def _case_unused_param(dims: ParallelDims) -> None:
+    model = _mlp(torch.float32)
+    model.unused = nn.Parameter(torch.ones(3))
+    buffer = GradBuffer(model.parameters(), dims, bucket_numel=1)
+    buffer.zero_grad()
+    model(torch.ones(2, 5)).sum().backward()
+    # A module's own parameters come first in parameters(), so its bucket is the last one.
+    assert [b.launched for b in buffer.buckets] == [True, True, True, True, False]
+    buffer.finish_grad_sync()
+    assert torch.equal(model.unused.main_grad, torch.zeros(3))
+    assert model[0].weight.main_grad.abs().sum() > 0
+
+
+def _case_sequence_parallel_sum(dims: ParallelDims) -> None:
+    """At TP=2 a sequence_parallel parameter's grad is summed over TP, others left alone."""
+    sp, plain = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    sp.sequence_parallel = True
+    buffer = GradBuffer([sp, plain], dims)
+    buffer.zero_grad()
+    x = torch.tensor([1.0, 2.0, 3.0]) * (dims.tp_rank + 1)
+    ((sp * x).sum() + (plain * x).sum()).backward()
+    buffer.finish_grad_sync()
+    assert torch.equal(sp.main_grad, torch.tensor([3.0, 6.0, 9.0]))
+    assert torch.equal(plain.main_grad, x)
+
+
+def _reference_adamw(weight: torch.Tensor, bias: torch.Tensor, grads, lr: float):
+    """torch AdamW in fp32 with the optimizer's groups (decay on 2-D only)."""
+    weight, bias = weight.float().clone(), bias.float().clone()
+    opt = torch.optim.AdamW([{"params": [weight], "weight_decay": 0.1},
+                             {"params": [bias], "weight_decay": 0.0}], lr=lr, foreach=False)
+    weight.grad, bias.grad = grads
+    opt.step()
+    return weight, bias
+
+
+def _case_tp_grad_norm_and_clip(dims: ParallelDims) -> None:
+    """Global norm counts a TP shard on every rank and a replicated param once; clipping scales
+    every gradient by clip / norm before AdamW."""
+    torch.manual_seed(1)
+    weight = nn.Parameter(torch.randn(2, 3))
+    weight.tensor_model_parallel = True
+    bias = nn.Parameter(torch.randn(3))
+    buffer = GradBuffer([weight, bias], dims)
+    opt = MixedPrecisionAdamW([weight, bias], dims, lr=0.01, weight_decay=0.1,
+                              betas=(0.9, 0.999), eps=1e-8, clip_grad=0.5)
+    start = (weight.detach().clone(), bias.detach().clone())
+    grad_w = torch.full((2, 3), 1.0 + dims.tp_rank)  # shards differ
+    grad_b = torch.full((3,), 2.0)  # replicated
+    buffer.zero_grad()
+    weight.main_grad.copy_(grad_w)
+    bias.main_grad.copy_(grad_b)
+    result = opt.step()
+    norm = math.sqrt(6 * 1.0 + 6 * 4.0 + 3 * 4.0)
+    assert result.grad_norm.item() == pytest.approx(norm, rel=1e-6)
+    coef = 0.5 / (norm + 1e-6)
+    want_w, want_b = _reference_adamw(*start, (grad_w * coef, grad_b * coef), lr=0.01)
+    assert_close(weight.detach(), want_w, 1e-6, "clipped AdamW weight")
+    assert_close(bias.detach(), want_b, 1e-6, "clipped AdamW bias")
+
+
+def _case_fp16_skip_and_master(dims: ParallelDims) -> None:
+    """fp16: an inf on one rank skips the step on every rank (hysteresis, then backoff); a clean
+    step unscales and updates the fp32 master, and the fp16 params are copies of the masters."""
+    torch.manual_seed(2)
+    weight = nn.Parameter(torch.randn(4, 3).half())
+    bias = nn.Parameter(torch.randn(3).half())
+    buffer = GradBuffer([weight, bias], dims)
+    scaler = DynamicLossScaler(1024.0, min_scale=1.0, window=1000, hysteresis=2)
+    opt = MixedPrecisionAdamW([weight, bias], dims, lr=0.01, weight_decay=0.1,
+                              betas=(0.9, 0.999), eps=1e-8, clip_grad=0.0, loss_scaler=scaler)
+    start = (weight.detach().clone(), bias.detach().clone())
+    for expected_scale in (1024.0, 512.0):
+        buffer.zero_grad()
+        if dims.rank == 1:
+            weight.main_grad[0, 0] = math.inf
+        result = opt.step()
+        assert result.skipped and result.grad_norm is None
+        assert scaler.scale == expected_scale
+        assert torch.equal(weight.detach(), start[0]) and torch.equal(bias.detach(), start[1])
+    grads = (torch.full((4, 3), 0.25), torch.full((3,), -0.5))
+    buffer.zero_grad()
+    weight.main_grad.copy_(grads[0] * scaler.scale)
+    bias.main_grad.copy_(grads[1] * scaler.scale)
+    assert not opt.step().skipped
+    want_w, want_b = _reference_adamw(*start, grads, lr=0.01)
+    assert_close(opt.masters[0], want_w, 1e-6, "fp32 master weight")
+    assert_close(opt.masters[1], want_b, 1e-6, "fp32 master bias")
+    assert torch.equal(weight.detach(), want_w.half())
+
+    fresh = MixedPrecisionAdamW([weight, bias], dims, lr=0.01, weight_decay=0.1,
+                                betas=(0.9, 0.999), eps=1e-8, clip_grad=0.0,
+                                loss_scaler=DynamicLossScaler(1.0, 1.0, 1000, 2))
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.loss_scaler.scale == 512.0
+    assert torch.equal(fresh.masters[0], opt.masters[0])
+    assert fresh.adamw.state_dict()["state"][0]["step"] == 1
+
+
+def _cases() -> dict[str, str | None]:
+    runner = CaseRunner()
+    data_parallel = ParallelDims(tp=1, dp=2)
+    tensor_parallel = ParallelDims(tp=2, dp=1)
+    for dtype in (torch.float32, torch.bfloat16):
+        runner.run(f"dp_mean_{dtype}", _case_dp_mean, data_parallel, dtype)
+    runner.run("unused_param", _case_unused_param, data_parallel)
+    runner.run("sequence_parallel_sum", _case_sequence_parallel_sum, tensor_parallel)
+    runner.run("tp_grad_norm_and_clip", _case_tp_grad_norm_and_clip, tensor_parallel)
+    runner.run("fp16_skip_and_master", _case_fp16_skip_and_master, data_parallel)
+    return runner.results
+
+
+@functools.cache
+def _results() -> dict[str, str | None]:
+    return run_cases(2, _cases)
+
+
+@pytest.mark.parametrize("case", ["dp_mean_torch.float32", "dp_mean_torch.bfloat16",
+                                  "unused_param", "sequence_parallel_sum",
+                                  "tp_grad_norm_and_clip", "fp16_skip_and_master"])
+def test_distributed_case(case):
+    check_result(_results(), case)
