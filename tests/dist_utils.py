@@ -23,11 +23,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, fn, args, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = fn(*args)
     except Exception:
@@ -36,11 +38,12 @@ def _worker(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def run_cases(world: int, fn, *args) -> dict[str, str | None]:
-    """Spawn `world` gloo ranks running fn(*args) -> {case: error or None}; merge the ranks'
-    results (a case fails if it failed on any rank)."""
+def run_cases(world: int, fn, *args, backend: str = "gloo") -> dict[str, str | None]:
+    """Spawn `world` ranks (gloo on CPU, or nccl with one GPU each) running fn(*args) ->
+    {case: error or None}; merge the ranks' results (a case fails if it failed on any rank)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, free_port(), fn, args, out_dir), nprocs=world,
+        mp.start_processes(_worker, args=(world, free_port(), backend, fn, args, out_dir),
+                           nprocs=world,
                            join=True, start_method="spawn")
         merged: dict[str, str | None] = {}
         for rank in range(world):

@@ -59,26 +59,30 @@ def loss_and_grads(model, dims, tokens, labels, loss_mask, position_ids=None):
     return per_token.detach(), model.full_grad_dict()
 
 
-def check_model(family: str, sequence_parallel: bool, dims_ref, dims_tp, explicit_positions):
-    config = tiny_config(family)
+def check_model(family: str, sequence_parallel: bool, dims_ref, dims_tp, explicit_positions,
+                device: str = "cpu", params_dtype: str = "float32",
+                rel: tuple[float, float] = (REL, REL), **changes):
+    """The model at dims_tp (params_dtype) against the fp32 model at TP=1, same full weights.
+    rel = (tolerance for logits and loss, tolerance for gradients)."""
+    config = tiny_config(family, **changes)
     torch.manual_seed(7)
-    reference = build_model(config, dims_ref, family, device="cpu")
+    reference = build_model(config, dims_ref, family, device=device)
     full = reference.full_state_dict()
-    model = build_model(config.replace(sequence_parallel=sequence_parallel), dims_tp, family,
-                        device="cpu")
+    model = build_model(config.replace(sequence_parallel=sequence_parallel,
+                                       params_dtype=params_dtype), dims_tp, family, device=device)
     model.load_full_state_dict(full)
-    tokens, labels, loss_mask, position_ids = batch(config, seed=11)
+    tokens, labels, loss_mask, position_ids = (t.to(device) for t in batch(config, seed=11))
     if not explicit_positions:
         position_ids = None
-    assert_close(model(tokens, position_ids=position_ids),
-                 reference(tokens, position_ids=position_ids), REL, "logits")
+    assert_close(model(tokens, position_ids=position_ids).float(),
+                 reference(tokens, position_ids=position_ids), rel[0], "logits")
     loss, grads = loss_and_grads(model, dims_tp, tokens, labels, loss_mask, position_ids)
     ref_loss, ref_grads = loss_and_grads(reference, dims_ref, tokens, labels, loss_mask,
                                          position_ids)
-    assert_close(loss, ref_loss, REL, "per-token loss")
+    assert_close(loss, ref_loss, rel[0], "per-token loss")
     assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
     for name, grad in grads.items():
-        assert_close(grad, ref_grads[name], REL, f"grad {name}")
+        assert_close(grad.float(), ref_grads[name], rel[1], f"grad {name}")
 
 
 def check_init_is_tp_independent(family: str, dims_ref, dims_tp):
