@@ -51,7 +51,7 @@ def _check_same_on_every_rank(values: list[float]) -> None:
 
 def _check_same_curve(a: dict, b: dict) -> None:
     torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]),
-                               rtol=2e-3, atol=0)
+                               rtol=1e-4, atol=0)
 
 
 def _case_tp_then_dp(tp: int, dp: int, sequence_parallel: bool) -> None:
