@@ -1,0 +1,335 @@
+"""The Megatron-LM command line: flag mapping, presets, the flag policy, validation, the docs."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megadomino.config import ConfigError
+from megadomino.training.arguments import (
+    FLAGS,
+    NOTICE,
+    REFUSED,
+    build_parser,
+    parse_args,
+    render_flag_table,
+    validate_world,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "10"]
+
+
+def parse(*argv: str, family: str = "gpt", base: list[str] = BASE):
+    return parse_args([*base, *argv], family)
+
+
+def field(configs, path: str):
+    model_config, train_config, _ = configs
+    target, name = path.split(".")
+    return getattr(model_config if target == "model" else train_config, name)
+
+
+RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "block",
+             "--recompute-num-layers", "2")
+MAPPED = [
+    (("--num-layers", "3"), "model.num_layers", 3),
+    (("--hidden-size", "128"), "model.hidden_size", 128),
+    (("--ffn-hidden-size", "96"), "model.ffn_hidden_size", 96),
+    (("--num-attention-heads", "8"), "model.num_attention_heads", 8),
+    (("--group-query-attention", "--num-query-groups", "2"), "model.num_query_groups", 2),
+    (("--kv-channels", "32"), "model.kv_channels", 32),
+    (("--seq-length", "32"), "model.seq_length", 32),
+    (("--max-position-embeddings", "128"), "model.max_position_embeddings", 128),
+    (("--position-embedding-type", "rope"), "model.position_embedding_type", "rope"),
+    (("--use-rotary-position-embeddings",), "model.position_embedding_type", "rope"),
+    (("--rotary-base", "500000"), "model.rotary_base", 500000.0),
+    (("--normalization", "RMSNorm"), "model.normalization", "RMSNorm"),
+    (("--norm-epsilon", "1e-6"), "model.norm_epsilon", 1e-6),
+    (("--swiglu",), "model.swiglu", True),
+    (("--disable-bias-linear",), "model.add_bias_linear", False),
+    (("--untie-embeddings-and-output-weights",), "model.untie_embeddings_and_output_weights",
+     True),
+    (("--hidden-dropout", "0.0"), "model.hidden_dropout", 0.0),
+    (("--attention-dropout", "0.05"), "model.attention_dropout", 0.05),
+    (("--init-method-std", "0.01"), "model.init_method_std", 0.01),
+    (("--vocab-size", "1000"), "model.vocab_size", 1000),
+    (("--make-vocab-size-divisible-by", "64"), "model.make_vocab_size_divisible_by", 64),
+    (("--tensor-model-parallel-size", "2"), "train.tensor_model_parallel_size", 2),
+    (("--pipeline-model-parallel-size", "1"), "train.pipeline_model_parallel_size", 1),
+    (("--tensor-model-parallel-size", "2", "--sequence-parallel"), "model.sequence_parallel",
+     True),
+    (RECOMPUTE, "model.recompute_granularity", "full"),
+    (RECOMPUTE, "model.recompute_method", "block"),
+    (RECOMPUTE, "model.recompute_num_layers", 2),
+    (("--recompute-activations",), "model.recompute_granularity", "selective"),
+    (("--ddp-bucket-size", "1000"), "train.ddp_bucket_size", 1000),
+    (("--micro-batch-size", "2"), "train.micro_batch_size", 2),
+    (("--global-batch-size", "16"), "train.global_batch_size", 16),
+    (("--train-iters", "7"), "train.train_iters", 7),
+    (("--lr", "3e-4"), "train.lr", 3e-4),
+    (("--min-lr", "1e-5"), "train.min_lr", 1e-5),
+    (("--lr-decay-style", "cosine"), "train.lr_decay_style", "cosine"),
+    (("--lr-decay-iters", "8"), "train.lr_decay_iters", 8),
+    (("--lr-warmup-iters", "2"), "train.lr_warmup_iters", 2),
+    (("--lr-warmup-fraction", "0.1"), "train.lr_warmup_fraction", 0.1),
+    (("--weight-decay", "0.1"), "train.weight_decay", 0.1),
+    (("--adam-beta1", "0.8"), "train.adam_beta1", 0.8),
+    (("--adam-beta2", "0.95"), "train.adam_beta2", 0.95),
+    (("--adam-eps", "1e-6"), "train.adam_eps", 1e-6),
+    (("--clip-grad", "0.5"), "train.clip_grad", 0.5),
+    (("--bf16",), "train.bf16", True),
+    (("--fp16",), "train.fp16", True),
+    (("--initial-loss-scale", "65536"), "train.initial_loss_scale", 65536.0),
+    (("--min-loss-scale", "2"), "train.min_loss_scale", 2.0),
+    (("--loss-scale-window", "500"), "train.loss_scale_window", 500),
+    (("--hysteresis", "3"), "train.hysteresis", 3),
+    (("--seed", "7"), "train.seed", 7),
+    (("--log-interval", "5"), "train.log_interval", 5),
+    (("--eval-interval", "50"), "train.eval_interval", 50),
+    (("--eval-iters", "3"), "train.eval_iters", 3),
+    (("--mock-data",), "train.mock_data", True),
+    (("--peak-tflops", "312"), "train.peak_tflops", 312.0),
+    (("--gpus-per-node", "4"), "train.gpus_per_node", 4),
+    (("--domino",), "model.domino_batch_slices", 2),
+    (("--domino", "--domino-batch-slices", "4"), "model.domino_batch_slices", 4),
+    (("--domino-hidden-slices", "2"), "model.domino_hidden_slices", 2),
+]
+
+
+@pytest.mark.parametrize("argv, path, expected", MAPPED, ids=[" ".join(c[0]) for c in MAPPED])
+def test_flag_sets_its_field(argv, path, expected):
+    assert field(parse(*argv), path) == expected
+
+
+def test_every_mapped_flag_is_tested():
+    tested = {arg for argv, _, _ in MAPPED for arg in argv}
+    tested.add("--train-samples")  # see test_train_samples
+    assert {flag.name for flag in FLAGS if flag.field is not None} <= tested
+
+
+def test_train_samples():
+    configs = parse("--train-samples", "640", base=["--model-preset", "gpt-tiny", "--mock-data"])
+    assert field(configs, "train.train_samples") == 640
+    assert field(configs, "train.train_iters") is None
+
+
+def test_megatron_defaults_and_no_notices():
+    model_config, train_config, notices = parse()
+    assert notices == []
+    assert train_config.lr_decay_style == "linear"
+    assert train_config.tensor_model_parallel_size == 1
+    assert model_config.num_query_groups == model_config.num_attention_heads
+
+
+SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--mock-data", "--train-iters", "1"]
+
+
+@pytest.mark.parametrize("family, expected", [
+    ("gpt", dict(normalization="LayerNorm", swiglu=False,
+                 position_embedding_type="learned_absolute", add_bias_linear=True,
+                 untie_embeddings_and_output_weights=False, hidden_dropout=0.1,
+                 ffn_hidden_size=256, vocab_size=50257)),
+    ("llama", dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                   add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                   hidden_dropout=0.0, ffn_hidden_size=128, vocab_size=32000)),
+])
+def test_family_defaults(family, expected):
+    model_config, _, _ = parse_args(SHAPE, family)
+    assert {name: getattr(model_config, name) for name in expected} == expected
+
+
+def test_shape_flags_required_without_preset():
+    with pytest.raises(ConfigError, match="--hidden-size, --num-attention-heads, --seq-length"):
+        parse_args(["--num-layers", "2", "--mock-data", "--train-iters", "1"], "gpt")
+
+
+def test_preset_with_overrides():
+    model_config, _, _ = parse("--num-layers", "4", base=["--model-preset", "gpt3-1.3b",
+                                                          "--mock-data", "--train-iters", "1"])
+    assert (model_config.num_layers, model_config.hidden_size) == (4, 2048)
+    model_config, _, _ = parse("--hidden-size", "128")
+    assert (model_config.ffn_hidden_size, model_config.kv_channels) == (512, 32)
+    model_config, _, _ = parse_args(["--model-preset", "llama2-70b", "--mock-data",
+                                     "--train-iters", "1"], "gpt")
+    assert (model_config.num_query_groups, model_config.normalization) == (8, "RMSNorm")
+    model_config, _, _ = parse_args(["--model-preset", "llama-tiny", "--mock-data",
+                                     "--train-iters", "1", "--num-attention-heads", "8"], "llama")
+    assert model_config.num_query_groups == 8
+    with pytest.raises(ConfigError, match="--model-preset 'nope' is unknown"):
+        parse(base=["--model-preset", "nope", "--mock-data", "--train-iters", "1"])
+
+
+def test_group_query_attention_alone_means_one_group():
+    model_config, _, _ = parse("--group-query-attention")
+    assert model_config.num_query_groups == 1
+
+
+def _example_value(flag) -> list[str]:
+    if flag.choices is not None:
+        return [str(flag.choices[-1])]
+    return {None: [], int: ["2"], float: ["0.5"]}.get(flag.type, ["x"])
+
+
+NOTICES = [flag for flag in FLAGS if flag.policy == NOTICE]
+
+
+@pytest.mark.parametrize("flag", NOTICES, ids=[flag.name for flag in NOTICES])
+def test_notice_flag_is_accepted_with_one_notice(flag):
+    _, _, notices = parse(flag.name, *_example_value(flag))
+    assert notices == [f"{flag.name}: {flag.text}"]
+    assert "\n" not in notices[0]
+
+
+def test_sequence_parallel_is_dropped_at_tp1_with_a_notice():
+    model_config, _, notices = parse("--sequence-parallel")
+    assert model_config.sequence_parallel is False
+    assert notices == ["--sequence-parallel: dropped, it has no effect with "
+                       "--tensor-model-parallel-size 1"]
+
+
+REFUSALS = [flag for flag in FLAGS if flag.policy == REFUSED]
+
+
+@pytest.mark.parametrize("flag", REFUSALS, ids=[flag.name for flag in REFUSALS])
+def test_refused_flag_names_itself_and_the_reason(flag):
+    with pytest.raises(ConfigError) as error:
+        parse(flag.name, *_example_value(flag))
+    assert str(error.value).startswith(flag.name)
+    assert str(error.value).endswith(f"is refused: {flag.text}")
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (("--pipeline-model-parallel-size", "2"), "pipeline parallelism is not implemented yet"),
+    (("--position-embedding-type", "mrope"),
+     "only learned_absolute and rope positions are implemented"),
+    (("--lr-decay-style", "WSD"), "only constant, linear and cosine decay are implemented"),
+    (("--optimizer", "sgd"), "only Adam (AdamW, like Megatron-LM's adam) is implemented"),
+    (("--data-path", "corpus_text_document"),
+     "real datasets arrive with the training-system issue; use --mock-data"),
+    (("--save", "/tmp/ckpt"), "checkpointing is not implemented yet"),
+    (("--load", "/tmp/ckpt"), "checkpointing is not implemented yet"),
+])
+def test_refusals_give_the_reason(argv, reason):
+    with pytest.raises(ConfigError) as error:
+        parse(*argv)
+    assert str(error.value).startswith(argv[0])
+    assert str(error.value).endswith(f"is refused: {reason}")
+
+
+@pytest.mark.parametrize("argv", [("--context-parallel-size", "1"),
+                                  ("--expert-model-parallel-size", "1"),
+                                  ("--rotary-percent", "1.0"), ("--optimizer", "adam")])
+def test_values_that_ask_for_nothing_are_accepted(argv):
+    assert parse(*argv)[2] == []
+
+
+def test_no_data_source_is_refused():
+    with pytest.raises(ConfigError, match="no data source: real datasets arrive"):
+        parse_args(["--model-preset", "gpt-tiny", "--train-iters", "1"], "gpt")
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--bogus-flag",), "unknown flag --bogus-flag"),
+    (("--bogus=3",), "unknown flag --bogus:"),
+    (("--num-layer", "2"), "unknown flag --num-layer: .*did you mean --num-layers\\?"),
+    (("--tensor-model-parallel", "2"), "unknown flag --tensor-model-parallel:"),
+    (("--num-layers", "2", "3"), "unexpected argument '3'"),
+    (("--num-layers", "two"), "argument --num-layers: invalid int value: 'two'"),
+    (("--normalization", "BatchNorm"), "argument --normalization: invalid choice"),
+])
+def test_unknown_or_malformed_flags_are_named(argv, named):
+    with pytest.raises(ConfigError, match=named):
+        parse(*argv)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--bf16", "--fp16"), "--bf16 and --fp16 are exclusive"),
+    (("--train-samples", "64"), "exactly one of --train-iters and --train-samples"),
+    (("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"), "one of --lr-warmup-fraction"),
+    (("--min-lr", "1e-3", "--lr", "1e-4"), "--min-lr=0.001 is invalid"),
+    (("--num-query-groups", "2"), "--num-query-groups is read only with --group-query-attention"),
+    (("--recompute-granularity", "selective", "--recompute-method", "uniform"),
+     "--recompute-method applies to --recompute-granularity full only"),
+])
+def test_cross_flag_rules(argv, named):
+    with pytest.raises(ConfigError, match=named):
+        parse(*argv)
+
+
+def test_sample_based_runs_refuse_iteration_schedules():
+    with pytest.raises(ConfigError, match="--lr-decay-iters and --lr-warmup-iters count steps"):
+        parse("--train-samples", "64", "--lr-warmup-iters", "2",
+              base=["--model-preset", "gpt-tiny", "--mock-data"])
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--tensor-model-parallel-size", "3"), "--num-attention-heads=4 is invalid"),
+    (("--hidden-size", "66"), "--hidden-size=66 is invalid"),
+    (("--group-query-attention", "--num-query-groups", "3"), "--num-query-groups=3 is invalid"),
+    (("--group-query-attention", "--tensor-model-parallel-size", "2"),
+     "--num-query-groups=1 is invalid: it must be a multiple of --tensor-model-parallel-size"),
+])
+def test_shape_validation_names_the_flag(argv, named):
+    with pytest.raises(ConfigError, match=named):
+        parse(*argv)
+
+
+@pytest.mark.parametrize("argv, world, named", [
+    (("--tensor-model-parallel-size", "2"), 3, "world size 3 is not divisible"),
+    (("--micro-batch-size", "4", "--global-batch-size", "10"), 2,
+     "--global-batch-size=10 is invalid: .* = 8"),
+    (("--tensor-model-parallel-size", "4", "--gpus-per-node", "2"), 8, "--gpus-per-node=2"),
+    (("--micro-batch-size", "0"), 1, "--micro-batch-size=0 is invalid"),
+])
+def test_world_validation_names_the_flag(argv, world, named):
+    model_config, train_config, _ = parse(*argv)
+    with pytest.raises(ConfigError, match=named):
+        validate_world(model_config, train_config, world)
+
+
+def test_world_validation_accepts_a_good_layout():
+    model_config, train_config, _ = parse("--tensor-model-parallel-size", "2",
+                                          "--micro-batch-size", "2", "--global-batch-size", "8")
+    validate_world(model_config, train_config, 4)
+
+
+def test_docs_table_matches_code():
+    text = (ROOT / "docs" / "flags.md").read_text()
+    table = text.split("<!-- flag-table:begin -->\n")[1].split("<!-- flag-table:end -->")[0]
+    assert table == render_flag_table(), "regenerate the table in docs/flags.md from FLAGS"
+
+
+def test_flag_names_are_unique_and_help_renders():
+    names = [flag.name for flag in FLAGS]
+    assert len(names) == len(set(names))
+    help_text = build_parser("gpt").format_help()
+    assert all(name in help_text for name in names)
+
+
+@pytest.mark.parametrize("script, family", [("pretrain_gpt.py", "gpt"),
+                                            ("pretrain_llama.py", "llama")])
+def test_documented_commands_are_valid(script, family):
+    docstring = (ROOT / script).read_text().split('"""')[1]
+    commands = re.findall(r"^    torchrun (.*?)(?:\n\n|\Z)", docstring, re.S | re.M)
+    assert len(commands) == 3
+    for command in commands:
+        words = shlex.split(command.replace("\\\n", " "))
+        launcher, argv = words[:words.index(script)], words[words.index(script) + 1:]
+        nodes = int(launcher[launcher.index("--nnodes") + 1]) if "--nnodes" in launcher else 1
+        world = nodes * int(launcher[launcher.index("--nproc_per_node") + 1])
+        model_config, train_config, _ = parse_args(argv, family)
+        validate_world(model_config, train_config, world)
+
+
+def test_entry_script_exits_2_naming_a_bad_flag():
+    result = subprocess.run([sys.executable, "pretrain_gpt.py", "--bogus-flag"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: unknown flag --bogus-flag")
