@@ -33,7 +33,7 @@ from megadomino.training.data.mock import MockDataset
 from megadomino.training.ddp import GradBuffer
 from megadomino.training.lr_schedule import LRSchedule
 from megadomino.training.metrics import num_floating_point_operations, peak_memory_gib, throughput
-from megadomino.training.optimizer import build_optimizer
+from megadomino.training.optimizer import MixedPrecisionAdamW, StepResult, build_optimizer
 
 Dataset = Sequence[torch.Tensor]
 """dataset[i]: a LongTensor [seq_length + 1] of token ids (inputs [:-1], labels [1:])."""
@@ -79,6 +79,52 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     """
     gbs, num_micro = batch_plan(train_config, dims.dp)
     iters = train_iterations(train_config, gbs)
+    model_config = _check_and_resolve(model_config, train_config, dims)
+    schedule = LRSchedule.from_config(train_config, iters)
+    if train_data is None or valid_data is None:
+        if not train_config.mock_data:
+            raise ConfigError("no training data: pass --mock-data, or build datasets from "
+                              "--data-path and hand them to train()")
+        seq, vocab, seed = model_config.seq_length, model_config.vocab_size, train_config.seed
+        if train_data is None:
+            train_data = MockDataset(seq, vocab, seed, "train")
+        if valid_data is None:
+            valid_data = MockDataset(seq, vocab, seed, "valid")
+
+    model_parallel_seed(train_config.seed, dims)
+    model = build_model(model_config, dims, family)
+    model.train()
+    device = next(model.parameters()).device
+    grads = GradBuffer(model.parameters(), dims, bucket_numel=train_config.ddp_bucket_size)
+    optimizer = build_optimizer(model.parameters(), dims, train_config)
+    step = _Stepper(model, grads, optimizer, dims, train_config.micro_batch_size, num_micro, device)
+    padded_vocab = model_config.padded_vocab_size(dims.tp)
+    flops = num_floating_point_operations(model_config, gbs, padded_vocab)
+    history = {"losses": [], "lrs": [], "grad_norms": [], "eval": [], "skipped_iterations": 0,
+               "metrics": {}, "model": model, "optimizer": optimizer}
+    reporter = _Reporter(history, dims, device, log, iters, flops,
+                         gbs * model_config.seq_length, train_config.peak_tflops)
+
+    successful_steps, valid_consumed = 0, 0
+    evaluating = train_config.eval_iters > 0 and train_config.eval_interval > 0
+    for iteration in range(1, iters + 1):
+        lr = schedule(successful_steps)
+        optimizer.set_lr(lr)
+        loss, result = step.train(train_data, consumed=(iteration - 1) * gbs)
+        successful_steps += not result.skipped
+        reporter.record(loss, result, lr)
+        if iteration % train_config.log_interval == 0 or iteration == iters:
+            reporter.flush(iteration, optimizer)
+        if evaluating and (iteration % train_config.eval_interval == 0 or iteration == iters):
+            valid_loss = step.evaluate(valid_data, valid_consumed, train_config.eval_iters)
+            valid_consumed += train_config.eval_iters * gbs
+            reporter.validation(iteration, valid_loss)
+    return history
+
+
+def _check_and_resolve(model_config: ModelConfig, train_config: TrainConfig,
+                       dims: ParallelDims) -> ModelConfig:
+    """Refuse what the loop cannot run; the model config with params_dtype from --bf16/--fp16."""
     if train_config.bf16 and train_config.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive: choose one")
     if dims.pp != 1 or train_config.pipeline_model_parallel_size != 1:
@@ -89,83 +135,81 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     dtype = "bfloat16" if train_config.bf16 else "float16" if train_config.fp16 else "float32"
     model_config = model_config.replace(params_dtype=dtype)
     model_config.validate(tp=dims.tp)
-    schedule = LRSchedule.from_config(train_config, iters)
-    if train_data is None or valid_data is None:
-        if not train_config.mock_data:
-            raise ConfigError("no training data: pass --mock-data, or build datasets from "
-                              "--data-path and hand them to train()")
-        seq, vocab, seed = model_config.seq_length, model_config.vocab_size, train_config.seed
-        train_data = train_data or MockDataset(seq, vocab, seed, "train")
-        valid_data = valid_data or MockDataset(seq, vocab, seed, "valid")
+    return model_config
 
-    model_parallel_seed(train_config.seed, dims)
-    model = build_model(model_config, dims, family)
-    model.train()
-    device = next(model.parameters()).device
-    grads = GradBuffer(model.parameters(), dims, bucket_numel=train_config.ddp_bucket_size)
-    optimizer = build_optimizer(model.parameters(), dims, train_config)
-    padded_vocab = model_config.padded_vocab_size(dims.tp)
-    flops = num_floating_point_operations(model_config, gbs, padded_vocab)
-    step = _Stepper(model, grads, optimizer, dims, train_config.micro_batch_size, num_micro, device)
 
-    history = {"losses": [], "lrs": [], "grad_norms": [], "eval": [], "skipped_iterations": 0,
-               "metrics": {}, "model": model, "optimizer": optimizer}
-    pending_loss: list[torch.Tensor] = []
-    pending_norm: list[torch.Tensor] = []
-    successful_steps, valid_consumed = 0, 0
-    interval_start, interval_skipped = time.perf_counter(), 0
-    evaluating = train_config.eval_iters > 0 and train_config.eval_interval > 0
-    for iteration in range(1, iters + 1):
-        lr = schedule(successful_steps)
-        optimizer.set_lr(lr)
-        loss, result = step.train(train_data, consumed=(iteration - 1) * gbs)
-        successful_steps += not result.skipped
-        interval_skipped += result.skipped
-        pending_loss.append(loss)
-        nan = torch.full((), math.nan, device=device)
-        pending_norm.append(nan if result.grad_norm is None else result.grad_norm)
-        history["lrs"].append(lr)
+class _Reporter:
+    """Keeps each iteration's loss and grad norm as device tensors (no host sync per step); at a
+    log boundary averages the losses over DP (one all-reduce for the interval), times the
+    interval and logs one line on rank 0."""
 
-        if iteration % train_config.log_interval == 0 or iteration == iters:
-            losses = _dp_mean(torch.stack(pending_loss), dims).tolist()
-            norms = torch.stack(pending_norm).tolist()
-            history["losses"] += losses
-            history["grad_norms"] += norms
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = (time.perf_counter() - interval_start) / len(losses)
-            metrics = throughput(flops, gbs * model_config.seq_length, seconds, dims.world_size,
-                                 train_config.peak_tflops)
-            metrics.update(loss=losses[-1], lr=lr, grad_norm=norms[-1], ms_per_iter=1e3 * seconds,
-                           peak_memory_gib=peak_memory_gib(device))
-            history["metrics"] = metrics
-            if dims.rank == 0:
-                log(_format_line(iteration, iters, metrics, optimizer, interval_skipped))
-            pending_loss, pending_norm, interval_skipped = [], [], 0
-            interval_start = time.perf_counter()
-        history["skipped_iterations"] += result.skipped
+    def __init__(self, history: dict, dims: ParallelDims, device: torch.device,
+                 log: Callable[[str], None], iters: int, flops_per_iteration: float,
+                 tokens_per_iteration: int, peak_tflops: float):
+        self.history, self.dims, self.device, self.log = history, dims, device, log
+        self.iters, self.flops = iters, flops_per_iteration
+        self.tokens, self.peak_tflops = tokens_per_iteration, peak_tflops
+        self.losses: list[torch.Tensor] = []
+        self.norms: list[torch.Tensor] = []
+        self.skipped = 0
+        self.start = time.perf_counter()
 
-        if evaluating and (iteration % train_config.eval_interval == 0 or iteration == iters):
-            valid_loss = step.evaluate(valid_data, valid_consumed, train_config.eval_iters)
-            valid_consumed += train_config.eval_iters * gbs
-            ppl = math.exp(min(20.0, valid_loss))
-            history["eval"].append({"iteration": iteration, "loss": valid_loss, "ppl": ppl})
-            if dims.rank == 0:
-                log(f" validation at iteration {iteration} | loss {valid_loss:.6E} | "
-                    f"ppl {ppl:.6E}")
-            interval_start = time.perf_counter()
-    return history
+    def record(self, loss: torch.Tensor, result: StepResult, lr: float) -> None:
+        self.losses.append(loss)
+        no_norm = torch.full((), math.nan, device=self.device)
+        self.norms.append(no_norm if result.grad_norm is None else result.grad_norm)
+        self.skipped += result.skipped
+        self.history["skipped_iterations"] += result.skipped
+        self.history["lrs"].append(lr)
+
+    def flush(self, iteration: int, optimizer: MixedPrecisionAdamW) -> None:
+        """Log: the interval's mean loss, the current lr and grad norm, mean time per iteration."""
+        losses = _dp_mean(torch.stack(self.losses), self.dims).tolist()
+        norms = torch.stack(self.norms).tolist()
+        self.history["losses"] += losses
+        self.history["grad_norms"] += norms
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = (time.perf_counter() - self.start) / len(losses)
+        metrics = throughput(self.flops, self.tokens, seconds, self.dims.world_size,
+                             self.peak_tflops)
+        metrics.update(loss=sum(losses) / len(losses), lr=self.history["lrs"][-1],
+                       grad_norm=norms[-1], ms_per_iter=1e3 * seconds,
+                       peak_memory_gib=peak_memory_gib(self.device))
+        self.history["metrics"] = metrics
+        if self.dims.rank == 0:
+            line = (f" iteration {iteration:8d}/{self.iters:8d} | loss {metrics['loss']:.6E} | "
+                    f"lr {metrics['lr']:.3E} | grad norm {metrics['grad_norm']:.3f} | "
+                    f"{metrics['ms_per_iter']:.1f} ms/iter | "
+                    f"{metrics['tokens_per_s']:.0f} tokens/s | "
+                    f"{metrics['tflops_per_gpu']:.2f} TFLOP/s/GPU | "
+                    f"MFU {100 * metrics['mfu']:.2f}% | "
+                    f"peak mem {metrics['peak_memory_gib']:.2f} GiB")
+            if optimizer.loss_scaler is not None:
+                line += f" | loss scale {optimizer.loss_scaler.scale:.1f} | skipped {self.skipped}"
+            self.log(line)
+        self.losses, self.norms, self.skipped = [], [], 0
+        self.start = time.perf_counter()
+
+    def validation(self, iteration: int, loss: float) -> None:
+        ppl = math.exp(min(20.0, loss))
+        self.history["eval"].append({"iteration": iteration, "loss": loss, "ppl": ppl})
+        if self.dims.rank == 0:
+            self.log(f" validation at iteration {iteration} | loss {loss:.6E} | ppl {ppl:.6E}")
+        self.start = time.perf_counter()  # evaluation time is not training time
 
 
 class _Stepper:
     """One training iteration or one evaluation pass over global batches, for fixed shapes."""
 
-    def __init__(self, model: nn.Module, grads: GradBuffer, optimizer, dims: ParallelDims,
+    def __init__(self, model: nn.Module, grads: GradBuffer, optimizer: MixedPrecisionAdamW,
+                 dims: ParallelDims,
                  micro_batch_size: int, num_micro: int, device: torch.device):
         self.model, self.grads, self.optimizer, self.dims = model, grads, optimizer, dims
         self.mbs, self.num_micro, self.device = micro_batch_size, num_micro, device
 
-    def _micro_batch(self, dataset: Dataset, consumed: int, micro: int):
+    def _micro_batch(self, dataset: Dataset, consumed: int,
+                     micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens, labels, loss_mask), each [mbs, seq], of micro-batch `micro` for this DP rank."""
         start = consumed + (micro * self.dims.dp + self.dims.dp_rank) * self.mbs
         samples = torch.stack([dataset[i] for i in range(start, start + self.mbs)])
@@ -178,7 +222,7 @@ class _Stepper:
         per_token = self.model(tokens, labels=labels, loss_mask=loss_mask)
         return per_token.sum() / loss_mask.sum()
 
-    def train(self, dataset: Dataset, consumed: int):
+    def train(self, dataset: Dataset, consumed: int) -> tuple[torch.Tensor, StepResult]:
         """Accumulate gradients over the micro-batches, reduce, step. Returns (this rank's mean
         loss as a 0-dim tensor, StepResult)."""
         self.grads.zero_grad()
@@ -213,14 +257,3 @@ def _dp_mean(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
         dist.all_reduce(values, group=dims.dp_group)
         values /= dims.dp
     return values
-
-
-def _format_line(iteration: int, iters: int, metrics: dict, optimizer, skipped: int) -> str:
-    line = (f" iteration {iteration:8d}/{iters:8d} | loss {metrics['loss']:.6E} | "
-            f"lr {metrics['lr']:.3E} | grad norm {metrics['grad_norm']:.3f} | "
-            f"{metrics['ms_per_iter']:.1f} ms/iter | {metrics['tokens_per_s']:.0f} tokens/s | "
-            f"{metrics['tflops_per_gpu']:.2f} TFLOP/s/GPU | MFU {100 * metrics['mfu']:.2f}% | "
-            f"peak mem {metrics['peak_memory_gib']:.2f} GiB")
-    if optimizer.loss_scaler is not None:
-        line += f" | loss scale {optimizer.loss_scaler.scale:.1f} | skipped {skipped}"
-    return line
