@@ -203,8 +203,8 @@ class _Stepper:
     """One training iteration or one evaluation pass over global batches, for fixed shapes."""
 
     def __init__(self, model: nn.Module, grads: GradBuffer, optimizer: MixedPrecisionAdamW,
-                 dims: ParallelDims,
-                 micro_batch_size: int, num_micro: int, device: torch.device):
+                 dims: ParallelDims, micro_batch_size: int, num_micro: int,
+                 device: torch.device):
         self.model, self.grads, self.optimizer, self.dims = model, grads, optimizer, dims
         self.mbs, self.num_micro, self.device = micro_batch_size, num_micro, device
 
