@@ -9,5 +9,5 @@ if [ "$gpus" -ge 2 ]; then nproc=2; tp=2; elif [ "$gpus" -eq 1 ]; then nproc=1; 
 exec torchrun --standalone --nproc_per_node "$nproc" pretrain_gpt.py \
   --model-preset gpt-tiny --tensor-model-parallel-size "$tp" --mock-data \
   --micro-batch-size 8 --global-batch-size 16 --train-iters 50 \
-  --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 5 --log-interval 5 --eval-interval 25 --eval-iters 2 \
+  --lr 1e-2 --min-lr 1e-3 --lr-warmup-iters 5 --log-interval 5 --eval-interval 25 --eval-iters 2 \
   "$@"
