@@ -1,0 +1,157 @@
+"""HF Llama interop against `transformers` itself: a tiny random LlamaForCausalLM with GQA (8 heads,
+4 key/value heads) and an odd vocabulary (509, padded), saved with save_pretrained as one
+safetensors file and as several, is loaded with load_llama at TP=1 and TP=2 (2 gloo ranks, one
+spawn): logits equal HF's within 1e-4 relative in fp32. save_llama writes it back (from TP=2, one
+file and sharded) and transformers re-loads tensors identical to the original. Config parsing
+(old and new RoPE keys, refusals) and error messages run in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from dist_utils import CaseRunner, assert_close, check_result, run_cases
+from megadomino.config import ConfigError
+from megadomino.interop.hf import load_llama, save_llama
+from megadomino.interop.hf_config import hf_config_from, model_config_from_hf
+from megadomino.parallel import ParallelDims
+
+transformers = pytest.importorskip("transformers")
+
+REL = 1e-4
+ROPE_THETA = 5000.0  # not the default, so that a dropped key shows in the logits
+SHARD_BYTES = 40_000  # several files for the tiny model
+
+
+def tiny_hf_model() -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, vocab_size=509, max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_theta=ROPE_THETA, tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # HF inits norms to 1: make a swap visible
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_setup(tmp_path_factory):
+    """The HF model, its two directories (one file, sharded), the output directories and the
+    spawned cases' results."""
+    root = tmp_path_factory.mktemp("hf")
+    model = tiny_hf_model()
+    single, sharded = str(root / "single"), str(root / "sharded")
+    model.save_pretrained(single)
+    model.save_pretrained(sharded, max_shard_size=SHARD_BYTES)
+    tokens = torch.randint(0, 509, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(tokens).logits
+    out = {"single": str(root / "out_single"), "sharded": str(root / "out_sharded")}
+    results = run_cases(2, _rank_cases, single, sharded, tokens, logits, out)
+    return model, single, sharded, out, results
+
+
+def _rank_cases(single: str, sharded: str, tokens: torch.Tensor, logits: torch.Tensor,
+                out: dict[str, str]) -> dict[str, str | None]:
+    runner = CaseRunner()
+    dims = {1: ParallelDims(tp=1), 2: ParallelDims(tp=2)}
+    models = {}
+
+    def parity(hf_dir: str, tp: int) -> None:
+        models[tp] = load_llama(hf_dir, dims[tp]).eval()
+        with torch.no_grad():
+            assert_close(models[tp](tokens), logits, REL, f"logits at TP={tp} from {hf_dir}")
+
+    for tp in (1, 2):
+        for kind, hf_dir in (("single", single), ("sharded", sharded)):
+            runner.run(f"parity_tp{tp}_{kind}", parity, hf_dir, tp)
+    runner.run("save_single", save_llama, models[2], out["single"])
+    runner.run("save_sharded", save_llama, models[2], out["sharded"],
+               max_shard_bytes=SHARD_BYTES)
+    return runner.results
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kind", ["single", "sharded"])
+def test_logits_match_transformers(hf_setup, tp, kind):
+    check_result(hf_setup[-1], f"parity_tp{tp}_{kind}")
+
+
+@pytest.mark.parametrize("kind", ["single", "sharded"])
+def test_saved_back_reloads_identical(hf_setup, kind):
+    original, *_, out, results = hf_setup
+    check_result(results, f"save_{kind}")
+    files = sorted(os.listdir(out[kind]))
+    if kind == "sharded":
+        assert "model.safetensors.index.json" in files and len(files) > 3, files
+    else:
+        assert files == ["config.json", "model.safetensors"], files
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(out[kind], dtype=torch.float32)
+    assert reloaded.config.rope_parameters["rope_theta"] == ROPE_THETA
+    assert reloaded.config.num_key_value_heads == 4
+    expected, actual = original.state_dict(), reloaded.state_dict()
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+
+
+def hf_dict(**changes) -> dict:
+    config = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=8, max_position_embeddings=64, vocab_size=509)
+    config.update(changes)
+    return config
+
+
+@pytest.mark.parametrize("rope_keys", [
+    {"rope_theta": 500000.0},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    {"rope_scaling": {"rope_type": "default", "rope_theta": 500000.0}},
+    {"rope_theta": 1.0, "rope_parameters": {"rope_theta": 500000.0}},
+])
+def test_rope_theta_old_and_new_keys(rope_keys):
+    assert model_config_from_hf(hf_dict(**rope_keys)).rotary_base == 500000.0
+
+
+def test_config_defaults_and_round_trip():
+    config = model_config_from_hf(hf_dict(rms_norm_eps=1e-6), seq_length=32)
+    assert config.num_query_groups == 8  # no num_key_value_heads: multi-head attention
+    assert config.rotary_base == 10000.0
+    assert (config.seq_length, config.max_position_embeddings) == (32, 64)
+    assert config.norm_epsilon == 1e-6 and config.ffn_hidden_size == 96
+    assert model_config_from_hf(hf_config_from(config), seq_length=32) == config
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "mistral"}, "mistral"),
+    ({"vocab_size": None}, "vocab_size"),
+])
+def test_unsupported_configs_refused(changes, message):
+    config = {k: v for k, v in hf_dict(**changes).items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        model_config_from_hf(config)
+
+
+def test_missing_files_and_tensors_named(hf_setup, tmp_path):
+    _, single, sharded, *_ = hf_setup
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_llama(str(tmp_path), dims=None)
+    broken = shutil.copytree(sharded, tmp_path / "no_shard")
+    with open(broken / "model.safetensors.index.json") as f:
+        first_file = sorted(set(json.load(f)["weight_map"].values()))[0]
+    os.remove(broken / first_file)
+    with pytest.raises(FileNotFoundError, match=first_file):
+        load_llama(str(broken), dims=None)
+    with pytest.raises(KeyError, match=r"missing .*model\.layers\.2\."):
+        load_llama(single, dims=None, num_layers=3)
+    with pytest.raises(ValueError, match="intermediate_size|mlp"):
+        load_llama(single, dims=None, ffn_hidden_size=128)
