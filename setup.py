@@ -15,6 +15,8 @@ setup(
         "megadomino",
         "megadomino.parallel",
         "megadomino.models",
+        "megadomino.domino",
+        "megadomino.zero",
         "megadomino.training",
         "megadomino.training.data",
         "megadomino.interop",

@@ -86,7 +86,10 @@ class Attention(nn.Module):
 
     def partial(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None):
         """x (s, b, h) -> this rank's un-reduced attention output (RowParallelLinear.partial)."""
-        qkv = self.linear_qkv(x)
+        return self.linear_proj.partial(self.attend(self.linear_qkv(x), rotary))
+
+    def attend(self, qkv: torch.Tensor, rotary) -> torch.Tensor:
+        """This rank's fused QKV projection (s, b, groups*(hpg+2)*d) -> context (s, b, heads*d)."""
         s, b = qkv.shape[:2]
         # (s, b, groups*(hpg+2)*d) -> (s, b, groups, hpg+2, d)
         qkv = qkv.view(s, b, self.groups_local, self.heads_per_group + 2, self.head_dim)
@@ -104,8 +107,7 @@ class Attention(nn.Module):
         else:
             context = self.core(q, k, v)
         # (b, heads, s, d) -> (s, b, heads*d)
-        context = context.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
-        return self.linear_proj.partial(context)
+        return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         return self.linear_proj.reduce(self.partial(x, rotary))

@@ -1,7 +1,8 @@
 """TransformerLayer (one pre-norm block) and TransformerBlock (the stack, final norm, recompute).
 
-A layer's forward is two residual lines; the parallel linears inside hide their collectives. The
-Domino schedule (a later module) runs the same layers through `partial` pieces instead.
+A layer's forward is two residual lines; the parallel linears inside hide their collectives. With
+Domino on (domino_batch_slices or domino_hidden_slices > 1) the block hands its layers to the
+Domino schedule (megadomino/domino/schedule.py), which runs the same weights and math in slices.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadomino.config import ModelConfig
+from megadomino.domino.plan import DominoPlan
+from megadomino.domino.schedule import DominoRunner
 from megadomino.models.blocks import MLP, Attention, build_norm
 from megadomino.parallel import random as tp_random
 
@@ -52,6 +55,9 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(config, dims, device) for _ in range(config.num_layers))
         self.final_layernorm = build_norm(config, device)
+        plan = DominoPlan.from_config(config)
+        # Not a submodule: the runner only schedules these layers.
+        self.domino = DominoRunner(self, plan) if plan.enabled else None
 
     def _run(self, start: int, end: int):
         def run(x, *rotary):
@@ -62,6 +68,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         config = self.config
+        if self.domino is not None:
+            return self.final_layernorm(self.domino(x, rotary))
         rotary_args = tuple(rotary) if rotary is not None else ()
         if config.recompute_granularity == "full" and self.training:
             n, count = config.recompute_num_layers, len(self.layers)

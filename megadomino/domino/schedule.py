@@ -1,0 +1,475 @@
+"""The Domino overlap engine: a TransformerBlock's layers run over N batch slices and K hidden
+(ffn) slices, with every tensor-parallel collective launched async and waited only where its
+result is consumed - in the forward, in the backward, and across layer boundaries.
+
+Units. Each layer and batch slice i is cut at its communication points into small autograd
+graphs whose inputs are detached leaves, so that the schedule (not autograd's node order) decides
+what runs between a collective's launch and its wait:
+
+    glue_in(l, i):   (h_{l-1}, m_{l-1}) -> x = h_{l-1} + dropout(m_{l-1} + b_fc2), u = ln1(x)
+    attention(l, i): u (gathered under SP)  -> a: this rank's partial attention output
+    glue_mid(l, i):  (x, reduce(a))         -> h = x + dropout(a + b_proj), v = ln2(h)
+    mlp(l, i):       v (gathered under SP)  -> m_1..m_K: partial outputs of the K ffn chunks
+    glue_out(i):     (h_{L-1}, m_{L-1})     -> y = h + dropout(m + b_fc2)
+
+Forward order per layer: attention(l, 0..N-1) then mlp(l, 0..N-1). The reduce of a (all-reduce,
+or reduce-scatter under sequence parallelism) and of each m_k is launched as soon as it is
+computed; glue_mid / the next layer's glue_in wait for it. So slice i's reduce overlaps slice
+i+1's GEMMs, chunk k's overlaps chunk k+1's, and the last slice's overlaps the next layer's first
+slice (the schedule owns the loop over layers).
+
+Backward order (explicit; every call is `torch.autograd.grad` on one unit): for l = L-1..0:
+mlp(l, i) for each i - preceded by glue_in(l+1, i) - then attention(l, i) for each i - preceded by
+glue_mid(l, i). A unit's input-gradient reduce is launched right after its data-gradient GEMMs;
+its weight-gradient GEMMs are deferred (`_DominoLinear`) and run right after that launch, so they
+overlap it, and the wait happens only when the next unit of the same slice needs the gradient,
+after the other slices' units ran. Parameter gradients are summed over slices in fp32 and handed
+to autograd once per layer (`torch.autograd.backward` on the leaf parameters), so gradient hooks
+(the DP gradient buffer) see one accumulation per parameter per backward, layer by layer.
+
+Streams: everything is enqueued on the current stream; collectives are async work handles whose
+`wait()` makes the current stream wait for them. No reliance on CUDA_DEVICE_MAX_CONNECTIONS.
+
+RNG: dropout draws happen per slice in the order above (default generator for activations every
+TP rank holds whole, the model-parallel stream for attention probabilities and sequence shards),
+so masks differ from the unsliced model's though they are drawn from the same streams; with
+activation recompute each unit's generator states are captured in the forward and restored
+when it is recomputed, so the recompute replays the same masks.
+
+Recompute: with `recompute_granularity='full'` the chosen layers ('uniform': every layer,
+'block': the first recompute_num_layers) keep only their glue_in inputs per slice and are rebuilt
+(with their forward collectives) just before their backward. 'selective' works unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from megadomino.domino.plan import DominoPlan
+from megadomino.parallel import random as tp_random
+from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
+
+_active_sink: list = []
+
+
+class _WgradSink:
+    """Deferred weight-gradient GEMMs and the fp32 per-parameter accumulators of one backward."""
+
+    def __init__(self):
+        self.deferred: list = []
+        self.acc: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+
+    def add(self, param, grad: torch.Tensor, dim: int | None = None, start: int = 0) -> None:
+        entry = self.acc.get(id(param))
+        if entry is None:
+            entry = (param, torch.zeros(param.shape, dtype=torch.float32, device=grad.device))
+            self.acc[id(param)] = entry
+        target = entry[1] if dim is None else entry[1].narrow(dim, start, grad.shape[dim])
+        target.add_(grad)
+
+    def run_deferred(self) -> None:
+        for work in self.deferred:
+            work()
+        self.deferred.clear()
+
+    def flush(self, params) -> None:
+        """Hand the summed gradients of `params` to autograd (one accumulation each)."""
+        ready = [self.acc.pop(id(p)) for p in params if id(p) in self.acc]
+        if ready:
+            torch.autograd.backward([p for p, _ in ready],
+                                    [g.to(p.dtype) for p, g in ready])
+
+
+class _DominoLinear(torch.autograd.Function):
+    """y = x W^T + b whose backward returns only the input gradient and queues the weight (and
+    bias) gradient GEMMs on the sink, to be run after the unit's collective was launched.
+    `weight` / `bias` are detached views of `param` rows/columns starting at `start` on `dim`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, param, dim, start, bias_param):
+        ctx.save_for_backward(x, weight)
+        ctx.param, ctx.dim, ctx.start, ctx.bias_param = param, dim, start, bias_param
+        ctx.sink = _active_sink[-1]
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight)
+        sink, param, dim, start, bias_param = ctx.sink, ctx.param, ctx.dim, ctx.start, \
+            ctx.bias_param
+
+        def weight_grads():
+            grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+            sink.add(param, grad_2d.t().matmul(x.reshape(-1, x.shape[-1])).float(), dim, start)
+            if bias_param is not None:
+                sink.add(bias_param, grad_2d.float().sum(0), 0, start)
+
+        sink.deferred.append(weight_grads)
+        return grad_x, None, None, None, None, None, None
+
+
+def _linear(x, param, bias_param=None, dim: int | None = None, start: int = 0,
+            length: int | None = None):
+    weight, bias = param.detach(), None if bias_param is None else bias_param.detach()
+    if dim is not None:
+        weight = weight.narrow(dim, start, length)
+        if bias is not None:
+            bias = bias.narrow(0, start, length)
+    return _DominoLinear.apply(x, weight, bias, param, dim, start, bias_param)
+
+
+class _Pending:
+    """Partial tensors whose reduction was launched async; wait() returns their sum."""
+
+    def __init__(self):
+        self.parts: list[torch.Tensor] = []
+        self.handles: list = []
+
+    def add(self, tensor: torch.Tensor, handle) -> None:
+        self.parts.append(tensor)
+        self.handles.append(handle)
+
+    def wait(self) -> torch.Tensor:
+        for handle in self.handles:
+            if handle is not None:
+                handle.wait()
+        total = self.parts[0]
+        for part in self.parts[1:]:
+            total = total + part
+        return total
+
+
+def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().requires_grad_()
+
+
+@dataclass
+class _Unit:
+    """The graphs of one (layer, slice). Fields are filled as the schedule goes."""
+
+    inputs: list = field(default_factory=list)       # glue_in's input values (kept for recompute)
+    rng: dict = field(default_factory=dict)          # generator states (recompute with dropout)
+    in_leaves: list = field(default_factory=list)
+    x: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    u_leaf: torch.Tensor | None = None
+    a: torch.Tensor | None = None
+    x_leaf: torch.Tensor | None = None
+    a_leaf: torch.Tensor | None = None
+    h: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    v_leaf: torch.Tensor | None = None
+    m_parts: list = field(default_factory=list)
+    grad_x: torch.Tensor | None = None
+
+
+class DominoRunner:
+    """Runs `block.layers` through the Domino schedule (the final norm stays with the block)."""
+
+    def __init__(self, block, plan: DominoPlan):
+        self.block, self.plan = block, plan
+        self.config, self.dims = block.config, block.dims
+        self.sp = self.config.sequence_parallel and self.dims.tp > 1
+
+    def __call__(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        """x (s, b, h) (s/tp under sequence parallelism) -> the last layer's output."""
+        if not torch.is_grad_enabled():
+            sink = _WgradSink()
+            _active_sink.append(sink)
+            try:
+                return self._forward(x, rotary, build=False)[0]
+            finally:
+                _active_sink.pop()
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
+        return _DominoBlock.apply(x, anchor, self, rotary)
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _recomputed(self, layer_index: int) -> bool:
+        config = self.config
+        if config.recompute_granularity != "full" or not self.block.training:
+            return False
+        return config.recompute_method == "uniform" or layer_index < config.recompute_num_layers
+
+    def _rng_capture(self) -> tuple:
+        device_state = torch.cuda.get_rng_state() if torch.cuda.is_available() \
+            else torch.get_rng_state()
+        return device_state, tp_random.tracker_of(self.dims).get_states()
+
+    def _rng_restore(self, state: tuple) -> None:
+        device_state, tracker_states = state
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(device_state)
+        else:
+            torch.set_rng_state(device_state)
+        tp_random.tracker_of(self.dims).set_states(tracker_states)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """A unit's input: the whole sequence (all-gathered under sequence parallelism)."""
+        return all_gather_dim0(t.detach(), self.dims.tp_group)[0] if self.sp else t.detach()
+
+    def _reduce(self, partial: torch.Tensor, pending: _Pending) -> None:
+        """Launch the reduction of a partial output (all-reduce, or reduce-scatter under SP)."""
+        group = self.dims.tp_group
+        if self.sp:
+            pending.add(*reduce_scatter_dim0(partial.detach(), group, async_op=True))
+        else:
+            data = partial.detach()
+            pending.add(data, all_reduce(data, group, async_op=True))
+
+    def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of a unit's partial output from its reduced output's (under SP, the
+        reduce-scatter's backward is an all-gather)."""
+        return all_gather_dim0(grad, self.dims.tp_group)[0] if self.sp else grad
+
+    def _reduce_grad(self, grad: torch.Tensor) -> _Pending:
+        pending = _Pending()
+        self._reduce(grad, pending)
+        return pending
+
+    def _glue_params(self, index: int, which: str) -> list:
+        layers = self.block.layers
+        if which == "in":
+            params = list(layers[index].input_layernorm.parameters())
+            if index > 0 and layers[index - 1].mlp.linear_fc2.bias is not None:
+                params.append(layers[index - 1].mlp.linear_fc2.bias)
+        elif which == "mid":
+            layer = layers[index]
+            params = list(layer.pre_mlp_layernorm.parameters())
+            if layer.self_attention.linear_proj.bias is not None:
+                params.append(layer.self_attention.linear_proj.bias)
+        else:
+            bias = layers[-1].mlp.linear_fc2.bias
+            params = [bias] if bias is not None else []
+        return [p for p in params if p.requires_grad]
+
+    @staticmethod
+    def _residual(layer, residual, reduced, bias) -> torch.Tensor:
+        return residual + layer.hidden_dropout(reduced if bias is None else reduced + bias)
+
+    # ---- the units -----------------------------------------------------------------------
+    def _glue_in(self, index: int, unit: _Unit, build: bool) -> None:
+        layers = self.block.layers
+        if build:
+            unit.in_leaves = [_leaf(t) for t in unit.inputs]
+            values = unit.in_leaves
+        else:
+            values = unit.inputs
+        if index == 0:
+            x = values[0]
+        else:
+            prev = layers[index - 1]
+            x = self._residual(prev, values[0], values[1], prev.mlp.linear_fc2.bias)
+        unit.x, unit.u = x, layers[index].input_layernorm(x)
+
+    def _attention(self, index: int, unit: _Unit, rotary, pending: _Pending, build: bool):
+        attention = self.block.layers[index].self_attention
+        u_full = self._gather(unit.u)
+        unit.u_leaf = _leaf(u_full) if build else u_full
+        qkv = _linear(unit.u_leaf, attention.linear_qkv.weight, attention.linear_qkv.bias)
+        unit.a = _linear(attention.attend(qkv, rotary), attention.linear_proj.weight)
+        self._reduce(unit.a, pending)
+
+    def _glue_mid(self, index: int, unit: _Unit, reduced_a: torch.Tensor, build: bool) -> None:
+        layer = self.block.layers[index]
+        unit.x_leaf = _leaf(unit.x) if build else unit.x
+        unit.a_leaf = _leaf(reduced_a) if build else reduced_a
+        unit.h = self._residual(layer, unit.x_leaf, unit.a_leaf,
+                                layer.self_attention.linear_proj.bias)
+        unit.v = layer.pre_mlp_layernorm(unit.h)
+
+    def _mlp(self, index: int, unit: _Unit, pending: _Pending | None, build: bool) -> None:
+        mlp = self.block.layers[index].mlp
+        v_full = self._gather(unit.v)
+        unit.v_leaf = _leaf(v_full) if build else v_full
+        fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+        ffn_local = fc2.weight.shape[1]
+        chunk = ffn_local // self.plan.hidden_slices
+        unit.m_parts = []
+        for k in range(self.plan.hidden_slices):
+            start = k * chunk
+            if self.config.swiglu:
+                gate = _linear(unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk)
+                up = _linear(unit.v_leaf, fc1.weight, fc1.bias, 0, ffn_local + start, chunk)
+                act = F.silu(gate) * up
+            elif self.plan.hidden_slices == 1:
+                act = mlp.activation(_linear(unit.v_leaf, fc1.weight, fc1.bias))
+            else:
+                act = mlp.activation(_linear(unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk))
+            part = _linear(act, fc2.weight, None, 1, start, chunk)
+            unit.m_parts.append(part)
+            if pending is not None:
+                self._reduce(part, pending)
+
+    # ---- forward -------------------------------------------------------------------------
+    def _slice(self, t: torch.Tensor | None, start: int, size: int):
+        if t is None or t.shape[1] == 1:
+            return t
+        return t.narrow(1, start, size)
+
+    def _forward(self, x: torch.Tensor, rotary, build: bool):
+        """Run the schedule; returns (output, units[layer][slice], output leaves)."""
+        sizes = self.plan.slice_sizes(x.shape[1])
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        rotaries = [None if rotary is None else
+                    tuple(self._slice(t, s, n) for t in rotary) for s, n in zip(starts, sizes)]
+        n_slices = len(sizes)
+        units: list[list[_Unit]] = []
+        inputs = [[x.narrow(1, s, n).contiguous()] for s, n in zip(starts, sizes)]
+        pending_m: list = [None] * n_slices
+        for index in range(len(self.block.layers)):
+            layer_build = build and not self._recomputed(index)
+            capture = build and not layer_build and self._has_dropout()
+            layer_units = [_Unit() for _ in range(n_slices)]
+            with torch.set_grad_enabled(layer_build):
+                pending_a = []
+                for i, unit in enumerate(layer_units):
+                    if pending_m[i] is not None:
+                        inputs[i] = [inputs[i][0], pending_m[i].wait()]
+                    unit.inputs = inputs[i]
+                    if capture:
+                        unit.rng["in"] = self._rng_capture()
+                    self._glue_in(index, unit, layer_build)
+                    pending_a.append(_Pending())
+                    self._attention(index, unit, rotaries[i], pending_a[i], layer_build)
+                for i, unit in enumerate(layer_units):
+                    if capture:
+                        unit.rng["mid"] = self._rng_capture()
+                    self._glue_mid(index, unit, pending_a[i].wait(), layer_build)
+                    pending_m[i] = _Pending()
+                    self._mlp(index, unit, pending_m[i], layer_build)
+                    inputs[i] = [unit.h.detach()]
+            if build and not layer_build:  # keep only what the recompute starts from
+                layer_units = [_Unit(inputs=u.inputs, rng=u.rng) for u in layer_units]
+            units.append(layer_units)
+        last = self.block.layers[-1]
+        outputs, out_leaves = [], []
+        for i in range(n_slices):
+            h, m = inputs[i][0], pending_m[i].wait()
+            if build:
+                h, m = _leaf(h), _leaf(m)
+                out_leaves.append((h, m))
+            outputs.append(self._residual(last, h, m, last.mlp.linear_fc2.bias))
+        output = torch.cat([o.detach() for o in outputs], dim=1) if build else \
+            torch.cat(outputs, dim=1)
+        return output, units, (outputs, out_leaves, rotaries)
+
+    def _has_dropout(self) -> bool:
+        return self.config.hidden_dropout > 0 or self.config.attention_dropout > 0
+
+    def _rebuild(self, index: int, layer_units: list[_Unit], rotaries: list) -> None:
+        """Recompute one layer's graphs (all slices) from the kept glue_in inputs."""
+        current = self._rng_capture() if self._has_dropout() else None
+        pending_a = []
+        for i, unit in enumerate(layer_units):
+            if "in" in unit.rng:
+                self._rng_restore(unit.rng["in"])
+            self._glue_in(index, unit, True)
+            pending_a.append(_Pending())
+            self._attention(index, unit, rotaries[i], pending_a[i], True)
+        for i, unit in enumerate(layer_units):
+            if "mid" in unit.rng:
+                self._rng_restore(unit.rng["mid"])
+            self._glue_mid(index, unit, pending_a[i].wait(), True)
+            self._mlp(index, unit, None, True)
+        if current is not None:
+            self._rng_restore(current)
+
+    # ---- backward ------------------------------------------------------------------------
+    def _grad(self, sink: _WgradSink, outputs, grads, leaves, params):
+        """Gradients of one unit's graph: returns the leaves' grads, adds the params' to sink."""
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and o.requires_grad]
+        wanted = [leaf for leaf in leaves if leaf is not None] + params
+        result = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                     allow_unused=True)
+        for param, grad in zip(params, result[len(wanted) - len(params):]):
+            if grad is not None:
+                sink.add(param, grad.float())
+        leaf_grads = iter(result[: len(wanted) - len(params)])
+        return [None if leaf is None else next(leaf_grads) for leaf in leaves]
+
+    def backward(self, state, grad_output: torch.Tensor) -> torch.Tensor:
+        units, (outputs, out_leaves, rotaries), sink = state
+        layers = self.block.layers
+        n_layers, n_slices = len(layers), len(out_leaves)
+        sizes = [o.shape[1] for o in outputs]
+        grad_slices = grad_output.split(sizes, dim=1)
+        grad_h, grad_m = [None] * n_slices, [None] * n_slices
+        for i in range(n_slices):
+            grad_h[i], grad_m[i] = self._grad(sink, [outputs[i]], [grad_slices[i]],
+                                              list(out_leaves[i]), self._glue_params(-1, "out"))
+        pending_u: list = []
+        for index in reversed(range(n_layers)):
+            if self._recomputed(index):
+                with torch.enable_grad():
+                    self._rebuild(index, units[index], rotaries)
+            pending_v = []
+            for i in range(n_slices):
+                if index < n_layers - 1:
+                    grad_h[i], grad_m[i] = self._glue_in_backward(sink, index + 1,
+                                                                  units[index + 1][i],
+                                                                  pending_u[i])
+                unit = units[index][i]
+                grad_m_full = self._output_grad(grad_m[i])
+                (grad_v,) = self._grad(sink, unit.m_parts, [grad_m_full] * len(unit.m_parts),
+                                       [unit.v_leaf], [])
+                pending_v.append(self._reduce_grad(grad_v))
+                sink.run_deferred()
+            if index < n_layers - 1:
+                sink.flush(layers[index + 1].parameters())
+                units[index + 1] = None
+            pending_u = []
+            for i in range(n_slices):
+                unit = units[index][i]
+                unit.grad_x, grad_a = self._grad(sink, [unit.h, unit.v],
+                                                 [grad_h[i], pending_v[i].wait()],
+                                                 [unit.x_leaf, unit.a_leaf],
+                                                 self._glue_params(index, "mid"))
+                (grad_u,) = self._grad(sink, [unit.a], [self._output_grad(grad_a)],
+                                       [unit.u_leaf], [])
+                pending_u.append(self._reduce_grad(grad_u))
+                sink.run_deferred()
+        grad_inputs = [self._glue_in_backward(sink, 0, units[0][i], pending_u[i])[0]
+                       for i in range(n_slices)]
+        sink.flush(layers[0].parameters())
+        return torch.cat(grad_inputs, dim=1)
+
+    def _glue_in_backward(self, sink, index: int, unit: _Unit, pending: _Pending):
+        """Wait for the unit's input-gradient reduction, then back through glue_in: returns the
+        gradients of glue_in's inputs ((h, m) of the previous layer, or the block input)."""
+        grad_u = pending.wait()
+        params = self._glue_params(index, "in")
+        if index == 0:  # x is the input leaf itself: its residual gradient passes straight on
+            (grad_input,) = self._grad(sink, [unit.u], [grad_u], unit.in_leaves, params)
+            return grad_input + unit.grad_x, None
+        return self._grad(sink, [unit.x, unit.u], [unit.grad_x, grad_u], unit.in_leaves, params)
+
+
+class _DominoBlock(torch.autograd.Function):
+    """The whole layer stack as one autograd node whose backward is DominoRunner.backward."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, runner: DominoRunner, rotary):
+        sink = _WgradSink()
+        _active_sink.append(sink)
+        try:
+            with torch.enable_grad():
+                output, units, outs = runner._forward(x, rotary, build=True)
+        finally:
+            _active_sink.pop()
+        ctx.runner, ctx.state = runner, (units, outs, sink)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        runner, state = ctx.runner, ctx.state
+        ctx.state = None
+        _active_sink.append(state[2])
+        try:
+            grad_x = runner.backward(state, grad_output.contiguous())
+        finally:
+            _active_sink.pop()
+        return grad_x, None, None, None
