@@ -317,3 +317,36 @@ class TrainConfig:
     gpus_per_node: int | None = None
     ddp_bucket_size: int = 25_000_000
     """Elements per data-parallel all-reduce bucket (--ddp-bucket-size)."""
+    # Data (megadomino.training.data).
+    split: str = "969, 30, 1"
+    """Train/valid/test weights of --data-path's documents (Megatron-LM's default)."""
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    eod_mask_loss: bool = False
+    """Leave end-of-document tokens out of the loss."""
+    data_cache_path: str | None = None
+    # Checkpoints (megadomino.training.checkpoint).
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    finetune: bool = False
+    """Load weights only: iteration, optimizer and RNG start fresh."""
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    exit_on_missing_checkpoint: bool = False
+    # Stopping.
+    exit_signal_handler: bool = False
+    """On SIGTERM: save a checkpoint at the end of the iteration and stop."""
+    exit_duration_in_mins: float | None = None
+    exit_interval: int | None = None
+    # Logging.
+    tensorboard_dir: str | None = None
+    # Fine-tuning (finetune_llama.py).
+    hf_checkpoint: str | None = None
+    """A Hugging Face Llama directory to start from (megadomino.interop.hf.load_llama)."""
+    prompt_template: str = "{prompt}"
+    """How a prompt is laid out before its response; must contain '{prompt}'."""

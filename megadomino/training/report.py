@@ -1,0 +1,128 @@
+"""The log line, TensorBoard scalars and the NaN stop, for the training loop.
+
+Each iteration's loss and grad norm stay device tensors until a log boundary (no host sync per
+step); there the interval's losses are averaged over DP in one all-reduce, checked for NaN/inf
+(every rank sees the same DP mean, so every rank stops alike), and rank 0 logs one line and writes
+the scalars.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from megadomino.parallel import ParallelDims
+from megadomino.training.metrics import peak_memory_gib, throughput
+from megadomino.training.optimizer import MixedPrecisionAdamW, StepResult
+from megadomino.training.step import dp_mean
+from megadomino.training.tensorboard import ScalarWriter
+from megadomino.training.timers import Timers
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite: the run stops."""
+
+
+class Reporter:
+    """Collects per-iteration values into `history` and reports at log boundaries."""
+
+    def __init__(self, history: dict, dims: ParallelDims, device: torch.device,
+                 log: Callable[[str], None], iters: int, flops_per_iteration: float,
+                 tokens_per_iteration: int, peak_tflops: float, timers: Timers,
+                 writer: ScalarWriter | None):
+        self.history, self.dims, self.device, self.log = history, dims, device, log
+        self.iters, self.flops = iters, flops_per_iteration
+        self.tokens, self.peak_tflops = tokens_per_iteration, peak_tflops
+        self.timers, self.writer = timers, writer
+        self.losses: list[torch.Tensor] = []
+        self.norms: list[torch.Tensor] = []
+        self.skipped = 0
+        self.start = time.perf_counter()
+        self.excluded = 0.0
+
+    def record(self, loss: torch.Tensor, result: StepResult, lr: float) -> None:
+        self.losses.append(loss)
+        no_norm = torch.full((), math.nan, device=self.device)
+        self.norms.append(no_norm if result.grad_norm is None else result.grad_norm)
+        self.skipped += result.skipped
+        self.history["skipped_iterations"] += result.skipped
+        self.history["lrs"].append(lr)
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent outside training (evaluation, saving) that ms/iter must not count."""
+        self.excluded += seconds
+
+    def check_finite(self, iteration: int) -> list[float]:
+        """The DP-mean losses since the last log line; NonFiniteLossError (on every rank) naming
+        the first iteration whose loss is NaN or infinite."""
+        losses = dp_mean(torch.stack(self.losses), self.dims).tolist() if self.losses else []
+        for offset, loss in enumerate(losses):
+            if not math.isfinite(loss):
+                bad = iteration - len(losses) + 1 + offset
+                raise NonFiniteLossError(f"the loss is {loss} at iteration {bad}: stopping the run "
+                                         "(lower --lr, or check the data and the precision)")
+        return losses
+
+    def flush(self, iteration: int, optimizer: MixedPrecisionAdamW) -> None:
+        """Log: the interval's mean loss, the current lr and grad norm, mean time per iteration,
+        and the per-phase times."""
+        losses = self.check_finite(iteration)
+        norms = torch.stack(self.norms).tolist()
+        self.history["losses"] += losses
+        self.history["grad_norms"] += norms
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        count = len(losses)
+        seconds = (time.perf_counter() - self.start - self.excluded) / count
+        metrics = throughput(self.flops, self.tokens, seconds, self.dims.world_size,
+                             self.peak_tflops)
+        metrics.update(loss=sum(losses) / count, lr=self.history["lrs"][-1],
+                       grad_norm=norms[-1], ms_per_iter=1e3 * seconds,
+                       peak_memory_gib=peak_memory_gib(self.device))
+        phases = self.timers.flush()
+        metrics.update({f"{phase}_ms": 1e3 * phases.get(phase, 0.0) / count for phase in PHASES})
+        scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else None
+        self.history["metrics"] = metrics
+        if self.dims.rank == 0:
+            self.log(self._line(iteration, metrics, scale))
+        if self.writer is not None:
+            first = iteration - count + 1
+            for offset, loss in enumerate(losses):
+                self.writer.write({"train/loss": loss}, first + offset)
+            scalars = {"train/lr": metrics["lr"], "train/grad_norm": metrics["grad_norm"],
+                       "throughput/tokens_per_s": metrics["tokens_per_s"],
+                       "throughput/tflops_per_gpu": metrics["tflops_per_gpu"],
+                       "throughput/ms_per_iter": metrics["ms_per_iter"],
+                       "memory/peak_gib": metrics["peak_memory_gib"],
+                       **{f"timers/{phase}_ms": metrics[f"{phase}_ms"] for phase in PHASES}}
+            if scale is not None:
+                scalars["train/loss_scale"] = scale
+            self.writer.write(scalars, iteration)
+        self.losses, self.norms, self.skipped = [], [], 0
+        self.start, self.excluded = time.perf_counter(), 0.0
+
+    def _line(self, iteration: int, metrics: dict, scale: float | None) -> str:
+        line = (f" iteration {iteration:8d}/{self.iters:8d} | loss {metrics['loss']:.6E} | "
+                f"lr {metrics['lr']:.3E} | grad norm {metrics['grad_norm']:.3f} | "
+                f"{metrics['ms_per_iter']:.1f} ms/iter | "
+                f"{metrics['tokens_per_s']:.0f} tokens/s | "
+                f"{metrics['tflops_per_gpu']:.2f} TFLOP/s/GPU | "
+                f"MFU {100 * metrics['mfu']:.2f}% | "
+                f"peak mem {metrics['peak_memory_gib']:.2f} GiB")
+        if scale is not None:
+            line += f" | loss scale {scale:.1f} | skipped {self.skipped}"
+        return line + " | time (ms): " + " ".join(
+            f"{phase} {metrics[f'{phase}_ms']:.1f}" for phase in PHASES)
+
+    def validation(self, iteration: int, loss: float) -> None:
+        ppl = math.exp(min(20.0, loss))
+        self.history["eval"].append({"iteration": iteration, "loss": loss, "ppl": ppl})
+        if self.dims.rank == 0:
+            self.log(f" validation at iteration {iteration} | loss {loss:.6E} | ppl {ppl:.6E}")
+        if self.writer is not None:
+            self.writer.write({"valid/loss": loss, "valid/ppl": ppl}, iteration)

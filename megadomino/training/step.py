@@ -1,0 +1,111 @@
+"""One training iteration, or one evaluation pass, over global batches of fixed shape.
+
+Sampling is Megatron's pretraining sampler: the iteration that starts at `consumed` samples reads
+samples [consumed, consumed + global batch); micro-batch m of DP rank r reads `micro_batch_size`
+consecutive samples starting at consumed + (m * dp + r) * micro_batch_size. The ranks of one TP
+group read the same samples; two DP ranks never read the same sample in a step.
+
+A sample is a LongTensor [seq_length + 1] (inputs [:-1], labels [1:], every label counts) or a
+dict {"tokens": LongTensor [seq_length + 1], "loss_mask": FloatTensor [seq_length]} whose mask
+weighs each label. A micro-batch's loss is the mask-weighted mean over its labels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megadomino.parallel import ParallelDims
+from megadomino.training.ddp import GradBuffer
+from megadomino.training.optimizer import MixedPrecisionAdamW, StepResult
+from megadomino.training.timers import Timers
+
+Sample = torch.Tensor | dict[str, torch.Tensor]
+Dataset = Sequence[Sample]
+
+
+def collate(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [b, seq + 1], loss_mask [b, seq] float) of a list of samples."""
+    if isinstance(samples[0], dict):
+        tokens = torch.stack([s["tokens"] for s in samples])
+        loss_mask = torch.stack([s["loss_mask"] for s in samples]).float()
+    else:
+        tokens = torch.stack(samples)
+        loss_mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+    return tokens, loss_mask
+
+
+class Stepper:
+    """Forward, backward and optimizer step of one global batch for this rank, timed by phase."""
+
+    def __init__(self, model: nn.Module, grads: GradBuffer, optimizer: MixedPrecisionAdamW,
+                 dims: ParallelDims, micro_batch_size: int, num_micro: int,
+                 device: torch.device, timers: Timers):
+        self.model, self.grads, self.optimizer, self.dims = model, grads, optimizer, dims
+        self.mbs, self.num_micro, self.device, self.timers = (micro_batch_size, num_micro, device,
+                                                              timers)
+
+    def _micro_batch(self, dataset: Dataset, consumed: int,
+                     micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, labels, loss_mask), each [mbs, seq], of micro-batch `micro` for this DP rank."""
+        start = consumed + (micro * self.dims.dp + self.dims.dp_rank) * self.mbs
+        tokens, loss_mask = collate([dataset[i] for i in range(start, start + self.mbs)])
+        tokens = tokens.to(self.device, non_blocking=True)
+        loss_mask = loss_mask.to(self.device, non_blocking=True)
+        return tokens[:, :-1], tokens[:, 1:], loss_mask
+
+    def _loss(self, tokens: torch.Tensor, labels: torch.Tensor,
+              loss_mask: torch.Tensor) -> torch.Tensor:
+        per_token = self.model(tokens, labels=labels, loss_mask=loss_mask)
+        # A micro-batch whose mask is all zero (say, an SFT prompt that fills the sequence)
+        # contributes 0, not 0 / 0.
+        return per_token.sum() / loss_mask.sum().clamp(min=1.0)
+
+    def train(self, dataset: Dataset, consumed: int) -> tuple[torch.Tensor, StepResult]:
+        """Accumulate gradients over the micro-batches, reduce, step. Returns (this rank's mean
+        loss as a 0-dim tensor, StepResult)."""
+        self.grads.zero_grad()
+        scaler = self.optimizer.loss_scaler
+        scale = scaler.scale if scaler is not None else 1.0
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.num_micro):
+            last = micro == self.num_micro - 1
+            with self.timers("data"):
+                batch = self._micro_batch(dataset, consumed, micro)
+            with self.grads.no_sync() if not last else contextlib.nullcontext():
+                with self.timers("forward"):
+                    loss = self._loss(*batch)
+                with self.timers("backward"):
+                    (loss * (scale / self.num_micro)).backward()
+            total += loss.detach()
+        with self.timers("backward"):  # the tail of the overlapped DP reduce
+            self.grads.finish_grad_sync()
+        with self.timers("optimizer"):
+            result = self.optimizer.step()
+        return total / self.num_micro, result
+
+    @torch.no_grad()
+    def evaluate(self, dataset: Dataset, consumed: int, iters: int) -> float:
+        """Mean loss over `iters` global batches starting at sample `consumed`, averaged over DP."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        global_batch = self.num_micro * self.mbs * self.dims.dp
+        for batch in range(iters):
+            for micro in range(self.num_micro):
+                total += self._loss(*self._micro_batch(dataset, consumed + batch * global_batch,
+                                                       micro))
+        self.model.train()
+        return dp_mean(total / (iters * self.num_micro), self.dims).item()
+
+
+def dp_mean(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """The mean of `values` over the DP group (a copy; identity at DP 1)."""
+    if dims.dp > 1:
+        values = values.clone()
+        dist.all_reduce(values, group=dims.dp_group)
+        values /= dims.dp
+    return values

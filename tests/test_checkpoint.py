@@ -1,0 +1,233 @@
+"""Checkpoints: exact resume at TP=2 and DP=2 (bf16, stopped by SIGTERM), loading at TP=1 what
+TP=2 saved, a crash during a save, missing / truncated shards and config mismatches, --finetune /
+--no-load-optim / --no-load-rng, --exit-duration-in-mins, the NaN stop. All in one 2-rank spawn."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import CaseRunner, check_result, run_cases
+from megadomino.config import ModelConfig, TrainConfig
+from megadomino.models import build_model
+from megadomino.parallel import ParallelDims
+from megadomino.training import checkpoint
+from megadomino.training.checkpoint import (
+    CheckpointError,
+    TrainingState,
+    latest_iteration,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megadomino.training.loop import train
+from megadomino.training.optimizer import build_optimizer
+from megadomino.training.report import NonFiniteLossError
+
+MODEL = ModelConfig.preset("gpt-tiny", seq_length=32)  # dropout 0.1: resume must restore RNGs
+TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=20, lr=5e-3,
+                    lr_warmup_iters=2, log_interval=5, eval_interval=10, eval_iters=1,
+                    mock_data=True)
+
+
+def _train(dims: ParallelDims, model_config: ModelConfig = MODEL, log=None, model_init=None,
+           **overrides) -> dict:
+    config = dataclasses.replace(TRAIN, tensor_model_parallel_size=dims.tp, **overrides)
+    return train(model_config, config, dims, "gpt", log=log or (lambda line: None),
+                 model_init=model_init)
+
+
+def _shared_copy(source: str, target: str) -> str:
+    if dist.get_rank() == 0:
+        shutil.copytree(source, target)
+    dist.barrier()
+    return target
+
+
+def _case_resume_tp2(dims: ParallelDims, root: str) -> None:
+    """20 iterations straight == 10 (stopped by --exit-interval, saved) + resume + 10, exactly;
+    without the RNG states (dropout) the resumed losses differ, so the test can tell."""
+    straight = _train(dims)
+    first = _train(dims, save=f"{root}/tp2", exit_interval=10)
+    assert first["exit_reason"].startswith("--exit-interval=10") and latest_iteration(
+        f"{root}/tp2") == 10
+    resumed = _train(dims, load=f"{root}/tp2")
+    assert first["losses"] + resumed["losses"] == straight["losses"]
+    assert [e["loss"] for e in first["eval"] + resumed["eval"]] == [
+        e["loss"] for e in straight["eval"]]
+    fresh_rng = _train(dims, load=f"{root}/tp2", no_load_rng=True, exit_interval=12)
+    assert fresh_rng["losses"] != straight["losses"][10:12]
+
+
+def _case_resume_dp2_sigterm(dims: ParallelDims, root: str) -> None:
+    """bf16 at DP=2: SIGTERM to rank 0 at the iteration-10 log line stops both ranks with a
+    checkpoint (--exit-signal-handler); resuming reproduces the straight run exactly."""
+    straight = _train(dims, bf16=True)
+
+    def log(line: str) -> None:
+        if "iteration       10/" in line:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    first = _train(dims, log=log, bf16=True, save=f"{root}/dp2", exit_signal_handler=True)
+    stopped = first["state"].iteration
+    assert first["exit_reason"].startswith("SIGTERM") and 10 <= stopped < 20, first["exit_reason"]
+    assert latest_iteration(f"{root}/dp2") == stopped
+    assert signal.getsignal(signal.SIGTERM) == handler
+    resumed = _train(dims, bf16=True, load=f"{root}/dp2")
+    assert first["losses"] + resumed["losses"] == straight["losses"]
+
+
+def _case_tp2_to_tp1(tp2: ParallelDims, tp1: ParallelDims, root: str) -> None:
+    """The TP=2 checkpoint loaded at TP=1 x DP=2 (model and optimizer re-sharded) trains on with
+    the losses of the TP=2 run loading it; without its optimizer state they differ."""
+    quiet = MODEL.replace(hidden_dropout=0.0, attention_dropout=0.0)
+    runs = [_train(dims, quiet, load=f"{root}/tp2", exit_interval=13, **extra)["losses"]
+            for dims, extra in ((tp2, {}), (tp1, {}), (tp1, {"no_load_optim": True}))]
+    torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=1e-5, atol=0)
+    assert abs(runs[2][-1] - runs[0][-1]) > 1e-3, runs
+
+
+def _fresh(dims: ParallelDims, model_config: ModelConfig = MODEL):
+    model = build_model(model_config, dims, "gpt")
+    return model, build_optimizer(model.parameters(), dims, TRAIN)
+
+
+def _case_crash_during_save(dims: ParallelDims, root: str) -> None:
+    """A save that dies before the iteration file is replaced, or while a shard is half written,
+    leaves the previous checkpoint the one that loads."""
+    directory = _shared_copy(f"{root}/tp2", f"{root}/crash")
+    model, optimizer = _fresh(dims)
+    real_replace, real_save = os.replace, torch.save
+
+    def die_before_tracker(src, dst):
+        if Path(dst).name == checkpoint.TRACKER:
+            raise OSError("killed")
+        real_replace(src, dst)
+
+    def die_half_written(obj, file):
+        real_save(obj, file)
+        file.truncate(file.tell() // 2)
+        raise OSError("killed")
+
+    for patch, iteration in (("os.replace", 20), ("torch.save", 30)):
+        module, name = patch.split(".")
+        target = getattr(checkpoint, module)
+        setattr(target, name, die_before_tracker if name == "replace" else die_half_written)
+        try:
+            with pytest.raises(CheckpointError, match="killed"):
+                save_checkpoint(directory, TrainingState(iteration=iteration), model, optimizer,
+                                dims)
+        finally:
+            os.replace, torch.save = real_replace, real_save
+        assert latest_iteration(directory) == 10
+        state = load_checkpoint(directory, model, optimizer, dims)
+        assert state.iteration == 10
+    shard = Path(directory) / "iter_0000030" / f"mp_rank_{dims.tp_rank:02d}" / checkpoint.SHARD
+    assert not shard.exists() and shard.with_name(shard.name + ".tmp").exists()
+
+
+def _case_bad_checkpoints(dims: ParallelDims, root: str) -> None:
+    """A missing or truncated shard, a different architecture, or a missing optimizer state is a
+    CheckpointError on every rank naming the file or field."""
+    model, optimizer = _fresh(dims)
+    shard = "iter_0000010/mp_rank_01/model_optim_rng.pt"
+    missing = _shared_copy(f"{root}/tp2", f"{root}/missing")
+    truncated = _shared_copy(f"{root}/tp2", f"{root}/truncated")
+    if dist.get_rank() == 0:
+        os.remove(f"{missing}/{shard}")
+        with open(f"{truncated}/{shard}", "r+b") as file:
+            file.truncate(os.path.getsize(f"{truncated}/{shard}") // 2)
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=f"shard missing: .*{shard}"):
+        load_checkpoint(missing, model, optimizer, dims)
+    with pytest.raises(CheckpointError, match=f"{shard} is unreadable"):
+        load_checkpoint(truncated, model, optimizer, dims)
+    wide, wide_optimizer = _fresh(dims, MODEL.replace(hidden_size=128))
+    with pytest.raises(CheckpointError, match="hidden_size=64 differs from this run's 128"):
+        load_checkpoint(f"{root}/tp2", wide, wide_optimizer, dims)
+    save_checkpoint(f"{root}/no_optim", TrainingState(iteration=3), model, None, dims)
+    with pytest.raises(CheckpointError, match="no optimizer state .* --no-load-optim"):
+        load_checkpoint(f"{root}/no_optim", model, optimizer, dims)
+    assert load_checkpoint(f"{root}/no_optim", model, optimizer, dims, load_optim=False
+                           ).iteration == 3
+
+
+def _case_load_semantics(dims: ParallelDims, root: str) -> None:
+    """--finetune: weights only, iteration 0, fresh optimizer; --no-load-optim: counters and RNG
+    but a fresh optimizer; a full load sets every generator to the saved states."""
+    saved = torch.load(f"{root}/tp2/iter_0000010/mp_rank_{dims.tp_rank:02d}/{checkpoint.SHARD}",
+                       weights_only=True)
+    reference, reference_optimizer = _fresh(dims)
+    assert load_checkpoint(f"{root}/tp2", reference, reference_optimizer, dims).iteration == 10
+    assert torch.equal(torch.get_rng_state(), saved["rng"][0]["torch"])
+    assert reference_optimizer.adamw.state
+    for kwargs, iteration in (({"finetune": True}, 0), ({"load_optim": False}, 10)):
+        torch.manual_seed(99)
+        model, optimizer = _fresh(dims)
+        state = load_checkpoint(f"{root}/tp2", model, optimizer, dims, **kwargs)
+        assert state.iteration == iteration and not optimizer.adamw.state
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(param, expected), name
+        rng_loaded = torch.equal(torch.get_rng_state(), saved["rng"][0]["torch"])
+        assert rng_loaded == (iteration == 10), kwargs
+
+
+def _case_exit_duration_and_missing_load(dims: ParallelDims, root: str) -> None:
+    run = _train(dims, save=f"{root}/duration", exit_duration_in_mins=0.0,
+                 load=f"{root}/empty")
+    assert run["exit_reason"].startswith("--exit-duration-in-mins=0.0") and len(run["losses"]) == 1
+    assert latest_iteration(f"{root}/duration") == 1
+    with pytest.raises(CheckpointError, match="--exit-on-missing-checkpoint"):
+        _train(dims, load=f"{root}/empty", exit_on_missing_checkpoint=True)
+
+
+def _case_nan_stops(dims: ParallelDims, root: str) -> None:
+    """A NaN loss stops the run on every rank before any checkpoint is written."""
+    def poisoned(model_config: ModelConfig, model_dims: ParallelDims):
+        model = build_model(model_config, model_dims, "gpt")
+        with torch.no_grad():
+            model.decoder.final_layernorm.weight.fill_(float("nan"))
+        return model
+
+    with pytest.raises(NonFiniteLossError, match="the loss is nan at iteration 1"):
+        _train(dims, model_init=poisoned, save=f"{root}/nan", save_interval=1, log_interval=10)
+    assert latest_iteration(f"{root}/nan") is None
+
+
+def _cases(root: str) -> dict[str, str | None]:
+    runner = CaseRunner()
+    tp2, dp2 = ParallelDims(tp=2), ParallelDims(tp=1)
+    runner.run("resume_tp2", _case_resume_tp2, tp2, root)
+    runner.run("resume_dp2_sigterm", _case_resume_dp2_sigterm, dp2, root)
+    runner.run("tp2_to_tp1", _case_tp2_to_tp1, tp2, dp2, root)
+    runner.run("crash_during_save", _case_crash_during_save, tp2, root)
+    runner.run("bad_checkpoints", _case_bad_checkpoints, tp2, root)
+    runner.run("load_semantics", _case_load_semantics, tp2, root)
+    runner.run("exit_duration_and_missing_load", _case_exit_duration_and_missing_load, dp2, root)
+    runner.run("nan_stops", _case_nan_stops, dp2, root)
+    return runner.results
+
+
+@functools.cache
+def _results(root: str) -> dict[str, str | None]:
+    return run_cases(2, _cases, root)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, str | None]:
+    return _results(str(tmp_path_factory.mktemp("checkpoints")))
+
+
+@pytest.mark.parametrize("case", ["resume_tp2", "resume_dp2_sigterm", "tp2_to_tp1",
+                                  "crash_during_save", "bad_checkpoints", "load_semantics",
+                                  "exit_duration_and_missing_load", "nan_stops"])
+def test_checkpoint(results, case):
+    check_result(results, case)
