@@ -25,7 +25,7 @@ LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| loss (\S+) \| lr \S+ \| grad n
                   r"MFU ([\d.]+)% \| peak mem ([\d.]+) GiB")
 
 
-def run(args, tp: int, sequence_parallel: bool) -> dict:
+def run(args, tp: int, sequence_parallel: bool, variant: str) -> dict:
     script = "pretrain_llama.py" if args.preset.startswith("llama") else "pretrain_gpt.py"
     cmd = ["torchrun", "--standalone", f"--nproc_per_node={tp}", script,
            "--model-preset", args.preset, "--tensor-model-parallel-size", str(tp),
@@ -38,15 +38,18 @@ def run(args, tp: int, sequence_parallel: bool) -> dict:
         cmd += ["--num-layers", str(args.num_layers)]
     if sequence_parallel:
         cmd.append("--sequence-parallel")
+    cmd += variant.split()
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     matches = LINE.findall(proc.stdout)
     if proc.returncode != 0 or not matches:
         print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
-        return {"tp": tp, "sequence_parallel": sequence_parallel, "error": proc.returncode}
+        return {"tp": tp, "sequence_parallel": sequence_parallel, "variant": variant,
+                "error": proc.returncode}
     it, total, loss, ms, tokens, tflops, mfu, mem = matches[-1]
     first_loss = float(matches[0][2])
-    return {"tp": tp, "sequence_parallel": sequence_parallel, "iteration": int(it),
+    return {"tp": tp, "sequence_parallel": sequence_parallel, "variant": variant,
+            "iteration": int(it),
             "first_logged_loss": first_loss, "loss": float(loss), "ms_per_iter": float(ms),
             "tokens_per_s": float(tokens), "tflops_per_gpu": float(tflops),
             "mfu_percent": float(mfu), "peak_mem_gib": float(mem)}
@@ -64,6 +67,8 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="also run each TP > 1 with --sequence-parallel")
+    parser.add_argument("--variants", nargs="+", default=[""],
+                        help="extra flags per variant, e.g. '' '--domino-batch-slices 2'")
     parser.add_argument("--out", default="bench_pretrain.json")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
@@ -72,9 +77,10 @@ def main() -> None:
         if tp > gpus:
             print(f"skip tp={tp}: only {gpus} GPUs", flush=True)
             continue
-        rows.append(run(args, tp, False))
-        if args.sequence_parallel and tp > 1:
-            rows.append(run(args, tp, True))
+        for variant in args.variants:
+            rows.append(run(args, tp, False, variant))
+            if args.sequence_parallel and tp > 1:
+                rows.append(run(args, tp, True, variant))
     device = torch.cuda.get_device_name(0) if gpus else "cpu"
     result = {"device": device, "gpus": gpus, "torch": torch.__version__, "args": vars(args),
               "rows": rows}
@@ -82,13 +88,16 @@ def main() -> None:
         json.dump(result, f, indent=2)
     print(f"\n{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, bf16, "
           f"{device}")
-    print("| TP | SP | ms/iter | tokens/s | TFLOP/s/GPU | MFU | peak GiB | loss first->last |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| TP | SP | variant | ms/iter | tokens/s | TFLOP/s/GPU | MFU | peak GiB | "
+          "loss first->last |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "error" in r:
-            print(f"| {r['tp']} | {r['sequence_parallel']} | failed ({r['error']}) |")
+            print(f"| {r['tp']} | {r['sequence_parallel']} | {r['variant']} | "
+                  f"failed ({r['error']}) |")
             continue
-        print(f"| {r['tp']} | {r['sequence_parallel']} | {r['ms_per_iter']:.1f} | "
+        print(f"| {r['tp']} | {r['sequence_parallel']} | {r['variant'] or '-'} | "
+              f"{r['ms_per_iter']:.1f} | "
               f"{r['tokens_per_s']:.0f} | {r['tflops_per_gpu']:.1f} | {r['mfu_percent']:.1f}% | "
               f"{r['peak_mem_gib']:.1f} | {r['first_logged_loss']:.2f}->{r['loss']:.2f} |")
 

@@ -1,0 +1,286 @@
+"""Per-layer forward+backward time of a transformer layer stack under tensor parallelism:
+(a) the no-communication limit, (b) our plain TP, (c) megatron-core's TransformerBlock,
+(d) DeepSpeed's DominoTransformer (GPT rows), (e) our Domino at every (N, K) tried - all in one
+run, same shapes, bf16, random inputs.
+
+    torchrun --nproc_per_node 4 benchmarks/bench_domino.py --rows core --out domino.json
+    CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc_per_node 4 benchmarks/bench_domino.py \
+        --rows core --peers deepspeed --out domino_ds.json
+
+Timing: CUDA events around forward+backward of `--layers` layers (input grad and every weight
+grad), median of `--iters` after `--warmup`, divided by the layer count; grads set to None
+between iterations. `--profile` adds, for (b) and the best (e), one profiled iteration's kernel
+timeline summary: compute busy time, NCCL time, and how much of NCCL ran under compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megadomino.config import ModelConfig  # noqa: E402
+from megadomino.models.blocks import rotary_tables  # noqa: E402
+from megadomino.models.transformer import TransformerBlock  # noqa: E402
+from megadomino.parallel import ParallelDims  # noqa: E402
+from megadomino.parallel.mappings import no_tp_communication  # noqa: E402
+from megadomino.parallel.random import model_parallel_seed  # noqa: E402
+
+ROWS = {
+    # name: (preset, seq, micro_batch)
+    "gpt3-6.7b": ("gpt3-6.7b", 2048, 4),
+    "llama2-7b": ("llama2-7b", 2048, 4),
+    "gpt3-13b": ("gpt3-13b", 2048, 4),
+    "llama2-13b": ("llama2-13b", 2048, 4),
+    "gpt3-6.7b-mb8": ("gpt3-6.7b", 2048, 8),
+    "gpt3-6.7b-s4096": ("gpt3-6.7b", 4096, 2),
+}
+ROW_SETS = {"core": ["gpt3-6.7b", "llama2-7b"],
+            "all": ["gpt3-6.7b", "llama2-7b", "gpt3-13b", "llama2-13b", "gpt3-6.7b-mb8"]}
+CANDIDATES = [(2, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 1), (4, 2)]
+
+
+def log(*args) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def model_config(row: str, layers: int, **changes) -> tuple[ModelConfig, str, int]:
+    preset, seq, micro_batch = ROWS[row]
+    config = ModelConfig.preset(preset, num_layers=layers, seq_length=seq,
+                                max_position_embeddings=seq, hidden_dropout=0.0,
+                                attention_dropout=0.0, params_dtype="bfloat16", **changes)
+    return config, ("llama" if preset.startswith("llama") else "gpt"), micro_batch
+
+
+def time_step(step, warmup: int, iters: int) -> float:
+    """Median ms of step() (forward + backward) over iters, after warmup."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    # every rank reports its median; the slowest rank is the step time
+    median = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return median.item()
+
+
+def make_step(module, forward, x, grad_out, params):
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        out = forward(x)
+        out.backward(grad_out)
+    return step
+
+
+def ours(config, dims, rotary):
+    block = TransformerBlock(config, dims, device="cuda")
+    # the final norm is not part of a layer: time the layers only
+    def forward(inp):
+        if block.domino is not None:
+            return block.domino(inp, rotary)
+        out = inp
+        for layer in block.layers:
+            out = layer(out, rotary)
+        return out
+    return block, forward
+
+
+def profile_summary(step) -> dict:
+    """One profiled step: busy time of compute kernels, of NCCL kernels, and their overlap."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    comm, compute = [], []
+    for event in prof.events():
+        if event.device_type.name != "CUDA" or event.time_range.elapsed_us() <= 0:
+            continue
+        interval = (event.time_range.start, event.time_range.end)
+        (comm if "nccl" in event.name.lower() else compute).append(interval)
+
+    def union(intervals):
+        merged = []
+        for s, e in sorted(intervals):
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        return merged
+
+    comm_u, compute_u = union(comm), union(compute)
+    overlap = 0.0
+    for s, e in comm_u:
+        for cs, ce in compute_u:
+            overlap += max(0.0, min(e, ce) - max(s, cs))
+    busy = lambda spans: sum(e - s for s, e in spans)  # noqa: E731
+    total = union(comm + compute)
+    return {"span_ms": (total[-1][1] - total[0][0]) / 1e3 if total else 0.0,
+            "compute_busy_ms": busy(compute_u) / 1e3, "nccl_busy_ms": busy(comm_u) / 1e3,
+            "nccl_under_compute_ms": overlap / 1e3, "gpu_idle_ms":
+            ((total[-1][1] - total[0][0]) - busy(total)) / 1e3 if total else 0.0}
+
+
+def bench_row(row: str, args, dims) -> dict:
+    config, family, micro_batch = model_config(row, args.layers,
+                                               sequence_parallel=args.sequence_parallel)
+    seq, hidden = config.seq_length, config.hidden_size
+    local_seq = seq // dims.tp if args.sequence_parallel else seq
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(local_seq, micro_batch, hidden, device="cuda", dtype=torch.bfloat16,
+                    generator=gen).requires_grad_()
+    grad_out = torch.randn(local_seq, micro_batch, hidden, device="cuda", dtype=torch.bfloat16,
+                           generator=gen)
+    rotary = None
+    if config.position_embedding_type == "rope":
+        cos, sin = rotary_tables(seq, config.kv_channels, config.rotary_base, "cuda")
+        rotary = (cos[:, None, None, :], sin[:, None, None, :])
+    result = {"row": row, "family": family, "tp": dims.tp, "seq": seq,
+              "micro_batch": micro_batch, "layers": args.layers,
+              "sequence_parallel": args.sequence_parallel, "ms_per_layer": {}, "peak_gib": {},
+              "profile": {}, "skipped": {}}
+
+    def measure(name, module, forward, comm=True, profile=False):
+        params = [p for p in module.parameters() if p.requires_grad]
+        step = make_step(module, forward, x, grad_out, params)
+        torch.cuda.reset_peak_memory_stats()
+        if comm:
+            ms = time_step(step, args.warmup, args.iters)
+            if profile:
+                result["profile"][name] = profile_summary(step)
+        else:
+            with no_tp_communication():
+                ms = time_step(step, args.warmup, args.iters)
+        result["ms_per_layer"][name] = ms / args.layers
+        result["peak_gib"][name] = torch.cuda.max_memory_allocated() / 2**30
+        log(f"  {row} tp={dims.tp} {name:>24}: {ms / args.layers:.3f} ms/layer")
+
+    model_parallel_seed(1, dims)
+    block, forward = ours(config, dims, rotary)
+    measure("a_no_comm", block, forward, comm=False)
+    measure("b_plain_tp", block, forward, profile=args.profile)
+    del block, forward
+    ffn_local = config.ffn_hidden_size // dims.tp
+    for n, k in CANDIDATES:
+        if n > micro_batch or ffn_local % k:
+            continue
+        block, forward = ours(config.replace(domino_batch_slices=n, domino_hidden_slices=k),
+                              dims, rotary)
+        measure(f"e_domino_N{n}_K{k}", block, forward)
+        del block, forward
+    domino = {k: v for k, v in result["ms_per_layer"].items() if k.startswith("e_")}
+    if domino:
+        best = min(domino, key=domino.get)
+        result["best_domino"] = best
+        if args.profile:
+            n, k = (int(part[1:]) for part in best.split("_")[2:4])
+            block, forward = ours(config.replace(domino_batch_slices=n, domino_hidden_slices=k),
+                                  dims, rotary)
+            step = make_step(block, forward, x, grad_out, list(block.parameters()))
+            for _ in range(args.warmup):
+                step()
+            result["profile"][best] = profile_summary(step)
+            del block, forward, step
+    if not args.sequence_parallel:  # the peers run without sequence parallelism
+        for peer in args.peers:
+            run_peer(peer, row, config, family, micro_batch, dims, args, result, measure)
+    return result
+
+
+def run_peer(peer, row, config, family, micro_batch, dims, args, result, measure) -> None:
+    try:
+        import peers
+    except ImportError as error:
+        result["skipped"][peer] = f"benchmarks/peers.py not importable: {error}"
+        return
+    if peer == "deepspeed" and family != "gpt":
+        result["skipped"][peer] = "DeepSpeed's Domino has LayerNorm only and no GQA"
+        return
+    shape = peers.Shape(name=row, family=family, hidden=config.hidden_size,
+                        heads=config.num_attention_heads, query_groups=config.num_query_groups,
+                        ffn=config.ffn_hidden_size, seq=config.seq_length, micro_batch=micro_batch)
+    builder = peers.build_megatron_block if peer == "megatron" else peers.build_deepspeed_domino
+    try:
+        module, forward = builder(shape, dims.tp, args.layers, torch.bfloat16)
+    except Exception as error:  # a peer that fails to build is reported, not fatal
+        module, forward = None, f"{type(error).__name__}: {error}"
+    if module is None:
+        result["skipped"][peer] = str(forward)
+        log(f"  {row}: {peer} skipped: {forward}")
+        return
+    name = "c_megatron_core" if peer == "megatron" else "d_deepspeed_domino"
+    measure(name, module, forward)
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| row | TP | (a) limit | (b) plain TP | (c) mcore | (d) DS Domino | (e) best Domino "
+             "| e/a | b/e | c/e | d/e |", "|" + " --- |" * 11]
+    for r in results:
+        ms = r["ms_per_layer"]
+        a, b = ms.get("a_no_comm"), ms.get("b_plain_tp")
+        c, d = ms.get("c_megatron_core"), ms.get("d_deepspeed_domino")
+        best = r.get("best_domino")
+        e = ms.get(best) if best else None
+        fmt = lambda v: f"{v:.3f}" if v else "-"  # noqa: E731
+        ratio = lambda p, q: f"{p / q:.2f}" if p and q else "-"  # noqa: E731
+        lines.append(f"| {r['row']} | {r['tp']} | {fmt(a)} | {fmt(b)} | {fmt(c)} | {fmt(d)} | "
+                     f"{fmt(e)} ({best}) | {ratio(e, a)} | {ratio(b, e)} | {ratio(c, e)} | "
+                     f"{ratio(d, e)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="core", help="core | all | comma-separated row names")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--peers", default="megatron",
+                        help="comma-separated: megatron, deepspeed (or '' for none)")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", default="bench_domino.json")
+    args = parser.parse_args()
+    args.peers = [p for p in args.peers.split(",") if p]
+    rows = ROW_SETS.get(args.rows, args.rows.split(","))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    dims = ParallelDims(tp=dist.get_world_size())
+    log(f"bench_domino: {torch.cuda.get_device_name()} x {dims.tp}, torch {torch.__version__}, "
+        f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}")
+    results = []
+    for row in rows:
+        results.append(bench_row(row, args, dims))
+        torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "gpus": dims.tp,
+                       "torch": torch.__version__, "env_max_connections":
+                       os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), "args": vars(args),
+                       "results": results}, f, indent=2)
+        print(table(results), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
