@@ -1,5 +1,31 @@
-"""Training data: datasets give `dataset[i]`, a LongTensor [seq_length + 1] of token ids."""
+"""Training data: mock data, Megatron indexed datasets, tokenizers, GPT samples and blends.
 
+`MockDataset[i]` is a LongTensor [seq_length + 1]; the real datasets built by
+`build_train_valid_test_datasets` give dicts {"tokens": LongTensor [seq_length + 1],
+"loss_mask": FloatTensor [seq_length]} (see `builder` and `gpt_dataset`).
+"""
+
+from megadomino.training.data.blend import BlendedDataset
+from megadomino.training.data.builder import (
+    build_train_valid_test_datasets,
+    parse_data_path,
+    parse_split,
+)
+from megadomino.training.data.gpt_dataset import GPTDataset
+from megadomino.training.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from megadomino.training.data.mock import MockDataset
+from megadomino.training.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
-__all__ = ["MockDataset"]
+__all__ = [
+    "TOKENIZER_TYPES",
+    "BlendedDataset",
+    "GPTDataset",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "MockDataset",
+    "Tokenizer",
+    "build_tokenizer",
+    "build_train_valid_test_datasets",
+    "parse_data_path",
+    "parse_split",
+]

@@ -1,0 +1,45 @@
+"""On-disk cache of the index arrays datasets build (document / sample / shuffle / blend indices).
+
+Files are `CACHE_DIR/{md5 of description}-{kind}-{name}.npy` plus a `...-description.json` saying
+what was built, so a change of data, seed, split, length or sample count never reuses stale
+indices. Each file is written under a temporary name and renamed into place, so a reader sees
+whole files or none, and ranks racing to build the same indices on a shared disk are harmless.
+Hits are memory mapped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+
+def cached_arrays(cache_dir: str | None, kind: str, description: dict, names: tuple[str, ...],
+                  build: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
+    """(arrays by name, whether they came from the cache). `build()` runs on a miss (or always
+    when cache_dir is None) and must return exactly `names`; its arrays are then saved."""
+    if cache_dir is None:
+        return build(), False
+    text = json.dumps(description, indent=2, sort_keys=True)
+    stem = os.path.join(cache_dir, f"{hashlib.md5(text.encode()).hexdigest()}-{kind}")
+    paths = {name: f"{stem}-{name}.npy" for name in names}
+    if all(os.path.isfile(path) for path in paths.values()):
+        return {name: np.load(path, mmap_mode="r") for name, path in paths.items()}, True
+    arrays = build()
+    if set(arrays) != set(names):
+        raise ValueError(f"{kind} index build returned {sorted(arrays)}, expected {sorted(names)}")
+    os.makedirs(cache_dir, exist_ok=True)
+    _write_atomically(f"{stem}-description.json", lambda f: f.write(text.encode()))
+    for name, path in paths.items():
+        _write_atomically(path, lambda f, array=arrays[name]: np.save(f, array))
+    return arrays, False
+
+
+def _write_atomically(path: str, write: Callable) -> None:
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "wb") as stream:
+        write(stream)
+    os.replace(temporary, path)
