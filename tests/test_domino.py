@@ -30,25 +30,27 @@ def domino_config(family: str, **changes):
     return tiny_config(family, ffn_hidden_size=96, **changes)
 
 
-def check_equal(family, dims, batch_slices, hidden_slices, sequence_parallel, recompute):
-    plain = domino_config(family, sequence_parallel=sequence_parallel)
+def check_equal(family, dims, batch_slices, hidden_slices, sequence_parallel, recompute,
+                device: str = "cpu", params_dtype: str = "float32", rel: float = REL):
+    """Domino (N, K) against plain TP, both at dims.tp in params_dtype, same full weights."""
+    plain = domino_config(family, sequence_parallel=sequence_parallel, params_dtype=params_dtype)
     changes = dict(domino_batch_slices=batch_slices, domino_hidden_slices=hidden_slices)
     if recompute:
         changes.update(recompute_granularity="full", recompute_method="uniform",
                        recompute_num_layers=1)
     torch.manual_seed(7)
-    reference = build_model(plain, dims, family, device="cpu")
-    model = build_model(plain.replace(**changes), dims, family, device="cpu")
+    reference = build_model(plain, dims, family, device=device)
+    model = build_model(plain.replace(**changes), dims, family, device=device)
     model.load_full_state_dict(reference.full_state_dict())
-    tokens, labels, loss_mask, _ = batch(plain, seed=13, b=BATCH)
+    tokens, labels, loss_mask, _ = (t.to(device) for t in batch(plain, seed=13, b=BATCH))
     with torch.no_grad():
-        assert_close(model(tokens), reference(tokens), REL, "logits (no grad)")
+        assert_close(model(tokens).float(), reference(tokens).float(), rel, "logits (no grad)")
     loss, grads = loss_and_grads(model, dims, tokens, labels, loss_mask)
     ref_loss, ref_grads = loss_and_grads(reference, dims, tokens, labels, loss_mask)
-    assert_close(loss, ref_loss, REL, "per-token loss")
+    assert_close(loss, ref_loss, rel, "per-token loss")
     assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
     for name, grad in grads.items():
-        assert_close(grad, ref_grads[name], REL, f"grad {name}")
+        assert_close(grad.float(), ref_grads[name].float(), rel, f"grad {name}")
 
 
 def check_recompute_dropout(family, dims):
