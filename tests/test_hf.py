@@ -7,6 +7,7 @@ file and sharded) and transformers re-loads tensors identical to the original. C
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -22,9 +23,21 @@ from megadomino.parallel import ParallelDims
 
 transformers = pytest.importorskip("transformers")
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REL = 1e-4
 ROPE_THETA = 5000.0  # not the default, so that a dropped key shows in the logits
 SHARD_BYTES = 40_000  # several files for the tiny model
+
+
+def _load_converter():
+    spec = importlib.util.spec_from_file_location(
+        "convert_hf_llama", os.path.join(REPO, "scripts", "convert_hf_llama.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+convert_hf_llama = _load_converter()
 
 
 def tiny_hf_model() -> transformers.LlamaForCausalLM:
@@ -53,7 +66,8 @@ def hf_setup(tmp_path_factory):
     tokens = torch.randint(0, 509, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(tokens).logits
-    out = {"single": str(root / "out_single"), "sharded": str(root / "out_sharded")}
+    out = {"single": str(root / "out_single"), "sharded": str(root / "out_sharded"),
+           "checkpoint": str(root / "checkpoint_tp2")}
     results = run_cases(2, _rank_cases, single, sharded, tokens, logits, out)
     return model, single, sharded, out, results
 
@@ -75,6 +89,8 @@ def _rank_cases(single: str, sharded: str, tokens: torch.Tensor, logits: torch.T
     runner.run("save_single", save_llama, models[2], out["single"])
     runner.run("save_sharded", save_llama, models[2], out["sharded"],
                max_shard_bytes=SHARD_BYTES)
+    runner.run("convert_tp2", convert_hf_llama.hf_to_megadomino, sharded, out["checkpoint"],
+               dims[2], "float32")
     return runner.results
 
 
@@ -155,3 +171,27 @@ def test_missing_files_and_tensors_named(hf_setup, tmp_path):
         load_llama(single, dims=None, num_layers=3)
     with pytest.raises(ValueError, match="intermediate_size|mlp"):
         load_llama(single, dims=None, ffn_hidden_size=128)
+
+
+def test_converter_round_trip_through_a_tp2_checkpoint(hf_setup, tmp_path):
+    """HF -> release checkpoint written at TP=2 (2 ranks) -> HF at TP=1 (re-sharded on load):
+    the safetensors hold the original tensors."""
+    from safetensors.torch import load_file
+
+    original, single, _, out, results = hf_setup
+    check_result(results, "convert_tp2")
+    assert os.path.exists(os.path.join(out["checkpoint"], "release", "mp_rank_01"))
+    hf_dir = str(tmp_path / "hf")
+    assert convert_hf_llama.main(["megadomino-to-hf", "--load", out["checkpoint"],
+                                  "--hf-dir", hf_dir]) == 0
+    expected = load_file(os.path.join(single, "model.safetensors"))
+    actual = load_file(os.path.join(hf_dir, "model.safetensors"))
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+
+
+def test_converter_refuses_a_directory_without_checkpoint(tmp_path):
+    with pytest.raises(convert_hf_llama.checkpoint.CheckpointError, match="not a megadomino"):
+        convert_hf_llama.main(["megadomino-to-hf", "--load", str(tmp_path),
+                               "--hf-dir", str(tmp_path / "hf")])

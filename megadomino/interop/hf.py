@@ -156,11 +156,12 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
 
 
 def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
-               **config_overrides: Any) -> LlamaModel:
+               device: torch.device | str | None = None, **config_overrides: Any) -> LlamaModel:
     """A LlamaModel holding this rank's shards of the HF Llama checkpoint in `hf_dir`.
 
-    `params_dtype`: 'float32' (default), 'bfloat16', 'float16' or the torch dtype. Keyword
-    `config_overrides` replace ModelConfig fields (seq_length, sequence_parallel, ...). Not
+    `params_dtype`: 'float32' (default), 'bfloat16', 'float16' or the torch dtype. `device`: the
+    model's default (the current CUDA device, else CPU) when None. Keyword `config_overrides`
+    replace ModelConfig fields (seq_length, sequence_parallel, ...). Not
     collective: each rank reads its own slices. Raises ConfigError for an unsupported config and
     FileNotFoundError / KeyError / ValueError naming a missing file, a missing tensor or a shape
     that contradicts config.json."""
@@ -171,7 +172,7 @@ def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
     config = model_config_from_hf(read_hf_config(hf_dir), **config_overrides)
     reader = SafetensorsReader(hf_dir)
     _check_tensors(reader, config, hf_dir)
-    model = LlamaModel(config, dims)
+    model = LlamaModel(config, dims, device)
     layout = weight_layout(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
