@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# GPT-3 6.7B pretraining on one node: torchrun --standalone on GPUS_PER_NODE GPUs
+# (default 8), with the hyperparameters and environment variables of
+# scripts/slurm/pretrain_gpt3_6.7b.sbatch:
+#
+#   DATA_PATH=data/corpus_text_document VOCAB_FILE=gpt2-vocab.json MERGE_FILE=gpt2-merges.txt \
+#     bash scripts/local/pretrain_gpt3_6.7b.sh [extra flags]
+#
+# DRY_RUN=1 prints the torchrun command instead of running it.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LAUNCHER=local MEGADOMINO_DIR="$PWD" exec bash scripts/slurm/pretrain_gpt3_6.7b.sbatch "$@"
