@@ -32,6 +32,7 @@ from megadomino.training.data import (
     parse_split,
 )
 from megadomino.training.data.blend import blending_indices, normalize_weights
+from megadomino.training.data.gpt_dataset import build_indices
 from megadomino.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -382,6 +383,48 @@ def test_blends_draw_in_the_stated_proportions(tmp_path):
     sizes = [(int(IndexedDataset(p).sequence_lengths.sum()) - 1) // 8 for p in (a, b)]
     assert share_of_a([a, b], 1000) == pytest.approx(sizes[0] / sum(sizes), abs=0.02)
 
+
+
+def test_same_bytes_and_indices_as_megatron_core(tmp_path):
+    """Run where megatron-core is installed (pip install megatron-core; CI lacks it): our files,
+    GPT indices and blend indices equal Megatron-LM's own."""
+    helpers = pytest.importorskip("megatron.core.datasets.helpers")
+    from megatron.core.datasets import gpt_dataset as megatron_gpt
+    from megatron.core.datasets import indexed_dataset as megatron_indexed
+
+    lengths = _lengths(200, seed=9)
+    ours = _synthetic(tmp_path / "ours", lengths)
+    indexed = IndexedDataset(ours)  # with empty documents: no sequence
+    builder = megatron_indexed.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), np.int32)
+    for begin, end in zip(indexed.document_indices[:-1], indexed.document_indices[1:]):
+        parts = [indexed[i] for i in range(begin, end)]
+        builder.add_document(torch.from_numpy(np.concatenate([np.zeros(0, np.int32), *parts])),
+                             [len(part) for part in parts])
+    builder.finalize(str(tmp_path / "theirs.idx"))
+    for suffix in (".bin", ".idx"):
+        assert Path(ours + suffix).read_bytes() == (tmp_path / f"theirs{suffix}").read_bytes()
+
+    sizes = indexed.sequence_lengths
+    for num_samples, seq, seed in ((50, 16, 1), (400, 16, 2), (700, 8, 3), (1600, 16, 4)):
+        mine = build_indices(sizes, np.arange(20, 180, dtype=np.int32), num_samples, seq, seed)
+        tokens = int(sizes[20:180].sum())
+        epochs = -(-(num_samples * seq + 1) // tokens)
+        before_final = ((epochs - 1) * tokens - 1) // seq
+        apart = epochs > 1 and num_samples - before_final < int(0.8 * ((tokens - 1) // seq))
+        rng = np.random.RandomState(seed)
+        documents = megatron_gpt._build_document_index(np.arange(20, 180, dtype=np.int32),
+                                                       epochs, rng, apart)
+        samples = helpers.build_sample_idx(sizes, documents, seq, epochs, tokens, True, 1)
+        total = len(samples) - 1
+        shuffle = megatron_gpt._build_shuffle_index(before_final if apart else total, total, rng)
+        for name, theirs in (("document_index", documents), ("sample_index", samples),
+                             ("shuffle_index", shuffle)):
+            assert np.array_equal(mine[name], theirs), (name, num_samples)
+    weights = normalize_weights([0.2, 0.5, 0.3])
+    datasets, samples = np.zeros(5000, np.int16), np.zeros(5000, np.int64)
+    helpers.build_blending_indices(datasets, samples, np.array(weights), 3, 5000, False)
+    mine = blending_indices(weights, 5000)
+    assert np.array_equal(mine[0], datasets) and np.array_equal(mine[1], samples)
 
 # ---- training on a preprocessed corpus at DP=2 ---------------------------------------------------
 
