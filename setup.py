@@ -30,6 +30,7 @@ setup(
         "triton; platform_system == 'Linux' and platform_machine == 'x86_64' and extra == 'triton'",
         "sentencepiece",
         "safetensors",
+        "tokenizers",
     ],
     extras_require={
         "test": ["pytest", "transformers"],

@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megadomino.config import ModelConfig  # noqa: E402
+from megadomino.domino.plan import DominoPlan  # noqa: E402
+from megadomino.domino.schedule import DominoRunner  # noqa: E402
 from megadomino.models.blocks import rotary_tables  # noqa: E402
 from megadomino.models.transformer import TransformerBlock  # noqa: E402
 from megadomino.parallel import ParallelDims  # noqa: E402
@@ -45,7 +48,7 @@ ROWS = {
 }
 ROW_SETS = {"core": ["gpt3-6.7b", "llama2-7b"],
             "all": ["gpt3-6.7b", "llama2-7b", "gpt3-13b", "llama2-13b", "gpt3-6.7b-mb8"]}
-CANDIDATES = [(2, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 1), (4, 2)]
+CANDIDATES = [(1, 1), (2, 1), (1, 2), (1, 4), (2, 2), (4, 1)]
 
 
 def log(*args) -> None:
@@ -61,24 +64,27 @@ def model_config(row: str, layers: int, **changes) -> tuple[ModelConfig, str, in
     return config, ("llama" if preset.startswith("llama") else "gpt"), micro_batch
 
 
-def time_step(step, warmup: int, iters: int) -> float:
-    """Median ms of step() (forward + backward) over iters, after warmup."""
+def time_step(step, warmup: int, iters: int) -> tuple[float, float]:
+    """Median ms of step() (forward + backward) over iters, after warmup, and the median host
+    time to enqueue it (host ~ device time means the step is CPU-bound)."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     dist.barrier()
-    times = []
+    times, host = [], []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        begin = time.perf_counter()
         step()
+        host.append((time.perf_counter() - begin) * 1e3)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     # every rank reports its median; the slowest rank is the step time
-    median = torch.tensor([statistics.median(times)], device="cuda")
+    median = torch.tensor([statistics.median(times), statistics.median(host)], device="cuda")
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return median.item()
+    return median[0].item(), median[1].item()
 
 
 def make_step(module, forward, x, grad_out, params):
@@ -93,6 +99,9 @@ def make_step(module, forward, x, grad_out, params):
 
 def ours(config, dims, rotary):
     block = TransformerBlock(config, dims, device="cuda")
+    if config.domino_batch_slices == 1 and config.domino_hidden_slices == 1 and \
+            getattr(config, "_force_runner", False):
+        block.domino = DominoRunner(block, DominoPlan(1, 1))
     # the final norm is not part of a layer: time the layers only
     def forward(inp):
         if block.domino is not None:
@@ -164,15 +173,17 @@ def bench_row(row: str, args, dims) -> dict:
         step = make_step(module, forward, x, grad_out, params)
         torch.cuda.reset_peak_memory_stats()
         if comm:
-            ms = time_step(step, args.warmup, args.iters)
+            ms, host_ms = time_step(step, args.warmup, args.iters)
             if profile:
                 result["profile"][name] = profile_summary(step)
         else:
             with no_tp_communication():
-                ms = time_step(step, args.warmup, args.iters)
+                ms, host_ms = time_step(step, args.warmup, args.iters)
         result["ms_per_layer"][name] = ms / args.layers
+        result.setdefault("host_ms_per_layer", {})[name] = host_ms / args.layers
         result["peak_gib"][name] = torch.cuda.max_memory_allocated() / 2**30
-        log(f"  {row} tp={dims.tp} {name:>24}: {ms / args.layers:.3f} ms/layer")
+        log(f"  {row} tp={dims.tp} {name:>24}: {ms / args.layers:.3f} ms/layer "
+            f"(host {host_ms / args.layers:.3f})")
 
     model_parallel_seed(1, dims)
     block, forward = ours(config, dims, rotary)
@@ -183,23 +194,15 @@ def bench_row(row: str, args, dims) -> dict:
     for n, k in CANDIDATES:
         if n > micro_batch or ffn_local % k:
             continue
-        block, forward = ours(config.replace(domino_batch_slices=n, domino_hidden_slices=k),
-                              dims, rotary)
-        measure(f"e_domino_N{n}_K{k}", block, forward)
+        domino_config = config.replace(domino_batch_slices=n, domino_hidden_slices=k)
+        domino_config._force_runner = True  # (1, 1): the Domino runner without slicing
+        block, forward = ours(domino_config, dims, rotary)
+        measure(f"e_domino_N{n}_K{k}", block, forward, profile=args.profile)
         del block, forward
     domino = {k: v for k, v in result["ms_per_layer"].items() if k.startswith("e_")}
     if domino:
         best = min(domino, key=domino.get)
         result["best_domino"] = best
-        if args.profile:
-            n, k = (int(part[1:]) for part in best.split("_")[2:4])
-            block, forward = ours(config.replace(domino_batch_slices=n, domino_hidden_slices=k),
-                                  dims, rotary)
-            step = make_step(block, forward, x, grad_out, list(block.parameters()))
-            for _ in range(args.warmup):
-                step()
-            result["profile"][best] = profile_summary(step)
-            del block, forward, step
     if not args.sequence_parallel:  # the peers run without sequence parallelism
         for peer in args.peers:
             run_peer(peer, row, config, family, micro_batch, dims, args, result, measure)

@@ -56,16 +56,22 @@ _active_sink: list = []
 
 
 class _WgradSink:
-    """Deferred weight-gradient GEMMs and the fp32 per-parameter accumulators of one backward."""
+    """Deferred weight-gradient GEMMs and the per-parameter accumulators of one backward.
 
-    def __init__(self):
+    With several batch slices a parameter's gradient is a sum over slices, accumulated in fp32
+    and rounded once; with one slice every element gets exactly one contribution (hidden slices
+    own disjoint rows/columns), accumulated in the parameter's dtype at no conversion cost."""
+
+    def __init__(self, sums_slices: bool):
         self.deferred: list = []
         self.acc: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self.sums_slices = sums_slices
 
     def add(self, param, grad: torch.Tensor, dim: int | None = None, start: int = 0) -> None:
         entry = self.acc.get(id(param))
         if entry is None:
-            entry = (param, torch.zeros(param.shape, dtype=torch.float32, device=grad.device))
+            dtype = torch.float32 if self.sums_slices else param.dtype
+            entry = (param, torch.zeros(param.shape, dtype=dtype, device=grad.device))
             self.acc[id(param)] = entry
         target = entry[1] if dim is None else entry[1].narrow(dim, start, grad.shape[dim])
         target.add_(grad)
@@ -104,9 +110,9 @@ class _DominoLinear(torch.autograd.Function):
 
         def weight_grads():
             grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-            sink.add(param, grad_2d.t().matmul(x.reshape(-1, x.shape[-1])).float(), dim, start)
+            sink.add(param, grad_2d.t().matmul(x.reshape(-1, x.shape[-1])), dim, start)
             if bias_param is not None:
-                sink.add(bias_param, grad_2d.float().sum(0), 0, start)
+                sink.add(bias_param, grad_2d.sum(0, dtype=torch.float32), 0, start)
 
         sink.deferred.append(weight_grads)
         return grad_x, None, None, None, None, None, None
@@ -178,7 +184,7 @@ class DominoRunner:
     def __call__(self, x: torch.Tensor, rotary) -> torch.Tensor:
         """x (s, b, h) (s/tp under sequence parallelism) -> the last layer's output."""
         if not torch.is_grad_enabled():
-            sink = _WgradSink()
+            sink = _WgradSink(False)
             _active_sink.append(sink)
             try:
                 return self._forward(x, rotary, build=False)[0]
@@ -387,7 +393,7 @@ class DominoRunner:
                                      allow_unused=True)
         for param, grad in zip(params, result[len(wanted) - len(params):]):
             if grad is not None:
-                sink.add(param, grad.float())
+                sink.add(param, grad)
         leaf_grads = iter(result[: len(wanted) - len(params)])
         return [None if leaf is None else next(leaf_grads) for leaf in leaves]
 
@@ -453,7 +459,7 @@ class _DominoBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, anchor, runner: DominoRunner, rotary):
-        sink = _WgradSink()
+        sink = _WgradSink(runner.plan.batch_slices > 1)
         _active_sink.append(sink)
         try:
             with torch.enable_grad():
