@@ -177,3 +177,33 @@ def test_launch_refusals(slurm_env):
     done = subprocess.run(["bash", script], env=dict(slurm_env, LAUNCHER="mpirun"),
                           capture_output=True, text=True)
     assert done.returncode == 2 and "LAUNCHER=mpirun is unknown" in done.stderr
+
+
+def test_sft_recipe_dry_run_steps(slurm_env, tmp_path):
+    """The recipe runs the one-node fine-tune with the recipe's flags, extra flags last (they win
+    in the parser), then exports WORK_DIR/checkpoint to WORK_DIR/hf with the tokenizer."""
+    env = dict(slurm_env, WORK_DIR=str(tmp_path / "work"), GPUS_PER_NODE="2", TP="2")
+    done = subprocess.run(["bash", os.path.join(REPO, "scripts/finetune/llama2_7b_sft.sh"),
+                           "--lr", "1e-5"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    steps = [shlex.split(line) for line in done.stdout.splitlines()]
+    assert [step[0] for step in steps] == ["torchrun", "python3", "cp"], steps
+    args = entry_args(steps[0], "finetune_llama.py")
+    _, train_config, _ = parse_args(args, "llama", True)
+    assert train_config.lr == 1e-5
+    assert train_config.save == os.path.join(env["WORK_DIR"], "checkpoint")
+    assert args[args.index("--tokenizer-model") + 1] == os.path.join(env["HF_DIR"],
+                                                                     "tokenizer.model")
+    assert steps[1][1:] == ["scripts/convert_hf_llama.py", "megadomino-to-hf", "--load",
+                            train_config.save, "--hf-dir", os.path.join(env["WORK_DIR"], "hf")]
+
+
+def test_sft_recipe_demo_builds_its_inputs_first(slurm_env, tmp_path):
+    env = dict(slurm_env, WORK_DIR=str(tmp_path / "work"), DEMO="1")
+    done = subprocess.run(["bash", os.path.join(REPO, "scripts/finetune/llama2_7b_sft.sh")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    scripts = [shlex.split(line)[1] for line in done.stdout.splitlines()[1:4]]
+    assert scripts == ["scripts/finetune/make_demo_inputs.py", "scripts/train_tokenizer.py",
+                       "scripts/finetune/make_demo_inputs.py"]
+    assert f"--hf-checkpoint {env['WORK_DIR']}/demo_hf" in done.stdout
