@@ -191,8 +191,8 @@ def _check_tensors(reader: SafetensorsReader, config: ModelConfig, hf_dir: str) 
         raise KeyError(f"{hf_dir}: tensors config.json does not account for: {unexpected}")
     for name, shape in expected.items():
         if reader.shape(name) != shape:
-            raise ValueError(f"{hf_dir}: {name} has shape {reader.shape(name)} but config.json "
-                             f"implies {shape}")
+            raise ValueError(f"{hf_dir}: {name} has shape {reader.shape(name)} but the model "
+                             f"config (config.json and overrides) implies {shape}")
 
 
 def _read_shard(reader: SafetensorsReader, blocks: list[RowBlock], param: torch.Tensor,
