@@ -16,6 +16,7 @@ timeline summary: compute busy time, NCCL time, and how much of NCCL ran under c
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -120,12 +121,15 @@ def profile_summary(step) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    comm, compute = [], []
+    comm, compute, by_name = [], [], {}
     for event in prof.events():
         if event.device_type.name != "CUDA" or event.time_range.elapsed_us() <= 0:
             continue
         interval = (event.time_range.start, event.time_range.end)
         (comm if "nccl" in event.name.lower() else compute).append(interval)
+        total, count = by_name.get(event.name[:60], (0.0, 0))
+        by_name[event.name[:60]] = (total + event.time_range.elapsed_us() / 1e3, count + 1)
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:10]
 
     def union(intervals):
         merged = []
@@ -145,7 +149,8 @@ def profile_summary(step) -> dict:
     total = union(comm + compute)
     return {"span_ms": (total[-1][1] - total[0][0]) / 1e3 if total else 0.0,
             "compute_busy_ms": busy(compute_u) / 1e3, "nccl_busy_ms": busy(comm_u) / 1e3,
-            "nccl_under_compute_ms": overlap / 1e3, "gpu_idle_ms":
+            "nccl_under_compute_ms": overlap / 1e3,
+            "top_kernels": {name: [round(ms, 3), n] for name, (ms, n) in top}, "gpu_idle_ms":
             ((total[-1][1] - total[0][0]) - busy(total)) / 1e3 if total else 0.0}
 
 
@@ -191,13 +196,15 @@ def bench_row(row: str, args, dims) -> dict:
     measure("b_plain_tp", block, forward, profile=args.profile)
     del block, forward
     ffn_local = config.ffn_hidden_size // dims.tp
-    for n, k in CANDIDATES:
+    for (n, k), ctas in itertools.product(CANDIDATES, args.overlap_ctas):
         if n > micro_batch or ffn_local % k:
             continue
+        os.environ["MEGADOMINO_OVERLAP_CTAS"] = str(ctas)
         domino_config = config.replace(domino_batch_slices=n, domino_hidden_slices=k)
         domino_config._force_runner = True  # (1, 1): the Domino runner without slicing
         block, forward = ours(domino_config, dims, rotary)
-        measure(f"e_domino_N{n}_K{k}", block, forward, profile=args.profile)
+        measure(f"e_domino_N{n}_K{k}" + (f"_ctas{ctas}" if ctas else ""), block, forward,
+                profile=args.profile)
         del block, forward
     domino = {k: v for k, v in result["ms_per_layer"].items() if k.startswith("e_")}
     if domino:
@@ -259,11 +266,19 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--peers", default="megatron",
                         help="comma-separated: megatron, deepspeed (or '' for none)")
+    parser.add_argument("--plans", default="",
+                        help="Domino (N, K) plans to try, e.g. '1x1,2x1' (default: a sweep)")
+    parser.add_argument("--overlap-ctas", default="0",
+                        help="comma-separated max NCCL CTAs for overlapped collectives (0: "
+                             "NCCL's default), each tried with every plan")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default="bench_domino.json")
     args = parser.parse_args()
     args.peers = [p for p in args.peers.split(",") if p]
+    args.overlap_ctas = [int(v) for v in args.overlap_ctas.split(",")]
+    if args.plans:
+        CANDIDATES[:] = [tuple(int(v) for v in plan.split("x")) for plan in args.plans.split(",")]
     rows = ROW_SETS.get(args.rows, args.rows.split(","))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)

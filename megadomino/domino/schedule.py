@@ -43,6 +43,7 @@ Recompute: with `recompute_granularity='full'` the chosen layers ('uniform': eve
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,9 @@ class _WgradSink:
 
     def add(self, param, grad: torch.Tensor, dim: int | None = None, start: int = 0) -> None:
         entry = self.acc.get(id(param))
+        if entry is None and dim is None and not self.sums_slices and grad.dtype == param.dtype:
+            self.acc[id(param)] = (param, grad)  # the one contribution: keep it as it is
+            return
         if entry is None:
             dtype = torch.float32 if self.sums_slices else param.dtype
             entry = (param, torch.zeros(param.shape, dtype=dtype, device=grad.device))
@@ -104,6 +108,7 @@ class _DominoLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()  # a strided 3-D grad would make matmul batch over s
         grad_x = grad_out.matmul(weight)
         sink, param, dim, start, bias_param = ctx.sink, ctx.param, ctx.dim, ctx.start, \
             ctx.bias_param
@@ -180,6 +185,15 @@ class DominoRunner:
         self.block, self.plan = block, plan
         self.config, self.dims = block.config, block.dims
         self.sp = self.config.sequence_parallel and self.dims.tp > 1
+        self._overlap_group = None
+
+    def overlap_group(self):
+        """The group for collectives that run under compute: the TP group, or (experiment knob
+        MEGADOMINO_OVERLAP_CTAS=n) one whose NCCL kernels take at most n SMs."""
+        if self._overlap_group is None:
+            ctas = int(os.environ.get("MEGADOMINO_OVERLAP_CTAS", "0")) or None
+            self._overlap_group = self.dims.tp_group_limited(ctas)
+        return self._overlap_group
 
     def __call__(self, x: torch.Tensor, rotary) -> torch.Tensor:
         """x (s, b, h) (s/tp under sequence parallelism) -> the last layer's output."""
@@ -217,9 +231,10 @@ class DominoRunner:
         """A unit's input: the whole sequence (all-gathered under sequence parallelism)."""
         return all_gather_dim0(t.detach(), self.dims.tp_group)[0] if self.sp else t.detach()
 
-    def _reduce(self, partial: torch.Tensor, pending: _Pending) -> None:
-        """Launch the reduction of a partial output (all-reduce, or reduce-scatter under SP)."""
-        group = self.dims.tp_group
+    def _reduce(self, partial: torch.Tensor, pending: _Pending, overlapped: bool = True) -> None:
+        """Launch the reduction of a partial output (all-reduce, or reduce-scatter under SP);
+        `overlapped`: whether compute is scheduled under it (then on overlap_group())."""
+        group = self.overlap_group() if overlapped else self.dims.tp_group
         if self.sp:
             pending.add(*reduce_scatter_dim0(partial.detach(), group, async_op=True))
         else:
@@ -277,7 +292,7 @@ class DominoRunner:
         unit.u_leaf = _leaf(u_full) if build else u_full
         qkv = _linear(unit.u_leaf, attention.linear_qkv.weight, attention.linear_qkv.bias)
         unit.a = _linear(attention.attend(qkv, rotary), attention.linear_proj.weight)
-        self._reduce(unit.a, pending)
+        self._reduce(unit.a, pending, self.plan.batch_slices > 1)
 
     def _glue_mid(self, index: int, unit: _Unit, reduced_a: torch.Tensor, build: bool) -> None:
         layer = self.block.layers[index]
@@ -308,7 +323,7 @@ class DominoRunner:
             part = _linear(act, fc2.weight, None, 1, start, chunk)
             unit.m_parts.append(part)
             if pending is not None:
-                self._reduce(part, pending)
+                self._reduce(part, pending, self.plan.enabled)
 
     # ---- forward -------------------------------------------------------------------------
     def _slice(self, t: torch.Tensor | None, start: int, size: int):
@@ -402,7 +417,7 @@ class DominoRunner:
         layers = self.block.layers
         n_layers, n_slices = len(layers), len(out_leaves)
         sizes = [o.shape[1] for o in outputs]
-        grad_slices = grad_output.split(sizes, dim=1)
+        grad_slices = [g.contiguous() for g in grad_output.split(sizes, dim=1)]
         grad_h, grad_m = [None] * n_slices, [None] * n_slices
         for i in range(n_slices):
             grad_h[i], grad_m[i] = self._grad(sink, [outputs[i]], [grad_slices[i]],

@@ -69,6 +69,23 @@ class ParallelDims:
         self.intra_node_rank = self.dp_rank % dp_per_node
         self.inter_node_rank = self.dp_rank // dp_per_node
 
+    def tp_group_limited(self, max_ctas: int | None):
+        """A second TP group whose NCCL kernels use at most `max_ctas` thread blocks, for
+        collectives that run under compute (fewer SMs taken from the GEMMs they overlap).
+        Collective over the world (every rank must call it alike); cached per max_ctas. Without
+        NCCL, or with max_ctas None, it is the TP group itself."""
+        if not max_ctas or dist.get_backend() != "nccl":
+            return self.tp_group
+        cache = self.__dict__.setdefault("_tp_groups_limited", {})
+        if max_ctas not in cache:
+            options = dist.ProcessGroupNCCL.Options()
+            options.config.max_ctas = max_ctas
+            grid = torch.arange(self.world_size).view(self.pp, self.dp, self.tp)
+            cache[max_ctas] = _groups_containing(
+                self.rank, [grid[p, d, :] for p in range(self.pp) for d in range(self.dp)],
+                pg_options=options)
+        return cache[max_ctas]
+
     @property
     def is_first_rank(self) -> bool:
         return self.rank == 0
@@ -102,12 +119,12 @@ def check_gpus_per_node(world: int, tp: int, gpus_per_node: int) -> None:
             f"(--tensor-model-parallel-size={tp}) must fit inside a node; use a multiple of {tp}")
 
 
-def _groups_containing(rank: int, rank_lists: list[torch.Tensor]):
+def _groups_containing(rank: int, rank_lists: list[torch.Tensor], pg_options=None):
     """Create a group for every rank list (collectively) and return the one holding `rank`."""
     mine = None
     for ranks in rank_lists:
         ranks = ranks.tolist()
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, pg_options=pg_options)
         if rank in ranks:
             mine = group
     return mine
