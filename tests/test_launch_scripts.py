@@ -207,3 +207,32 @@ def test_sft_recipe_demo_builds_its_inputs_first(slurm_env, tmp_path):
     assert scripts == ["scripts/finetune/make_demo_inputs.py", "scripts/train_tokenizer.py",
                        "scripts/finetune/make_demo_inputs.py"]
     assert f"--hf-checkpoint {env['WORK_DIR']}/demo_hf" in done.stdout
+
+
+@pytest.mark.slow
+def test_sft_recipe_demo_runs_end_to_end_on_cpu(tmp_path):
+    """DEMO=1 with the tiny Llama shape on 2 CPU ranks at TP=2: the inputs are built, the loss
+    falls, and WORK_DIR/hf holds an HF directory of the fine-tuned weights with its tokenizer."""
+    from safetensors import safe_open
+
+    from megadomino.interop.hf import hf_shapes, read_hf_config
+    from megadomino.interop.hf_config import model_config_from_hf
+
+    work = tmp_path / "work"
+    env = dict(os.environ, DEMO="1", DEMO_PRESET="llama-tiny", DEMO_LAYERS="2",
+               WORK_DIR=str(work), GPUS_PER_NODE="2", TP="2", ITERS="20")
+    done = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts/finetune/llama2_7b_sft.sh"), "--micro-batch-size",
+         "4", "--global-batch-size", "8", "--log-interval", "5", "--eval-interval", "20",
+         "--eval-iters", "1", "--lr", "1e-3", "--min-lr", "1e-4"],
+        env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    losses = [float(line.split("| loss ")[1].split()[0]) for line in done.stdout.splitlines()
+              if line.lstrip().startswith("iteration")]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses
+    hf_dir = str(work / "hf")
+    assert sorted(os.listdir(hf_dir)) == ["config.json", "model.safetensors", "tokenizer.model"]
+    config = model_config_from_hf(read_hf_config(hf_dir))
+    with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="pt") as tensors:
+        assert {name: tuple(tensors.get_slice(name).get_shape()) for name in tensors.keys()} \
+            == hf_shapes(config)
