@@ -12,14 +12,12 @@ import pytest
 
 from megadomino.config import ConfigError
 from megadomino.training.arguments import (
-    FLAGS,
-    NOTICE,
-    REFUSED,
     build_parser,
     parse_args,
     render_flag_table,
     validate_world,
 )
+from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, REFUSED
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "10"]
@@ -99,6 +97,34 @@ MAPPED = [
     (("--domino",), "model.domino_batch_slices", 2),
     (("--domino", "--domino-batch-slices", "4"), "model.domino_batch_slices", 4),
     (("--domino-hidden-slices", "2"), "model.domino_hidden_slices", 2),
+    (("--save", "/ckpt"), "train.save", "/ckpt"),
+    (("--save-interval", "50"), "train.save_interval", 50),
+    (("--load", "/ckpt"), "train.load", "/ckpt"),
+    (("--load", "/ckpt", "--finetune"), "train.finetune", True),
+    (("--load", "/ckpt", "--no-load-optim"), "train.no_load_optim", True),
+    (("--load", "/ckpt", "--no-load-rng"), "train.no_load_rng", True),
+    (("--no-save-optim",), "train.no_save_optim", True),
+    (("--no-save-rng",), "train.no_save_rng", True),
+    (("--load", "/ckpt", "--exit-on-missing-checkpoint"), "train.exit_on_missing_checkpoint",
+     True),
+    (("--exit-signal-handler",), "train.exit_signal_handler", True),
+    (("--exit-duration-in-mins", "230"), "train.exit_duration_in_mins", 230),
+    (("--exit-interval", "1000"), "train.exit_interval", 1000),
+    (("--tensorboard-dir", "/tb"), "train.tensorboard_dir", "/tb"),
+]
+
+DATA = ["--model-preset", "gpt-tiny", "--train-iters", "10", "--tokenizer-type",
+        "GPT2BPETokenizer", "--vocab-file", "vocab.json", "--merge-file", "merges.txt"]
+DATA_MAPPED = [
+    (("--data-path", "0.3", "a", "0.7", "b"), "train.data_path", ["0.3", "a", "0.7", "b"]),
+    (("--data-path", "a", "--split", "98,2,0"), "train.split", "98,2,0"),
+    (("--data-path", "a", "--tokenizer-type", "Llama2Tokenizer"), "train.tokenizer_type",
+     "Llama2Tokenizer"),
+    (("--data-path", "a", "--vocab-file", "v.json"), "train.vocab_file", "v.json"),
+    (("--data-path", "a", "--merge-file", "m.txt"), "train.merge_file", "m.txt"),
+    (("--data-path", "a", "--tokenizer-model", "m.model"), "train.tokenizer_model", "m.model"),
+    (("--data-path", "a", "--eod-mask-loss"), "train.eod_mask_loss", True),
+    (("--data-path", "a", "--data-cache-path", "/cache"), "train.data_cache_path", "/cache"),
 ]
 
 
@@ -107,10 +133,35 @@ def test_flag_sets_its_field(argv, path, expected):
     assert field(parse(*argv), path) == expected
 
 
+@pytest.mark.parametrize("argv, path, expected", DATA_MAPPED,
+                         ids=[" ".join(c[0]) for c in DATA_MAPPED])
+def test_data_flag_sets_its_field(argv, path, expected):
+    assert field(parse(*argv, base=DATA), path) == expected
+
+
+FINETUNE = ["--model-preset", "llama-tiny", "--train-iters", "10", "--mock-data"]
+FINETUNE_MAPPED = [
+    (("--hf-checkpoint", "/hf"), "train.hf_checkpoint", "/hf"),
+    (("--prompt-template", "[INST] {prompt} [/INST]"), "train.prompt_template",
+     "[INST] {prompt} [/INST]"),
+]
+
+
+@pytest.mark.parametrize("argv, path, expected", FINETUNE_MAPPED,
+                         ids=[c[0][0] for c in FINETUNE_MAPPED])
+def test_finetune_flag_sets_its_field(argv, path, expected):
+    assert field(parse_args([*FINETUNE, *argv], "llama", finetune=True), path) == expected
+
+
+def test_finetune_flags_belong_to_finetune_llama_only():
+    with pytest.raises(ConfigError, match="unknown flag --hf-checkpoint"):
+        parse("--hf-checkpoint", "/hf")
+
+
 def test_every_mapped_flag_is_tested():
-    tested = {arg for argv, _, _ in MAPPED for arg in argv}
+    tested = {arg for argv, _, _ in MAPPED + DATA_MAPPED + FINETUNE_MAPPED for arg in argv}
     tested.add("--train-samples")  # see test_train_samples
-    assert {flag.name for flag in FLAGS if flag.field is not None} <= tested
+    assert {flag.name for flag in FLAGS + FINETUNE_FLAGS if flag.field is not None} <= tested
 
 
 def test_train_samples():
@@ -211,10 +262,10 @@ def test_refused_flag_names_itself_and_the_reason(flag):
      "only learned_absolute and rope positions are implemented"),
     (("--lr-decay-style", "WSD"), "only constant, linear and cosine decay are implemented"),
     (("--optimizer", "sgd"), "only Adam (AdamW, like Megatron-LM's adam) is implemented"),
-    (("--data-path", "corpus_text_document"),
-     "real datasets arrive with the training-system issue; use --mock-data"),
-    (("--save", "/tmp/ckpt"), "checkpointing is not implemented yet"),
-    (("--load", "/tmp/ckpt"), "checkpointing is not implemented yet"),
+    (("--ckpt-format", "torch_dist"),
+     "only the torch format (one file per tensor-parallel rank) is implemented"),
+    (("--tokenizer-type", "TikTokenizer"), "that tokenizer type is not implemented"),
+    (("--pretrained-checkpoint", "/ckpt"), "use --load DIR --finetune"),
 ])
 def test_refusals_give_the_reason(argv, reason):
     with pytest.raises(ConfigError) as error:
@@ -225,14 +276,48 @@ def test_refusals_give_the_reason(argv, reason):
 
 @pytest.mark.parametrize("argv", [("--context-parallel-size", "1"),
                                   ("--expert-model-parallel-size", "1"),
-                                  ("--rotary-percent", "1.0"), ("--optimizer", "adam")])
+                                  ("--rotary-percent", "1.0"), ("--optimizer", "adam"),
+                                  ("--ckpt-format", "torch")])
 def test_values_that_ask_for_nothing_are_accepted(argv):
     assert parse(*argv)[2] == []
 
 
 def test_no_data_source_is_refused():
-    with pytest.raises(ConfigError, match="no data source: real datasets arrive"):
+    with pytest.raises(ConfigError, match="no data source: pass --data-path"):
         parse_args(["--model-preset", "gpt-tiny", "--train-iters", "1"], "gpt")
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--data-path", "a", "--mock-data"), "--mock-data and --data-path exclude each other"),
+    (("--data-path", "a", "--tokenizer-type", "NullTokenizer", "--save-interval", "0"),
+     "--save-interval=0 is invalid"),
+    (("--data-path", "a", "--tokenizer-type", "NullTokenizer", "--exit-duration-in-mins", "-1"),
+     "--exit-duration-in-mins=-1 is invalid"),
+    (("--data-path", "a"), "--data-path needs --tokenizer-type"),
+])
+def test_data_and_checkpoint_rules(argv, named):
+    with pytest.raises(ConfigError, match=named):
+        parse_args(["--model-preset", "gpt-tiny", "--train-iters", "1", *argv], "gpt")
+
+
+@pytest.mark.parametrize("flag", ["--finetune", "--no-load-optim", "--no-load-rng",
+                                  "--exit-on-missing-checkpoint"])
+def test_load_options_need_load(flag):
+    with pytest.raises(ConfigError, match=f"{flag} applies to --load"):
+        parse(flag)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--eod-mask-loss",), "--eod-mask-loss is refused by finetune_llama.py"),
+    (("--prompt-template", "[INST] [/INST]"), "it must contain {prompt}"),
+    (("--hf-checkpoint", "/nonexistent"), "--hf-checkpoint=/nonexistent: cannot read"),
+])
+def test_finetune_rules(argv, named):
+    base = ["--train-iters", "1", "--mock-data"]
+    if "--hf-checkpoint" not in argv:
+        base += ["--model-preset", "llama-tiny"]
+    with pytest.raises(ConfigError, match=named):
+        parse_args([*base, *argv], "llama", finetune=True)
 
 
 @pytest.mark.parametrize("argv, named", [
@@ -300,16 +385,18 @@ def test_world_validation_accepts_a_good_layout():
     validate_world(model_config, train_config, 4)
 
 
-def test_docs_table_matches_code():
+@pytest.mark.parametrize("marker, flags", [("flag-table", FLAGS),
+                                           ("finetune-flag-table", FINETUNE_FLAGS)])
+def test_docs_table_matches_code(marker, flags):
     text = (ROOT / "docs" / "flags.md").read_text()
-    table = text.split("<!-- flag-table:begin -->\n")[1].split("<!-- flag-table:end -->")[0]
-    assert table == render_flag_table(), "regenerate the table in docs/flags.md from FLAGS"
+    table = text.split(f"<!-- {marker}:begin -->\n")[1].split(f"<!-- {marker}:end -->")[0]
+    assert table == render_flag_table(flags), f"regenerate the {marker} in docs/flags.md"
 
 
 def test_flag_names_are_unique_and_help_renders():
-    names = [flag.name for flag in FLAGS]
+    names = [flag.name for flag in FLAGS + FINETUNE_FLAGS]
     assert len(names) == len(set(names))
-    help_text = build_parser("gpt").format_help()
+    help_text = build_parser("llama", finetune=True).format_help()
     assert all(name in help_text for name in names)
 
 

@@ -1,19 +1,24 @@
 """End to end: a tiny GPT trains on the learnable mock data and its loss falls, at TP=2 (2 gloo
 ranks, sequence parallel, gradient accumulation) and TP=2 x DP=2 (4 ranks); the same global batch
 gives the same loss curve whatever the split into TP, DP and micro-batches; bf16 and fp16 (fp32
-masters, loss scaling) train too."""
+masters, loss scaling) train too. The command line (launch.main, in this process) trains on an
+indexed dataset through --data-path, stops at --exit-interval with a checkpoint and resumes."""
 
 from __future__ import annotations
 
 import functools
+import re
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import CaseRunner, check_result, run_cases
+from dist_utils import CaseRunner, check_result, free_port, run_cases
 from megadomino.config import ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
+from megadomino.training.data import IndexedDatasetBuilder
+from megadomino.training.launch import main
 from megadomino.training.loop import train
 
 ITERS = 30
@@ -104,3 +109,33 @@ def _results(world: int) -> dict[str, str | None]:
                                          (4, "tp2_dp2")])
 def test_train_e2e(world, case):
     check_result(_results(world), case)
+
+
+def test_command_line_trains_on_data_path_and_resumes(tmp_path, monkeypatch, capsys):
+    """pretrain_gpt.py's main on a --data-path corpus: stops at --exit-interval after saving,
+    then --load resumes at the next iteration."""
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(str(tmp_path / "corpus.bin"))
+    for _ in range(40):
+        start, step = rng.integers(0, 50), rng.integers(1, 4)
+        document = (start + step * np.arange(rng.integers(10, 40))) % 50
+        builder.add_document(document, [len(document)])
+    builder.finalize(str(tmp_path / "corpus.idx"))
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                        ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    argv = ["--model-preset", "gpt-tiny", "--seq-length", "16", "--data-path",
+            str(tmp_path / "corpus"), "--split", "90,10,0", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "50", "--micro-batch-size", "4", "--train-iters", "8",
+            "--log-interval", "2", "--eval-interval", "4", "--eval-iters", "1",
+            "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    assert main("gpt", [*argv, "--exit-interval", "4"]) == 0
+    first = capsys.readouterr().out
+    assert "no checkpoint in --load" in first and "stopping: --exit-interval=4" in first
+    assert main("gpt", argv) == 0
+    second = capsys.readouterr().out
+    assert re.search(r"loaded checkpoint .*iter_0000004 \(iteration 4\)", second), second
+    iterations = [int(i) for i in re.findall(r" iteration +(\d+)/", first + second)]
+    assert iterations == [2, 4, 6, 8], first + second
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "8"

@@ -1,8 +1,12 @@
-"""The main of pretrain_gpt.py and pretrain_llama.py: flags, process group, training loop.
+"""The main of pretrain_gpt.py, pretrain_llama.py and finetune_llama.py: flags, tokenizer,
+process group, datasets, training loop.
 
-Order matters for multi-rank runs: every rank parses and validates the flags against WORLD_SIZE
-before any process group exists, so a bad flag makes each rank print `error: ...` and exit 2
-instead of leaving the others waiting in a collective.
+Order matters for multi-rank runs: every rank parses and validates the flags (and reads the
+tokenizer, which sets the vocabulary) against WORLD_SIZE before any process group exists, so a bad
+flag makes each rank print `error: ...` and exit 2 instead of leaving the others waiting in a
+collective. Exit status: 0 when the run ends or an --exit-* condition stops it (after saving), 2
+for a configuration that cannot run, 1 for a checkpoint that cannot be loaded or saved and for a
+loss that became NaN.
 """
 
 from __future__ import annotations
@@ -18,16 +22,23 @@ import torch.distributed as dist
 from megadomino.config import ConfigError
 from megadomino.parallel import ParallelDims
 from megadomino.training.arguments import parse_args, validate_world
+from megadomino.training.slurm_env import apply_slurm_env
 
 
-def main(family: str, argv: list[str] | None = None) -> int:
-    """Train a `family` ('gpt' or 'llama') model from Megatron-LM flags (argv None: sys.argv[1:]).
+def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> int:
+    """Train a `family` ('gpt' or 'llama') model from Megatron-LM flags (argv None: sys.argv[1:]);
+    `finetune`: supervised fine-tuning on --data-path's JSONL (finetune_llama.py's flags).
 
-    Works under torchrun and as a plain single process. Returns the exit status: 0, or 2 after
-    printing `error: ...` for a configuration that cannot run.
+    Works under torchrun, started by srun directly (one task per GPU), and as a plain single
+    process. Returns the exit status.
     """
     try:
-        model_config, train_config, notices = parse_args(argv, family)
+        model_config, train_config, notices = parse_args(argv, family, finetune)
+        # Imported only once the flags are good: a flag error never depends on the model code.
+        from megadomino.training.inputs import run_tokenizer
+
+        model_config, tokenizer = run_tokenizer(model_config, train_config)
+        apply_slurm_env(os.environ)  # started by srun directly: torchrun's variables from SLURM's
         _default_to_single_process()
         validate_world(model_config, train_config, int(os.environ["WORLD_SIZE"]))
     except ConfigError as err:
@@ -36,18 +47,29 @@ def main(family: str, argv: list[str] | None = None) -> int:
     if int(os.environ["RANK"]) == 0:
         for notice in notices:
             print(f"notice: {notice}", flush=True)
-    # Imported only once the flags are good: a flag error never depends on the model code.
+    from megadomino.training.checkpoint import CheckpointError
+    from megadomino.training.inputs import build_datasets, hf_model_init
     from megadomino.training.loop import train
+    from megadomino.training.report import NonFiniteLossError
 
     _init_process_group()
     try:
         dims = ParallelDims(tp=train_config.tensor_model_parallel_size,
                             pp=train_config.pipeline_model_parallel_size,
                             gpus_per_node=train_config.gpus_per_node)
-        train(model_config, train_config, dims, family, log=functools.partial(print, flush=True))
+        train_data, valid_data = build_datasets(model_config, train_config, dims, tokenizer,
+                                                finetune)
+        model_init = None
+        if train_config.hf_checkpoint is not None:
+            model_init = hf_model_init(train_config.hf_checkpoint)
+        train(model_config, train_config, dims, family, functools.partial(print, flush=True),
+              train_data, valid_data, model_init)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except (CheckpointError, NonFiniteLossError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
     finally:
         dist.destroy_process_group()
     return 0

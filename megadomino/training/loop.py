@@ -85,7 +85,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
           model_init: ModelInit | None = None) -> dict:
     """Train a `family` model ('gpt' or 'llama') as the configs say; lines go to `log` on rank 0.
 
-    Datasets default to `MockDataset` (train / valid splits) when `train_config.mock_data`.
+    Without `train_data`, both datasets are `MockDataset` splits (`train_config.mock_data`);
+    with it, `valid_data` None means no evaluation.
     `model_init` replaces `build_model` (say, to start from Hugging Face weights); it runs after
     the RNGs are seeded and before `--load`. Returns per-iteration lists `losses` (DP-averaged),
     `lrs`, `grad_norms` (nan when an fp16 step was skipped), `eval` ({iteration, loss, ppl}
@@ -118,7 +119,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     reporter = Reporter(history, dims, device, log, iters, flops, gbs * model_config.seq_length,
                         train_config.peak_tflops, timers, writer)
 
-    evaluating = train_config.eval_iters > 0 and train_config.eval_interval > 0
+    evaluating = (valid_data is not None and train_config.eval_iters > 0
+                  and train_config.eval_interval > 0)
     try:
         with StopConditions(train_config, device) as stop:
             for iteration in range(state.iteration + 1, iters + 1):
@@ -160,15 +162,15 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
 
 def _default_data(model_config: ModelConfig, train_config: TrainConfig,
                   train_data: Dataset | None,
-                  valid_data: Dataset | None) -> tuple[Dataset, Dataset]:
-    if train_data is not None and valid_data is not None:
+                  valid_data: Dataset | None) -> tuple[Dataset, Dataset | None]:
+    """The datasets given (valid None: no evaluation), or mock train and valid splits."""
+    if train_data is not None:
         return train_data, valid_data
     if not train_config.mock_data:
         raise ConfigError("no training data: pass --mock-data, or build datasets from "
                           "--data-path and hand them to train()")
     seq, vocab, seed = model_config.seq_length, model_config.vocab_size, train_config.seed
-    return (train_data if train_data is not None else MockDataset(seq, vocab, seed, "train"),
-            valid_data if valid_data is not None else MockDataset(seq, vocab, seed, "valid"))
+    return MockDataset(seq, vocab, seed, "train"), MockDataset(seq, vocab, seed, "valid")
 
 
 def _resume(config: TrainConfig, model: nn.Module, optimizer: MixedPrecisionAdamW,

@@ -1,0 +1,120 @@
+"""Supervised fine-tuning data: JSONL `{"prompt": ..., "response": ...}` pairs, loss on responses.
+
+A sample is one example, laid out as
+
+    tokens    = tokenize(template with {prompt} filled in) + tokenize(response) + [eod]
+    loss_mask = 0 on the labels that are prompt tokens, 1 on the response's tokens and its eod
+
+cut to seq_length + 1 tokens and padded with the tokenizer's pad id (its eod when it has none),
+padding masked out. The response is tokenized on its own, and a BOS the tokenizer puts in front
+of every text (Llama-2's) is dropped from it, so the model sees one BOS, at the start. Examples
+are not packed: without per-document attention masks they would attend to each other.
+
+A split of n examples serves any number of samples: sample i is example perm_e[i mod n] of epoch
+e = i div n, perm_e a permutation drawn from (seed, split, e) alone, so every rank, and a resumed
+run, sees the same sample i.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from megadomino.config import ConfigError
+from megadomino.training.data.builder import SPLITS, parse_split
+from megadomino.training.data.tokenizer import Tokenizer
+
+
+def read_examples(paths: Sequence[str]) -> list[tuple[str, str]]:
+    """(prompt, response) of every line of the JSONL files, in order; ConfigError naming the file
+    and line of a line that is not a JSON object with string "prompt" and "response"."""
+    examples = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as file:
+                lines = file.readlines()
+        except OSError as err:
+            raise ConfigError(f"--data-path {path}: {err.strerror}") from None
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}:{number}: not JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not all(
+                    isinstance(record.get(key), str) for key in ("prompt", "response")):
+                raise ConfigError(f"{path}:{number}: expected an object with string \"prompt\" "
+                                  "and \"response\"")
+            examples.append((record["prompt"], record["response"]))
+    if not examples:
+        raise ConfigError(f"--data-path {' '.join(paths)}: no examples")
+    return examples
+
+
+class SFTDataset:
+    """`dataset[i]` is {"tokens": LongTensor [seq_length + 1], "loss_mask": FloatTensor
+    [seq_length]}, for i < num_samples."""
+
+    def __init__(self, examples: list[tuple[str, str]], tokenizer: Tokenizer, seq_length: int,
+                 prompt_template: str, seed: int, split: str, num_samples: int):
+        self.examples, self.tokenizer = examples, tokenizer
+        self.seq_length, self.prompt_template = seq_length, prompt_template
+        self.seed, self.split_index = seed, SPLITS.index(split)
+        self.num_samples = num_samples
+        self.pad = tokenizer.pad if tokenizer.pad is not None else tokenizer.eod
+        self._permutations: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"SFT sample {index} is outside [0, {self.num_samples})")
+        epoch, position = divmod(index, len(self.examples))
+        if epoch not in self._permutations:
+            rng = np.random.default_rng([self.seed, self.split_index, epoch])
+            self._permutations = {epoch: rng.permutation(len(self.examples))}
+        prompt, response = self.examples[self._permutations[epoch][position]]
+        return self.encode(prompt, response)
+
+    def encode(self, prompt: str, response: str) -> dict[str, torch.Tensor]:
+        """The sample of one example (see the module docstring)."""
+        tokenizer = self.tokenizer
+        prompt_ids = tokenizer.tokenize(self.prompt_template.replace("{prompt}", prompt))
+        response_ids = tokenizer.tokenize(response)
+        if tokenizer.bos is not None and response_ids[:1] == [tokenizer.bos]:
+            response_ids = response_ids[1:]
+        ids = (prompt_ids + response_ids + [tokenizer.eod])[:self.seq_length + 1]
+        tokens = torch.full((self.seq_length + 1,), self.pad, dtype=torch.long)
+        tokens[:len(ids)] = torch.tensor(ids, dtype=torch.long)
+        # Label t is tokens[t + 1]: a response token when t + 1 >= len(prompt_ids).
+        labels = torch.arange(1, self.seq_length + 1)
+        loss_mask = ((labels >= len(prompt_ids)) & (labels < len(ids))).float()
+        return {"tokens": tokens, "loss_mask": loss_mask}
+
+
+def build_sft_datasets(paths: Sequence[str], split: str, tokenizer: Tokenizer, seq_length: int,
+                       prompt_template: str, seed: int,
+                       num_samples: tuple[int, int]) -> tuple[SFTDataset, SFTDataset | None]:
+    """(train, valid) over the examples of `paths`, divided into consecutive train / valid
+    ranges by `split` (a test part is left unused); valid is None when its part or its sample
+    count is 0."""
+    examples = read_examples(paths)
+    datasets = []
+    for index, (name, count) in enumerate(zip(SPLITS, num_samples)):
+        bounds = parse_split(split)[index]
+        part = [] if bounds is None else examples[round(bounds[0] * len(examples)):
+                                                  round(bounds[1] * len(examples))]
+        if not part or count == 0:
+            if name == "train":
+                raise ConfigError(f"--split {split!r} leaves no training examples of the "
+                                  f"{len(examples)} in --data-path")
+            datasets.append(None)
+            continue
+        datasets.append(SFTDataset(part, tokenizer, seq_length, prompt_template, seed, name,
+                                   count))
+    return datasets[0], datasets[1]

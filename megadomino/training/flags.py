@@ -1,0 +1,360 @@
+"""The flag policy table: every flag megadomino knows, under one of four policies.
+
+    implemented  a Megatron-LM flag that works as in Megatron-LM (a few values may be refused)
+    ours         one of megadomino's own flags
+    notice       a Megatron-LM flag for something we always do, or that means nothing here:
+                 accepted, and reported in a one-line notice
+    refused      a Megatron-LM flag for a feature we lack: an error that says why (where a value
+                 asks for nothing, such as a parallel size of 1, it is accepted)
+
+`FLAGS` is what pretrain_gpt.py and pretrain_llama.py take; finetune_llama.py takes
+`FINETUNE_FLAGS` too. `megadomino.training.arguments` parses them; docs/flags.md renders them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+IMPLEMENTED, OURS, NOTICE, REFUSED = "implemented", "ours", "notice", "refused"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One row of the flag policy."""
+
+    name: str
+    policy: str
+    text: str
+    """What the flag does (implemented, ours), the notice (notice) or the reason (refused)."""
+    field: str | None = None
+    """'model.<ModelConfig field>' or 'train.<TrainConfig field>'; None: parse_args handles it."""
+    type: Callable[[str], Any] | None = None
+    """Parses the value; None for a switch, which stores `const` (refused switches swallow
+    whatever values follow them)."""
+    const: Any = True
+    choices: tuple | None = None
+    nargs: str | None = None
+    """argparse nargs for a flag taking several values (--data-path)."""
+    supported: tuple | None = None
+    """Values that work; any other is refused, with `text` (refused) or `unsupported`."""
+    unsupported: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+    @property
+    def metavar(self) -> str:
+        if self.choices is not None:
+            return "{" + ",".join(str(c) for c in self.choices) + "}"
+        if self.type is None:
+            return "..." if self.policy == REFUSED else ""
+        return {int: "N", float: "X"}.get(self.type, "NAME")
+
+    def refusal(self, value: Any) -> str | None:
+        """Why the flag given with `value` is refused, or None when it works."""
+        if self.supported is not None and value in self.supported:
+            return None
+        if self.policy == REFUSED:
+            return self.text
+        return self.unsupported if self.supported is not None else None
+
+
+def _impl(name: str, field: str | None, type_: Callable | None, text: str, **kw) -> Flag:
+    return Flag(name, IMPLEMENTED, text, field, type_, **kw)
+
+
+def _ours(name: str, field: str | None, type_: Callable | None, text: str, **kw) -> Flag:
+    return Flag(name, OURS, text, field, type_, **kw)
+
+
+def _notice(name: str, text: str, type_: Callable | None = None, **kw) -> Flag:
+    return Flag(name, NOTICE, text, None, type_, **kw)
+
+
+def _refuse(names: tuple[str, ...], text: str) -> list[Flag]:
+    return [Flag(name, REFUSED, text) for name in names]
+
+
+_NO_KERNEL = "there is no such fused kernel here, so nothing to disable"
+_SDPA = "attention always runs through torch SDPA, which picks flash attention where it can"
+_TENSORBOARD = ("with --tensorboard-dir every scalar is written at each --log-interval: loss, lr, "
+                "grad norm, loss scale, throughput, memory, timers, validation loss and ppl")
+_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
+                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                    "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullTokenizer",
+                    "NullMultimodalTokenizer", "SFTTokenizer")
+_MOE = "Mixture-of-Experts is not implemented"
+
+FLAGS: tuple[Flag, ...] = (
+    # Model shape. Later rows win over earlier ones they overlap, as in Megatron-LM.
+    _impl("--num-layers", "model.num_layers", int, "Transformer layers."),
+    _impl("--hidden-size", "model.hidden_size", int, "Hidden size."),
+    _impl("--ffn-hidden-size", "model.ffn_hidden_size", int,
+          "MLP hidden size; default 4 x hidden, or int(8 x hidden / 3 / 64) x 64 with --swiglu."),
+    _impl("--num-attention-heads", "model.num_attention_heads", int, "Attention heads."),
+    _impl("--group-query-attention", None, None,
+          "Grouped-query attention with --num-query-groups groups; alone it means 1 group "
+          "(multi-query), as in Megatron-LM."),
+    _impl("--num-query-groups", "model.num_query_groups", int,
+          "Key/value heads; only with --group-query-attention (Megatron-LM silently ignores it "
+          "without; here that is an error)."),
+    _impl("--kv-channels", "model.kv_channels", int, "Per-head dim; default hidden / heads."),
+    _impl("--seq-length", "model.seq_length", int, "Sequence length."),
+    _impl("--max-position-embeddings", "model.max_position_embeddings", int,
+          "Learned position table size; default --seq-length."),
+    _impl("--position-embedding-type", "model.position_embedding_type", str,
+          "Position encoding.", choices=("learned_absolute", "rope", "mrope", "relative", "none"),
+          supported=("learned_absolute", "rope"),
+          unsupported="only learned_absolute and rope positions are implemented"),
+    _impl("--use-rotary-position-embeddings", "model.position_embedding_type", None,
+          "Megatron-LM's older spelling of --position-embedding-type rope.", const="rope"),
+    _impl("--rotary-base", "model.rotary_base", float, "RoPE base (theta)."),
+    _impl("--normalization", "model.normalization", str, "Norm layer.",
+          choices=("LayerNorm", "RMSNorm")),
+    _impl("--norm-epsilon", "model.norm_epsilon", float, "Norm epsilon."),
+    _impl("--swiglu", "model.swiglu", None, "SwiGLU MLP instead of GELU."),
+    _impl("--disable-bias-linear", "model.add_bias_linear", None, "No biases in linear layers.",
+          const=False),
+    _impl("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights",
+          None, "Separate output layer instead of the tied input embedding."),
+    _impl("--hidden-dropout", "model.hidden_dropout", float, "Dropout after attention and MLP."),
+    _impl("--attention-dropout", "model.attention_dropout", float, "Dropout on attention probs."),
+    _impl("--init-method-std", "model.init_method_std", float,
+          "Init std (output projections scaled by 1 / sqrt(2 x layers))."),
+    _impl("--vocab-size", "model.vocab_size", int,
+          "Vocabulary before padding, without a tokenizer (--mock-data) and for NullTokenizer; "
+          "default the preset's, else the family tokenizer's (GPT-2 50257, Llama-2 32000). With "
+          "--tokenizer-type the tokenizer's vocabulary is used, as in Megatron-LM."),
+    _impl("--make-vocab-size-divisible-by", "model.make_vocab_size_divisible_by", int,
+          "Pad the vocabulary to a multiple of this times TP."),
+    # Parallelism and memory.
+    _impl("--tensor-model-parallel-size", "train.tensor_model_parallel_size", int,
+          "Tensor-parallel degree."),
+    _impl("--pipeline-model-parallel-size", "train.pipeline_model_parallel_size", int,
+          "Pipeline-parallel degree.", supported=(1,),
+          unsupported="pipeline parallelism is not implemented yet"),
+    _impl("--sequence-parallel", "model.sequence_parallel", None,
+          "Shard norm and dropout activations over TP ranks; dropped with a notice at TP 1, as in "
+          "Megatron-LM."),
+    _impl("--recompute-granularity", "model.recompute_granularity", str,
+          "Recompute whole layers (full) or the attention core (selective).",
+          choices=("full", "selective")),
+    _impl("--recompute-method", "model.recompute_method", str,
+          "Which layers full recompute covers.", choices=("uniform", "block")),
+    _impl("--recompute-num-layers", "model.recompute_num_layers", int,
+          "Layers per recompute chunk (uniform) or recomputed layers (block)."),
+    _impl("--recompute-activations", "model.recompute_granularity", None,
+          "Megatron-LM's shorthand for --recompute-granularity selective.", const="selective"),
+    _impl("--ddp-bucket-size", "train.ddp_bucket_size", int,
+          "Elements per data-parallel all-reduce bucket."),
+    # Batch, optimizer and schedule.
+    _impl("--micro-batch-size", "train.micro_batch_size", int, "Samples per forward (default 1)."),
+    _impl("--global-batch-size", "train.global_batch_size", int,
+          "Samples per step; default micro x DP. Must be a multiple of micro x DP."),
+    _impl("--train-iters", "train.train_iters", int, "Run length in steps (or --train-samples)."),
+    _impl("--train-samples", "train.train_samples", int, "Run length in samples."),
+    _impl("--optimizer", None, str, "Optimizer.", choices=("adam", "sgd", "muon", "dist_muon"),
+          supported=("adam",),
+          unsupported="only Adam (AdamW, like Megatron-LM's adam) is implemented"),
+    _impl("--lr", "train.lr", float, "Peak learning rate (default 1e-4)."),
+    _impl("--min-lr", "train.min_lr", float, "Learning rate at the end of decay."),
+    _impl("--lr-decay-style", "train.lr_decay_style", str,
+          "Decay shape (default linear, as in Megatron-LM).",
+          choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+          supported=("constant", "linear", "cosine"),
+          unsupported="only constant, linear and cosine decay are implemented"),
+    _impl("--lr-decay-iters", "train.lr_decay_iters", int, "Decay length; default the whole run."),
+    _impl("--lr-warmup-iters", "train.lr_warmup_iters", int, "Linear warmup steps."),
+    _impl("--lr-warmup-fraction", "train.lr_warmup_fraction", float,
+          "Warmup as a fraction of the decay steps."),
+    _impl("--weight-decay", "train.weight_decay", float, "AdamW weight decay."),
+    _impl("--adam-beta1", "train.adam_beta1", float, "Adam beta1."),
+    _impl("--adam-beta2", "train.adam_beta2", float, "Adam beta2."),
+    _impl("--adam-eps", "train.adam_eps", float, "Adam epsilon."),
+    _impl("--clip-grad", "train.clip_grad", float, "Global gradient-norm clip (0 = off)."),
+    # Precision.
+    _impl("--bf16", "train.bf16", None, "bf16 parameters, fp32 main grads and master weights."),
+    _impl("--fp16", "train.fp16", None, "fp16 parameters with dynamic loss scaling."),
+    _impl("--initial-loss-scale", "train.initial_loss_scale", float, "fp16: first loss scale."),
+    _impl("--min-loss-scale", "train.min_loss_scale", float, "fp16: loss-scale floor."),
+    _impl("--loss-scale-window", "train.loss_scale_window", int,
+          "fp16: clean steps before the scale grows."),
+    _impl("--hysteresis", "train.hysteresis", int, "fp16: overflows tolerated before shrinking."),
+    # Seed, logging, evaluation, data.
+    _impl("--seed", "train.seed", int, "Random seed."),
+    _impl("--log-interval", "train.log_interval", int, "Steps between log lines."),
+    _impl("--eval-interval", "train.eval_interval", int, "Steps between evaluations."),
+    _impl("--eval-iters", "train.eval_iters", int, "Batches per evaluation."),
+    _impl("--mock-data", "train.mock_data", None,
+          "Learnable synthetic data instead of --data-path."),
+    _impl("--data-path", "train.data_path", str,
+          "Indexed dataset prefix(es) (PREFIX.bin / PREFIX.idx): one, several (blended by size) "
+          "or weighted pairs `0.3 A 0.7 B`. finetune_llama.py: JSONL files of "
+          "{\"prompt\", \"response\"}.", nargs="+"),
+    _impl("--split", "train.split", str,
+          "Train,valid,test weights of every dataset's documents (default 969,30,1)."),
+    _impl("--tokenizer-type", "train.tokenizer_type", str,
+          "Tokenizer (required with --data-path); its vocabulary sets the model's.",
+          choices=_TOKENIZER_TYPES,
+          supported=("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                     "HuggingFaceTokenizer", "Llama2Tokenizer", "NullTokenizer"),
+          unsupported="that tokenizer type is not implemented"),
+    _impl("--tokenizer-model", "train.tokenizer_model", str,
+          "sentencepiece model file, or a local Hugging Face tokenizer directory."),
+    _impl("--vocab-file", "train.vocab_file", str, "GPT2BPETokenizer: vocab.json."),
+    _impl("--merge-file", "train.merge_file", str, "GPT2BPETokenizer: merges.txt."),
+    _impl("--eod-mask-loss", "train.eod_mask_loss", None,
+          "Leave end-of-document tokens out of the loss."),
+    _impl("--data-cache-path", "train.data_cache_path", str,
+          "Where dataset index files are cached (default: index-cache beside the data)."),
+    # Checkpoints.
+    _impl("--save", "train.save", str,
+          "Checkpoint directory (Megatron-LM's layout: iter_NNNNNNN/mp_rank_XX/"
+          "model_optim_rng.pt, latest_checkpointed_iteration.txt written last); saved every "
+          "--save-interval, at the end and when an --exit-* condition stops the run."),
+    _impl("--save-interval", "train.save_interval", int, "Iterations between checkpoints."),
+    _impl("--load", "train.load", str,
+          "Resume from the checkpoint this directory's iteration file names: model, optimizer, "
+          "LR schedule, loss scaler, counters, RNG states. At another TP degree the model and "
+          "optimizer are re-sharded (the RNG streams restart from --seed). No checkpoint there: "
+          "a fresh start."),
+    _impl("--finetune", "train.finetune", None,
+          "With --load: weights only; the iteration, optimizer and RNG start fresh."),
+    _impl("--no-load-optim", "train.no_load_optim", None,
+          "With --load: keep a fresh optimizer and loss scaler."),
+    _impl("--no-load-rng", "train.no_load_rng", None,
+          "With --load: keep the RNG streams seeded from --seed."),
+    _impl("--no-save-optim", "train.no_save_optim", None,
+          "Leave the optimizer out of checkpoints (they then load with --no-load-optim)."),
+    _impl("--no-save-rng", "train.no_save_rng", None, "Leave the RNG states out of checkpoints."),
+    _impl("--exit-on-missing-checkpoint", "train.exit_on_missing_checkpoint", None,
+          "With --load: an error, not a fresh start, when the directory holds no checkpoint."),
+    _impl("--ckpt-format", None, str, "Checkpoint format.",
+          choices=("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
+          supported=("torch",),
+          unsupported="only the torch format (one file per tensor-parallel rank) is implemented"),
+    # Stopping early.
+    _impl("--exit-signal-handler", "train.exit_signal_handler", None,
+          "On SIGTERM (SLURM pre-emption): finish the iteration, save (with --save) and exit 0."),
+    _impl("--exit-duration-in-mins", "train.exit_duration_in_mins", int,
+          "Save (with --save) and exit 0 once the run has trained this long."),
+    _impl("--exit-interval", "train.exit_interval", int,
+          "Save (with --save) and exit 0 at the first iteration that is a multiple of this."),
+    # Logging.
+    _impl("--tensorboard-dir", "train.tensorboard_dir", str,
+          "TensorBoard scalars (rank 0): loss, lr, grad norm, loss scale, throughput, peak "
+          "memory, per-phase times, validation loss and perplexity. Needs the tensorboard "
+          "package."),
+    # Our own flags.
+    _ours("--model-preset", None, str,
+          "Start from a named architecture (megadomino.config.PRESETS); explicit shape flags "
+          "override its fields."),
+    _ours("--peak-tflops", "train.peak_tflops", float,
+          "Per-GPU peak TFLOP/s that MFU is measured against (default 989, H100/H200 bf16)."),
+    _ours("--gpus-per-node", "train.gpus_per_node", int,
+          "GPUs per node for node-aware groups; default LOCAL_WORLD_SIZE. Smaller lets one host "
+          "stand in for several nodes."),
+    _ours("--domino", "model.domino_batch_slices", None,
+          "Domino overlap with 2 batch slices (same as --domino-batch-slices 2).", const=2),
+    _ours("--domino-batch-slices", "model.domino_batch_slices", int,
+          "Domino: slices of each layer's batch whose TP all-reduces overlap compute (1 = off)."),
+    _ours("--domino-hidden-slices", "model.domino_hidden_slices", int,
+          "Domino: chunks of the MLP's hidden dim (1 = off)."),
+    # Accepted with a notice.
+    _notice("--use-flash-attn", _SDPA),
+    _notice("--attention-backend", _SDPA, str),
+    _notice("--no-masked-softmax-fusion", "no masked-softmax kernel: SDPA applies the causal mask"),
+    _notice("--attention-softmax-in-fp32", "SDPA picks the softmax precision (fp32 accumulation)"),
+    _notice("--no-bias-gelu-fusion", _NO_KERNEL),
+    _notice("--no-bias-swiglu-fusion", _NO_KERNEL),
+    _notice("--no-bias-dropout-fusion", _NO_KERNEL),
+    _notice("--no-rope-fusion", _NO_KERNEL),
+    _notice("--no-persist-layer-norm", _NO_KERNEL),
+    _notice("--no-gradient-accumulation-fusion", _NO_KERNEL),
+    _notice("--cross-entropy-loss-fusion", "the vocab-parallel cross-entropy is always used"),
+    _notice("--overlap-grad-reduce",
+            "the data-parallel all-reduce always overlaps the backward, bucket by bucket"),
+    _notice("--accumulate-allreduce-grads-in-fp32",
+            "gradients always accumulate and all-reduce in fp32 main_grad buffers"),
+    _notice("--use-distributed-optimizer",
+            "accepted, but optimizer state is not sharded yet: every DP rank holds all of it "
+            "(ZeRO arrives with a later issue)"),
+    _notice("--use-mcore-models", "megadomino has one model implementation"),
+    _notice("--use-legacy-models", "megadomino has one model implementation"),
+    _notice("--transformer-impl", "megadomino has one model implementation (no Transformer Engine)",
+            str, choices=("local", "transformer_engine")),
+    _notice("--distributed-backend", "the backend is chosen for you: nccl with CUDA, gloo without",
+            str, choices=("nccl", "gloo")),
+    _notice("--no-async-tensor-model-parallel-allreduce",
+            "deprecated in Megatron-LM; TP communication overlap here is Domino's (--domino)"),
+    _notice("--no-create-attention-mask-in-dataloader", "no attention mask is ever materialized"),
+    _notice("--num-workers", "samples are read in-process from memory-mapped files (mock data is "
+            "computed): there are no loader workers", int),
+    _notice("--log-throughput", "throughput (tokens/s, TFLOP/s/GPU, MFU) is on every log line"),
+    _notice("--timing-log-level", "the data, forward, backward and optimizer times are on every "
+            "log line", int),
+    _notice("--log-timers-to-tensorboard", _TENSORBOARD),
+    _notice("--log-validation-ppl-to-tensorboard", _TENSORBOARD),
+    _notice("--log-memory-to-tensorboard", _TENSORBOARD),
+    _notice("--tensorboard-log-interval", _TENSORBOARD, int),
+    _notice("--local-rank", "the local rank is read from LOCAL_RANK", int),
+    # Refused, with the reason.
+    Flag("--context-parallel-size", REFUSED, "context parallelism is not implemented", type=int,
+         supported=(1,)),
+    Flag("--expert-model-parallel-size", REFUSED, _MOE, type=int, supported=(1,)),
+    Flag("--rotary-percent", REFUSED, "partial rotary embeddings are not implemented", type=float,
+         supported=(1.0,)),
+    *_refuse(("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-grouped-gemm",
+              "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
+              "--moe-token-dispatcher-type", "--expert-tensor-parallel-size"), _MOE),
+    *_refuse(("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+              "--num-virtual-stages-per-pipeline-rank"),
+             "pipeline parallelism (interleaved or not) is not implemented yet"),
+    *_refuse(("--fp8-format", "--fp8-recipe", "--fp8-param-gather"),
+             "FP8 training is not implemented"),
+    *_refuse(("--pretrained-checkpoint",), "use --load DIR --finetune"),
+    *_refuse(("--use-checkpoint-args",),
+             "the architecture comes from the flags; a checkpoint that disagrees is an error "
+             "naming the field"),
+    *_refuse(("--async-save",), "checkpoints are written synchronously"),
+    *_refuse(("--train-data-path", "--valid-data-path", "--test-data-path"),
+             "separate per-split datasets are not implemented: use --data-path with --split"),
+    *_refuse(("--wandb-project",), "Weights & Biases logging is not implemented"),
+    *_refuse(("--zero-stage",), "ZeRO arrives with the ZeRO++ issue (a megadomino flag, reserved)"),
+    *_refuse(("--use-torch-fsdp2", "--use-megatron-fsdp"),
+             "FSDP is not implemented; ZeRO arrives with the ZeRO++ issue"),
+    *_refuse(("--tp-comm-overlap",),
+             "Transformer Engine's GEMM overlap is not used: TP overlap here is --domino"),
+    *_refuse(("--rampup-batch-size",), "batch-size ramp-up is not implemented"),
+    *_refuse(("--lr-decay-samples", "--lr-warmup-samples"),
+             "sample-based LR schedules are not implemented: use --lr-decay-iters and "
+             "--lr-warmup-iters with --train-iters"),
+    *_refuse(("--loss-scale",), "a static loss scale is not implemented (--fp16 is dynamic)"),
+    *_refuse(("--qk-layernorm",), "QK normalization is not implemented"),
+    *_refuse(("--apply-layernorm-1p",), "zero-centred norm weights are not implemented"),
+    *_refuse(("--apply-residual-connection-post-layernorm",),
+             "post-norm residuals are not implemented (blocks are pre-norm)"),
+    *_refuse(("--add-qkv-bias",), "a QKV-only bias is not implemented (see --disable-bias-linear)"),
+    *_refuse(("--squared-relu", "--openai-gelu", "--quick-geglu"),
+             "only GELU and SwiGLU MLPs are implemented"),
+    *_refuse(("--rotary-interleaved", "--use-rope-scaling",
+              "--rotary-seq-len-interpolation-factor"), "only plain, unscaled RoPE is implemented"),
+    *_refuse(("--multi-latent-attention",), "multi-latent attention is not implemented"),
+    *_refuse(("--init-method-xavier-uniform", "--embedding-init-method-std"),
+             "only normal init with --init-method-std is implemented"),
+    *_refuse(("--distribute-saved-activations",), "distributed activation recompute is not "
+             "implemented"),
+)
+
+FINETUNE_FLAGS: tuple[Flag, ...] = (
+    _ours("--hf-checkpoint", "train.hf_checkpoint", str,
+          "Start from this Hugging Face Llama directory (config.json + safetensors); it also "
+          "gives the architecture, which explicit shape flags may only repeat."),
+    _ours("--prompt-template", "train.prompt_template", str,
+          "How a prompt is laid out before its response, with {prompt} where it goes, e.g. "
+          "'[INST] {prompt} [/INST]' (default '{prompt}')."),
+)
+"""finetune_llama.py's flags, beside FLAGS."""
