@@ -72,7 +72,8 @@ def hf_setup(tmp_path_factory):
     with torch.no_grad():
         logits = model(tokens).logits
     out = {"single": str(root / "out_single"), "sharded": str(root / "out_sharded"),
-           "checkpoint": str(root / "checkpoint_tp2")}
+           "checkpoint": str(root / "checkpoint_tp2"), "blocked": str(root / "a_file" / "hf")}
+    (root / "a_file").write_text("not a directory")
     results = run_cases(2, _rank_cases, single, sharded, tokens, logits, out)
     return model, single, sharded, out, results
 
@@ -94,6 +95,12 @@ def _rank_cases(single: str, sharded: str, tokens: torch.Tensor, logits: torch.T
     runner.run("save_single", save_llama, models[2], out["single"])
     runner.run("save_sharded", save_llama, models[2], out["sharded"],
                max_shard_bytes=SHARD_BYTES)
+
+    def save_fails_on_every_rank() -> None:
+        with pytest.raises(OSError, match="rank 0 could not write into .*a_file"):
+            save_llama(models[2], out["blocked"])
+
+    runner.run("save_error", save_fails_on_every_rank)
     runner.run("convert_tp2", convert_hf_llama.hf_to_megadomino, sharded, out["checkpoint"],
                dims[2], "float32")
     return runner.results
@@ -121,6 +128,10 @@ def test_saved_back_reloads_identical(hf_setup, kind):
     assert sorted(actual) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name
+
+
+def test_a_failed_write_raises_on_every_rank(hf_setup):
+    check_result(hf_setup[-1], "save_error")
 
 
 def hf_dict(**changes) -> dict:

@@ -241,35 +241,47 @@ def save_llama(model: LlamaModel, out_dir: str, dtype: str | None = None,
     it) with `model.safetensors.index.json` when it does not fit one file.
 
     Collective over the world: every rank calls it; the TP group of global rank 0 gathers the
-    parameters one at a time and rank 0 writes; all ranks return once the files are complete.
-    `dtype` defaults to the model's params_dtype."""
+    parameters one at a time and rank 0 writes; all ranks return once the files are complete, or
+    all raise the same OSError when rank 0 could not write. `dtype` defaults to the model's
+    params_dtype."""
     config, dims = model.config, model.dims
     dtype = dtype or config.params_dtype
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    writes = dims.rank == 0
+    error = None
     if dims.dp_rank == 0 and dims.pp_rank == 0:
-        if writes:
-            os.makedirs(out_dir, exist_ok=True)
-        _write_weights(model, out_dir, DTYPES[dtype], max_shard_bytes, writes)
-        if writes:
+        error = _write_weights(model, out_dir, DTYPES[dtype], max_shard_bytes, dims.rank == 0)
+    if dims.rank == 0 and error is None:
+        try:
             with open(os.path.join(out_dir, "config.json"), "w") as f:
                 json.dump(hf_config_from(config, dtype), f, indent=2)
+        except OSError as err:
+            error = f"could not write {out_dir}/config.json: {err}"
     if dist.is_initialized():
-        dist.barrier()
+        # Also the barrier: no rank returns before the files are complete.
+        errors: list[str | None] = [None] * dims.world_size
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise OSError(f"save_llama: rank 0 {error}")
 
 
 def _write_weights(model: LlamaModel, out_dir: str, dtype: torch.dtype, max_shard_bytes: int,
-                   writes: bool) -> None:
+                   writes: bool) -> str | None:
+    """Gather every parameter (collective over TP) and, if `writes`, write the safetensors
+    files and index as they complete. After a failed write the gathers go on (the other TP ranks
+    are in them) and the error is returned."""
     from safetensors.torch import save_file
 
     layout, shapes = weight_layout(model.config), hf_shapes(model.config)
-    files = _plan_files(model.config, dtype, max_shard_bytes)
+    files = _plan_files(model.config, [name for name, _ in model.named_parameters()], dtype,
+                        max_shard_bytes)
     tensors_per_file = Counter(files.values())
     pending: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    error = None
     for name, param in model.named_parameters():
         full = gather_full(param.detach(), param, model.dims).cpu()
-        if not writes:
+        if not writes or error is not None:
             continue
         offset = 0
         for block in layout[name]:
@@ -279,21 +291,31 @@ def _write_weights(model: LlamaModel, out_dir: str, dtype: torch.dtype, max_shar
                 tensors[block.name] = torch.empty(shapes[block.name], dtype=dtype)
             tensors[block.name][block.start:block.stop] = full[offset:offset + rows]
             offset += rows
-        for file_name in {files[block.name] for block in layout[name]}:
-            if len(pending[file_name]) == tensors_per_file[file_name]:
-                save_file(pending.pop(file_name), os.path.join(out_dir, file_name),
-                          metadata={"format": "pt"})
-    if writes and len(set(files.values())) > 1:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            for file_name in {files[block.name] for block in layout[name]}:
+                if len(pending[file_name]) == tensors_per_file[file_name]:
+                    save_file(pending.pop(file_name), os.path.join(out_dir, file_name),
+                              metadata={"format": "pt"})
+        except OSError as err:
+            error = f"could not write into {out_dir}: {err}"
+    if writes and error is None and len(tensors_per_file) > 1:
         total = sum(torch.Size(shape).numel() for shape in shapes.values()) * dtype.itemsize
-        with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": files}, f, indent=2)
+        try:
+            with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": files}, f, indent=2)
+        except OSError as err:
+            error = f"could not write {out_dir}/{SAFETENSORS_INDEX}: {err}"
+    return error
 
 
-def _plan_files(config: ModelConfig, dtype: torch.dtype, max_shard_bytes: int) -> dict[str, str]:
-    """HF tensor name -> output file, filling files in parameter order up to max_shard_bytes."""
-    shapes = hf_shapes(config)
-    ordered = list(dict.fromkeys(block.name for blocks in weight_layout(config).values()
-                                 for block in blocks))
+def _plan_files(config: ModelConfig, parameter_order: list[str], dtype: torch.dtype,
+                max_shard_bytes: int) -> dict[str, str]:
+    """HF tensor name -> output file, filled in the order the parameters are gathered (so that
+    a file completes before the next one starts) up to max_shard_bytes."""
+    shapes, layout = hf_shapes(config), weight_layout(config)
+    ordered = list(dict.fromkeys(block.name for name in parameter_order
+                                 for block in layout[name]))
     groups: list[list[str]] = [[]]
     size = 0
     for name in ordered:
