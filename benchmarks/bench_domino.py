@@ -225,7 +225,7 @@ def run_peer(peer, row, config, family, micro_batch, dims, args, result, measure
     if peer == "deepspeed" and family != "gpt":
         result["skipped"][peer] = "DeepSpeed's Domino has LayerNorm only and no GQA"
         return
-    shape = peers.Shape(name=row, family=family, hidden=config.hidden_size,
+    shape = peers.LayerShape(name=row, family=family, hidden=config.hidden_size,
                         heads=config.num_attention_heads, query_groups=config.num_query_groups,
                         ffn=config.ffn_hidden_size, seq=config.seq_length, micro_batch=micro_batch)
     builder = peers.build_megatron_block if peer == "megatron" else peers.build_deepspeed_domino
