@@ -1,0 +1,9 @@
+"""ZeRO stage 1 / 3 over the data-parallel group, with ZeRO++'s quantized weights (qwZ),
+hierarchical partitioning (hpZ) and quantized gradients (qgZ): `ZeroPlusPlus(model, dims,
+optimizer_factory, ZeroConfig(...))`. See optimizer.py for how a training loop drives it."""
+
+from megadomino.zero.collectives import CommCounter
+from megadomino.zero.config import ZeroConfig
+from megadomino.zero.optimizer import ZeroPlusPlus
+
+__all__ = ["CommCounter", "ZeroConfig", "ZeroPlusPlus"]

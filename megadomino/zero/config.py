@@ -1,0 +1,79 @@
+"""ZeroConfig: which ZeRO stage, and which of ZeRO++'s three communication cuts are on.
+
+Field names follow the command-line flags they will be wired to (`--zero-stage`,
+`--zeropp-quantized-weights`, `--zeropp-hpz-partition-size`, `--zeropp-quantized-gradients`,
+`--zeropp-gradient-bits`, `--zeropp-block-size`); errors name the flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megadomino.config import _check
+
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 3
+    """1: optimizer states and fp32 masters sharded over DP, gradients reduce-scattered, parameters
+    all-gathered after the step (Megatron's --use-distributed-optimizer). 3: parameters too."""
+    quantized_weights: bool = False
+    """qwZ (stage 3): each forward all-gather sends the weight shard block-quantized to
+    `weight_bits` and dequantizes it on arrival."""
+    weight_bits: int = 8
+    hpz_partition_size: int = 1
+    """hpZ (stage 3): 1 = off; else the DP ranks of one node (dims.dp_per_node), which then keep a
+    secondary copy of every gathered parameter partitioned among themselves, so that backward and
+    further micro-batches of a step gather inside the node only."""
+    quantized_gradients: bool = False
+    """qgZ: the gradient reduce-scatter becomes the hierarchical quantized all-to-all."""
+    gradient_bits: int = 4
+    block_size: int = 2048
+    """Elements per quantization block (one fp32 scale each), for weights and gradients."""
+    prefetch: bool = True
+    """Stage 3: start gathering the next unit (layer) while this one computes."""
+    reduce_dtype: str = "float32"
+    """The dtype the plain reduce-scatter sends ('float32', 'bfloat16', 'float16'); gradients are
+    accumulated and the result is kept in fp32 either way. qgZ quantizes from fp32."""
+    on_nonfinite: str = "skip"
+    """A step whose gradients hold inf/NaN on any rank: 'skip' it (the fp16 loss scaler backs off)
+    or 'error' (FloatingPointError on every rank)."""
+
+    def __post_init__(self) -> None:
+        _check(self.stage in (1, 3), "--zero-stage", self.stage, "1 or 3")
+        _check(self.weight_bits in (4, 8), "weight_bits", self.weight_bits, "4 or 8")
+        _check(self.gradient_bits in (4, 8), "--zeropp-gradient-bits", self.gradient_bits,
+               "4 or 8")
+        # Even, so that int4 halves pack into whole bytes inside every block.
+        _check(self.block_size >= 2 and self.block_size % 2 == 0, "--zeropp-block-size",
+               self.block_size, "an even integer >= 2")
+        _check(self.hpz_partition_size >= 1, "--zeropp-hpz-partition-size",
+               self.hpz_partition_size, ">= 1")
+        _check(self.reduce_dtype in REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype,
+               f"one of {sorted(REDUCE_DTYPES)}")
+        _check(self.on_nonfinite in ("skip", "error"), "on_nonfinite", self.on_nonfinite,
+               "'skip' or 'error'")
+        if self.stage == 1:
+            _check(not self.quantized_weights, "--zeropp-quantized-weights", True,
+                   "off at --zero-stage 1 (parameters are not partitioned, nothing is gathered "
+                   "before use)")
+            _check(self.hpz_partition_size == 1, "--zeropp-hpz-partition-size",
+                   self.hpz_partition_size, "1 at --zero-stage 1")
+
+    @property
+    def hpz(self) -> bool:
+        return self.hpz_partition_size > 1
+
+    def check_dims(self, dims) -> None:
+        """Refuse an hpZ partition that is not one node's DP ranks (the only secondary group the
+        process grid provides)."""
+        if self.hpz:
+            _check(self.hpz_partition_size == dims.dp_per_node, "--zeropp-hpz-partition-size",
+                   self.hpz_partition_size,
+                   f"1 or the data-parallel ranks per node ({dims.dp_per_node}: "
+                   f"--gpus-per-node {dims.gpus_per_node} / tensor-parallel {dims.tp})")
+

@@ -1,0 +1,158 @@
+"""Gradients: per-unit fp32 flat buffers, reduce-scattered (plain or qgZ) into fp32 shards.
+
+A post-accumulate-grad hook moves each parameter's `.grad` (any dtype) into its unit's fp32 flat
+buffer and frees `.grad`. Stage 1 keeps one flat buffer per unit for the whole step, accumulating
+micro-batches in fp32 (`no_sync()` defers the reduction to the last micro-batch, as with
+`training.ddp.GradBuffer`). Stage 3 has no whole-gradient storage: a unit's buffer exists from its
+first gradient until its reduction, so every backward reduces, inside `no_sync()` or not.
+
+Once a unit's gradients are all in (or at `finish()`, for units with parameters that got none),
+its buffer is reduced over the DP group (plain: divided by dp, then reduce-scatter; qgZ: see
+`collectives.reduce_scatter_quantized`) and the result, this rank's chunk of the DP average, is
+added into `grad_shards[i]`, fp32 [shard_numel], zeroed by `zero_grad()`. qgZ sets
+`found_nonfinite` when a gradient it quantizes holds inf/NaN; the step all-reduces the flag with
+the grad norm (which catches inf/NaN on the plain path) and skips or raises on every rank alike.
+
+Ordering assumptions:
+  * Reductions are launched in backward unit order (the last layer first, the root last),
+    whatever order autograd fires the hooks in: a unit that completes early waits for the units
+    before it. At most one reduction is in flight; launching the next finishes it. So every DP
+    rank issues the same collectives in the same order.
+  * A parameter reports at most once per backward (one AccumulateGrad per leaf per graph).
+  * CUDA: as GradBuffer, the hooks run on the stream of the parameter's gradient, collectives
+    are enqueued after the work queued there, and waits make the current stream wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from megadomino.zero import collectives
+from megadomino.zero.collectives import CommCounter, Pending
+from megadomino.zero.config import REDUCE_DTYPES, ZeroConfig
+from megadomino.zero.params import MemoryMeter
+from megadomino.zero.partition import FlatUnit
+
+
+class GradReducer:
+    """The gradient path of both stages; `on_unit_done(i)` is called once unit i's gradients of
+    this backward are all in its buffer (stage 3 frees its gathered parameters there)."""
+
+    def __init__(self, units: list[FlatUnit], dims, config: ZeroConfig, comm: CommCounter,
+                 meter: MemoryMeter, on_unit_done: Callable[[int], None] | None = None):
+        self.units, self.dims, self.config, self.comm, self.meter = units, dims, config, comm, \
+            meter
+        self.on_unit_done = on_unit_done
+        device = units[0].params[0].device
+        self.grad_shards = [torch.zeros(u.shard_numel, device=device) for u in units]
+        self.found_nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        self.persistent = config.stage == 1
+        self.buffers: list[torch.Tensor | None] = [None] * len(units)
+        if self.persistent:
+            self.buffers = [torch.zeros(u.padded_numel, device=device) for u in units]
+            for buffer in self.buffers:
+                meter.hold(buffer)
+        self.order = list(range(len(units)))[::-1]
+        self._position_in_order = {index: n for n, index in enumerate(self.order)}
+        self._where: dict[int, tuple[int, int]] = {}
+        for index, unit in enumerate(units):
+            for position, param in enumerate(unit.params):
+                self._where[id(param)] = (index, position)
+                param.register_post_accumulate_grad_hook(self._on_grad)
+        self._reported = [0] * len(units)
+        self._next = 0
+        self._inflight: tuple[int, Pending] | None = None
+        self._sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stage 1: backward inside only accumulates (reduce on the last micro-batch). Stage 3:
+        no effect (see the module docstring)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    @property
+    def syncing(self) -> bool:
+        return self._sync or not self.persistent
+
+    def zero_grad(self) -> None:
+        """Zero the shards (and stage 1's buffers) and the non-finite flag; start of a step."""
+        if self._inflight is not None or self._next:
+            raise RuntimeError("zero_grad() during a backward's reduction: call "
+                               "engine.backward() to the end first")
+        for shard in self.grad_shards:
+            shard.zero_()
+        if self.persistent:
+            for buffer in self.buffers:
+                buffer.zero_()
+        self.found_nonfinite.zero_()
+
+    def finish(self) -> None:
+        """After backward: reduce every unit not reduced yet (in order) and wait for all."""
+        if self.syncing:
+            self._launch_ready(force=True)
+            self._finish_inflight()
+        self._next = 0
+        self._reported = [0] * len(self.units)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        index, position = self._where[id(param)]
+        unit = self.units[index]
+        if self.syncing and self._position_in_order[index] < self._next:
+            raise RuntimeError(
+                f"a gradient for {unit.name} arrived after its reduction was launched: a "
+                "parameter must receive its gradient once per backward")
+        if self.buffers[index] is None:
+            self.buffers[index] = torch.zeros(unit.padded_numel, device=param.grad.device)
+            self.meter.hold(self.buffers[index])
+        start = unit.offsets[position]
+        self.buffers[index][start:start + param.numel()].add_(param.grad.reshape(-1))
+        param.grad = None
+        self._reported[index] += 1
+        if self._reported[index] == len(unit.params) and self.on_unit_done is not None:
+            self.on_unit_done(index)
+        if self.syncing:
+            self._launch_ready(force=False)
+
+    def _launch_ready(self, force: bool) -> None:
+        """Launch units in backward order while the next one is complete (any, if `force`)."""
+        while self._next < len(self.order):
+            index = self.order[self._next]
+            if not force and self._reported[index] < len(self.units[index].params):
+                return
+            self._finish_inflight()
+            self._inflight = (index, self._launch(index))
+            self._next += 1
+
+    def _launch(self, index: int) -> Pending:
+        unit, config = self.units[index], self.config
+        if self.buffers[index] is None:
+            self.buffers[index] = torch.zeros(unit.padded_numel, device=self.grad_shards[0].device)
+            self.meter.hold(self.buffers[index])
+        flat = self.buffers[index]
+        if self.dims.dp == 1:
+            return Pending(lambda: flat)
+        if config.quantized_gradients:
+            return collectives.reduce_scatter_quantized(
+                self.comm, flat, self.dims, config.gradient_bits, config.block_size,
+                self.found_nonfinite)
+        flat.div_(self.dims.dp)
+        return collectives.reduce_scatter(self.comm, flat, self.dims.dp_group,
+                                          REDUCE_DTYPES[config.reduce_dtype])
+
+    def _finish_inflight(self) -> None:
+        if self._inflight is None:
+            return
+        index, pending = self._inflight
+        self._inflight = None
+        self.grad_shards[index].add_(pending.wait())
+        if not self.persistent:
+            self.meter.drop(self.buffers[index])
+            self.buffers[index] = None

@@ -1,0 +1,159 @@
+"""ZeroPlusPlus: sharded data parallelism (ZeRO stage 1 or 3) with ZeRO++'s qwZ, hpZ and qgZ.
+
+    engine = ZeroPlusPlus(model, dims, optimizer_factory, ZeroConfig(stage=3, ...),
+                          clip_grad=1.0, loss_scaler=None)
+
+The engine shards over `dims.dp_group`; tensor parallelism is orthogonal (each TP rank shards its
+own TP shards alike). It takes over the model's parameters: at stage 3 they are empty outside a
+forward or backward, so read weights through `full_state_dict()`.
+
+How a training loop uses it (the same calls as `training.ddp.GradBuffer` +
+`training.optimizer.MixedPrecisionAdamW`, which it replaces when --zero-stage is given):
+
+    engine.set_lr(lr)
+    for micro in range(num_micro):                  # gradients start zeroed
+        with engine.no_sync() if micro < num_micro - 1 else contextlib.nullcontext():
+            loss = engine(tokens, labels=labels, loss_mask=mask).sum() / mask.sum()
+            engine.backward(loss / num_micro)       # not loss.backward(): fp16 scaling, reduction
+    result = engine.step()                          # training.optimizer.StepResult; zeroes grads
+    engine.loss_scaler                              # for logging, as MixedPrecisionAdamW's
+    checkpoint: engine.state_dict() / engine.load_state_dict() on every rank (sharded: DP rank r
+    saves its own), engine.full_state_dict() for the unsharded weights (identical on all ranks)
+
+`no_sync()` defers the reduction to the last micro-batch at stage 1; stage 3 reduces every
+backward (it has no whole-gradient buffer to accumulate in), so there it changes nothing.
+Non-trainable parameters are left alone (whole on every rank, not optimized).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from megadomino.config import ConfigError
+from megadomino.training.optimizer import DynamicLossScaler, StepResult
+from megadomino.zero.collectives import CommCounter
+from megadomino.zero.config import ZeroConfig
+from megadomino.zero.grads import GradReducer
+from megadomino.zero.params import FullParams, MemoryMeter, PartitionedParams
+from megadomino.zero.partition import FlatUnit, find_units
+from megadomino.zero.sharded import OptimizerFactory, ShardedOptimizer
+
+
+class ZeroPlusPlus:
+    """The engine; every method but `__call__` and `no_sync` is collective over the DP group
+    (`step` over the world), so every rank calls them in the same order."""
+
+    def __init__(self, model: nn.Module, dims, optimizer_factory: OptimizerFactory,
+                 config: ZeroConfig, *, clip_grad: float = 0.0,
+                 loss_scaler: DynamicLossScaler | None = None):
+        config.check_dims(dims)
+        if config.stage == 3 and getattr(getattr(model, "config", None), "domino_enabled", False):
+            raise ConfigError("--zero-stage 3 gathers each layer in the layer's forward hook, "
+                              "which the Domino schedule bypasses: use --zero-stage 1 with Domino")
+        self.model, self.dims, self.config = model, dims, config
+        self.loss_scaler = loss_scaler
+        self.comm = CommCounter(dims.gpus_per_node)
+        self.meter = MemoryMeter()
+        found = find_units(model)
+        self.units = [FlatUnit(name, params, dims.dp, dims.dp_rank) for name, _, params in found]
+        if config.stage == 1:
+            self.params: FullParams | PartitionedParams = FullParams(self.units, dims, self.comm)
+            on_unit_done = None
+        else:
+            self.params = PartitionedParams(self.units, [m for _, m, _ in found], model, dims,
+                                            config, self.comm, self.meter)
+            on_unit_done = self.params.release
+        self.grads = GradReducer(self.units, dims, config, self.comm, self.meter, on_unit_done)
+        self.optimizer = ShardedOptimizer(self.units, self.params.shards, self.grads.grad_shards,
+                                          dims, self.comm, optimizer_factory, clip_grad,
+                                          loss_scaler, config.on_nonfinite)
+
+    def __call__(self, *args, **kwargs):
+        """The model's forward (stage 3: with the gathers its hooks issue)."""
+        return self.model(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.grads.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` (times the loss scale in fp16) and the DP reduction of gradients,
+        finished before returning."""
+        if self.loss_scaler is not None:
+            loss = loss * self.loss_scaler.scale
+        loss.backward()
+        self.grads.finish()
+        self.params.release_all()
+
+    def step(self) -> StepResult:
+        """Clip, step the sharded optimizer and make the model see the new weights (stage 1:
+        all-gather; stage 3: next gathers, hpZ copies dropped); then zero the gradients. A step
+        with inf/NaN gradients is skipped (see ZeroConfig.on_nonfinite)."""
+        self.params.release_all()
+        result = self.optimizer.step(self.grads.found_nonfinite)
+        if not result.skipped:
+            self.params.refresh()
+        self.grads.zero_grad()
+        return result
+
+    def zero_grad(self) -> None:
+        self.grads.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        self.optimizer.set_lr(lr)
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    def _layout(self) -> dict:
+        dims = self.dims
+        return {"stage": self.config.stage, "dp": dims.dp, "dp_rank": dims.dp_rank, "tp": dims.tp,
+                "tp_rank": dims.tp_rank, "units": [(u.name, u.padded_numel) for u in self.units]}
+
+    def state_dict(self) -> dict:
+        """This rank's shard: optimizer state, fp32 masters (the weights), loss scaler, layout.
+        Tensors are references: serialize before the next step."""
+        return {"layout": self._layout(), **self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load this rank's shard (saved by the same DP rank of the same layout), then refresh the
+        parameters: stage 1 all-gathers, stage 3 drops gathered and hpZ secondary copies."""
+        if state["layout"] != self._layout():
+            raise ValueError(f"checkpoint layout {state['layout']} does not match this engine's "
+                             f"{self._layout()}: sharded state loads only at the same stage, "
+                             "degrees and rank (use full_state_dict to change them)")
+        self.params.release_all()
+        self.optimizer.load_state_dict(state)
+        self.params.refresh()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded weights on CPU, the same on every rank: the model's `full_state_dict()`
+        (unsharded over TP too) where it has one, else its named parameters gathered over DP."""
+        self.params.materialize()
+        try:
+            if hasattr(self.model, "full_state_dict"):
+                return self.model.full_state_dict()
+            return {name: param.detach().cpu().clone()
+                    for name, param in self.model.named_parameters()}
+        finally:
+            self.params.release_all()
+
+    def memory_stats(self) -> dict[str, int | None]:
+        """Bytes this rank holds: persistent (parameters: whole at stage 1, this rank's shards at
+        stage 3; fp32 masters where the parameters are not fp32; optimizer state; gradient
+        shards), the peak of the transient buffers the engine tracks (gathered units, hpZ copies,
+        gradient buffers; stage 1's whole fp32 gradient buffers count here from the start) and,
+        on CUDA, the device's peak allocation."""
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+        masters = [m for m, s in zip(self.optimizer.masters, self.params.shards) if m is not s]
+        states = [v for state in self.optimizer.optimizer.state.values() for v in state.values()
+                  if isinstance(v, torch.Tensor)]
+        device = self.optimizer.masters[0].device
+        return {"params": self.params.nbytes, "masters": size(masters),
+                "optimizer_state": size(states), "grad_shards": size(self.grads.grad_shards),
+                "transient_peak": self.meter.peak,
+                "device_peak": torch.cuda.max_memory_allocated(device)
+                if device.type == "cuda" else None}
+

@@ -1,0 +1,241 @@
+"""Where the parameters live: whole on every rank (stage 1) or partitioned and gathered per unit
+just before use (stage 3, with qwZ and hpZ).
+
+Both holders keep, per unit, this rank's chunk of the flat parameters in the model's dtype
+(`shards[i]`, [shard_numel]), which the optimizer's fp32 masters are copied into after a step, and
+`refresh()` makes the model see the new values (stage 1: all-gather into the parameters; stage 3:
+drop every gathered copy and hpZ secondary, so that the next gather fetches the new shards).
+
+Stage 3 mechanics. Outside a unit's use its parameters' `.data` is an empty tensor. A forward
+pre-hook on the unit's module waits for (or issues) the gather, points every parameter at its view
+of the gathered flat buffer and launches the next unit's gather asynchronously (prefetch), so that
+it overlaps this unit's compute. A forward hook frees the unit again (the root unit, holding the
+embeddings and the output layer, is kept while grad is enabled: backward needs it first) and, when
+grad is enabled, threads the unit's outputs through `_BeforeBackward`, whose backward gathers the
+unit again (and prefetches the unit before it) before autograd reaches the unit's own backward.
+The gradient reducer frees a unit once all its gradients have arrived; `release_all()` after
+backward frees the rest. Autograd keeps the *parameter* (not its data) for backward, so it reads
+whatever `.data` holds when backward runs: the re-gathered values.
+
+hpZ. The first gather of a unit after a refresh goes over the whole DP group (quantized with qwZ)
+and leaves each rank a secondary copy: its 1/P of the gathered flat buffer, P = the node's DP
+ranks. Later gathers (backward, further micro-batches) all-gather those copies inside the node,
+unquantized: forward and backward see the same (once-quantized) weights. `refresh()` (after each
+step and each checkpoint load) drops the copies.
+
+Collectives: gathers are issued from the hooks in unit order, which is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megadomino.zero import collectives
+from megadomino.zero.collectives import CommCounter, Pending
+from megadomino.zero.config import ZeroConfig
+from megadomino.zero.partition import FlatUnit
+
+
+class MemoryMeter:
+    """Bytes of the transient buffers the engine holds (gathered units, hpZ copies, gradient
+    buffers): the current total and its peak."""
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        self.current += tensor.numel() * tensor.element_size()
+        self.peak = max(self.peak, self.current)
+
+    def drop(self, tensor: torch.Tensor) -> None:
+        self.current -= tensor.numel() * tensor.element_size()
+
+
+class FullParams:
+    """Stage 1: each unit's parameters are views of one flat buffer; a step all-gathers it."""
+
+    def __init__(self, units: list[FlatUnit], dims, comm: CommCounter):
+        self.units, self.dims, self.comm = units, dims, comm
+        self.flats = []
+        for unit in units:
+            flat = unit.flatten([p.detach() for p in unit.params], _dtype_of(unit))
+            for param, view in zip(unit.params, unit.views(flat)):
+                param.data = view
+            self.flats.append(flat)
+        self.shards = [unit.shard(flat) for unit, flat in zip(units, self.flats)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of parameter storage held for good: every unit whole."""
+        return sum(flat.numel() * flat.element_size() for flat in self.flats)
+
+    def refresh(self) -> None:
+        """All-gather every unit's shard into the model's parameters."""
+        works = [self.comm.all_gather(flat, shard.clone(), self.dims.dp_group,
+                                      "weights step", async_op=True)
+                 for flat, shard in zip(self.flats, self.shards)]
+        for work in works:
+            work.wait()
+
+    def materialize(self) -> None:
+        """The parameters are always whole at stage 1."""
+
+    def release_all(self) -> None:
+        """Nothing is gathered on demand at stage 1."""
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity; its backward calls `hook` before the gradient flows on into the unit."""
+
+    @staticmethod
+    def forward(ctx, hook, x):
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hook()
+        return None, grad
+
+
+class PartitionedParams:
+    """Stage 3: units gathered on demand by module hooks (see the module docstring)."""
+
+    def __init__(self, units: list[FlatUnit], modules: list[nn.Module], root: nn.Module, dims,
+                 config: ZeroConfig, comm: CommCounter, meter: MemoryMeter):
+        self.units, self.dims, self.config, self.comm, self.meter = units, dims, config, comm, \
+            meter
+        self.shards: list[torch.Tensor] = []
+        for unit in units:
+            flat = unit.flatten([p.detach() for p in unit.params], _dtype_of(unit))
+            self.shards.append(unit.shard(flat).clone())
+            for param in unit.params:
+                param.data = _empty_like(param)
+        count = len(units)
+        self.full: list[torch.Tensor | None] = [None] * count
+        self.pending: list[Pending | None] = [None] * count
+        self.from_primary = [False] * count
+        self.secondary: list[torch.Tensor | None] = [None] * count
+        self.is_root = [module is root for module in modules]
+        for index, module in enumerate(modules):
+            module.register_forward_pre_hook(lambda _m, _a, i=index: self._before_forward(i))
+            module.register_forward_hook(
+                lambda _m, _a, output, i=index: self._after_forward(i, output))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of parameter storage held for good: this rank's shards."""
+        return sum(shard.numel() * shard.element_size() for shard in self.shards)
+
+    # ---- gather and release ----------------------------------------------------------------
+
+    def launch(self, index: int, tag: str) -> None:
+        """Start gathering unit `index` unless it is gathered or in flight (bytes counted under
+        `tag`)."""
+        if self.full[index] is not None or self.pending[index] is not None:
+            return
+        shard, dims, config = self.shards[index], self.dims, self.config
+        secondary = self.secondary[index]
+        self.from_primary[index] = secondary is None
+        if secondary is not None:
+            self.pending[index] = collectives.all_gather(self.comm, secondary,
+                                                         dims.intra_node_group, tag)
+        elif config.quantized_weights:
+            self.pending[index] = collectives.all_gather_quantized(
+                self.comm, shard, dims.dp_group, config.weight_bits, config.block_size, tag)
+        else:
+            self.pending[index] = collectives.all_gather(self.comm, shard, dims.dp_group, tag)
+
+    def fetch(self, index: int, tag: str) -> None:
+        """Make unit `index`'s parameters whole (wait for its gather; launch it if need be)."""
+        if self.full[index] is not None:
+            return
+        self.launch(index, tag)
+        full = self.pending[index].wait()
+        self.pending[index] = None
+        self.full[index] = full
+        self.meter.hold(full)
+        if self.config.hpz and self.from_primary[index]:
+            part = full.numel() // self.dims.dp_per_node
+            start = self.dims.intra_node_rank * part
+            self.secondary[index] = full[start:start + part].clone()
+            self.meter.hold(self.secondary[index])
+        for param, view in zip(self.units[index].params, self.units[index].views(full)):
+            param.data = view
+
+    def release(self, index: int) -> None:
+        """Free unit `index`'s gathered copy (waiting out a gather still in flight)."""
+        if self.pending[index] is not None:
+            self.pending[index].wait()
+            self.pending[index] = None
+        if self.full[index] is None:
+            return
+        for param in self.units[index].params:
+            param.data = _empty_like(param)
+        self.meter.drop(self.full[index])
+        self.full[index] = None
+
+    def release_all(self) -> None:
+        for index in range(len(self.units)):
+            self.release(index)
+
+    def materialize(self) -> None:
+        """Gather every unit exactly (unquantized, from the primary shards) until
+        release_all()."""
+        self.release_all()
+        for index, shard in enumerate(self.shards):
+            self.pending[index] = collectives.all_gather(self.comm, shard, self.dims.dp_group,
+                                                         "weights state dict")
+            self.from_primary[index] = False
+            self.fetch(index, "weights state dict")
+
+    def refresh(self) -> None:
+        """The shards changed: drop gathered copies and hpZ secondaries (the next gather of each
+        unit goes over the DP group and makes a new secondary)."""
+        self.release_all()
+        for index, secondary in enumerate(self.secondary):
+            if secondary is not None:
+                self.meter.drop(secondary)
+                self.secondary[index] = None
+
+    # ---- hooks -----------------------------------------------------------------------------
+
+    def _before_forward(self, index: int) -> None:
+        self.fetch(index, "weights forward")
+        if self.config.prefetch and index + 1 < len(self.units):
+            self.launch(index + 1, "weights forward")
+
+    def _after_forward(self, index: int, output):
+        if not torch.is_grad_enabled():
+            self.release(index)
+            return output
+        if self.is_root[index]:
+            return output
+        self.release(index)
+        hook = lambda: self._before_backward(index)  # noqa: E731
+        if isinstance(output, torch.Tensor):
+            return _BeforeBackward.apply(hook, output) if output.requires_grad else output
+        if isinstance(output, tuple):
+            return tuple(_BeforeBackward.apply(hook, x)
+                         if isinstance(x, torch.Tensor) and x.requires_grad else x
+                         for x in output)
+        return output
+
+    def _before_backward(self, index: int) -> None:
+        self.fetch(index, "weights backward")
+        if self.config.prefetch and index > 0:
+            self.launch(index - 1, "weights backward")
+
+
+def _dtype_of(unit: FlatUnit) -> torch.dtype:
+    dtypes = {p.dtype for p in unit.params}
+    if len(dtypes) != 1:
+        raise ValueError(f"ZeRO unit {unit.name} mixes parameter dtypes {sorted(map(str, dtypes))}:"
+                         " a unit is one flat buffer of one dtype")
+    return dtypes.pop()
+
+
+def _empty_like(param: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=param.dtype, device=param.device)

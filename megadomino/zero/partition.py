@@ -1,0 +1,105 @@
+"""Units and their flat layout: what is gathered, reduced and sharded together.
+
+A unit is one layer (each child of an `nn.ModuleList`, e.g. `decoder.layers[i]`) or the root: every
+parameter that is not used by exactly one layer (embeddings, the tied output weight, final norm).
+Stage 3 gathers a unit just before it runs; both stages reduce-scatter a unit's gradients as one
+flat buffer once all of them have arrived.
+
+A unit's parameters (this rank's TP shards, in registration order) are laid out back to back in
+one flat buffer of `numel` elements, padded with zeros to `padded_numel`, the next multiple of
+dp; DP rank r owns the contiguous chunk [r * shard_numel, (r + 1) * shard_numel).
+Layouts are identical on every DP rank and, the local shapes being equal, on every TP rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part [start, end) (flat coordinates) of parameter `index` that lies in this rank's
+    shard; `shard_start` is `start` relative to the shard."""
+
+    index: int
+    start: int
+    end: int
+    shard_start: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class FlatUnit:
+    """The flat layout of `params` over a DP group of `dp` ranks, seen from DP rank `dp_rank`."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], dp: int, dp_rank: int):
+        self.name = name
+        self.params = params
+        self.shapes = [p.shape for p in params]
+        self.offsets: list[int] = []
+        offset = 0
+        for param in params:
+            self.offsets.append(offset)
+            offset += param.numel()
+        self.numel = offset
+        self.padded_numel = -(-offset // dp) * dp
+        self.shard_numel = self.padded_numel // dp
+        self.shard_start = dp_rank * self.shard_numel
+        shard_end = self.shard_start + self.shard_numel
+        self.pieces = []
+        for index, (param, start) in enumerate(zip(params, self.offsets)):
+            lo, hi = max(start, self.shard_start), min(start + param.numel(), shard_end)
+            if lo < hi:
+                self.pieces.append(Piece(index, lo, hi, lo - self.shard_start))
+
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """[padded_numel] of `dtype`: the tensors (one per parameter) back to back, zero padded."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=tensors[0].device)
+        for tensor, start in zip(tensors, self.offsets):
+            flat[start:start + tensor.numel()].copy_(tensor.reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per parameter, its view (in its shape) into a [padded_numel] flat buffer."""
+        return [flat[start:start + shape.numel()].view(shape)
+                for start, shape in zip(self.offsets, self.shapes)]
+
+    def shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a [padded_numel] flat buffer (a view)."""
+        return flat[self.shard_start:self.shard_start + self.shard_numel]
+
+
+def find_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """[(name, module, trainable params)]: the root first, then every layer (a child of an
+    outermost nn.ModuleList) in registration order, which is the order the models run them.
+    A parameter belongs to a layer only if every use of it registered in the model is inside
+    that layer; shared ones go to the root, which stays gathered through forward and backward."""
+    layers: list[tuple[str, nn.Module]] = []
+    inside: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and not any(name.startswith(p + ".") for p in inside):
+            inside.add(name)
+            layers += [(f"{name}.{child}", layer) for child, layer in module.named_children()]
+    owner: dict[int, str | None] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        layer = next((prefix for prefix, _ in layers if name.startswith(prefix + ".")), None)
+        if id(param) in owner and owner[id(param)] != layer:
+            layer = None
+        owner[id(param)] = layer
+    units = []
+    for prefix, module in [("", model)] + layers:
+        seen: set[int] = set()
+        params = []
+        for param in model.parameters() if prefix == "" else module.parameters():
+            if param.requires_grad and owner[id(param)] == (prefix or None) \
+                    and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+        if params:
+            units.append((prefix or "<root>", module, params))
+    return units

@@ -1,0 +1,142 @@
+"""The sharded optimizer: fp32 master shards, the user's optimizer over them, the global step.
+
+Each rank keeps fp32 masters of its chunk of every unit (for fp32 models the parameter shard
+itself) and hands the user's optimizer one tensor per (parameter, this rank's chunk) overlap, a
+view into the masters whose `.grad` is the matching view of the reduced gradient shard (Megatron's
+distributed optimizer does the same). Parameters of 2 or more dims get weight decay, the rest
+(biases, norm weights) none: `optimizer_factory([{"params": decayed}, {"params": rest,
+"weight_decay": 0.0}])` (groups left out when empty).
+
+The step, collective over the whole world (every rank must call it):
+  1. gradients of `sequence_parallel` parameters are summed over the TP group (their reduced
+     shards line up across TP ranks: the layouts are identical);
+  2. fp16: gradients are unscaled by the loss scale;
+  3. one all-reduce of [sum of squares, inf/NaN found] over the world gives the global grad norm
+     (Megatron's rule under TP: `tensor_model_parallel` shards counted on every TP rank,
+     replicated parameters on TP rank 0 only; DP ranks hold disjoint chunks) and a decision all
+     ranks share: a non-finite step is skipped (always with a loss scaler, whose scale backs off;
+     else per `on_nonfinite`, 'error' raising FloatingPointError everywhere);
+  4. clip to `clip_grad` by that norm (torch's clip_grads_with_norm_ arithmetic), optimizer step,
+     masters copied into the parameter shards (the caller then refreshes the parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megadomino.training.optimizer import DynamicLossScaler, StepResult
+from megadomino.zero.collectives import CommCounter
+from megadomino.zero.partition import FlatUnit
+
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+class ShardedOptimizer:
+    def __init__(self, units: list[FlatUnit], param_shards: list[torch.Tensor],
+                 grad_shards: list[torch.Tensor], dims, comm: CommCounter,
+                 optimizer_factory: OptimizerFactory, clip_grad: float,
+                 loss_scaler: DynamicLossScaler | None, on_nonfinite: str):
+        self.dims, self.comm, self.clip_grad = dims, comm, clip_grad
+        self.loss_scaler, self.on_nonfinite = loss_scaler, on_nonfinite
+        self.param_shards, self.grad_shards = param_shards, grad_shards
+        self.masters = [s if s.dtype == torch.float32 else s.float() for s in param_shards]
+        decayed, rest = [], []
+        self._counted: list[torch.Tensor] = []
+        self._sequence_parallel: list[torch.Tensor] = []
+        for unit, master, grad in zip(units, self.masters, grad_shards):
+            for piece in unit.pieces:
+                param = unit.params[piece.index]
+                span = slice(piece.shard_start, piece.shard_start + piece.numel)
+                master_piece, grad_piece = master[span], grad[span]
+                master_piece.grad = grad_piece
+                (decayed if len(unit.shapes[piece.index]) >= 2 else rest).append(master_piece)
+                if getattr(param, "tensor_model_parallel", False) or dims.tp_rank == 0:
+                    self._counted.append(grad_piece)
+                if dims.tp > 1 and getattr(param, "sequence_parallel", False):
+                    self._sequence_parallel.append(grad_piece)
+        groups = [g for g in ({"params": decayed}, {"params": rest, "weight_decay": 0.0})
+                  if g["params"]]
+        if not groups:
+            raise ValueError(f"DP rank {dims.dp_rank} holds no parameter: the model is too "
+                             f"small to shard over {dims.dp} ranks")
+        self.optimizer = optimizer_factory(groups)
+
+    def step(self, found_nonfinite: torch.Tensor) -> StepResult:
+        """Steps 1-4 of the module docstring; `found_nonfinite`: this rank's flag from the
+        reduction (qgZ checks before quantizing)."""
+        self._sum_sequence_parallel()
+        device = self.masters[0].device
+        found = found_nonfinite.float().reshape(1)
+        scale = None
+        if self.loss_scaler is not None:
+            scale = self.loss_scaler.scale
+            inv_scale = torch.full((1,), 1.0 / scale, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(self.grad_shards, found, inv_scale)
+        square = torch.zeros(1, device=device)
+        if self._counted:
+            square += torch.nn.utils.get_total_norm(self._counted, norm_type=2.0).float() ** 2
+        stats = torch.cat([square, found])
+        self.comm.all_reduce(stats, dist.group.WORLD, "scalars")
+        square_total, found_total = stats.tolist()
+        if found_total > 0 or not math.isfinite(square_total):
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(found_inf=True)
+            elif self.on_nonfinite == "error":
+                raise FloatingPointError("inf or NaN in the gradients (on at least one rank); "
+                                         "on_nonfinite='skip' skips such steps instead")
+            return StepResult(skipped=True, grad_norm=None, loss_scale=scale)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=False)
+        grad_norm = torch.tensor(math.sqrt(square_total), device=device)
+        if self.clip_grad > 0:
+            coef = torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0)
+            torch._foreach_mul_(self.grad_shards, coef)
+        self.optimizer.step()
+        self.copy_masters_to_shards()
+        return StepResult(skipped=False, grad_norm=grad_norm, loss_scale=scale)
+
+    @torch.no_grad()
+    def copy_masters_to_shards(self) -> None:
+        for shard, master in zip(self.param_shards, self.masters):
+            if shard is not master:
+                shard.copy_(master)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _sum_sequence_parallel(self) -> None:
+        if not self._sequence_parallel:
+            return
+        flat = torch.cat(self._sequence_parallel)
+        self.comm.all_reduce(flat, self.dims.tp_group, "sequence parallel")
+        offset = 0
+        for grad in self._sequence_parallel:
+            grad.copy_(flat[offset:offset + grad.numel()])
+            offset += grad.numel()
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state, fp32 master shards and loss scaler (references)."""
+        return {"optimizer": self.optimizer.state_dict(), "masters": self.masters,
+                "loss_scaler": None if self.loss_scaler is None
+                else self.loss_scaler.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """The inverse of state_dict() on the same layout; the parameter shards are updated."""
+        if len(state["masters"]) != len(self.masters):
+            raise ValueError(f"checkpoint has {len(state['masters'])} master shards, this "
+                             f"engine {len(self.masters)}")
+        for master, saved in zip(self.masters, state["masters"]):
+            if saved.shape != master.shape:
+                raise ValueError(f"master shard of {tuple(saved.shape)} elements, expected "
+                                 f"{tuple(master.shape)}: the checkpoint was sharded otherwise")
+            master.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.loss_scaler is not None and state["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.copy_masters_to_shards()

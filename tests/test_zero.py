@@ -1,0 +1,370 @@
+"""ZeRO stage 1 / 3 and ZeRO++ (qwZ, hpZ, qgZ): configuration and layout (one process), and the
+engine on 4 gloo ranks as 2 nodes x 2 (and TP=2 x DP=2), all cases in one process group (see
+dist_utils): both stages equal plain data parallelism, qgZ's reduce equals reduce-scatter within
+the quantization bound, full ZeRO++ trains like ZeRO-3, an hpZ checkpoint resumes exactly,
+inf/NaN steps are refused alike on every rank, and the byte accounting adds up."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_utils import CaseRunner, assert_close, check_result, run_cases
+from megadomino.config import ConfigError, ModelConfig
+from megadomino.models import build_model
+from megadomino.parallel import ParallelDims
+from megadomino.parallel.compat import all_gather_single
+from megadomino.parallel.random import model_parallel_seed
+from megadomino.training.data import MockDataset
+from megadomino.training.ddp import GradBuffer
+from megadomino.training.optimizer import DynamicLossScaler, MixedPrecisionAdamW
+from megadomino.zero import CommCounter, ZeroConfig, ZeroPlusPlus, collectives
+from megadomino.zero.partition import FlatUnit, find_units
+
+SEQ = 16
+# eps well above the rounding noise of gradients that are 0 in exact arithmetic (the key bias:
+# softmax ignores it), which AdamW with eps 1e-8 would blow up to +-lr updates in either run.
+ADAM = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-5)
+ZERO_PP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True)
+
+# ---- one process -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, flag", [
+    (dict(stage=2), "--zero-stage"),
+    (dict(stage=1, quantized_weights=True), "--zeropp-quantized-weights"),
+    (dict(stage=1, hpz_partition_size=2), "--zeropp-hpz-partition-size"),
+    (dict(gradient_bits=2), "--zeropp-gradient-bits"),
+    (dict(block_size=7), "--zeropp-block-size"),
+    (dict(on_nonfinite="ignore"), "on_nonfinite"),
+])
+def test_config_refuses(fields, flag):
+    with pytest.raises(ConfigError, match=flag):
+        ZeroConfig(**fields)
+
+
+def test_hpz_partition_must_be_the_node():
+    dims = type("Dims", (), dict(dp_per_node=4, gpus_per_node=4, tp=1))()
+    ZeroConfig(hpz_partition_size=4).check_dims(dims)
+    with pytest.raises(ConfigError, match="per node \\(4"):
+        ZeroConfig(hpz_partition_size=2).check_dims(dims)
+
+
+def test_flat_unit_layout_pads_and_pieces_cover_the_shard():
+    params = [nn.Parameter(torch.arange(6.0).view(2, 3)), nn.Parameter(torch.arange(5.0))]
+    units = [FlatUnit("u", params, dp=4, dp_rank=r) for r in range(4)]
+    assert (units[0].numel, units[0].padded_numel, units[0].shard_numel) == (11, 12, 3)
+    flat = units[0].flatten([p.detach() for p in params], torch.float32)
+    assert flat.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0]
+    assert torch.equal(units[0].views(flat)[0], params[0])
+    covered = []
+    for unit in units:
+        for piece in unit.pieces:
+            covered += range(piece.start, piece.end)
+            assert unit.shard(flat)[piece.shard_start] == flat[piece.start]
+    assert covered == list(range(11))  # every element once, padding in no piece
+    assert [(p.index, p.start, p.end) for p in units[2].pieces] == [(1, 6, 9)]
+
+
+def test_find_units_layers_and_shared_params_to_root():
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(3, 3)
+            self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(2))
+            self.layers[1].shared = self.embed.weight  # used in a layer and outside it
+            self.frozen = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    toy = Toy()
+    units = {name: params for name, _, params in find_units(toy)}
+    assert list(units) == ["<root>", "layers.0", "layers.1"]
+    assert [p is toy.embed.weight for p in units["<root>"]] == [True, False]
+    assert len(units["layers.1"]) == 2 and all(p is not toy.embed.weight
+                                               for p in units["layers.1"])
+
+
+# ---- helpers for the distributed cases ----------------------------------------------------------
+
+DATA = MockDataset(SEQ, 512, seed=7)
+
+
+def _build(dims: ParallelDims, **overrides) -> nn.Module:
+    config = ModelConfig.preset("gpt-tiny", hidden_dropout=0.0, attention_dropout=0.0,
+                                seq_length=SEQ, **overrides)
+    model_parallel_seed(1234, dims)
+    return build_model(config, dims, "gpt", device="cpu")
+
+
+def _batch(dims: ParallelDims, step: int, micro: int = 0, num_micro: int = 1, mbs: int = 2):
+    """(tokens, labels) of this DP rank's micro-batch, Megatron's sampler order."""
+    start = (step * num_micro * dims.dp + micro * dims.dp + dims.dp_rank) * mbs
+    samples = torch.stack([DATA[i] for i in range(start, start + mbs)])
+    return samples[:, :-1], samples[:, 1:]
+
+
+def _factory(groups: list[dict]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, foreach=True, **ADAM)
+
+
+def _engine(dims: ParallelDims, clip: float = 1.0, model_overrides: dict | None = None,
+            loss_scaler=None, **zero) -> ZeroPlusPlus:
+    return ZeroPlusPlus(_build(dims, **(model_overrides or {})), dims, _factory,
+                        ZeroConfig(**zero), clip_grad=clip, loss_scaler=loss_scaler)
+
+
+def _train(engine: ZeroPlusPlus, dims: ParallelDims, steps: range, num_micro: int = 1):
+    """Per step: (DP-mean loss, StepResult)."""
+    history = []
+    for step in steps:
+        total = 0.0
+        for micro in range(num_micro):
+            tokens, labels = _batch(dims, step, micro, num_micro)
+            with engine.no_sync() if micro < num_micro - 1 else contextlib.nullcontext():
+                loss = engine(tokens, labels=labels).mean()
+                engine.backward(loss / num_micro)
+            total += loss.item() / num_micro
+        history.append((_dp_mean(total, dims), engine.step()))
+    return history
+
+
+def _dp_mean(value: float, dims: ParallelDims) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, group=dims.dp_group)
+    return tensor.item() / dims.dp
+
+
+def _plain_dp(dims: ParallelDims, steps: int, num_micro: int, clip: float, **overrides):
+    """Reference: GradBuffer (DP mean) + MixedPrecisionAdamW on the same model and batches."""
+    model = _build(dims, **overrides)
+    grads = GradBuffer(model.parameters(), dims)
+    optimizer = MixedPrecisionAdamW(model.parameters(), dims, clip_grad=clip, **ADAM)
+    history = []
+    for step in range(steps):
+        grads.zero_grad()
+        total = 0.0
+        for micro in range(num_micro):
+            tokens, labels = _batch(dims, step, micro, num_micro)
+            with grads.no_sync() if micro < num_micro - 1 else contextlib.nullcontext():
+                loss = model(tokens, labels=labels).mean()
+                (loss / num_micro).backward()
+            total += loss.item() / num_micro
+        grads.finish_grad_sync()
+        history.append((_dp_mean(total, dims), optimizer.step()))
+    return model, history
+
+
+# ---- distributed cases --------------------------------------------------------------------------
+
+
+def _case_matches_plain_dp(dims: ParallelDims, stage: int, **overrides) -> None:
+    """Losses, grad norms (clipping active) and final weights equal plain DP to 1e-5 (fp32),
+    with two micro-batches per step; at stage 3 the engine never holds all layers at once."""
+    steps, num_micro = 3, 2
+    reference, expected = _plain_dp(dims, steps, num_micro, clip=0.5, **overrides)
+    engine = _engine(dims, clip=0.5, stage=stage, model_overrides=overrides)
+    got = _train(engine, dims, range(steps), num_micro)
+    for (loss, result), (want_loss, want) in zip(got, expected):
+        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
+        assert_close(result.grad_norm, want.grad_norm, 1e-5, "grad norm")
+        assert want.grad_norm > 0.5  # the clip was active
+    full, want_full = engine.full_state_dict(), reference.full_state_dict()
+    assert full.keys() == want_full.keys()
+    for name, value in want_full.items():
+        assert_close(full[name], value, 1e-5, name)
+    if stage == 3:
+        unit_bytes = [4 * u.padded_numel for u in engine.units]  # root first, then layers
+        layers = sorted(unit_bytes[1:])[-2:]
+        # parameters and gradient buffers of the root and at most two layers at a time
+        assert engine.memory_stats()["transient_peak"] <= 2 * (unit_bytes[0] + sum(layers))
+        assert engine.memory_stats()["params"] * dims.dp == sum(unit_bytes)
+
+
+def _case_qgz_matches_reduce_scatter(bits: int) -> None:
+    """qgZ's result is reduce-scatter's average within the quantization bound, on 2 x 2, 1 x 4
+    and 4 x 1 nodes, for a chunk that is not a whole number of blocks."""
+    qmax, block, chunk = 2 ** (bits - 1) - 1, 64, 301
+    for gpus_per_node in (2, 4, 1):
+        dims = ParallelDims(tp=1, gpus_per_node=gpus_per_node)
+        gen = torch.Generator().manual_seed(dims.rank)
+        common = torch.randn(dims.dp * chunk, generator=torch.Generator().manual_seed(99))
+        flat = common + 0.5 * torch.randn(dims.dp * chunk, generator=gen)
+        everyone = torch.empty(dims.dp * flat.numel())
+        all_gather_single(everyone, flat, group=dims.dp_group)
+        everyone = everyone.view(dims.dp, -1)
+        expected = collectives.reduce_scatter(CommCounter(2), flat / dims.dp, dims.dp_group,
+                                              torch.float32).wait()
+        found = torch.zeros((), dtype=torch.bool)
+        comm = CommCounter(gpus_per_node)
+        got = collectives.reduce_scatter_quantized(comm, flat, dims, bits, block, found).wait()
+        # Each input's block error <= absmax / (2 qmax); the node sums' requantization adds
+        # <= (their absmax, itself <= (1 + 1 / (2 qmax)) x the inputs') / (2 qmax); all / dp.
+        mine = everyone[:, dims.dp_rank * chunk:(dims.dp_rank + 1) * chunk]
+        padded = torch.nn.functional.pad(mine, (0, -chunk % block)).view(dims.dp, -1, block)
+        bound = padded.abs().amax(dim=2).sum(dim=0) / qmax / dims.dp * (1 + 1 / (4 * qmax))
+        bound = bound.repeat_interleave(block)[:chunk] * 1.001 + 1e-6
+        error = (got - expected).abs()
+        assert not found and got.shape == (chunk,)
+        assert bool((error <= bound).all()), f"P={gpus_per_node}: {(error / bound).max():.3f}"
+        assert error.max() > 0.02 * bound.max(), "not quantized?"
+        if gpus_per_node == 2:
+            assert set(comm.bytes["gradients"]) == {"intra", "inter"}
+
+
+def _case_qwz_gather_within_bound() -> None:
+    dims = ParallelDims(tp=1, gpus_per_node=2)
+    shard = torch.randn(1001, generator=torch.Generator().manual_seed(dims.rank))
+    for dtype in (torch.float32, torch.bfloat16):
+        exact = collectives.all_gather(CommCounter(2), shard.to(dtype), dims.dp_group,
+                                       "w").wait()
+        got = collectives.all_gather_quantized(CommCounter(2), shard.to(dtype), dims.dp_group,
+                                               8, 128, "w").wait()
+        assert got.dtype == dtype
+        blocks = torch.nn.functional.pad(exact.float().view(dims.dp, -1), (0, 23))
+        scale = blocks.view(dims.dp, -1, 128).abs().amax(2) / 127
+        bound = scale.repeat_interleave(128, dim=1)[:, :1001].reshape(-1) * 0.51
+        if dtype == torch.bfloat16:
+            bound = bound + exact.float().abs() / 128  # bf16's own rounding
+        assert bool(((got.float() - exact.float()).abs() <= bound).all())
+
+
+def _case_zeropp_trains_like_zero3(dims: ParallelDims) -> None:
+    """100 steps: full ZeRO++ (qwZ int8, hpZ, qgZ int4) ends within 2% of ZeRO-3's loss.
+
+    Blocks of 256: 4 rows of this 64-wide model, still coarser than the default 2048 is for a
+    4096-wide one (half a row). At 2048 (32 rows here) int4 rounds most of a block's gradients to
+    zero and this model ends ~5% behind after 100 steps (int8: 0.2%)."""
+    steps = range(100)
+    zero3 = [loss for loss, _ in _train(_engine(dims, stage=3), dims, steps)]
+    zeropp = [loss for loss, _ in _train(_engine(dims, stage=3, block_size=256, **ZERO_PP),
+                                         dims, steps)]
+    first, end3, endpp = zero3[0], sum(zero3[-5:]) / 5, sum(zeropp[-5:]) / 5
+    assert end3 < 0.5 * first, f"ZeRO-3 did not learn: {first:.3f} -> {end3:.3f}"
+    assert abs(endpp - end3) <= 0.02 * end3, f"ZeRO++ {endpp:.4f} vs ZeRO-3 {end3:.4f}"
+
+
+def _case_stage1_qgz(dims: ParallelDims) -> None:
+    """Stage 1 with qgZ (int8) tracks stage 1 within 1% over 10 steps of 2 micro-batches."""
+    plain = _train(_engine(dims, stage=1), dims, range(10), num_micro=2)
+    quantized = _train(_engine(dims, stage=1, quantized_gradients=True, gradient_bits=8), dims,
+                       range(10), num_micro=2)
+    assert plain[-1][0] < 0.8 * plain[0][0]
+    for (got, _), (want, _) in zip(quantized, plain):
+        assert abs(got - want) <= 0.01 * want, (got, want)
+
+
+def _serialize(state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _case_hpz_checkpoint_resumes(dims: ParallelDims) -> None:
+    """Save at step 3 and load into an engine whose hpZ copies hold later weights: the load drops
+    them, and steps 3-5 repeat the uninterrupted run's losses."""
+    uninterrupted = [loss for loss, _ in _train(_engine(dims, **ZERO_PP), dims, range(6))]
+    engine = _engine(dims, **ZERO_PP)
+    _train(engine, dims, range(3))
+    saved = _serialize(engine.state_dict())
+    _train(engine, dims, range(3, 5))
+    with torch.no_grad():
+        engine(*_batch(dims, 9)[:1])  # leaves valid hpZ copies of the step-5 weights
+    assert all(s is not None for s in engine.params.secondary)
+    engine.load_state_dict(saved)
+    assert all(s is None for s in engine.params.secondary)
+    resumed = [loss for loss, _ in _train(engine, dims, range(3, 6))]
+    for got, want in zip(resumed, uninterrupted[3:]):
+        assert abs(got - want) <= 1e-6 * want, (resumed, uninterrupted[3:])
+
+
+def _case_nonfinite(dims: ParallelDims) -> None:
+    """inf on one rank only: every rank skips (weights unchanged; an fp16-style loss scaler backs
+    off), or every rank raises with on_nonfinite='error'; on the plain and the qgZ path."""
+    tokens, labels = _batch(dims, 0)
+    poison = float("inf") if dims.rank == 1 else 1.0
+    for zero in (dict(stage=3, quantized_gradients=True), dict(stage=1)):
+        scaler = DynamicLossScaler(1024.0, 1.0, window=10, hysteresis=1)
+        engine = _engine(dims, loss_scaler=scaler, **zero)
+        before = engine.full_state_dict()
+        engine.backward(engine(tokens, labels=labels).mean() * poison)
+        result = engine.step()
+        assert result.skipped and scaler.scale == 512.0
+        for name, value in engine.full_state_dict().items():
+            assert torch.equal(value, before[name]), name
+        engine.backward(engine(tokens, labels=labels).mean())
+        assert not engine.step().skipped
+        strict = _engine(dims, on_nonfinite="error", **zero)
+        strict.backward(strict(tokens, labels=labels).mean() * poison)
+        with pytest.raises(FloatingPointError):
+            strict.step()
+
+
+def _case_bf16_zeropp(dims: ParallelDims) -> None:
+    """bf16 parameters (read natively by qwZ), fp32 masters; ZeRO++'s inter-node bytes per step
+    are <= 0.26 x ZeRO-3's (int8 weights, int4 gradients)."""
+    inter = {}
+    for name, zero in (("zero3", dict(reduce_dtype="bfloat16")), ("zeropp", ZERO_PP)):
+        engine = _engine(dims, model_overrides=dict(params_dtype="bfloat16"), stage=3, **zero)
+        _train(engine, dims, range(1))
+        engine.comm.reset()
+        ((loss, result),) = _train(engine, dims, range(1, 2))
+        assert math.isfinite(loss) and not result.skipped
+        inter[name] = engine.comm.totals()["inter"]
+        assert all(s.dtype == torch.bfloat16 for s in engine.params.shards)
+        assert all(m.dtype == torch.float32 for m in engine.optimizer.masters)
+    assert inter["zeropp"] <= 0.26 * inter["zero3"], inter
+
+
+def _case_counter() -> None:
+    dims = ParallelDims(tp=1, gpus_per_node=2)
+    comm = CommCounter(2)
+    comm.all_gather(torch.empty(4 * 25), torch.ones(25), dims.dp_group, "a")
+    comm.reduce_scatter(torch.empty(25), torch.ones(100), dims.dp_group, "b")
+    comm.all_to_all(torch.empty(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8),
+                    dims.intra_node_group, "c")
+    comm.all_to_all(torch.empty(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8),
+                    dims.inter_node_group, "c")
+    assert comm.bytes == {"a": {"intra": 100, "inter": 200}, "b": {"intra": 100, "inter": 200},
+                          "c": {"intra": 8, "inter": 8}}
+    assert comm.totals() == {"intra": 208, "inter": 408}
+
+
+def _cases() -> dict[str, str | None]:
+    runner = CaseRunner()
+    nodes = ParallelDims(tp=1, gpus_per_node=2)
+    tp_dp = ParallelDims(tp=2, gpus_per_node=4)
+    runner.run("counter", _case_counter)
+    runner.run("stage1_matches_dp", _case_matches_plain_dp, nodes, 1, num_layers=4)
+    runner.run("stage3_matches_dp", _case_matches_plain_dp, nodes, 3, num_layers=4)
+    runner.run("stage3_tp2_sp_matches_dp", _case_matches_plain_dp, tp_dp, 3,
+               sequence_parallel=True)
+    runner.run("qgz_int4", _case_qgz_matches_reduce_scatter, 4)
+    runner.run("qgz_int8", _case_qgz_matches_reduce_scatter, 8)
+    runner.run("qwz_gather", _case_qwz_gather_within_bound)
+    runner.run("stage1_qgz", _case_stage1_qgz, nodes)
+    runner.run("nonfinite", _case_nonfinite, nodes)
+    runner.run("bf16_bytes", _case_bf16_zeropp, nodes)
+    runner.run("hpz_checkpoint", _case_hpz_checkpoint_resumes, nodes)
+    runner.run("zeropp_100_steps", _case_zeropp_trains_like_zero3, nodes)
+    runner.run("zeropp_100_steps_tp2", _case_zeropp_trains_like_zero3, tp_dp)
+    return runner.results
+
+
+@functools.cache
+def _results() -> dict[str, str | None]:
+    return run_cases(4, _cases)
+
+
+@pytest.mark.parametrize("case", [
+    "counter", "stage1_matches_dp", "stage3_matches_dp", "stage3_tp2_sp_matches_dp", "qgz_int4",
+    "qgz_int8", "qwz_gather", "stage1_qgz", "nonfinite", "bf16_bytes", "hpz_checkpoint",
+    "zeropp_100_steps", "zeropp_100_steps_tp2"])
+def test_zero(case):
+    check_result(_results(), case)
