@@ -341,7 +341,8 @@ class _ShardReader:
         torch_state["state"] = {}
         for param, master in zip(optimizer.params, optimizer.masters):
             name = names[id(param)]
-            entry = {key: self._tensor(name, param, key)
+            # Copies: torch keeps CPU state tensors as given, and these map the shard file.
+            entry = {key: self._tensor(name, param, key).clone()
                      for key in saved["params"].get(name, {}) if key != "master"}
             if entry:
                 torch_state["state"][index[id(master)]] = entry
