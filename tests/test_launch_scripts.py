@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -65,6 +66,32 @@ def test_tasks_per_node():
     assert expand_tasks_per_node("8") == [8] and expand_tasks_per_node("") == []
     with pytest.raises(ValueError, match="x2"):
         expand_tasks_per_node("4x2")
+
+
+def test_entry_point_started_by_srun_directly():
+    """Two tasks as `srun --ntasks 2 python pretrain_gpt.py` starts them (SLURM's variables, no
+    RANK): they form one TP=2 group and train."""
+    from dist_utils import free_port
+
+    step = dict(os.environ, SLURM_NODEID="0", SLURM_STEP_NUM_TASKS="2",
+                SLURM_STEP_TASKS_PER_NODE="2", SLURM_STEP_NODELIST="localhost",
+                SLURM_JOB_ID="99", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        step.pop(name, None)
+    args = ["--model-preset", "gpt-tiny", "--tensor-model-parallel-size", "2", "--mock-data",
+            "--train-iters", "2", "--micro-batch-size", "2", "--log-interval", "1"]
+    tasks = [subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *args],
+                              env=dict(step, SLURM_PROCID=str(task), SLURM_LOCALID=str(task)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for task in range(2)]
+    try:
+        outputs = [task.communicate(timeout=180)[0] for task in tasks]
+    finally:
+        for task in tasks:
+            if task.poll() is None:
+                task.kill()
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    assert "iteration        2/       2" in outputs[0], outputs[0]
 
 
 def all_scripts() -> list[str]:
