@@ -1,0 +1,436 @@
+"""Block-wise symmetric int8 / int4 quantization for ZeRO++ (qwZ weights, qgZ gradients).
+
+The scheme (fixed; every op here, kernel or reference, gives bit-identical results):
+- The flat input is cut into blocks of `block_size` elements (default 2048; 1..16384, even for
+  int4); a trailing partial block has its own scale.
+- scale = absmax(block) / qmax in fp32 (IEEE division), qmax = 2^(bits-1) - 1 (127 or 7).
+  A block whose scale is 0 (all zeros, or an absmax so small that absmax / qmax underflows fp32)
+  gets scale 1, so its elements quantize to 0.
+- q = round_half_to_even(x / scale), the division in fp32 (IEEE), clamped to [-qmax, qmax].
+  dequantize gives q * scale (fp32, one rounding), cast to the requested dtype; so
+  |dequantize(quantize(x)) - x| <= scale / 2 per element (plus the output dtype's rounding).
+- Storage: int8 data as torch.int8, one per element. int4 data as torch.uint8, two per byte:
+  element 2i in the low nibble, element 2i+1 in the high nibble, each a two's-complement nibble;
+  an odd element count pads the last high nibble with 0. Scales: torch.float32, one per block.
+- NaN / Inf: a block holding any NaN or +-Inf gets scale NaN and all-zero q; dequantize then
+  makes that whole block NaN, so non-finite values propagate and are never silently clipped.
+  Finding them costs no pass over the data: `torch.isnan(scales).any()` (scales are
+  numel / block_size values). dequantize_reduce(_quantize) treats an overflowing sum the same.
+
+Partitions. swizzled_quantize and the reduce ops work on `partition_numel`-element partitions,
+each quantized on its own as above (its blocks restart at the partition start; for int4 it takes
+ceil(partition_numel / 2) bytes). When partition_numel is a multiple of block_size (int4: and
+even), a buffer of several partitions is exactly the quantization of their concatenation.
+`quantized_size(numel, bits, block_size)` gives (q elements, scale elements) of one partition.
+
+qgZ, the hierarchical reduce-scatter these ops serve (N = world * P gradient elements; rank
+r = node * devices_per_node + local; `nodes` nodes of `devices_per_node` ranks):
+1. q, s = swizzled_quantize(grad, bits, block_size, nodes, devices_per_node): partition p of
+   grad (elements p*P .. p*P+P-1, the reduce-scatter partition of rank p) is written at output
+   position (p % devices_per_node) * nodes + p // devices_per_node. So the output holds, for
+   each local index d in order, the `nodes` partitions of the ranks (0, d), (1, d), ... .
+   (DeepSpeed's swizzle: with 2 nodes x 4, partitions 0..7 come out as 0 4 1 5 2 6 3 7.)
+2. Intra-node all_to_all_single of q (and s) in devices_per_node equal pieces: local rank d
+   receives [devices_per_node sources][nodes][P], the partitions of ranks (*, d).
+3. dequantize_reduce_quantize(q, s, devices_per_node, bits, bits, block_size, P): sums over the
+   sources, giving `nodes` partitions, partition n = the node's sum for rank (n, d).
+4. Inter-node all_to_all_single (ranks sharing local index d) in `nodes` pieces: rank (n, d)
+   receives [nodes sources][P], each node's partial sum of its own partition.
+5. dequantize_reduce(q, s, nodes, bits, block_size, P, multiplier=1 / world): the mean over all
+   ranks of partition r, what reduce_scatter(grad, op=AVG) gives, up to quantization error.
+
+Dispatch: a CUDA tensor runs the Triton kernel (one launch per op over the whole buffer); a CPU
+tensor runs the torch reference (`*_reference`, in quantization_reference.py, bit-identical,
+the tests' oracle), unless `force_triton=True` or MEGADOMINO_FORCE_TRITON=1, which run the same
+Triton kernel on CPU under Triton's interpreter; that needs TRITON_INTERPRET=1 set before triton
+is first imported in the process (tests: small inputs). Every op takes `out=` buffers so that
+results can land directly in communication buffers. No op records autograd history; all work
+on the current CUDA stream.
+"""
+
+# No `from __future__ import annotations`: Triton reads the kernel's `tl.constexpr` annotations.
+import contextlib
+import functools
+import math
+import os
+import warnings
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+from megadomino.kernels.quantization_reference import (
+    FLT_MAX,
+    MAX_BLOCK_SIZE,
+    check_scheme,
+    dequantize_reduce_quantize_reference,
+    dequantize_reduce_reference,
+    dequantize_reference,
+    quantize_reference,
+    quantized_size,
+    swizzled_quantize_reference,
+)
+
+__all__ = [
+    "MAX_BLOCK_SIZE", "dequantize", "dequantize_reduce", "dequantize_reduce_quantize",
+    "dequantize_reduce_quantize_reference", "dequantize_reduce_reference",
+    "dequantize_reference", "quantize", "quantize_reference", "quantized_size",
+    "swizzled_quantize", "swizzled_quantize_reference",
+]
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references run, the kernel is never launched
+    triton = SimpleNamespace(jit=lambda fn: fn)
+    tl = SimpleNamespace(constexpr=lambda value: value)
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLT_MAX = tl.constexpr(FLT_MAX)
+# Adding 1.5 * 2^23 to |y| < 2^22 leaves round_half_to_even(y) in the low mantissa bits.
+_ROUND_MAGIC = tl.constexpr(12582912.0)
+# Below this scale the kernel's fma residual may underflow; it divides instead (rare tiles).
+_FAST_DIVISION_MIN_SCALE = tl.constexpr(2.0**-96)
+
+
+@triton.jit
+def _max_propagating_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _dequantize_tile(q_ptrs, q_mask, scale_ptrs, scale_mask, BITS: tl.constexpr):
+    """fp32 (blocks, BLOCK_PAD): q * scale; q_ptrs address bytes, two elements each, at int4."""
+    scale = tl.load(scale_ptrs, mask=scale_mask, other=0.0)
+    if BITS == 8:
+        q = tl.load(q_ptrs, mask=q_mask, other=0).to(tl.float32)
+    else:
+        packed = tl.load(q_ptrs, mask=q_mask, other=0).to(tl.int32)
+        low = ((packed & 15) ^ 8) - 8  # sign-extend the nibbles
+        high = ((packed >> 4) ^ 8) - 8
+        q = tl.interleave(low, high).to(tl.float32)
+    return q * scale[:, None]
+
+
+@triton.jit
+def _quantize_tile(values, QMAX: tl.constexpr):
+    """fp32 (blocks, BLOCK_PAD) -> (int32 whose low byte / nibble is q, the blocks' scales)."""
+    absmax = tl.reduce(tl.abs(values), 1, _max_propagating_nan)
+    nonfinite = ~(absmax <= _FLT_MAX)  # NaN or Inf in the block
+    scale = tl.math.div_rn(absmax, QMAX * 1.0)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    # values / scale, IEEE-rounded, from the block's reciprocal and one exact fma residual:
+    # 3 ops per element instead of a division.
+    inverse = tl.math.div_rn(1.0, scale)[:, None]
+    ratio = values * inverse
+    ratio = tl.fma(tl.fma(-scale[:, None], ratio, values), inverse, ratio)
+    if tl.min(scale) < _FAST_DIVISION_MIN_SCALE:  # the residual could underflow: divide
+        ratio = tl.math.div_rn(values, scale[:, None])
+        ratio = tl.minimum(tl.maximum(ratio, -QMAX * 1.0), QMAX * 1.0)
+    # With a normal scale |ratio| <= qmax (+ an ulp), so no clamp on the fast path. The low
+    # bits of the sum are round_half_to_even(ratio) in two's complement.
+    bits = (ratio + _ROUND_MAGIC).to(tl.int32, bitcast=True)
+    return tl.where(nonfinite[:, None], 0, bits), tl.where(nonfinite, float("nan"), scale)
+
+
+@triton.jit
+def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
+                        num_inputs, partition_numel, partition_bytes, blocks_per_partition,
+                        nodes, devices_per_node, multiplier,
+                        BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr,
+                        BLOCKS_PER_PROGRAM: tl.constexpr, BITS_IN: tl.constexpr,
+                        BITS_OUT: tl.constexpr, SCALE_OUTPUT: tl.constexpr):
+    """One program: BLOCKS_PER_PROGRAM consecutive blocks of partition p = program_id(1).
+
+    Input: BITS_IN == 0 reads floats (partition p at p * partition_numel); otherwise it sums
+    num_inputs quantized inputs in order (input j's partition p is buffer partition
+    j * partitions + p). Output: BITS_OUT == 0 writes floats (times `multiplier` if
+    SCALE_OUTPUT); otherwise it quantizes, to position (p % devices_per_node) * nodes +
+    p // devices_per_node.
+    """
+    pid_block = tl.program_id(0)
+    partition = tl.program_id(1).to(tl.int64)
+    num_partitions = tl.num_programs(1).to(tl.int64)
+    rows = tl.arange(0, BLOCKS_PER_PROGRAM)
+    first_block = pid_block * BLOCKS_PER_PROGRAM
+    block_valid = first_block + rows < blocks_per_partition
+    # 64-bit bases per program; per-element offsets from them stay 32-bit.
+    elem_base = first_block.to(tl.int64) * BLOCK_SIZE
+    elems_left = tl.minimum(partition_numel - elem_base, BLOCKS_PER_PROGRAM * BLOCK_SIZE)
+    cols = tl.arange(0, BLOCK_PAD)
+    local = rows[:, None] * BLOCK_SIZE + cols[None, :]  # (blocks, BLOCK_PAD) elements
+    mask = (cols[None, :] < BLOCK_SIZE) & (local < elems_left.to(tl.int32))
+    # int4: partition_bytes = ceil(partition_numel / 2), an argument so that Triton sees its
+    # divisibility and vectorizes the masked byte accesses.
+    byte_base = first_block.to(tl.int64) * (BLOCK_SIZE // 2)
+    byte_cols = tl.arange(0, BLOCK_PAD // 2)
+    byte_local = rows[:, None] * (BLOCK_SIZE // 2) + byte_cols[None, :]  # (blocks, BLOCK_PAD/2)
+    bytes_left = tl.minimum(partition_bytes - byte_base, BLOCKS_PER_PROGRAM * (BLOCK_SIZE // 2))
+    byte_mask = (byte_cols[None, :] < BLOCK_SIZE // 2) & (byte_local < bytes_left.to(tl.int32))
+    if BITS_IN == 4:
+        q_ptrs = src_ptr + (partition * partition_bytes + byte_base) + byte_local
+        q_mask = byte_mask
+        q_stride = num_partitions * partition_bytes  # between inputs
+    else:
+        q_ptrs = src_ptr + (partition * partition_numel + elem_base) + local
+        q_mask = mask
+        q_stride = num_partitions * partition_numel
+
+    if BITS_IN == 0:
+        values = tl.load(q_ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        scale_ptrs = src_scale_ptr + partition * blocks_per_partition + first_block + rows
+        scale_stride = num_partitions * blocks_per_partition
+        values = _dequantize_tile(q_ptrs, q_mask, scale_ptrs, block_valid, BITS_IN)
+        for j in range(1, num_inputs):
+            values += _dequantize_tile(q_ptrs + j * q_stride, q_mask,
+                                       scale_ptrs + j * scale_stride, block_valid, BITS_IN)
+
+    dst_part = (partition % devices_per_node) * nodes + partition // devices_per_node
+    if BITS_OUT == 0:
+        if SCALE_OUTPUT:
+            values = values * multiplier
+        dst = dst_ptr + (dst_part * partition_numel + elem_base)
+        tl.store(dst + local, values.to(dst_ptr.dtype.element_ty), mask=mask)
+    else:
+        q, scale = _quantize_tile(values, (1 << (BITS_OUT - 1)) - 1)
+        tl.store(dst_scale_ptr + dst_part * blocks_per_partition + first_block + rows, scale,
+                 mask=block_valid)
+        if BITS_OUT == 8:
+            dst = dst_ptr + (dst_part * partition_numel + elem_base)
+            tl.store(dst + local, q.to(tl.int8), mask=mask)  # keeps the low byte
+        else:
+            low, high = tl.split(tl.reshape(q, [BLOCKS_PER_PROGRAM, BLOCK_PAD // 2, 2]))
+            packed = (low & 15) | ((high & 15) << 4)
+            dst = dst_ptr + (dst_part * partition_bytes + byte_base)
+            tl.store(dst + byte_local, packed.to(tl.uint8), mask=byte_mask)
+
+
+# --- launcher -----------------------------------------------------------------------------------
+
+# Triton picks its interpreter when it is first imported (its library functions too), so CPU
+# tensors can run the kernel only in a process started with TRITON_INTERPRET=1.
+INTERPRETING = HAS_TRITON and not isinstance(_block_quant_kernel, triton.runtime.JITFunction)
+
+
+def _default_tile(block_pad: int) -> tuple[int, int]:
+    """(elements per program, num_warps): several small blocks per program, 32 per thread."""
+    elements = max(block_pad, 8192)
+    return elements, min(16, elements // 1024)
+
+
+def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Tensor | None, *,
+            num_inputs: int, num_partitions: int, partition_numel: int, block_size: int,
+            bits_in: int, bits_out: int, nodes: int = 1, devices_per_node: int | None = None,
+            multiplier: float = 1.0, tile: tuple[int, int] | None = None) -> None:
+    """One launch over all partitions; grid (program blocks, partitions). `tile` overrides
+    (elements per program, num_warps), for benchmarks."""
+    block_pad = triton.next_power_of_2(block_size)
+    elements, num_warps = tile or _default_tile(block_pad)
+    blocks_per_program = max(1, elements // block_pad)
+    blocks_per_partition = math.ceil(partition_numel / block_size)
+    grid = (triton.cdiv(blocks_per_partition, blocks_per_program), num_partitions)
+    with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
+        _block_quant_kernel[grid](src, src if src_scales is None else src_scales,
+                                  dst, dst if dst_scales is None else dst_scales,
+                                  num_inputs, partition_numel, (partition_numel + 1) // 2,
+                                  blocks_per_partition,
+                                  nodes, devices_per_node or num_partitions, multiplier,
+                                  BLOCK_SIZE=block_size, BLOCK_PAD=block_pad,
+                                  BLOCKS_PER_PROGRAM=blocks_per_program, BITS_IN=bits_in,
+                                  BITS_OUT=bits_out, SCALE_OUTPUT=multiplier != 1.0,
+                                  num_warps=num_warps,
+                                  enable_fp_fusion=False)  # no FMA: bit-identical to the reference
+
+
+# --- functional wrappers ------------------------------------------------------------------------
+
+def _use_triton(t: Tensor, force_triton: bool) -> bool:
+    if t.is_cuda:
+        if HAS_TRITON:
+            return True
+        _warn_no_triton()
+        return False
+    if force_triton or os.environ.get("MEGADOMINO_FORCE_TRITON") == "1":
+        if not INTERPRETING:
+            raise RuntimeError("Triton kernels on CPU tensors need triton installed and "
+                               "TRITON_INTERPRET=1 set before triton is first imported")
+        return True
+    return False
+
+
+@functools.cache
+def _warn_no_triton() -> None:
+    warnings.warn("triton is not installed: CUDA tensors are quantized by the slow torch "
+                  "reference", stacklevel=3)
+
+
+def _check_float(x: Tensor) -> Tensor:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"expected a float32/bfloat16/float16 tensor, got {x.dtype}")
+    return x.reshape(-1)
+
+
+def _check_quantized(q: Tensor, scales: Tensor, parts: int, partition_numel: int, bits: int,
+                     block_size: int) -> tuple[Tensor, Tensor]:
+    q_numel, s_numel = quantized_size(partition_numel, bits, block_size)
+    want = torch.int8 if bits == 8 else torch.uint8
+    if q.dtype != want or q.numel() != parts * q_numel:
+        raise ValueError(f"q must be {parts * q_numel} {want} values for {parts} partition(s) of "
+                         f"{partition_numel} at {bits} bits, got {q.numel()} {q.dtype}")
+    if scales.dtype != torch.float32 or scales.numel() != parts * s_numel:
+        raise ValueError(f"scales must be {parts * s_numel} float32 values, got "
+                         f"{scales.numel()} {scales.dtype}")
+    if q.device != scales.device:
+        raise ValueError(f"q on {q.device} but scales on {scales.device}")
+    return q.reshape(-1), scales.reshape(-1)
+
+
+def _output(out: Tensor | None, numel: int, dtype: torch.dtype, like: Tensor) -> Tensor:
+    if out is None:
+        return torch.empty(numel, dtype=dtype, device=like.device)
+    if out.dtype != dtype or out.numel() != numel or out.device != like.device:
+        raise ValueError(f"out must be {numel} {dtype} values on {like.device}, got "
+                         f"{out.numel()} {out.dtype} on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    return out.view(-1)
+
+
+def _outputs(out: tuple[Tensor, Tensor] | None, parts: int, numel: int, bits: int,
+             block_size: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    q_numel, s_numel = quantized_size(numel, bits, block_size)
+    q_out, s_out = out if out is not None else (None, None)
+    return (_output(q_out, parts * q_numel, torch.int8 if bits == 8 else torch.uint8, like),
+            _output(s_out, parts * s_numel, torch.float32, like))
+
+
+@torch.no_grad()
+def quantize(x: Tensor, bits: int = 8, block_size: int = 2048, *,
+             out: tuple[Tensor, Tensor] | None = None,
+             force_triton: bool = False) -> tuple[Tensor, Tensor]:
+    """Quantize the flattened `x` (float32/bfloat16/float16, read as is; copied only if not
+    contiguous) block-wise.
+
+    Returns (q, scales): q is int8 [numel] (bits=8) or uint8 [ceil(numel / 2)] (bits=4),
+    scales float32 [ceil(numel / block_size)]. `out` = (q, scales) buffers to fill instead.
+    """
+    check_scheme(bits, block_size)
+    x = _check_float(x)
+    q, scales = _outputs(out, 1, x.numel(), bits, block_size, x)
+    if x.numel() == 0:
+        return q, scales
+    if not _use_triton(x, force_triton):
+        q_ref, s_ref = quantize_reference(x, bits, block_size)
+        return q.copy_(q_ref), scales.copy_(s_ref)
+    _launch(x, None, q, scales, num_inputs=1, num_partitions=1, partition_numel=x.numel(),
+            block_size=block_size, bits_in=0, bits_out=bits)
+    return q, scales
+
+
+@torch.no_grad()
+def dequantize(q: Tensor, scales: Tensor, numel: int, bits: int = 8, block_size: int = 2048,
+               dtype: torch.dtype = torch.float32, *, out: Tensor | None = None,
+               force_triton: bool = False) -> Tensor:
+    """The `numel` values that quantize() encoded as (q, scales), as a flat `dtype` tensor."""
+    check_scheme(bits, block_size)
+    if numel == 0:
+        _check_quantized(q, scales, 1, 0, bits, block_size)
+        return _output(out, 0, dtype, q)
+    return dequantize_reduce(q, scales, 1, bits, block_size, numel, dtype, out=out,
+                             force_triton=force_triton)
+
+
+@torch.no_grad()
+def swizzled_quantize(x: Tensor, bits: int, block_size: int, num_nodes: int,
+                      devices_per_node: int, *, out: tuple[Tensor, Tensor] | None = None,
+                      force_triton: bool = False) -> tuple[Tensor, Tensor]:
+    """qgZ step 1: quantize the world = num_nodes * devices_per_node partitions of the flat `x`
+    (x.numel() % world == 0, P = numel / world), partition p written at position
+    (p % devices_per_node) * num_nodes + p // devices_per_node (see the module docstring).
+
+    Returns (q, scales): world * quantized_size(P, bits, block_size) elements, in output order.
+    """
+    check_scheme(bits, block_size)
+    x = _check_float(x)
+    world = num_nodes * devices_per_node
+    if num_nodes < 1 or devices_per_node < 1 or x.numel() % world:
+        raise ValueError(f"{x.numel()} elements do not split into {num_nodes} x "
+                         f"{devices_per_node} equal partitions")
+    partition_numel = x.numel() // world
+    q, scales = _outputs(out, world, partition_numel, bits, block_size, x)
+    if x.numel() == 0:
+        return q, scales
+    if not _use_triton(x, force_triton):
+        q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, num_nodes,
+                                                   devices_per_node)
+        return q.copy_(q_ref), scales.copy_(s_ref)
+    _launch(x, None, q, scales, num_inputs=1, num_partitions=world,
+            partition_numel=partition_numel, block_size=block_size, bits_in=0, bits_out=bits,
+            nodes=num_nodes, devices_per_node=devices_per_node)
+    return q, scales
+
+
+def _reduce_shape(q: Tensor, scales: Tensor, num_inputs: int, partition_numel: int, bits: int,
+                  block_size: int) -> tuple[Tensor, Tensor, int]:
+    """Validate num_inputs stacked inputs of equal partition count; returns partitions/input."""
+    if num_inputs < 1 or partition_numel < 1:
+        raise ValueError(f"need num_inputs >= 1 and partition_numel >= 1, got {num_inputs}, "
+                         f"{partition_numel}")
+    q_numel = quantized_size(partition_numel, bits, block_size)[0]
+    parts = q.numel() // q_numel
+    if parts % num_inputs or parts == 0:
+        raise ValueError(f"{q.numel()} values of q are not {num_inputs} inputs of whole "
+                         f"{partition_numel}-element partitions at {bits} bits")
+    q, scales = _check_quantized(q, scales, parts, partition_numel, bits, block_size)
+    return q, scales, parts // num_inputs
+
+
+@torch.no_grad()
+def dequantize_reduce_quantize(q: Tensor, scales: Tensor, num_inputs: int, bits_in: int,
+                               bits_out: int, block_size: int, partition_numel: int, *,
+                               out: tuple[Tensor, Tensor] | None = None,
+                               force_triton: bool = False) -> tuple[Tensor, Tensor]:
+    """qgZ step 3, one fused launch: q holds num_inputs stacked inputs, each of the same number
+    S of quantized `partition_numel`-element partitions. Partition s of the result is
+    quantize(sum over inputs j of dequantize(input j, partition s)), the sum in fp32 in input
+    order. Returns (q, scales) of S partitions at bits_out.
+    """
+    check_scheme(bits_in, block_size)
+    check_scheme(bits_out, block_size)
+    q, scales, per_input = _reduce_shape(q, scales, num_inputs, partition_numel, bits_in,
+                                         block_size)
+    q_out, s_out = _outputs(out, per_input, partition_numel, bits_out, block_size, q)
+    if not _use_triton(q, force_triton):
+        q_ref, s_ref = dequantize_reduce_quantize_reference(q, scales, num_inputs, bits_in,
+                                                            bits_out, block_size, partition_numel)
+        return q_out.copy_(q_ref), s_out.copy_(s_ref)
+    _launch(q, scales, q_out, s_out, num_inputs=num_inputs, num_partitions=per_input,
+            partition_numel=partition_numel, block_size=block_size, bits_in=bits_in,
+            bits_out=bits_out)
+    return q_out, s_out
+
+
+@torch.no_grad()
+def dequantize_reduce(q: Tensor, scales: Tensor, num_inputs: int, bits: int, block_size: int,
+                      partition_numel: int, dtype: torch.dtype = torch.float32,
+                      multiplier: float = 1.0, *, out: Tensor | None = None,
+                      force_triton: bool = False) -> Tensor:
+    """qgZ step 5, one launch: like dequantize_reduce_quantize but the fp32 sum, times
+    `multiplier` (fp32), is returned as `dtype` [S * partition_numel]."""
+    check_scheme(bits, block_size)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32/bfloat16/float16, got {dtype}")
+    q, scales, per_input = _reduce_shape(q, scales, num_inputs, partition_numel, bits,
+                                         block_size)
+    result = _output(out, per_input * partition_numel, dtype, q)
+    if not _use_triton(q, force_triton):
+        return result.copy_(dequantize_reduce_reference(q, scales, num_inputs, bits, block_size,
+                                                        partition_numel, dtype, multiplier))
+    _launch(q, scales, result, None, num_inputs=num_inputs, num_partitions=per_input,
+            partition_numel=partition_numel, block_size=block_size, bits_in=bits, bits_out=0,
+            multiplier=multiplier)
+    return result
