@@ -173,9 +173,9 @@ def bench_row(row: str, args, dims) -> dict:
               "sequence_parallel": args.sequence_parallel, "ms_per_layer": {}, "peak_gib": {},
               "profile": {}, "skipped": {}}
 
-    def measure(name, module, forward, comm=True, profile=False):
+    def measure(name, module, forward, comm=True, profile=False, inputs=None):
         params = [p for p in module.parameters() if p.requires_grad]
-        step = make_step(module, forward, x, grad_out, params)
+        step = make_step(module, forward, *(inputs or (x, grad_out)), params)
         torch.cuda.reset_peak_memory_stats()
         if comm:
             ms, host_ms = time_step(step, args.warmup, args.iters)
@@ -195,6 +195,15 @@ def bench_row(row: str, args, dims) -> dict:
     measure("a_no_comm", block, forward, comm=False)
     measure("b_plain_tp", block, forward, profile=args.profile)
     del block, forward
+    if args.comm_overlap and not args.sequence_parallel:
+        sp_inputs = (x.detach()[: seq // dims.tp].clone().requires_grad_(),
+                     grad_out[: seq // dims.tp].contiguous())
+        for overlap in (False, True):
+            sp_config = config.replace(sequence_parallel=True, tp_comm_overlap=overlap)
+            block, forward = ours(sp_config, dims, rotary)
+            measure("f_sp_comm_overlap" if overlap else "b_plain_tp_sp", block, forward,
+                    profile=args.profile, inputs=sp_inputs)
+            del block, forward
     ffn_local = config.ffn_hidden_size // dims.tp
     for (n, k), ctas in itertools.product(CANDIDATES, args.overlap_ctas):
         if n > micro_batch or ffn_local % k:
@@ -272,6 +281,8 @@ def main() -> None:
                         help="comma-separated max NCCL CTAs for overlapped collectives (0: "
                              "NCCL's default), each tried with every plan")
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--comm-overlap", action="store_true",
+                        help="also time plain TP + SP without and with --tp-comm-overlap")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default="bench_domino.json")
     args = parser.parse_args()

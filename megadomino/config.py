@@ -46,6 +46,9 @@ class ModelConfig:
     params_dtype: str = "float32"
     """'float32', 'bfloat16' or 'float16': the dtype the model's parameters are created in."""
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
+    """With sequence parallelism: fuse the all-gather / reduce-scatter into the GEMMs
+    (symmetric-memory kernels over NVLink copy engines; parallel/async_tp.py)."""
     recompute_granularity: str | None = None
     """None, 'full' (whole layers) or 'selective' (the attention core)."""
     recompute_method: str | None = None
@@ -177,6 +180,18 @@ class ModelConfig:
             "--domino-hidden-slices",
             self.domino_hidden_slices,
             f"a divisor of the per-rank ffn size ({self.ffn_hidden_size} / tp {tp} = {ffn_local})",
+        )
+        _check(
+            not self.tp_comm_overlap or self.sequence_parallel,
+            "--tp-comm-overlap",
+            self.tp_comm_overlap,
+            "used with --sequence-parallel (it fuses sequence-parallel collectives)",
+        )
+        _check(
+            not (self.tp_comm_overlap and self.domino_enabled),
+            "--tp-comm-overlap",
+            self.tp_comm_overlap,
+            "off with Domino (--domino-*): they are two ways to overlap the same collectives",
         )
         if self.sequence_parallel:
             _check(

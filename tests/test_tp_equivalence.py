@@ -64,11 +64,13 @@ def check_model(family: str, sequence_parallel: bool, dims_ref, dims_tp, explici
                 rel: tuple[float, float] = (REL, REL), **changes):
     """The model at dims_tp (params_dtype) against the fp32 model at TP=1, same full weights.
     rel = (tolerance for logits and loss, tolerance for gradients)."""
+    comm_overlap = changes.pop("tp_comm_overlap", False)
     config = tiny_config(family, **changes)
     torch.manual_seed(7)
     reference = build_model(config, dims_ref, family, device=device)
     full = reference.full_state_dict()
     model = build_model(config.replace(sequence_parallel=sequence_parallel,
+                                       tp_comm_overlap=comm_overlap,
                                        params_dtype=params_dtype), dims_tp, family, device=device)
     model.load_full_state_dict(full)
     tokens, labels, loss_mask, position_ids = (t.to(device) for t in batch(config, seed=11))
@@ -231,6 +233,8 @@ def all_cases() -> dict[str, str | None]:
         for sp in (False, True):
             runner.run(f"{family}-sp{sp}", check_model, family, sp, dims_ref, dims_tp, False)
         runner.run(f"{family}-positions", check_model, family, True, dims_ref, dims_tp, True)
+        runner.run(f"{family}-comm-overlap", check_model, family, True, dims_ref, dims_tp,
+                   False, tp_comm_overlap=True)
         runner.run(f"{family}-init", check_init_is_tp_independent, family, dims_ref, dims_tp)
         runner.run(f"{family}-recompute-selective", check_recompute_with_dropout, family,
                    "selective", None, dims_tp)
@@ -244,7 +248,7 @@ CASES = (
     ["column-gatherFalse", "column-gatherTrue", "column-sp", "row-parallel_inputFalse",
      "row-parallel_inputTrue", "row-sp", "embedding-ce-spFalse", "embedding-ce-spTrue"]
     + [f"{family}-{case}" for family in FAMILIES
-       for case in ("spFalse", "spTrue", "positions", "init", "recompute-selective",
+       for case in ("spFalse", "spTrue", "positions", "comm-overlap", "init", "recompute-selective",
                     "recompute-full-uniform", "recompute-full-block")]
 )
 

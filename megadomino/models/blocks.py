@@ -67,10 +67,11 @@ class Attention(nn.Module):
         sp = config.sequence_parallel and dims.tp > 1
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, dims, bias=config.add_bias_linear,
-            sequence_parallel=sp, init_std=config.init_method_std, device=device, dtype=dtype)
+            sequence_parallel=sp, comm_overlap=config.tp_comm_overlap,
+            init_std=config.init_method_std, device=device, dtype=dtype)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, dims,
-            bias=config.add_bias_linear, sequence_parallel=sp,
+            bias=config.add_bias_linear, sequence_parallel=sp, comm_overlap=config.tp_comm_overlap,
             init_std=scaled_init_std(config.init_method_std, config.num_layers), device=device,
             dtype=dtype)
 
@@ -128,11 +129,12 @@ class MLP(nn.Module):
         stripes = 2 if config.swiglu else 1
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, stripes * config.ffn_hidden_size, dims,
-            bias=config.add_bias_linear, sequence_parallel=sp, init_std=config.init_method_std,
+            bias=config.add_bias_linear, sequence_parallel=sp,
+            comm_overlap=config.tp_comm_overlap, init_std=config.init_method_std,
             stripes=stripes, device=device, dtype=dtype)
         self.linear_fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, dims, bias=config.add_bias_linear,
-            sequence_parallel=sp,
+            sequence_parallel=sp, comm_overlap=config.tp_comm_overlap,
             init_std=scaled_init_std(config.init_method_std, config.num_layers), device=device,
             dtype=dtype)
 

@@ -108,7 +108,7 @@ class GPTModel(nn.Module):
         weight = self.output_weight if self.output_weight is not None \
             else self.word_embeddings.weight
         return column_parallel_matmul(hidden, weight, None, self.dims.tp_group,
-                                      self.sequence_parallel)
+                                      self.sequence_parallel, self.config.tp_comm_overlap)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None,

@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megadomino.parallel import mappings
+from megadomino.parallel import async_tp, mappings
 from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
 
 
@@ -101,8 +102,12 @@ class _LinearWithAsyncGradReduce(torch.autograd.Function):
 
 
 def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           group, sequence_parallel: bool) -> torch.Tensor:
-    """Functional column-parallel linear (also used by the tied output layer)."""
+                           group, sequence_parallel: bool,
+                           comm_overlap: bool = False) -> torch.Tensor:
+    """Functional column-parallel linear (also used by the tied output layer). With sequence
+    parallelism and comm_overlap, the all-gather is fused into the GEMM (parallel.async_tp)."""
+    if sequence_parallel and comm_overlap and dist.get_world_size(group) > 1:
+        return async_tp.all_gather_matmul(x, weight, bias, group)
     return _LinearWithAsyncGradReduce.apply(x, weight, bias, group, sequence_parallel)
 
 
@@ -116,8 +121,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 init_std: float = 0.02, stripes: int = 1, device=None,
-                 dtype: torch.dtype = torch.float32):
+                 comm_overlap: bool = False, init_std: float = 0.02, stripes: int = 1,
+                 device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
         if output_size % (dims.tp * stripes) != 0:
             raise ValueError(f"output size {output_size} not divisible by tp {dims.tp} "
@@ -126,6 +131,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("gather_output is not supported with sequence parallelism")
         self.dims, self.gather_output, self.sequence_parallel = dims, gather_output, \
             sequence_parallel
+        self.comm_overlap = comm_overlap
         self.input_size, self.output_size = input_size, output_size
         local = output_size // dims.tp
         self.weight = nn.Parameter(torch.empty(local, input_size, device=device, dtype=dtype))
@@ -138,7 +144,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = column_parallel_matmul(x, self.weight, self.bias, self.dims.tp_group,
-                                     self.sequence_parallel)
+                                     self.sequence_parallel, self.comm_overlap)
         if self.gather_output:
             out = mappings.gather_from_tensor_parallel_region(out, self.dims.tp_group)
         return out
@@ -155,7 +161,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 init_std: float = 0.02, device=None, dtype: torch.dtype = torch.float32):
+                 comm_overlap: bool = False, init_std: float = 0.02, device=None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         if input_size % dims.tp != 0:
             raise ValueError(f"input size {input_size} not divisible by tp {dims.tp}")
@@ -163,6 +170,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("sequence parallelism needs input_is_parallel=True")
         self.dims, self.input_is_parallel = dims, input_is_parallel
         self.sequence_parallel = sequence_parallel
+        self.comm_overlap = comm_overlap and sequence_parallel and dims.tp > 1
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(
             torch.empty(output_size, input_size // dims.tp, device=device, dtype=dtype))
@@ -188,6 +196,9 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.comm_overlap:
+            out = async_tp.matmul_reduce_scatter(x, self.weight, self.dims.tp_group)
+            return out if self.bias is None else out + self.bias
         return self.reduce(self.partial(x))
 
 

@@ -33,11 +33,17 @@ def gpu_cases() -> dict[str, str | None]:
                        False, device="cuda", rel=(1e-4, 1e-4))
             runner.run(f"{family}-sp{sp}-bf16", check_model, family, sp, dims_ref, dims_tp,
                        False, device="cuda", params_dtype="bfloat16", rel=BF16_REL)
+        runner.run(f"{family}-comm-overlap-fp32", check_model, family, True, dims_ref, dims_tp,
+                   False, device="cuda", rel=(1e-4, 1e-4), tp_comm_overlap=True)
+        runner.run(f"{family}-comm-overlap-bf16", check_model, family, True, dims_ref, dims_tp,
+                   False, device="cuda", params_dtype="bfloat16", rel=BF16_REL,
+                   tp_comm_overlap=True)
     return runner.results
 
 
 CASES = [f"{family}-sp{sp}-{dtype}" for family in FAMILIES for sp in (False, True)
-         for dtype in ("fp32", "bf16")]
+         for dtype in ("fp32", "bf16")] + [f"{family}-comm-overlap-{dtype}" for family in FAMILIES
+                                            for dtype in ("fp32", "bf16")]
 
 
 @functools.cache

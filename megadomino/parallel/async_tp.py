@@ -1,0 +1,108 @@
+"""Sequence-parallel linears with the collective fused into the GEMM (Megatron's
+`--tp-comm-overlap`), on torch's symmetric-memory kernels: the all-gather before a
+column-parallel GEMM and the reduce-scatter after a row-parallel GEMM are cut into per-rank
+chunks that move over NVLink copy engines while the GEMM computes the chunks already there,
+forward and backward. Copy engines take no SMs from the GEMMs they overlap, which is where
+NCCL-beside-GEMM overlap loses on these GPUs (BENCHMARKS.md).
+
+    column:  y = all_gather_s(x_shard) @ W^T     backward: dx_shard = reduce_scatter_s(dy @ W)
+    row:     y_shard = reduce_scatter_s(x @ W^T) backward: dx = all_gather_s(dy_shard) @ W
+
+Activations are [s, b, h] with the sequence (dim 0) sharded. The gathered input of a column
+linear is kept for its weight gradient (memory for one all-gather per linear, as without
+recompute). On NCCL + CUDA the fused kernels run (`enable(group)` registers the TP group for
+symmetric memory); elsewhere (CPU tests) the same autograd math runs on plain collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+from megadomino.parallel.mappings import all_gather_dim0, reduce_scatter_dim0
+
+_enabled: set[str] = set()
+_groups: dict[str, object] = {}
+
+
+def enable(group) -> str:
+    """Register the group for symmetric memory once (NCCL only); returns its name."""
+    name = group.group_name
+    _groups[name] = group
+    if name not in _enabled and available(group):
+        symm_mem.enable_symm_mem_for_group(name)
+        _enabled.add(name)
+    return name
+
+
+def _all_gather_matmul(x_shard, weight_t, group_name):
+    """(all_gather_s(x_shard), all_gather_s(x_shard) @ weight_t)."""
+    group = _groups[group_name]
+    if available(group):
+        x_full, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(
+            x_shard, [weight_t], gather_dim=0, group_name=group_name)
+        return x_full, y
+    x_full = all_gather_dim0(x_shard.contiguous(), group)[0]
+    return x_full, x_full.matmul(weight_t)
+
+
+def _matmul_reduce_scatter(x, weight_t, group_name):
+    """reduce_scatter_s(x @ weight_t)."""
+    group = _groups[group_name]
+    if available(group):
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            x, weight_t, "sum", scatter_dim=0, group_name=group_name)
+    return reduce_scatter_dim0(x.matmul(weight_t), group)[0]
+
+
+def _weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group_name):
+        x_full, y = _all_gather_matmul(x_shard, weight.t(), group_name)
+        ctx.save_for_backward(x_full, weight)
+        ctx.group_name, ctx.has_bias = group_name, bias is not None
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_full, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = _matmul_reduce_scatter(grad_out, weight, ctx.group_name)
+        grad_weight = _weight_grad(grad_out, x_full)
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, group_name):
+        ctx.save_for_backward(x, weight)
+        ctx.group_name = group_name
+        return _matmul_reduce_scatter(x.contiguous(), weight.t(), group_name)
+
+    @staticmethod
+    def backward(ctx, grad_shard):
+        x, weight = ctx.saved_tensors
+        grad_full, grad_x = _all_gather_matmul(grad_shard.contiguous(), weight, ctx.group_name)
+        return grad_x, _weight_grad(grad_full, x), None
+
+
+def all_gather_matmul(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      group) -> torch.Tensor:
+    """(s/tp, b, in) -> (s, b, out/tp): the column-parallel GEMM with its input all-gather."""
+    return _AllGatherMatmul.apply(x_shard, weight, bias, enable(group))
+
+
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """(s, b, in/tp) -> (s/tp, b, out): the row-parallel GEMM with its output reduce-scatter."""
+    return _MatmulReduceScatter.apply(x, weight, enable(group))
+
+
+def available(group) -> bool:
+    """Fused kernels need CUDA tensors on an NCCL group."""
+    return torch.cuda.is_available() and dist.get_backend(group) == "nccl"
