@@ -18,6 +18,7 @@ One process runs at TP 1 on the CPU. Under `torchrun --nproc_per_node N ... \
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -43,7 +44,7 @@ def hf_to_megadomino(hf_dir: str, save_dir: str, dims: ParallelDims, params_dtyp
 
 
 def saved_model_config(load_dir: str) -> ModelConfig:
-    """The ModelConfig stored in the latest checkpoint of `load_dir`."""
+    """The ModelConfig stored in the latest checkpoint of `load_dir` (its known fields)."""
     iteration = checkpoint.latest_iteration(load_dir)
     if iteration is None:
         raise checkpoint.CheckpointError(f"{load_dir} has no {checkpoint.TRACKER}: not a "
@@ -51,8 +52,11 @@ def saved_model_config(load_dir: str) -> ModelConfig:
     path = checkpoint.shard_path(checkpoint.checkpoint_dir(load_dir, iteration), 0, 0, 1)
     if not path.exists():
         raise checkpoint.CheckpointError(f"checkpoint shard missing: {path}")
-    return ModelConfig(**torch.load(path, map_location="cpu", mmap=True,
-                                    weights_only=True)["model_config"])
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["model_config"]
+    # Fields this version does not know (a newer writer's run options) are left out: the
+    # architecture is what conversion needs, and load_checkpoint checks it against the shards.
+    known = {field.name for field in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{name: value for name, value in saved.items() if name in known})
 
 
 def megadomino_to_hf(load_dir: str, hf_dir: str, dims: ParallelDims, dtype: str | None,

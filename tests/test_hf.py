@@ -7,6 +7,7 @@ file and sharded) and transformers re-loads tensors identical to the original. C
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -211,3 +212,13 @@ def test_converter_refuses_a_directory_without_checkpoint(tmp_path):
     with pytest.raises(convert_hf_llama.checkpoint.CheckpointError, match="not a megadomino"):
         convert_hf_llama.main(["megadomino-to-hf", "--load", str(tmp_path),
                                "--hf-dir", str(tmp_path / "hf")])
+
+
+def test_converter_reads_a_config_with_fields_it_does_not_know(tmp_path):
+    """A checkpoint from a newer writer may carry run options this version lacks."""
+    config = model_config_from_hf(hf_dict())
+    shard = tmp_path / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    shard.parent.mkdir(parents=True)
+    torch.save({"model_config": dict(dataclasses.asdict(config), some_future_option=True)}, shard)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    assert convert_hf_llama.saved_model_config(str(tmp_path)) == config
