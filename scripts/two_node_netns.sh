@@ -7,8 +7,8 @@
 #
 #   sudo bash scripts/two_node_netns.sh [extra pretrain_gpt.py flags]
 #
-# Environment: ITERS (8), RUN_TIMEOUT seconds per run (150), REL (1e-5), RATE (e.g. 1gbit: a
-# netem rate limit on the link; default none), LOG_DIR (a temporary directory).
+# Environment: ITERS (8), RUN_TIMEOUT seconds per run (150), REL (1e-5), RATE (e.g. 100mbit: a
+# token-bucket limit on each direction of the link; default none), LOG_DIR (a temporary dir).
 # Needs root (ip netns). Traffic only reaches the two namespaces' addresses and loopback; the
 # namespaces, the link and every process started here are removed on any exit.
 set -euo pipefail
@@ -51,8 +51,9 @@ for ns in "$NS_A" "$NS_B"; do ip -n "$ns" link set lo up; done
 ip -n "$NS_A" link set "$VETH_A" up
 ip -n "$NS_B" link set "$VETH_B" up
 if [ -n "$RATE" ]; then
-  ip netns exec "$NS_A" tc qdisc add dev "$VETH_A" root netem rate "$RATE" delay 1ms
-  ip netns exec "$NS_B" tc qdisc add dev "$VETH_B" root netem rate "$RATE" delay 1ms
+  # tbf, not netem: the netem qdisc is missing on some kernels (ours, 2026-11-22).
+  ip netns exec "$NS_A" tc qdisc add dev "$VETH_A" root tbf rate "$RATE" burst 64kb latency 100ms
+  ip netns exec "$NS_B" tc qdisc add dev "$VETH_B" root tbf rate "$RATE" burst 64kb latency 100ms
 fi
 
 TRAIN_ARGS=(pretrain_gpt.py --model-preset gpt-tiny --tensor-model-parallel-size 2 --mock-data
