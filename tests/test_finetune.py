@@ -150,19 +150,25 @@ def _sft_corpus(path: Path, count: int) -> None:
 
 def test_finetune_llama_from_hf_checkpoint(tmp_path):
     """finetune_llama.py, one process: from an HF checkpoint, on JSONL, the response loss falls;
-    it validates, logs the phase times, saves at the end and writes TensorBoard scalars."""
+    it validates, logs the phase times, saves at the end and (where tensorboard is installed)
+    writes TensorBoard scalars."""
     config = ModelConfig.preset("llama-tiny", vocab_size=65, seq_length=24,
                                 max_position_embeddings=24)
     _write_hf_checkpoint(tmp_path / "hf", config)
     _sft_corpus(tmp_path / "sft.jsonl", 200)
-    pytest.importorskip("tensorboard")
+    try:
+        import tensorboard  # noqa: F401
+        with_tensorboard = True
+    except ImportError:  # optional: the run is still checked, the scalars are not
+        with_tensorboard = False
     argv = ["--hf-checkpoint", str(tmp_path / "hf"), "--tokenizer-type", "NullTokenizer",
             "--vocab-size", "64", "--data-path", str(tmp_path / "sft.jsonl"),
             "--split", "90,10,0", "--prompt-template", "60 {prompt} 61", "--seq-length", "24",
             "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "40",
             "--lr", "3e-3", "--lr-warmup-iters", "4", "--log-interval", "10",
-            "--eval-interval", "20", "--eval-iters", "2", "--save", str(tmp_path / "ckpt"),
-            "--tensorboard-dir", str(tmp_path / "tb")]
+            "--eval-interval", "20", "--eval-iters", "2", "--save", str(tmp_path / "ckpt")]
+    if with_tensorboard:
+        argv += ["--tensorboard-dir", str(tmp_path / "tb")]
     result = subprocess.run([sys.executable, "finetune_llama.py", *argv], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -173,6 +179,8 @@ def test_finetune_llama_from_hf_checkpoint(tmp_path):
     assert sum("validation at iteration" in line for line in lines) == 2, lines
     assert all("time (ms): data" in line for line in lines if "/      40 |" in line)
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
+    if not with_tensorboard:
+        return
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "tb"))
