@@ -1,0 +1,116 @@
+"""Step time and peak memory per GPU: plain DP vs ZeRO-3 vs ZeRO++ (and its parts), 4 GPUs as
+2 nodes x 2 (gpus_per_node=2 on one host: the "inter-node" groups ride NVLink too).
+
+    torchrun --standalone --nproc_per_node 4 benchmarks/bench_zero.py \
+        [--preset gpt3-1.3b --seq-length 2048 --micro-batch-size 1 --steps 10 --out zero.json]
+    torchrun --standalone --nproc_per_node 4 benchmarks/bench_zero.py --device cpu \
+        --preset gpt-tiny --seq-length 64          # smoke test: gloo on CPU ranks
+
+Each configuration builds the bf16 model afresh, runs `--warmup` steps, then times `--steps`
+(median of per-step wall clock, synchronized); peak memory is torch.cuda.max_memory_allocated
+over its steps (reset once the model is built and sharded). Over NVLink the links are not the
+bottleneck, so ZeRO++'s step time over ZeRO-3's is its quantization overhead (issue 4: under
+5%); the bytes each configuration sends are printed beside it (the engine's CommCounter, per
+rank, per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megadomino.parallel import ParallelDims
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_common import CONFIGS, PlainDP, add_model_args, build_engine, train_step  # noqa: E402
+
+
+def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
+            device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    engine = PlainDP(dims, args) if name == "plain dp" else build_engine(name, dims, args)
+    if cuda:  # after construction: a ZeRO engine shards a model that was built whole
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup and name != "plain dp":
+            engine.comm.reset()
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss = train_step(engine, dims, args, step, device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    row = {"config": name, "s_per_step": statistics.median(times[args.warmup:]),
+           "loss": loss, "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30
+           if cuda else None}
+    if name != "plain dp":
+        totals = engine.comm.totals()
+        row.update({f"{side}_bytes_per_step": totals[side] / args.steps for side in totals},
+                   **{f"engine_{k}": v for k, v in engine.memory_stats().items()})
+    del engine
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(parser, "gpt3-1.3b", hidden=None, layers=None, seq=2048)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--configs", nargs="+", default=["plain dp", *CONFIGS],
+                        choices=["plain dp", *CONFIGS])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.set_defaults(micro_batch_size=1)
+    args = parser.parse_args()
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    if dist.get_world_size() != 4:
+        raise SystemExit("run on 4 ranks: torchrun --nproc_per_node 4 ...")
+    dims = ParallelDims(tp=1, gpus_per_node=2)
+    rows = [measure(name, dims, args, device) for name in args.configs]
+    if dims.rank == 0:
+        report(rows, args)
+    dist.destroy_process_group()
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    base = {r["config"]: r["s_per_step"] for r in rows}
+    tokens = 4 * args.micro_batch_size * args.seq_length
+    print(f"{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size} per GPU, "
+          f"{args.dtype}, 4 GPUs as 2 nodes x 2; median of {args.steps} steps")
+    header = (f"{'config':<18} {'s/step':>8} {'tokens/s':>10} {'vs ZeRO-3':>10} {'peak GiB':>9} "
+              f"{'inter MB':>9} {'intra MB':>9}")
+    print(header + "\n" + "-" * len(header))
+    for r in rows:
+        ratio = r["s_per_step"] / base["zero3"] if "zero3" in base else float("nan")
+        peak = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
+        inter = r.get("inter_bytes_per_step", 0) / 1e6
+        intra = r.get("intra_bytes_per_step", 0) / 1e6
+        print(f"{r['config']:<18} {r['s_per_step']:>8.4f} {tokens / r['s_per_step']:>10.0f} "
+              f"{ratio:>10.3f} {peak:>9} {inter:>9.1f} {intra:>9.1f}")
+    print("(plain DP's all-reduce is not counted: inter/intra MB are the ZeRO engine's)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""What the ZeRO benchmarks share: the configurations compared, the model, one training step.
+
+Imported by zero_bytes.py, bench_zero_netns.py and bench_zero.py (run from the repository root as
+`python benchmarks/<script>.py`, which puts this directory on sys.path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from megadomino.config import ModelConfig
+from megadomino.models import build_model
+from megadomino.parallel import ParallelDims
+from megadomino.parallel.random import model_parallel_seed
+from megadomino.training.data import MockDataset
+from megadomino.training.ddp import GradBuffer
+from megadomino.training.optimizer import MixedPrecisionAdamW
+from megadomino.zero import ZeroConfig, ZeroPlusPlus
+
+# ZeRO-3 sends bf16 gradients like the paper's fp16 baseline (DeepSpeed reduces in the
+# parameters' dtype); the ZeRO++ rows add qwZ, hpZ and qgZ one at a time.
+CONFIGS: dict[str, dict] = {
+    "zero3": dict(reduce_dtype="bfloat16"),
+    "qwz": dict(reduce_dtype="bfloat16", quantized_weights=True),
+    "qwz+hpz": dict(reduce_dtype="bfloat16", quantized_weights=True, hpz_partition_size=-1),
+    "zero++": dict(quantized_weights=True, hpz_partition_size=-1, quantized_gradients=True),
+    "zero++ int8 grads": dict(quantized_weights=True, hpz_partition_size=-1,
+                              quantized_gradients=True, gradient_bits=8),
+}
+ADAM = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+
+
+def add_model_args(parser: argparse.ArgumentParser, preset: str, hidden: int | None,
+                   layers: int | None, seq: int) -> None:
+    """Model flags; hidden size, layers and heads default to `preset`'s where None."""
+    parser.add_argument("--preset", default=preset)
+    parser.add_argument("--hidden-size", type=int, default=hidden)
+    parser.add_argument("--num-layers", type=int, default=layers)
+    parser.add_argument("--num-attention-heads", type=int, default=8 if hidden else None)
+    parser.add_argument("--seq-length", type=int, default=seq)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    overrides = {name: getattr(args, name) for name in
+                 ("hidden_size", "num_layers", "num_attention_heads")
+                 if getattr(args, name) is not None}
+    return ModelConfig.preset(args.preset, seq_length=args.seq_length,
+                              max_position_embeddings=args.seq_length, hidden_dropout=0.0,
+                              attention_dropout=0.0, params_dtype=args.dtype, **overrides)
+
+
+def build_engine(name: str, dims: ParallelDims, args: argparse.Namespace,
+                 device: str | None = None) -> ZeroPlusPlus:
+    """ZeRO stage 3 as configuration `name` says (hpZ over the node's DP ranks)."""
+    fields = dict(CONFIGS[name], block_size=args.block_size)
+    if fields.get("hpz_partition_size") == -1:
+        fields["hpz_partition_size"] = dims.dp_per_node
+    model_parallel_seed(1234, dims)
+    model = build_model(model_config(args), dims, "gpt", device=device)
+    factory = functools.partial(torch.optim.AdamW, **ADAM)
+    return ZeroPlusPlus(model, dims, factory, ZeroConfig(stage=3, **fields), clip_grad=1.0)
+
+
+class PlainDP:
+    """The plain data-parallel baseline (GradBuffer + MixedPrecisionAdamW) with the engine's
+    calls, so one step function drives both."""
+
+    def __init__(self, dims: ParallelDims, args: argparse.Namespace, device: str | None = None):
+        model_parallel_seed(1234, dims)
+        self.model = build_model(model_config(args), dims, "gpt", device=device)
+        self.grads = GradBuffer(self.model.parameters(), dims)
+        self.optimizer = MixedPrecisionAdamW(self.model.parameters(), dims, clip_grad=1.0, **ADAM)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        self.grads.finish_grad_sync()
+
+    def step(self):
+        result = self.optimizer.step()
+        self.grads.zero_grad()
+        return result
+
+
+def train_step(engine, dims: ParallelDims, args: argparse.Namespace, step: int,
+               device: str | torch.device = "cpu") -> float:
+    """One step on this DP rank's micro-batch of the mock data; returns the local loss."""
+    data = _data(args.seq_length)
+    start = (step * dims.dp + dims.dp_rank) * args.micro_batch_size
+    samples = torch.stack([data[i] for i in range(start, start + args.micro_batch_size)])
+    samples = samples.to(device)
+    loss = engine(samples[:, :-1], labels=samples[:, 1:]).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+@functools.cache
+def _data(seq_length: int) -> MockDataset:
+    return MockDataset(seq_length, 512, seed=7)  # tokens < 512: within every preset's vocab
+
