@@ -119,14 +119,17 @@ def _engine(dims: ParallelDims, clip: float = 1.0, model_overrides: dict | None 
                         ZeroConfig(**zero), clip_grad=clip, loss_scaler=loss_scaler)
 
 
-def _train(engine: ZeroPlusPlus, dims: ParallelDims, steps: range, num_micro: int = 1):
-    """Per step: (DP-mean loss, StepResult)."""
+def _train(engine: ZeroPlusPlus, dims: ParallelDims, steps: range, num_micro: int = 1,
+           sync_every_micro: bool = False):
+    """Per step: (DP-mean loss, StepResult); no_sync() for all but the last micro-batch unless
+    `sync_every_micro`."""
     history = []
     for step in steps:
         total = 0.0
         for micro in range(num_micro):
             tokens, labels = _batch(dims, step, micro, num_micro)
-            with engine.no_sync() if micro < num_micro - 1 else contextlib.nullcontext():
+            deferred = micro < num_micro - 1 and not sync_every_micro
+            with engine.no_sync() if deferred else contextlib.nullcontext():
                 loss = engine(tokens, labels=labels).mean()
                 engine.backward(loss / num_micro)
             total += loss.item() / num_micro
@@ -174,6 +177,12 @@ def _case_matches_plain_dp(dims: ParallelDims, stage: int, **overrides) -> None:
         assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
         assert_close(result.grad_norm, want.grad_norm, 1e-5, "grad norm")
         assert want.grad_norm > 0.5  # the clip was active
+    if stage == 1:  # reducing every micro-batch (no no_sync) accumulates the same gradients
+        eager = _train(_engine(dims, clip=0.5, stage=1, model_overrides=overrides), dims,
+                       range(steps), num_micro, sync_every_micro=True)
+        for (loss, result), (want_loss, want) in zip(eager, expected):
+            assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
+            assert_close(result.grad_norm, want.grad_norm, 1e-5, "grad norm, no no_sync")
     full, want_full = engine.full_state_dict(), reference.full_state_dict()
     assert full.keys() == want_full.keys()
     for name, value in want_full.items():

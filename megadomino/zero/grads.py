@@ -3,8 +3,10 @@
 A post-accumulate-grad hook moves each parameter's `.grad` (any dtype) into its unit's fp32 flat
 buffer and frees `.grad`. Stage 1 keeps one flat buffer per unit for the whole step, accumulating
 micro-batches in fp32 (`no_sync()` defers the reduction to the last micro-batch, as with
-`training.ddp.GradBuffer`). Stage 3 has no whole-gradient storage: a unit's buffer exists from its
-first gradient until its reduction, so every backward reduces, inside `no_sync()` or not.
+`training.ddp.GradBuffer`; a synced backward reduces what accumulated since the last reduction).
+Stage 3 has no whole-gradient storage: a unit's buffer exists from its first gradient until its
+reduction, so every backward reduces, inside `no_sync()` or not. Either way the shards add up
+every reduction of the step.
 
 Once a unit's gradients are all in (or at `finish()`, for units with parameters that got none),
 its buffer is reduced over the DP group (plain: divided by dp, then reduce-scatter; qgZ: see
@@ -153,6 +155,8 @@ class GradReducer:
         index, pending = self._inflight
         self._inflight = None
         self.grad_shards[index].add_(pending.wait())
-        if not self.persistent:
+        if self.persistent:
+            self.buffers[index].zero_()  # reduced: a further synced backward starts afresh
+        else:
             self.meter.drop(self.buffers[index])
             self.buffers[index] = None
