@@ -17,8 +17,11 @@ How a training loop uses it (the same calls as `training.ddp.GradBuffer` +
             engine.backward(loss / num_micro)       # not loss.backward(): fp16 scaling, reduction
     result = engine.step()                          # training.optimizer.StepResult; zeroes grads
     engine.loss_scaler                              # for logging, as MixedPrecisionAdamW's
-    checkpoint: engine.state_dict() / engine.load_state_dict() on every rank (sharded: DP rank r
-    saves its own), engine.full_state_dict() for the unsharded weights (identical on all ranks)
+    evaluation: engine(...) (or the model itself) under torch.no_grad(): gathers as it goes
+    checkpoint: engine.state_dict() / engine.load_state_dict() on every rank (sharded: each
+    (TP, DP) rank saves its own), engine.full_state_dict() for the unsharded weights (the same
+    on all ranks); the model's own state dicts see empty parameters at stage 3
+    memory: engine.memory_stats() (bytes held; CUDA peak), beside the loop's peak-memory log
 
 `no_sync()` defers the reduction to the last micro-batch at stage 1; stage 3 reduces every
 backward (it has no whole-gradient buffer to accumulate in), so there it changes nothing.
@@ -43,8 +46,9 @@ from megadomino.zero.sharded import OptimizerFactory, ShardedOptimizer
 
 
 class ZeroPlusPlus:
-    """The engine; every method but `__call__` and `no_sync` is collective over the DP group
-    (`step` over the world), so every rank calls them in the same order."""
+    """The engine. `__call__` (stage 3), `backward`, `step`, `load_state_dict` and
+    `full_state_dict` are collective (over the DP group; `step` over the world,
+    `full_state_dict` over TP too): every rank calls them in the same order."""
 
     def __init__(self, model: nn.Module, dims, optimizer_factory: OptimizerFactory,
                  config: ZeroConfig, *, clip_grad: float = 0.0,
