@@ -360,6 +360,9 @@ class TrainConfig:
     exit_interval: int | None = None
     # Logging.
     tensorboard_dir: str | None = None
+    # Domino.
+    domino_auto: bool = False
+    """--domino-batch-slices auto: pick the Domino plan by timing at start-up."""
     # Fine-tuning (finetune_llama.py).
     hf_checkpoint: str | None = None
     """A Hugging Face Llama directory to start from (megadomino.interop.hf.load_llama)."""

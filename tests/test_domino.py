@@ -14,10 +14,11 @@ import torch
 from test_tp_equivalence import FAMILIES, batch, loss_and_grads, tiny_config
 
 from dist_utils import CaseRunner, assert_close, check_result, run_cases
-from megadomino.config import ConfigError
+from megadomino.config import ConfigError, TrainConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
+from megadomino.training.loop import train
 
 REL = 1e-5
 BATCH = 5
@@ -90,6 +91,36 @@ def check_refused(family, dims):
         raise AssertionError("5 hidden slices of 96 / tp was accepted")
 
 
+def run_training(dims, iters: int, **changes):
+    model_config = domino_config("gpt", **{k: v for k, v in changes.items()
+                                           if k.startswith("domino_batch")
+                                           or k.startswith("domino_hidden")})
+    train_config = TrainConfig(
+        tensor_model_parallel_size=dims.tp, micro_batch_size=4, global_batch_size=4 * dims.dp,
+        train_iters=iters, lr=5e-3, min_lr=5e-4, lr_warmup_iters=2, log_interval=1,
+        eval_interval=iters, eval_iters=1, mock_data=True,
+        domino_auto=changes.get("domino_auto", False))
+    lines: list[str] = []
+    history = train(model_config, train_config, dims, "gpt", log=lines.append)
+    return history["losses"], lines
+
+
+def check_training_matches(dims):
+    """A few dozen steps with Domino give plain TP's losses (1e-5 relative)."""
+    plain, _ = run_training(dims, 24)
+    domino, _ = run_training(dims, 24, domino_batch_slices=3, domino_hidden_slices=2)
+    assert plain[-1] < plain[0] - 0.5, plain
+    for step, (a, b) in enumerate(zip(domino, plain)):
+        assert abs(a - b) <= REL * abs(b), (step, a, b)
+
+
+def check_auto(dims):
+    losses, lines = run_training(dims, 2, domino_auto=True)
+    if dims.rank == 0:
+        assert any(line.startswith("domino auto:") for line in lines), lines
+    assert len(losses) == 2
+
+
 def all_cases() -> dict[str, str | None]:
     dims = ParallelDims(tp=ParallelDims(tp=1).world_size)
     runner = CaseRunner()
@@ -101,13 +132,15 @@ def all_cases() -> dict[str, str | None]:
                        sp, True)
         runner.run(f"{family}-recompute-dropout", check_recompute_dropout, family, dims)
         runner.run(f"{family}-refused", check_refused, family, dims)
+    runner.run("training", check_training_matches, dims)
+    runner.run("auto", check_auto, dims)
     return runner.results
 
 
 CASES = [f"{family}-{case}" for family in FAMILIES for case in (
     [f"N{n}-K{k}-sp{sp}" for n, k, sp in GRID]
     + [f"N{n}-K{k}-sp{sp}-recompute" for (n, k), sp in RECOMPUTE]
-    + ["recompute-dropout", "refused"])]
+    + ["recompute-dropout", "refused"])] + ["training", "auto"]
 
 
 @functools.cache

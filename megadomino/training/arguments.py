@@ -17,6 +17,7 @@ import os
 from typing import Any, NoReturn
 
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
+from megadomino.domino.plan import validate_plan
 from megadomino.parallel.dims import check_degrees, check_gpus_per_node
 from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, REFUSED, Flag
 
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None, family: str,
             target, name = flag.field.split(".")
             fields[target][name] = value
     train_fields = {"lr_decay_style": "linear", **fields["train"]}  # Megatron-LM's default
+    if fields["model"].get("domino_batch_slices") == "auto":
+        fields["model"]["domino_batch_slices"] = 1
+        train_fields["domino_auto"] = True
     train_config = TrainConfig(**train_fields)
     _check_train(train_config, finetune)
     tp = train_config.tensor_model_parallel_size
@@ -127,6 +131,7 @@ def validate_world(model_config: ModelConfig, train_config: TrainConfig, world_s
     micro = train_config.micro_batch_size
     if micro < 1:
         raise ConfigError(f"--micro-batch-size={micro} is invalid: it must be >= 1")
+    validate_plan(model_config, tp, micro)
     global_batch = train_config.global_batch_size
     if global_batch is not None and (global_batch < 1 or global_batch % (micro * dp) != 0):
         raise ConfigError(

@@ -51,7 +51,7 @@ class Flag:
             return "{" + ",".join(str(c) for c in self.choices) + "}"
         if self.type is None:
             return "..." if self.policy == REFUSED else ""
-        return {int: "N", float: "X"}.get(self.type, "NAME")
+        return {int: "N", float: "X", _slices_or_auto: "N|auto"}.get(self.type, "NAME")
 
     def refusal(self, value: Any) -> str | None:
         """Why the flag given with `value` is refused, or None when it works."""
@@ -60,6 +60,11 @@ class Flag:
         if self.policy == REFUSED:
             return self.text
         return self.unsupported if self.supported is not None else None
+
+
+def _slices_or_auto(value: str) -> int | str:
+    """An integer, or 'auto' (resolved at start-up by megadomino.domino.autotune)."""
+    return value if value == "auto" else int(value)
 
 
 def _impl(name: str, field: str | None, type_: Callable | None, text: str, **kw) -> Flag:
@@ -259,10 +264,16 @@ FLAGS: tuple[Flag, ...] = (
           "stand in for several nodes."),
     _ours("--domino", "model.domino_batch_slices", None,
           "Domino overlap with 2 batch slices (same as --domino-batch-slices 2).", const=2),
-    _ours("--domino-batch-slices", "model.domino_batch_slices", int,
-          "Domino: slices of each layer's batch whose TP all-reduces overlap compute (1 = off)."),
+    _ours("--domino-batch-slices", "model.domino_batch_slices", _slices_or_auto,
+          "Domino: slices of each layer's batch whose TP all-reduces overlap compute (1 = off). "
+          "'auto' times plain TP and a few (N, K) on the real shapes at start-up and keeps the "
+          "fastest (rank 0 decides and prints it)."),
     _ours("--domino-hidden-slices", "model.domino_hidden_slices", int,
           "Domino: chunks of the MLP's hidden dim (1 = off)."),
+    _impl("--tp-comm-overlap", "model.tp_comm_overlap", None,
+          "With --sequence-parallel: the all-gather / reduce-scatter fused into the GEMMs (torch "
+          "symmetric-memory kernels, NVLink); measured slower than plain TP in eager mode "
+          "(BENCHMARKS.md), so off by default."),
     # Accepted with a notice.
     _notice("--use-flash-attn", _SDPA),
     _notice("--attention-backend", _SDPA, str),
@@ -326,8 +337,7 @@ FLAGS: tuple[Flag, ...] = (
     *_refuse(("--zero-stage",), "ZeRO arrives with the ZeRO++ issue (a megadomino flag, reserved)"),
     *_refuse(("--use-torch-fsdp2", "--use-megatron-fsdp"),
              "FSDP is not implemented; ZeRO arrives with the ZeRO++ issue"),
-    *_refuse(("--tp-comm-overlap",),
-             "Transformer Engine's GEMM overlap is not used: TP overlap here is --domino"),
+
     *_refuse(("--rampup-batch-size",), "batch-size ramp-up is not implemented"),
     *_refuse(("--lr-decay-samples", "--lr-warmup-samples"),
              "sample-based LR schedules are not implemented: use --lr-decay-iters and "

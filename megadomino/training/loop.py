@@ -26,6 +26,7 @@ from collections.abc import Callable
 from torch import nn
 
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
+from megadomino.domino.autotune import autotune_domino
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
@@ -105,6 +106,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     model = (model_init or (lambda config, d: build_model(config, d, family)))(model_config, dims)
     model.train()
     device = next(model.parameters()).device
+    if train_config.domino_auto:  # before the gradient buffer hooks the parameters
+        autotune_domino(model, train_config.micro_batch_size, log)
     grads = GradBuffer(model.parameters(), dims, bucket_numel=train_config.ddp_bucket_size)
     optimizer = build_optimizer(model.parameters(), dims, train_config)
     state = _resume(train_config, model, optimizer, dims, log)
