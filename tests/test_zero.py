@@ -259,13 +259,14 @@ def _case_zeropp_trains_like_zero3(dims: ParallelDims) -> None:
 
 
 def _case_stage1_qgz(dims: ParallelDims) -> None:
-    """Stage 1 with qgZ (int8) tracks stage 1 within 1% over 10 steps of 2 micro-batches."""
-    plain = _train(_engine(dims, stage=1), dims, range(10), num_micro=2)
-    quantized = _train(_engine(dims, stage=1, quantized_gradients=True, gradient_bits=8), dims,
-                       range(10), num_micro=2)
-    assert plain[-1][0] < 0.8 * plain[0][0]
-    for (got, _), (want, _) in zip(quantized, plain):
-        assert abs(got - want) <= 0.01 * want, (got, want)
+    """Stage 1 with qgZ (int8) tracks stage 1 within 1% over 6 steps of 2 micro-batches."""
+    plain = [loss for loss, _ in _train(_engine(dims, stage=1), dims, range(6), num_micro=2)]
+    quantized = [loss for loss, _ in _train(
+        _engine(dims, stage=1, quantized_gradients=True, gradient_bits=8), dims, range(6),
+        num_micro=2)]
+    assert plain[-1] < 0.95 * plain[0] and quantized != plain
+    for got, want in zip(quantized, plain):
+        assert abs(got - want) <= 0.01 * want, (quantized, plain)
 
 
 def _serialize(state: dict) -> dict:
