@@ -60,7 +60,6 @@ import torch
 from torch import Tensor
 
 from megadomino.kernels.quantization_reference import (
-    FLT_MAX,
     MAX_BLOCK_SIZE,
     check_scheme,
     dequantize_reduce_quantize_reference,
@@ -89,16 +88,11 @@ else:
     HAS_TRITON = True
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FLT_MAX = tl.constexpr(FLT_MAX)
+_FLT_MAX_BITS = tl.constexpr(0x7F7FFFFF)
 # Adding 1.5 * 2^23 to |y| < 2^22 leaves round_half_to_even(y) in the low mantissa bits.
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 # Below this scale the kernel's fma residual may underflow; it divides instead (rare tiles).
 _FAST_DIVISION_MIN_SCALE = tl.constexpr(2.0**-96)
-
-
-@triton.jit
-def _max_propagating_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -118,8 +112,11 @@ def _dequantize_tile(q_ptrs, q_mask, scale_ptrs, scale_mask, BITS: tl.constexpr)
 @triton.jit
 def _quantize_tile(values, QMAX: tl.constexpr):
     """fp32 (blocks, BLOCK_PAD) -> (int32 whose low byte / nibble is q, the blocks' scales)."""
-    absmax = tl.reduce(tl.abs(values), 1, _max_propagating_nan)
-    nonfinite = ~(absmax <= _FLT_MAX)  # NaN or Inf in the block
+    # absmax on the bits of |values|: integer order is float order there, with NaN above Inf
+    # above every finite value, so one integer max also finds NaN / Inf.
+    absmax_bits = tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    nonfinite = absmax_bits > _FLT_MAX_BITS
+    absmax = absmax_bits.to(tl.float32, bitcast=True)
     scale = tl.math.div_rn(absmax, QMAX * 1.0)
     scale = tl.where(scale == 0.0, 1.0, scale)
     # values / scale, IEEE-rounded, from the block's reciprocal and one exact fma residual:
@@ -337,8 +334,8 @@ def dequantize(q: Tensor, scales: Tensor, numel: int, bits: int = 8, block_size:
                force_triton: bool = False) -> Tensor:
     """The `numel` values that quantize() encoded as (q, scales), as a flat `dtype` tensor."""
     check_scheme(bits, block_size)
+    q, scales = _check_quantized(q, scales, 1, numel, bits, block_size)
     if numel == 0:
-        _check_quantized(q, scales, 1, 0, bits, block_size)
         return _output(out, 0, dtype, q)
     return dequantize_reduce(q, scales, 1, bits, block_size, numel, dtype, out=out,
                              force_triton=force_triton)

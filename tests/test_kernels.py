@@ -1,0 +1,483 @@
+"""Quantization kernels (kernels/quantization.py) against their torch references, and the
+scheme itself against explicit expectations and a float64 oracle.
+
+The Triton kernel runs on CPU only under Triton's interpreter, which must be chosen before triton
+is first imported; so the kernel cases run in one subprocess started with TRITON_INTERPRET=1
+(`python tests/test_kernels.py` runs them and prints JSON) and each pytest case reports its own
+result. The `check_*` functions take (device, force_triton) and are reused by
+tests/gpu/test_gpu_kernels.py on CUDA with larger sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+
+from megadomino.kernels import quantization as quant
+from megadomino.kernels.quantization import (
+    dequantize,
+    dequantize_reduce,
+    dequantize_reduce_quantize,
+    dequantize_reduce_quantize_reference,
+    dequantize_reduce_reference,
+    dequantize_reference,
+    quantize,
+    quantize_reference,
+    quantized_size,
+    swizzled_quantize,
+    swizzled_quantize_reference,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Poison: values no op can produce (q is in [-qmax, qmax]; nibble -8 never appears; scales >= 0).
+POISON_INT8, POISON_UINT8, POISON_FLOAT = -128, 0x88, -1.0
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+def make_input(numel: int, block_size: int, seed: int = 0) -> torch.Tensor:
+    """fp32 values, negative and positive, each block with its own magnitude (1e-3 .. 1e3),
+    blocks 3, 8, 13, ... all zeros, so that blocks do not share scales."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = math.ceil(numel / block_size)
+    magnitude = torch.logspace(-3, 3, blocks)[torch.randperm(blocks, generator=gen)]
+    magnitude[3::5] = 0.0
+    x = torch.randn(blocks * block_size, generator=gen) * magnitude.repeat_interleave(block_size)
+    return x[:numel].contiguous()
+
+
+def poisoned_quantized(parts: int, numel: int, bits: int, block_size: int, device):
+    q_numel, s_numel = quantized_size(numel, bits, block_size)
+    q = torch.full((parts * q_numel,), POISON_INT8 if bits == 8 else POISON_UINT8,
+                   dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
+    return q, torch.full((parts * s_numel,), POISON_FLOAT, device=device)
+
+
+def expected_cast(values: torch.Tensor, dtype: torch.dtype, interpreted: bool) -> torch.Tensor:
+    """The fp32 reference values in the output dtype. Triton's interpreter truncates fp32 ->
+    bf16 (compiled kernels round to nearest even, as torch does): mimic it there."""
+    if interpreted and dtype == torch.bfloat16:
+        return (values.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return values.to(dtype)
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got = got.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape,
+                                                                 want.dtype, want.shape)
+    if not torch.equal(got, want) and not (got.is_floating_point()
+                                           and torch.equal(got.isnan(), want.isnan())
+                                           and torch.equal(got.nan_to_num(), want.nan_to_num())):
+        bad = (got != want).nonzero().flatten()
+        raise AssertionError(f"{what}: {bad.numel()} of {got.numel()} differ, first at "
+                             f"{bad[:5].tolist()}: got {got[bad[:5]].tolist()}, "
+                             f"want {want[bad[:5]].tolist()}")
+
+
+# --- kernel == reference checks (every output element written: buffers are poisoned) ----------
+
+def check_quantize(device: str, force_triton: bool, numel: int, dtype: str, bits: int,
+                   block_size: int) -> None:
+    x = make_input(numel, block_size).to(DTYPES[dtype])
+    out = poisoned_quantized(1, numel, bits, block_size, device)
+    q, scales = quantize(x.to(device), bits, block_size, out=out, force_triton=force_triton)
+    assert q.data_ptr() == out[0].data_ptr() and scales.data_ptr() == out[1].data_ptr()
+    q_ref, s_ref = quantize_reference(x, bits, block_size)
+    assert_same(q, q_ref, "q")
+    assert_same(scales, s_ref, "scales")
+
+
+def check_dequantize(device: str, force_triton: bool, numel: int, dtype: str, bits: int,
+                     block_size: int) -> None:
+    q, scales = quantize_reference(make_input(numel, block_size, seed=1), bits, block_size)
+    out = torch.full((numel,), POISON_FLOAT, dtype=DTYPES[dtype], device=device)
+    got = dequantize(q.to(device), scales.to(device), numel, bits, block_size, DTYPES[dtype],
+                     out=out, force_triton=force_triton)
+    want = dequantize_reference(q, scales, numel, bits, block_size)
+    assert_same(got, expected_cast(want, DTYPES[dtype], force_triton), "dequantized")
+
+
+def check_swizzled_quantize(device: str, force_triton: bool, nodes: int, devices_per_node: int,
+                            partition_numel: int, bits: int, block_size: int,
+                            dtype: str = "fp32") -> None:
+    world = nodes * devices_per_node
+    x = make_input(world * partition_numel, block_size, seed=2).to(DTYPES[dtype])
+    out = poisoned_quantized(world, partition_numel, bits, block_size, device)
+    q, scales = swizzled_quantize(x.to(device), bits, block_size, nodes, devices_per_node,
+                                  out=out, force_triton=force_triton)
+    q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, nodes, devices_per_node)
+    assert_same(q, q_ref, "q")
+    assert_same(scales, s_ref, "scales")
+
+
+def quantized_inputs(num_inputs: int, parts: int, partition_numel: int, bits: int,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """num_inputs stacked inputs of `parts` partitions each, quantized by the reference."""
+    qs, ss = [], []
+    for i in range(num_inputs * parts):
+        q, s = quantize_reference(make_input(partition_numel, block_size, seed=10 + i), bits,
+                                  block_size)
+        qs.append(q)
+        ss.append(s)
+    return torch.cat(qs), torch.cat(ss)
+
+
+def check_dequantize_reduce_quantize(device: str, force_triton: bool, num_inputs: int,
+                                     parts: int, partition_numel: int, bits_in: int,
+                                     bits_out: int, block_size: int) -> None:
+    q, s = quantized_inputs(num_inputs, parts, partition_numel, bits_in, block_size)
+    out = poisoned_quantized(parts, partition_numel, bits_out, block_size, device)
+    q_out, s_out = dequantize_reduce_quantize(q.to(device), s.to(device), num_inputs, bits_in,
+                                              bits_out, block_size, partition_numel, out=out,
+                                              force_triton=force_triton)
+    q_ref, s_ref = dequantize_reduce_quantize_reference(q, s, num_inputs, bits_in, bits_out,
+                                                        block_size, partition_numel)
+    assert_same(q_out, q_ref, "q")
+    assert_same(s_out, s_ref, "scales")
+
+
+def check_dequantize_reduce(device: str, force_triton: bool, num_inputs: int, parts: int,
+                            partition_numel: int, bits: int, block_size: int, dtype: str,
+                            multiplier: float) -> None:
+    q, s = quantized_inputs(num_inputs, parts, partition_numel, bits, block_size)
+    out = torch.full((parts * partition_numel,), POISON_FLOAT, dtype=DTYPES[dtype],
+                     device=device)
+    got = dequantize_reduce(q.to(device), s.to(device), num_inputs, bits, block_size,
+                            partition_numel, DTYPES[dtype], multiplier, out=out,
+                            force_triton=force_triton)
+    want = dequantize_reduce_reference(q, s, num_inputs, bits, block_size, partition_numel,
+                                       torch.float32, multiplier)
+    assert_same(got, expected_cast(want, DTYPES[dtype], force_triton), "reduced")
+
+
+def check_tiny_scales(device: str, force_triton: bool, bits: int) -> None:
+    """Blocks whose scale is tiny or subnormal (the kernel divides instead of using its fma
+    residual there), beside ordinary blocks in the same program; ties included."""
+    block_size = 64
+    absmax = [1e-30, 1e-37, 1e-40, 1e-44, 1.4e-45, 3.0, 1e-28, 5e-39]
+    x = torch.cat([torch.linspace(-a, a, block_size) for a in absmax])
+    check_against_reference(x, bits, block_size, device, force_triton)
+
+
+def check_near_ties(device: str, force_triton: bool, bits: int) -> None:
+    """x / scale at and within a few ulps of k + 0.5 for scales with full mantissas, where a
+    reciprocal multiply alone would round the wrong way."""
+    gen = torch.Generator().manual_seed(3)
+    block_size = 256
+    qmax = 2 ** (bits - 1) - 1
+    absmax = (torch.rand(64, generator=gen) + 1) * torch.logspace(-20, 20, 64)
+    scale = absmax / qmax
+    k = torch.randint(-qmax, qmax, (64, block_size), generator=gen).float() + 0.5
+    x = (k * scale[:, None]).view(torch.int32)
+    x = (x + torch.randint(-2, 3, x.shape, generator=gen, dtype=torch.int32)).view(torch.float32)
+    x = torch.cat([absmax[:, None], x[:, 1:].clamp(-absmax[:, None], absmax[:, None])], dim=1)
+    check_against_reference(x.flatten(), bits, block_size, device, force_triton)
+
+
+def check_against_reference(x: torch.Tensor, bits: int, block_size: int, device: str,
+                            force_triton: bool) -> None:
+    q, scales = quantize(x.to(device), bits, block_size, force_triton=force_triton)
+    q_ref, s_ref = quantize_reference(x, bits, block_size)
+    assert_same(scales, s_ref, "scales")
+    assert_same(q, q_ref, "q")
+
+
+# --- explicit expectations (run on the reference in-process and on the kernels) ----------------
+
+def check_ties(device: str, force_triton: bool, bits: int) -> None:
+    """Exact ties x / scale = k + 0.5 round to even, with a power-of-two scale and with a scale
+    of 3 * 2^-10 (not a power of two; the products stay exact in fp32)."""
+    qmax = 2 ** (bits - 1) - 1
+    halves = [h + 0.5 for h in range(-qmax, qmax)]
+    for scale in (2.0**-4, 3 * 2.0**-10):
+        x = torch.tensor([qmax * scale] + [h * scale for h in halves])
+        q, scales = quantize(x.to(device), bits, len(x) + len(x) % 2,
+                             force_triton=force_triton)
+        assert scales.cpu().tolist() == [scale]
+        want = [qmax] + [round(h) for h in halves]  # Python's round: half to even
+        assert unpack(q.cpu(), bits, len(x)).tolist() == want
+
+
+def unpack(q: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Independent int4 unpacking for the checks: element 2i low nibble, 2i+1 high."""
+    if bits == 8:
+        return q.to(torch.int64)
+    b = q.to(torch.int64)
+    nibbles = torch.stack((b & 15, b >> 4), dim=-1).flatten()[:numel]
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles)
+
+
+def check_int4_layout(device: str, force_triton: bool) -> None:
+    """Packing by hand: absmax 7 gives scale 1, so q = x; odd numel pads the last high nibble."""
+    x = torch.tensor([1.0, -1.0, 7.0, -7.0, 0.0, 3.0, -4.0, 2.0, 5.0])
+    q, scales = quantize(x.to(device), 4, 10, force_triton=force_triton)
+    assert scales.cpu().tolist() == [1.0]
+    assert q.dtype == torch.uint8
+    assert q.cpu().tolist() == [0xF1, 0x97, 0x30, 0x2C, 0x05]
+
+
+def check_zero_blocks(device: str, force_triton: bool, bits: int) -> None:
+    """All-zero blocks (also -0.0, and a partial last block) get scale 1 and q 0."""
+    x = torch.tensor([0.0] * 8 + [-0.0] * 8 + [1.0, -2.0] + [0.0] * 6 + [0.0, -0.0])
+    q, scales = quantize(x.to(device), bits, 8, force_triton=force_triton)
+    assert scales.cpu().tolist()[:2] == [1.0, 1.0] and scales.cpu().tolist()[3] == 1.0
+    assert (unpack(q.cpu(), bits, len(x))[:16] == 0).all()
+    assert (unpack(q.cpu(), bits, len(x))[24:] == 0).all()
+    deq = dequantize(q, scales, len(x), bits, 8, force_triton=force_triton).cpu()
+    assert (deq[:16] == 0).all() and (deq[24:] == 0).all()
+
+
+def check_nonfinite(device: str, force_triton: bool, bits: int) -> None:
+    """A block holding NaN, +Inf or -Inf gets scale NaN and q 0 and dequantizes to NaN; finite
+    blocks beside it are untouched; a reduce whose sum overflows marks the block the same way."""
+    block_size = 4
+    x = torch.tensor([1.0, float("nan"), 2.0, 3.0, 1.0, 2.0, 3.0, 4.0,
+                      float("inf"), 1.0, 1.0, 1.0, -1.0, 1.0, float("-inf"), 1.0])
+    q, scales = quantize(x.to(device), bits, block_size, force_triton=force_triton)
+    assert torch.isnan(scales.cpu()).tolist() == [True, False, True, True]
+    values = unpack(q.cpu(), bits, len(x)).view(4, block_size)
+    assert (values[[0, 2, 3]] == 0).all() and (values[1] != 0).all()
+    deq = dequantize(q, scales, len(x), bits, block_size, force_triton=force_triton).cpu()
+    assert deq.view(4, block_size)[[0, 2, 3]].isnan().all()
+    assert ((deq[4:8] - x[4:8]).abs() <= scales[1].cpu() / 2).all()
+    big = torch.full((2 * block_size,), 3e38)  # two inputs, one partition each: sum overflows
+    q_big, s_big = quantize_reference(big, bits, block_size)
+    q_sum, s_sum = dequantize_reduce_quantize(q_big.to(device), s_big.to(device), 2, bits, bits,
+                                              block_size, block_size, force_triton=force_triton)
+    assert torch.isnan(s_sum.cpu()).all() and (unpack(q_sum.cpu(), bits, block_size) == 0).all()
+
+
+EXPLICIT_CHECKS = {
+    "ties-int8": (check_ties, {"bits": 8}), "ties-int4": (check_ties, {"bits": 4}),
+    "int4-layout": (check_int4_layout, {}),
+    "zero-blocks-int8": (check_zero_blocks, {"bits": 8}),
+    "zero-blocks-int4": (check_zero_blocks, {"bits": 4}),
+    "nonfinite-int8": (check_nonfinite, {"bits": 8}),
+    "nonfinite-int4": (check_nonfinite, {"bits": 4}),
+}
+
+
+def kernel_cases() -> dict[str, tuple]:
+    """Small inputs (<= 64K elements) for the interpreter: odd sizes, partial blocks, several
+    blocks per program (256), non-power-of-two blocks (300), one block per program (16384)."""
+    cases = dict(EXPLICIT_CHECKS)
+    sizes = [(1, 2), (7, 4), (2047, 2048), (2049, 2048), (5000, 256), (3001, 300)]
+    for numel, block_size in sizes:
+        for dtype in DTYPES:
+            for bits in (8, 4):
+                params = {"numel": numel, "dtype": dtype, "bits": bits, "block_size": block_size}
+                cases[f"quantize-{numel}-{block_size}-{dtype}-int{bits}"] = (check_quantize,
+                                                                              params)
+                if numel in (7, 2049, 5000):
+                    cases[f"dequantize-{numel}-{block_size}-{dtype}-int{bits}"] = (
+                        check_dequantize, params)
+    for numel, block_size in [(65536, 16384), (65535, 256)]:
+        for dtype in DTYPES:
+            for bits in (8, 4):
+                params = {"numel": numel, "dtype": dtype, "bits": bits, "block_size": block_size}
+                for op, check in (("quantize", check_quantize), ("dequantize", check_dequantize)):
+                    cases[f"{op}-{numel}-{block_size}-{dtype}-int{bits}"] = (check, params)
+    for bits in (8, 4):
+        cases[f"tiny-scales-int{bits}"] = (check_tiny_scales, {"bits": bits})
+        cases[f"near-ties-int{bits}"] = (check_near_ties, {"bits": bits})
+        for nodes, dpn, numel, block_size, dtype in [
+                (2, 4, 6, 4, "fp32"), (2, 2, 1000, 256, "bf16"), (3, 1, 515, 512, "fp16"),
+                (1, 4, 2048, 2048, "fp32")]:
+            cases[f"swizzle-{nodes}x{dpn}-{numel}-{block_size}-{dtype}-int{bits}"] = (
+                check_swizzled_quantize, {"nodes": nodes, "devices_per_node": dpn,
+                                          "partition_numel": numel, "bits": bits,
+                                          "block_size": block_size, "dtype": dtype})
+        for bits_out in (8, 4):
+            for num_inputs, parts, numel, block_size in [(4, 2, 1000, 256), (2, 1, 4097, 2048),
+                                                         (1, 3, 7, 4)]:
+                cases[f"dequant-reduce-quant-{num_inputs}x{parts}-{numel}-{block_size}-"
+                      f"int{bits}-int{bits_out}"] = (
+                    check_dequantize_reduce_quantize,
+                    {"num_inputs": num_inputs, "parts": parts, "partition_numel": numel,
+                     "bits_in": bits, "bits_out": bits_out, "block_size": block_size})
+        for dtype, multiplier in (("fp32", 0.25), ("bf16", 1.0), ("fp16", 1 / 3)):
+            cases[f"dequant-reduce-{dtype}-int{bits}"] = (
+                check_dequantize_reduce,
+                {"num_inputs": 2, "parts": 2, "partition_numel": 999, "bits": bits,
+                 "block_size": 256, "dtype": dtype, "multiplier": multiplier})
+    return cases
+
+
+def run_cases(device: str, force_triton: bool, cases: dict[str, tuple],
+              timings: dict[str, float] | None = None) -> dict[str, str | None]:
+    results: dict[str, str | None] = {}
+    for name, (check, params) in cases.items():
+        start = time.process_time()
+        try:
+            check(device, force_triton, **params)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        if timings is not None:
+            timings[name] = time.process_time() - start
+    return results
+
+
+# --- the interpreted kernels, one subprocess ------------------------------------------------------
+
+KERNEL_CASES = kernel_cases()
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, str | None]:
+    if not quant.HAS_TRITON:
+        pytest.skip("triton is not installed (pip install triton): kernel cases not run")
+    if quant.INTERPRETING:
+        return run_cases("cpu", True, KERNEL_CASES)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_kernel_interpreted(case: str, interpreted_results: dict[str, str | None]) -> None:
+    assert interpreted_results[case] is None, interpreted_results[case]
+
+
+# --- the references, in-process ----------------------------------------------------------------
+
+@pytest.mark.parametrize("case", list(EXPLICIT_CHECKS))
+def test_reference_explicit(case: str) -> None:
+    check, params = EXPLICIT_CHECKS[case]
+    check("cpu", False, **params)
+
+
+def float64_oracle(x: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """The scheme written independently in float64: absmax scaling, round half even."""
+    qmax = 2 ** (bits - 1) - 1
+    x64 = torch.nn.functional.pad(x.double(), (0, -len(x) % block_size)).view(-1, block_size)
+    scale = x64.abs().amax(dim=1, keepdim=True) / qmax
+    scale[scale == 0] = 1.0
+    return ((x64 / scale).round().clamp(-qmax, qmax) * scale).flatten()[:len(x)]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("block_size", [256, 2048])
+def test_reference_error_and_round_trip(bits: int, dtype: str, block_size: int) -> None:
+    """Error no worse than 1.05x the float64 oracle's; |dequantize(quantize(x)) - x| <= scale/2
+    per element (and half an ulp of the output dtype more)."""
+    x = make_input(3 * block_size + 17, block_size).to(DTYPES[dtype])
+    q, scales = quantize(x, bits, block_size)
+    deq = dequantize(q, scales, x.numel(), bits, block_size).double()
+    x64 = x.double()
+    error = (deq - x64).norm() / x64.norm()
+    oracle_error = (float64_oracle(x, bits, block_size) - x64).norm() / x64.norm()
+    assert error <= 1.05 * oracle_error + 1e-12, (error, oracle_error)
+    # scale / 2, plus the fp32 rounding of x / scale and of q * scale
+    bound = scales.double().repeat_interleave(block_size)[: x.numel()] / 2 + x64.abs() * 2**-22
+    assert ((deq - x64).abs() <= bound).all()
+    low = dequantize(q, scales, x.numel(), bits, block_size, DTYPES[dtype]).double()
+    assert ((low - x64).abs() <= bound + torch.finfo(DTYPES[dtype]).eps * x64.abs()).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_qgz_pipeline_is_mean_reduce_scatter(bits: int) -> None:
+    """The module docstring's five qgZ steps with the all-to-alls done by indexing, 2 nodes x 2
+    ranks: each rank ends with the mean of its partition within the quantization bound."""
+    nodes, dpn, partition, block_size = 2, 2, 1000, 256
+    world = nodes * dpn
+    grads = [make_input(world * partition, block_size, seed=20 + r) for r in range(world)]
+    q_elems, s_elems = quantized_size(partition, bits, block_size)
+    swizzled = [swizzled_quantize(g, bits, block_size, nodes, dpn) for g in grads]
+    stage1_bound = sum(s.view(world, -1).double() for _, s in swizzled)  # (position, block)
+    for rank in range(world):
+        node, local = divmod(rank, dpn)
+        # intra-node all-to-all: from each peer on this node, its piece `local` (nodes parts)
+        peers = [node * dpn + j for j in range(dpn)]
+        recv_q = torch.cat([swizzled[p][0].view(dpn, -1)[local] for p in peers])
+        recv_s = torch.cat([swizzled[p][1].view(dpn, -1)[local] for p in peers])
+        partial = {}
+        for n in range(nodes):  # what rank (n, local) computes in step 3, for every node n
+            peers_n = [n * dpn + j for j in range(dpn)]
+            q_n = torch.cat([swizzled[p][0].view(dpn, -1)[local] for p in peers_n])
+            s_n = torch.cat([swizzled[p][1].view(dpn, -1)[local] for p in peers_n])
+            partial[n] = dequantize_reduce_quantize(q_n, s_n, dpn, bits, bits, block_size,
+                                                    partition)
+        assert torch.equal(partial[node][0], dequantize_reduce_quantize(
+            recv_q, recv_s, dpn, bits, bits, block_size, partition)[0])
+        # inter-node all-to-all: from each node n, its partition for this rank's node
+        final_q = torch.cat([partial[n][0].view(nodes, q_elems)[node] for n in range(nodes)])
+        final_s = torch.cat([partial[n][1].view(nodes, s_elems)[node] for n in range(nodes)])
+        mean = dequantize_reduce(final_q, final_s, nodes, bits, block_size, partition,
+                                 multiplier=1 / world).double()
+        exact = torch.stack([g.view(world, -1)[rank].double() for g in grads]).mean(dim=0)
+        position = local * nodes + node  # where partition `rank` sits after the swizzle
+        bound = stage1_bound[position] / 2 + sum(final_s.view(nodes, -1).double()) / 2
+        bound = bound.repeat_interleave(block_size)[:partition] / world
+        assert ((mean - exact).abs() <= bound * (1 + 1e-5) + 1e-30).all()
+
+
+def test_swizzle_order_matches_deepspeed() -> None:
+    """2 nodes x 4: partitions 0..7 come out as 0 4 1 5 2 6 3 7 (DeepSpeed's example)."""
+    x = torch.arange(8.0).repeat_interleave(16) + 1  # partition p is all p + 1
+    q, scales = swizzled_quantize(x, 8, 16, 2, 4)
+    values = dequantize(q, scales, 128, 8, 16).view(8, 16)
+    assert values[:, 0].tolist() == [1.0, 5.0, 2.0, 6.0, 3.0, 7.0, 4.0, 8.0]
+    assert (values == values[:, :1]).all()
+
+
+def test_partition_multiple_of_block_is_plain_quantize() -> None:
+    x = make_input(4 * 512, 256)
+    order = [0, 2, 1, 3]  # 2 nodes x 2
+    q, scales = swizzled_quantize(x, 4, 256, 2, 2)
+    q_ref, s_ref = quantize(x.view(4, -1)[order].flatten(), 4, 256)
+    assert torch.equal(q, q_ref) and torch.equal(scales, s_ref)
+
+
+def test_invalid_arguments_are_refused() -> None:
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="bits"):
+        quantize(x, 3)
+    with pytest.raises(ValueError, match="even block_size"):
+        quantize(x, 4, 5)
+    with pytest.raises(ValueError, match="block_size"):
+        quantize(x, 8, 16385)
+    with pytest.raises(TypeError, match="float32"):
+        quantize(torch.arange(10), 8)
+    with pytest.raises(ValueError, match="equal partitions"):
+        swizzled_quantize(x, 8, 4, 2, 2)
+    q, scales = quantize(x, 8, 4)
+    with pytest.raises(ValueError, match="q must be"):
+        dequantize(q, scales, 11, 8, 4)
+    with pytest.raises(ValueError, match="q must be"):
+        dequantize(q.view(torch.uint8), scales, 10, 4, 4)
+    with pytest.raises(ValueError, match="scales must be"):
+        dequantize(q, scales[:2], 10, 8, 4)
+    with pytest.raises(ValueError, match="out must be"):
+        quantize(x, 8, 4, out=(torch.empty(10, dtype=torch.int8), torch.empty(2)))
+    with pytest.raises(ValueError, match="whole"):
+        dequantize_reduce_quantize(q, scales, 3, 8, 8, 4, 10)
+
+
+def test_empty_input() -> None:
+    q, scales = quantize(torch.empty(0, dtype=torch.bfloat16), 4, 2048)
+    assert q.numel() == 0 and scales.numel() == 0 and q.dtype == torch.uint8
+    assert dequantize(q, scales, 0, 4, 2048, torch.bfloat16).numel() == 0
+
+
+@pytest.mark.skipif(not quant.HAS_TRITON or quant.INTERPRETING,
+                    reason="needs triton imported without TRITON_INTERPRET")
+def test_force_triton_without_interpreter_says_why() -> None:
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        quantize(torch.randn(8), force_triton=True)
+
+
+if __name__ == "__main__":  # the interpreter subprocess: run every kernel case, print JSON
+    assert quant.INTERPRETING, "run with TRITON_INTERPRET=1"
+    print(json.dumps(run_cases("cpu", True, KERNEL_CASES)))
