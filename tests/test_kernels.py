@@ -341,7 +341,10 @@ def interpreted_results() -> dict[str, str | None]:
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    results = json.loads(proc.stdout.splitlines()[-1])
+    if "<skip>" in results:
+        pytest.skip(results["<skip>"])
+    return results
 
 
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
@@ -478,6 +481,28 @@ def test_force_triton_without_interpreter_says_why() -> None:
         quantize(torch.randn(8), force_triton=True)
 
 
+def interpreter_fma_is_fused() -> bool:
+    """The kernel's division relies on tl.fma rounding once; some Triton versions' interpreters
+    (3.6) emulate it as a multiply then an add, which the GPU never does."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fma_kernel(ptr):
+        a = tl.load(ptr)
+        tl.store(ptr, tl.fma(a, a, -(1.0 + 2.0**-11)))
+
+    value = torch.tensor([1.0 + 2.0**-12])
+    fma_kernel[(1,)](value)
+    return value.item() == 2.0**-24
+
+
 if __name__ == "__main__":  # the interpreter subprocess: run every kernel case, print JSON
     assert quant.INTERPRETING, "run with TRITON_INTERPRET=1"
-    print(json.dumps(run_cases("cpu", True, KERNEL_CASES)))
+    if not interpreter_fma_is_fused():
+        import triton
+
+        print(json.dumps({"<skip>": f"triton {triton.__version__}'s interpreter does not fuse "
+                                    "tl.fma (triton 3.9's does); tests/gpu checks the kernels"}))
+    else:
+        print(json.dumps(run_cases("cpu", True, KERNEL_CASES)))

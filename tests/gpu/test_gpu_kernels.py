@@ -1,0 +1,103 @@
+"""On the GPU machine: the compiled quantization kernels against their torch references (bit
+for bit, bf16 output rounded to nearest even as torch does), larger than the interpreter allows,
+plus offsets past 2^31 and a tensor on another GPU than the current one. Skipped without CUDA;
+`python -m pytest tests/gpu/test_gpu_kernels.py -q` runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels import (
+    DTYPES,
+    EXPLICIT_CHECKS,
+    assert_same,
+    check_dequantize,
+    check_dequantize_reduce,
+    check_dequantize_reduce_quantize,
+    check_near_ties,
+    check_quantize,
+    check_swizzled_quantize,
+    check_tiny_scales,
+)
+
+from megadomino.kernels import dequantize, quantize, quantize_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SIZES = [(1, 256), (2049, 2048), (1_000_003, 256), (1_000_003, 2048), (4_194_305, 8192),
+         (999_999, 3000), (65_536, 16384)]
+
+
+@pytest.mark.parametrize("numel,block_size", SIZES)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_dequantize(numel: int, block_size: int, dtype: str, bits: int) -> None:
+    check_quantize("cuda", False, numel, dtype, bits, block_size)
+    check_dequantize("cuda", False, numel, dtype, bits, block_size)
+
+
+@pytest.mark.parametrize("case", list(EXPLICIT_CHECKS))
+def test_explicit(case: str) -> None:
+    check, params = EXPLICIT_CHECKS[case]
+    check("cuda", False, **params)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_division_paths(bits: int) -> None:
+    check_tiny_scales("cuda", False, bits)
+    check_near_ties("cuda", False, bits)
+
+
+@pytest.mark.parametrize("nodes,devices_per_node,partition_numel,block_size",
+                         [(2, 4, 262_144, 2048), (2, 8, 100_001, 256), (4, 2, 8192, 8192)])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bits", [8, 4])
+def test_swizzled_quantize(nodes: int, devices_per_node: int, partition_numel: int,
+                           block_size: int, dtype: str, bits: int) -> None:
+    check_swizzled_quantize("cuda", False, nodes, devices_per_node, partition_numel, bits,
+                            block_size, dtype)
+
+
+@pytest.mark.parametrize("num_inputs,parts,partition_numel,block_size",
+                         [(4, 2, 262_144, 2048), (8, 2, 100_001, 256), (16, 1, 65_536, 8192)])
+@pytest.mark.parametrize("bits_in,bits_out", [(4, 4), (8, 8), (4, 8), (8, 4)])
+def test_dequantize_reduce_quantize(num_inputs: int, parts: int, partition_numel: int,
+                                    block_size: int, bits_in: int, bits_out: int) -> None:
+    check_dequantize_reduce_quantize("cuda", False, num_inputs, parts, partition_numel, bits_in,
+                                     bits_out, block_size)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantize_reduce(dtype: str, bits: int) -> None:
+    check_dequantize_reduce("cuda", False, 4, 2, 100_001, bits, 2048, dtype, 1 / 8)
+
+
+def test_offsets_past_2_31() -> None:
+    """2^31 + 2^21 fp16 elements: the last blocks (bytes past 2^31) match the reference."""
+    numel, block_size, tail = 2**31 + 2**21, 2048, 2**22
+    free, _ = torch.cuda.mem_get_info()
+    if free < 12 * 2**30:
+        pytest.skip("needs 12 GiB of free GPU memory")
+    x = torch.randn(numel, dtype=torch.float16, device="cuda")
+    q, scales = quantize(x, 8, block_size)
+    q_ref, s_ref = quantize_reference(x[-tail:].cpu(), 8, block_size)
+    assert_same(q[-tail:], q_ref, "q")
+    assert_same(scales[-tail // block_size:], s_ref, "scales")
+    q4, s4 = quantize(x, 4, block_size)
+    q4_ref, _ = quantize_reference(x[-tail:].cpu(), 4, block_size)
+    assert_same(q4[-tail // 2:], q4_ref, "q int4")
+    out = dequantize(q4, s4, numel, 4, block_size, torch.float16)
+    assert_same(out[-tail:], dequantize(q4_ref, s4[-tail // block_size:].cpu(), tail, 4,
+                                        block_size, torch.float16), "dequantized")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_on_another_gpu() -> None:
+    x = torch.randn(100_001, dtype=torch.bfloat16)
+    with torch.cuda.device(0):
+        q, scales = quantize(x.to("cuda:1"), 4, 256)
+    assert q.device == torch.device("cuda:1")
+    q_ref, s_ref = quantize_reference(x, 4, 256)
+    assert_same(q, q_ref, "q")
+    assert_same(scales, s_ref, "scales")
