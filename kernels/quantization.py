@@ -119,14 +119,15 @@ def _quantize_tile(values, QMAX: tl.constexpr):
     absmax = absmax_bits.to(tl.float32, bitcast=True)
     scale = tl.math.div_rn(absmax, QMAX * 1.0)
     scale = tl.where(scale == 0.0, 1.0, scale)
-    # values / scale, IEEE-rounded, from the block's reciprocal and one exact fma residual:
-    # 3 ops per element instead of a division.
-    inverse = tl.math.div_rn(1.0, scale)[:, None]
-    ratio = values * inverse
-    ratio = tl.fma(tl.fma(-scale[:, None], ratio, values), inverse, ratio)
-    if tl.min(scale) < _FAST_DIVISION_MIN_SCALE:  # the residual could underflow: divide
+    if tl.min(scale) < _FAST_DIVISION_MIN_SCALE:  # rare: the residual below could underflow
         ratio = tl.math.div_rn(values, scale[:, None])
         ratio = tl.minimum(tl.maximum(ratio, -QMAX * 1.0), QMAX * 1.0)
+    else:
+        # values / scale, IEEE-rounded, from the block's reciprocal and one exact fma
+        # residual: 3 ops per element instead of a division.
+        inverse = tl.math.div_rn(1.0, scale)[:, None]
+        ratio = values * inverse
+        ratio = tl.fma(tl.fma(-scale[:, None], ratio, values), inverse, ratio)
     # With a normal scale |ratio| <= qmax (+ an ulp), so no clamp on the fast path. The low
     # bits of the sum are round_half_to_even(ratio) in two's complement.
     bits = (ratio + _ROUND_MAGIC).to(tl.int32, bitcast=True)
