@@ -136,18 +136,18 @@ def _quantize_tile(values, QMAX: tl.constexpr):
 
 @triton.jit
 def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
-                        num_inputs, partition_numel, partition_bytes, blocks_per_partition,
-                        nodes, devices_per_node, multiplier,
+                        partition_numel, partition_bytes, blocks_per_partition,
+                        nodes, devices_per_node, multiplier, NUM_INPUTS: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr,
                         BLOCKS_PER_PROGRAM: tl.constexpr, BITS_IN: tl.constexpr,
                         BITS_OUT: tl.constexpr, SCALE_OUTPUT: tl.constexpr):
     """One program: BLOCKS_PER_PROGRAM consecutive blocks of partition p = program_id(1).
 
     Input: BITS_IN == 0 reads floats (partition p at p * partition_numel); otherwise it sums
-    num_inputs quantized inputs in order (input j's partition p is buffer partition
-    j * partitions + p). Output: BITS_OUT == 0 writes floats (times `multiplier` if
-    SCALE_OUTPUT); otherwise it quantizes, to position (p % devices_per_node) * nodes +
-    p // devices_per_node.
+    NUM_INPUTS quantized inputs in order, input j's partition p being buffer partition
+    j * partitions + p (unrolled: loads of several inputs can be in flight together).
+    Output: BITS_OUT == 0 writes floats (times `multiplier` if SCALE_OUTPUT); otherwise it
+    quantizes, to position (p % devices_per_node) * nodes + p // devices_per_node.
     """
     pid_block = tl.program_id(0)
     partition = tl.program_id(1).to(tl.int64)
@@ -183,7 +183,7 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
         scale_ptrs = src_scale_ptr + partition * blocks_per_partition + first_block + rows
         scale_stride = num_partitions * blocks_per_partition
         values = _dequantize_tile(q_ptrs, q_mask, scale_ptrs, block_valid, BITS_IN)
-        for j in range(1, num_inputs):
+        for j in tl.static_range(1, NUM_INPUTS):
             values += _dequantize_tile(q_ptrs + j * q_stride, q_mask,
                                        scale_ptrs + j * scale_stride, block_valid, BITS_IN)
 
@@ -234,10 +234,11 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
     with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
         _block_quant_kernel[grid](src, src if src_scales is None else src_scales,
                                   dst, dst if dst_scales is None else dst_scales,
-                                  num_inputs, partition_numel, (partition_numel + 1) // 2,
+                                  partition_numel, (partition_numel + 1) // 2,
                                   blocks_per_partition,
                                   nodes, devices_per_node or num_partitions, multiplier,
-                                  BLOCK_SIZE=block_size, BLOCK_PAD=block_pad,
+                                  NUM_INPUTS=num_inputs, BLOCK_SIZE=block_size,
+                                  BLOCK_PAD=block_pad,
                                   BLOCKS_PER_PROGRAM=blocks_per_program, BITS_IN=bits_in,
                                   BITS_OUT=bits_out, SCALE_OUTPUT=multiplier != 1.0,
                                   num_warps=num_warps,
