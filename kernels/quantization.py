@@ -15,7 +15,9 @@ The scheme (fixed; every op here, kernel or reference, gives bit-identical resul
 - NaN / Inf: a block holding any NaN or +-Inf gets scale NaN and all-zero q; dequantize then
   makes that whole block NaN, so non-finite values propagate and are never silently clipped.
   Finding them costs no pass over the data: `torch.isnan(scales).any()` (scales are
-  numel / block_size values). dequantize_reduce(_quantize) treats an overflowing sum the same.
+  numel / block_size values). dequantize_reduce_quantize marks a block whose fp32 sum is not
+  finite (a NaN input block, or overflow) the same way; dequantize_reduce returns such sums
+  as they are (NaN, +-Inf).
 
 Partitions. swizzled_quantize and the reduce ops work on `partition_numel`-element partitions,
 each quantized on its own as above (its blocks restart at the partition start; for int4 it takes
