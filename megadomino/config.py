@@ -368,3 +368,14 @@ class TrainConfig:
     """A Hugging Face Llama directory to start from (megadomino.interop.hf.load_llama)."""
     prompt_template: str = "{prompt}"
     """How a prompt is laid out before its response; must contain '{prompt}'."""
+    # ZeRO (megadomino.zero; arguments.zero_config turns these into a ZeroConfig).
+    zero_stage: int | None = None
+    """None: plain data parallelism; 1 (--use-distributed-optimizer) or 3: the ZeRO engine."""
+    zeropp_quantized_weights: bool = False
+    zeropp_hpz_partition_size: int | None = None
+    """None: ZeroConfig's default (1, hpZ off)."""
+    zeropp_quantized_gradients: bool = False
+    zeropp_gradient_bits: int | None = None
+    """None: ZeroConfig's default (4)."""
+    zeropp_block_size: int | None = None
+    """None: ZeroConfig's default (2048)."""

@@ -16,8 +16,10 @@ from megadomino.training.arguments import (
     parse_args,
     render_flag_table,
     validate_world,
+    zero_config,
 )
 from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, REFUSED
+from megadomino.zero import ZeroConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "10"]
@@ -114,6 +116,17 @@ MAPPED = [
     (("--exit-duration-in-mins", "230"), "train.exit_duration_in_mins", 230),
     (("--exit-interval", "1000"), "train.exit_interval", 1000),
     (("--tensorboard-dir", "/tb"), "train.tensorboard_dir", "/tb"),
+    (("--use-distributed-optimizer",), "train.zero_stage", 1),
+    (("--zero-stage", "3"), "train.zero_stage", 3),
+    (("--zero-stage", "3", "--zeropp-quantized-weights"), "train.zeropp_quantized_weights", True),
+    (("--zero-stage", "3", "--zeropp-hpz-partition-size", "2"), "train.zeropp_hpz_partition_size",
+     2),
+    (("--zero-stage", "1", "--zeropp-quantized-gradients"), "train.zeropp_quantized_gradients",
+     True),
+    (("--zero-stage", "1", "--zeropp-quantized-gradients", "--zeropp-gradient-bits", "8"),
+     "train.zeropp_gradient_bits", 8),
+    (("--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-block-size", "256"),
+     "train.zeropp_block_size", 256),
 ]
 
 DATA = ["--model-preset", "gpt-tiny", "--train-iters", "10", "--tokenizer-type",
@@ -349,6 +362,76 @@ def test_unknown_or_malformed_flags_are_named(argv, named):
 def test_cross_flag_rules(argv, named):
     with pytest.raises(ConfigError, match=named):
         parse(*argv)
+
+
+def test_zero_flags_make_the_engine_config():
+    zero_pp = ("--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-hpz-partition-size",
+               "2", "--zeropp-quantized-gradients", "--zeropp-gradient-bits", "8",
+               "--zeropp-block-size", "256")
+    model_config, train_config, notices = parse(*zero_pp)
+    assert notices == []
+    assert zero_config(model_config, train_config) == ZeroConfig(
+        stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
+        gradient_bits=8, block_size=256)
+    assert zero_config(*parse("--zero-stage", "3")[:2]) == ZeroConfig(stage=3)
+    assert zero_config(*parse("--use-distributed-optimizer")[:2]) == ZeroConfig(stage=1)
+    assert zero_config(*parse()[:2]) is None
+    # Domino runs with stage 1
+    parse("--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--domino")
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--zeropp-quantized-weights",),
+     "--zeropp-quantized-weights is a ZeRO\\+\\+ option: add --zero-stage 3"),
+    (("--zeropp-block-size", "256"), "--zeropp-block-size is a ZeRO\\+\\+ option"),
+    (("--zero-stage", "1", "--zeropp-quantized-weights"),
+     "--zeropp-quantized-weights=True is invalid: it must be off at --zero-stage 1"),
+    (("--zero-stage", "1", "--zeropp-hpz-partition-size", "2"),
+     "--zeropp-hpz-partition-size=2 is invalid: it must be 1 at --zero-stage 1"),
+    (("--zero-stage", "3", "--zeropp-gradient-bits", "8"),
+     "--zeropp-gradient-bits sets qgZ's precision: add --zeropp-quantized-gradients"),
+    (("--zero-stage", "3", "--zeropp-block-size", "256"), "--zeropp-block-size sets the blocks"),
+    (("--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-block-size", "7"),
+     "--zeropp-block-size=7 is invalid: it must be an even integer"),
+    (("--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-gradient-bits", "2"),
+     "argument --zeropp-gradient-bits: invalid choice"),
+    (("--zero-stage", "2"), "argument --zero-stage: invalid choice"),
+    (("--use-distributed-optimizer", "--zero-stage", "3"),
+     "--use-distributed-optimizer is ZeRO stage 1 and contradicts --zero-stage 3"),
+    (("--zero-stage", "1", "--ddp-bucket-size", "1000"), "--ddp-bucket-size sizes plain"),
+    (("--zero-stage", "3", "--tensor-model-parallel-size", "2", "--domino"),
+     "--zero-stage 3 gathers .* Domino \\(--domino"),
+    (("--zero-stage", "3", "--domino-batch-slices", "auto"),
+     "--zero-stage 3 gathers .* --domino-batch-slices auto"),
+])
+def test_zero_rules(argv, named):
+    with pytest.raises(ConfigError, match=named):
+        parse(*argv)
+
+
+HPZ = ("--zero-stage", "3", "--zeropp-hpz-partition-size")
+
+
+@pytest.mark.parametrize("argv, world, local, named", [
+    ((*HPZ, "2", "--gpus-per-node", "1"), 2, None, "ranks per node \\(1: --gpus-per-node 1 /"),
+    ((*HPZ, "2"), 4, 4, "ranks per node \\(4: --gpus-per-node 4 / tensor-parallel 1"),
+    ((*HPZ, "4", "--tensor-model-parallel-size", "2", "--gpus-per-node", "4"), 8, None,
+     "ranks per node \\(2: --gpus-per-node 4 / tensor-parallel 2"),
+])
+def test_hpz_partition_must_be_the_node(argv, world, local, named):
+    model_config, train_config, _ = parse(*argv)
+    with pytest.raises(ConfigError, match=f"--zeropp-hpz-partition-size={argv[3]} .*{named}"):
+        validate_world(model_config, train_config, world, local)
+
+
+@pytest.mark.parametrize("argv, world, local", [
+    ((*HPZ, "2"), 4, 2),
+    ((*HPZ, "2", "--gpus-per-node", "2"), 4, 4),
+    ((*HPZ, "2", "--tensor-model-parallel-size", "2", "--gpus-per-node", "4"), 8, None),
+    ((*HPZ, "1"), 4, 1),
+])
+def test_hpz_partition_of_a_node_is_accepted(argv, world, local):
+    validate_world(*parse(*argv)[:2], world, local)
 
 
 def test_sample_based_runs_refuse_iteration_schedules():

@@ -14,12 +14,14 @@ import argparse
 import difflib
 import json
 import os
+from types import SimpleNamespace
 from typing import Any, NoReturn
 
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.domino.plan import validate_plan
 from megadomino.parallel.dims import check_degrees, check_gpus_per_node
 from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, REFUSED, Flag
+from megadomino.zero.config import ZeroConfig
 
 FAMILY_DEFAULTS: dict[str, dict] = {
     "gpt": dict(normalization="LayerNorm", swiglu=False, position_embedding_type="learned_absolute",
@@ -97,6 +99,14 @@ def parse_args(argv: list[str] | None, family: str,
     if fields["model"].get("domino_batch_slices") == "auto":
         fields["model"]["domino_batch_slices"] = 1
         train_fields["domino_auto"] = True
+    if args.use_distributed_optimizer:  # Megatron-LM's distributed optimizer is ZeRO stage 1
+        if train_fields.get("zero_stage", 1) != 1:
+            raise ConfigError(f"--use-distributed-optimizer is ZeRO stage 1 and contradicts "
+                              f"--zero-stage {train_fields['zero_stage']}: give one of them")
+        train_fields["zero_stage"] = 1
+    if "zero_stage" in train_fields and "ddp_bucket_size" in train_fields:
+        raise ConfigError("--ddp-bucket-size sizes plain data parallelism's all-reduce buckets; "
+                          "--zero-stage reduces layer by layer: drop one of them")
     train_config = TrainConfig(**train_fields)
     _check_train(train_config, finetune)
     tp = train_config.tensor_model_parallel_size
@@ -111,15 +121,56 @@ def parse_args(argv: list[str] | None, family: str,
             raise ConfigError(f"{', '.join(missing)} required (or give --model-preset NAME)")
         model_config = ModelConfig(**{**FAMILY_DEFAULTS[family], **fields["model"]})
     model_config.validate(tp=tp)
+    zero_config(model_config, train_config)
     return model_config, train_config, notices
 
 
-def validate_world(model_config: ModelConfig, train_config: TrainConfig, world_size: int) -> None:
-    """Raise ConfigError naming the flag if the configs cannot run on `world_size` ranks.
+def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroConfig | None:
+    """The ZeroConfig that --zero-stage and the --zeropp-* flags ask for; None without
+    --zero-stage (plain data parallelism). ConfigError naming the flag for a ZeRO++ flag without
+    the stage it needs, one with nothing to act on, or ZeRO-3 with Domino (whose schedule bypasses
+    the hooks that gather each layer). hpZ's partition size against the node: validate_world."""
+    config = train_config
+    given = {"--zeropp-quantized-weights": config.zeropp_quantized_weights,
+             "--zeropp-hpz-partition-size": config.zeropp_hpz_partition_size is not None,
+             "--zeropp-quantized-gradients": config.zeropp_quantized_gradients,
+             "--zeropp-gradient-bits": config.zeropp_gradient_bits is not None,
+             "--zeropp-block-size": config.zeropp_block_size is not None}
+    if config.zero_stage is None:
+        flag = next((flag for flag, on in given.items() if on), None)
+        if flag is not None:
+            raise ConfigError(f"{flag} is a ZeRO++ option: add --zero-stage 3 (or --zero-stage 1 "
+                              "for --zeropp-quantized-gradients)")
+        return None
+    if given["--zeropp-gradient-bits"] and not config.zeropp_quantized_gradients:
+        raise ConfigError("--zeropp-gradient-bits sets qgZ's precision: add "
+                          "--zeropp-quantized-gradients")
+    if given["--zeropp-block-size"] and not (config.zeropp_quantized_weights
+                                             or config.zeropp_quantized_gradients):
+        raise ConfigError("--zeropp-block-size sets the blocks of qwZ and qgZ: add "
+                          "--zeropp-quantized-weights or --zeropp-quantized-gradients")
+    if config.zero_stage == 3 and (model_config.domino_enabled or config.domino_auto):
+        domino = ("--domino-batch-slices auto (it may pick a Domino plan)" if config.domino_auto
+                  else "Domino (--domino, --domino-batch-slices, --domino-hidden-slices)")
+        raise ConfigError("--zero-stage 3 gathers each layer in the layer's forward hook, which "
+                          f"the Domino schedule bypasses: {domino} runs with --zero-stage 1 only")
+    optional = {"hpz_partition_size": config.zeropp_hpz_partition_size,
+                "gradient_bits": config.zeropp_gradient_bits,
+                "block_size": config.zeropp_block_size}
+    return ZeroConfig(stage=config.zero_stage, quantized_weights=config.zeropp_quantized_weights,
+                      quantized_gradients=config.zeropp_quantized_gradients,
+                      **{name: value for name, value in optional.items() if value is not None})
+
+
+def validate_world(model_config: ModelConfig, train_config: TrainConfig, world_size: int,
+                   local_world_size: int | None = None) -> None:
+    """Raise ConfigError naming the flag if the configs cannot run on `world_size` ranks, of which
+    `local_world_size` share a node (None: all of them) unless --gpus-per-node says otherwise.
 
     Pure arithmetic, for every rank before the process group is initialised: the world must tile
     into TP x PP x DP, a TP group must fit in --gpus-per-node, the model must shard at this TP,
-    and the global batch must be a multiple of micro batch x DP.
+    the global batch must be a multiple of micro batch x DP, and hpZ's partition must be a node's
+    DP ranks.
     """
     tp = train_config.tensor_model_parallel_size
     pp = train_config.pipeline_model_parallel_size
@@ -137,6 +188,12 @@ def validate_world(model_config: ModelConfig, train_config: TrainConfig, world_s
         raise ConfigError(
             f"--global-batch-size={global_batch} is invalid: it must be a positive multiple of "
             f"--micro-batch-size ({micro}) x data-parallel size ({dp}) = {micro * dp}")
+    zero = zero_config(model_config, train_config)
+    if zero is not None:
+        gpus = train_config.gpus_per_node or local_world_size or world_size
+        # The DP ranks of one node, as ParallelDims cuts the grid.
+        zero.check_dims(SimpleNamespace(tp=tp, gpus_per_node=gpus,
+                                        dp_per_node=max(1, min(dp, gpus // tp))))
 
 
 def render_flag_table(flags: tuple[Flag, ...] = FLAGS) -> str:

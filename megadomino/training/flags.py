@@ -154,7 +154,8 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--recompute-activations", "model.recompute_granularity", None,
           "Megatron-LM's shorthand for --recompute-granularity selective.", const="selective"),
     _impl("--ddp-bucket-size", "train.ddp_bucket_size", int,
-          "Elements per data-parallel all-reduce bucket."),
+          "Elements per data-parallel all-reduce bucket (not with --zero-stage, which reduces "
+          "layer by layer)."),
     # Batch, optimizer and schedule.
     _impl("--micro-batch-size", "train.micro_batch_size", int, "Samples per forward (default 1)."),
     _impl("--global-batch-size", "train.global_batch_size", int,
@@ -260,8 +261,9 @@ FLAGS: tuple[Flag, ...] = (
     _ours("--peak-tflops", "train.peak_tflops", float,
           "Per-GPU peak TFLOP/s that MFU is measured against (default 989, H100/H200 bf16)."),
     _ours("--gpus-per-node", "train.gpus_per_node", int,
-          "GPUs per node for node-aware groups; default LOCAL_WORLD_SIZE. Smaller lets one host "
-          "stand in for several nodes."),
+          "GPUs per node for node-aware groups (hpZ's partition, qgZ's two all-to-alls, the "
+          "intra/inter-node byte counts); default LOCAL_WORLD_SIZE. Smaller lets one host stand "
+          "in for several nodes."),
     _ours("--domino", "model.domino_batch_slices", None,
           "Domino overlap with 2 batch slices (same as --domino-batch-slices 2).", const=2),
     _ours("--domino-batch-slices", "model.domino_batch_slices", _slices_or_auto,
@@ -274,6 +276,32 @@ FLAGS: tuple[Flag, ...] = (
           "With --sequence-parallel: the all-gather / reduce-scatter fused into the GEMMs (torch "
           "symmetric-memory kernels, NVLink); measured slower than plain TP in eager mode "
           "(BENCHMARKS.md), so off by default."),
+    # ZeRO and ZeRO++ (megadomino.zero).
+    _impl("--use-distributed-optimizer", None, None,
+          "Shard the optimizer states and fp32 master weights over the data-parallel ranks "
+          "(ZeRO stage 1: gradients reduce-scattered, parameters all-gathered after the step); "
+          "the same as --zero-stage 1."),
+    _ours("--zero-stage", "train.zero_stage", int,
+          "ZeRO over the data-parallel group: 1 shards optimizer states and fp32 masters, 3 "
+          "parameters and gradients too (each layer gathered just before use, the next one "
+          "prefetched). Not with Domino at 3. Checkpoints add one optim_dp_rank_YYY.pt per "
+          "data-parallel rank.", choices=(1, 3)),
+    _ours("--zeropp-quantized-weights", "train.zeropp_quantized_weights", None,
+          "ZeRO++ qwZ (--zero-stage 3): the forward all-gather sends int8 block-quantized "
+          "weights."),
+    _ours("--zeropp-hpz-partition-size", "train.zeropp_hpz_partition_size", int,
+          "ZeRO++ hpZ (--zero-stage 3): 1 (off) or the data-parallel ranks per node "
+          "(--gpus-per-node / tensor-parallel size), which then keep a secondary copy of each "
+          "gathered layer so that backward gathers inside the node."),
+    _ours("--zeropp-quantized-gradients", "train.zeropp_quantized_gradients", None,
+          "ZeRO++ qgZ (--zero-stage 1 or 3): the gradient reduce-scatter becomes a quantized "
+          "all-to-all inside the node, then across nodes."),
+    _ours("--zeropp-gradient-bits", "train.zeropp_gradient_bits", int,
+          "qgZ's gradient precision (default 4); needs --zeropp-quantized-gradients.",
+          choices=(4, 8)),
+    _ours("--zeropp-block-size", "train.zeropp_block_size", int,
+          "Elements per quantization block, one fp32 scale each, for qwZ and qgZ (default "
+          "2048, even); needs one of them."),
     # Accepted with a notice.
     _notice("--use-flash-attn", _SDPA),
     _notice("--attention-backend", _SDPA, str),
@@ -290,9 +318,6 @@ FLAGS: tuple[Flag, ...] = (
             "the data-parallel all-reduce always overlaps the backward, bucket by bucket"),
     _notice("--accumulate-allreduce-grads-in-fp32",
             "gradients always accumulate and all-reduce in fp32 main_grad buffers"),
-    _notice("--use-distributed-optimizer",
-            "accepted, but optimizer state is not sharded yet: every DP rank holds all of it "
-            "(ZeRO arrives with a later issue)"),
     _notice("--use-mcore-models", "megadomino has one model implementation"),
     _notice("--use-legacy-models", "megadomino has one model implementation"),
     _notice("--transformer-impl", "megadomino has one model implementation (no Transformer Engine)",
@@ -334,9 +359,9 @@ FLAGS: tuple[Flag, ...] = (
     *_refuse(("--train-data-path", "--valid-data-path", "--test-data-path"),
              "separate per-split datasets are not implemented: use --data-path with --split"),
     *_refuse(("--wandb-project",), "Weights & Biases logging is not implemented"),
-    *_refuse(("--zero-stage",), "ZeRO arrives with the ZeRO++ issue (a megadomino flag, reserved)"),
     *_refuse(("--use-torch-fsdp2", "--use-megatron-fsdp"),
-             "FSDP is not implemented; ZeRO arrives with the ZeRO++ issue"),
+             "FSDP is not implemented; --zero-stage 3 shards parameters, gradients and optimizer "
+             "states over the data-parallel ranks"),
 
     *_refuse(("--rampup-batch-size",), "batch-size ramp-up is not implemented"),
     *_refuse(("--lr-decay-samples", "--lr-warmup-samples"),

@@ -40,7 +40,9 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         model_config, tokenizer = run_tokenizer(model_config, train_config)
         apply_slurm_env(os.environ)  # started by srun directly: torchrun's variables from SLURM's
         _default_to_single_process()
-        validate_world(model_config, train_config, int(os.environ["WORLD_SIZE"]))
+        world_size = int(os.environ["WORLD_SIZE"])
+        validate_world(model_config, train_config, world_size,
+                       int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
