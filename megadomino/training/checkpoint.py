@@ -6,19 +6,26 @@ Layout of `--save DIR`:
     DIR/latest_checkpointed_iteration.txt                 "10", or "release"; written last
     DIR/iter_0000010/mp_rank_00/model_optim_rng.pt        TP rank 0 (mp_rank_00_001 when PP > 1)
     DIR/iter_0000010/mp_rank_01/model_optim_rng.pt        TP rank 1
+    DIR/iter_0000010/mp_rank_01/optim_dp_rank_001.pt      with ZeRO: TP rank 1, DP rank 1
     DIR/release/mp_rank_00/model_optim_rng.pt             weights only (converters), iteration 0
 
 DP rank 0 of each TP rank writes that rank's shard: its model shard, its optimizer shard (AdamW
 moments, step and the fp32 masters of bf16/fp16 parameters, keyed by parameter name), the loss
 scaler, the training counters, the ModelConfig, the sharding of every parameter and the RNG states
 of every DP rank of its TP rank (python, numpy, torch CPU, CUDA, the TP tracker), gathered over DP.
-Optimizer state is replicated over DP today; a ZeRO optimizer adds per-DP-rank files beside it,
-`mp_rank_XX/optim_dp_rank_YYY.pt`, without changing the shard above.
 
-Atomicity: each shard goes to `NAME.tmp`, is fsynced and `os.replace`d; every rank then agrees
-(one all-gather of error strings, which is also the barrier) that all shards are complete, and only
-then rank 0 replaces the iteration file. A run killed during a save leaves the iteration file
-naming the previous, complete checkpoint.
+With a ZeRO engine (--zero-stage) the model shard is the same (at stage 3 the layers are gathered
+for it: every rank holds the whole model while saving), so model-only loads (--finetune,
+converters) read it as before; its optimizer entry is None and its `zero` entry names the stage.
+Each (TP, DP) rank writes its `engine.state_dict()` (AdamW state and fp32 masters of its DP chunk,
+the loss scaler, the layout) to `optim_dp_rank_YYY.pt`; it loads at the same stage and degrees
+only (`load_zero_state`). A ZeRO checkpoint resumes a run without ZeRO, and the reverse, with
+--no-load-optim or --finetune (weights only); otherwise that is an error naming the flag.
+
+Atomicity (`checkpoint_files`): each shard, ZeRO's included, goes to `NAME.tmp`, is fsynced and
+`os.replace`d; every rank then agrees (one all-gather of error strings, which is also the barrier)
+that all shards are complete, and only then rank 0 replaces the iteration file. A run killed
+during a save leaves the iteration file naming the previous, complete checkpoint.
 
 Loading at the saved TP degree copies each rank's shards; at another degree each rank memory-maps
 every saved shard and rebuilds the full (unsharded, unpadded) tensor of each parameter and
@@ -28,34 +35,41 @@ alike. RNG states load only at the saved TP and DP degrees (a stream belongs to 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megadomino.models.gpt import shard_full
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.layers import unshard_rows
+from megadomino.training.checkpoint_files import (
+    FORMAT_VERSION,
+    TRACKER,
+    CheckpointError,
+    agree,
+    atomic_save,
+    compact,
+    compact_all,
+    gather_over_dp,
+    open_shard,
+    write_tracker,
+)
 from megadomino.training.optimizer import MixedPrecisionAdamW
 from megadomino.training.rng_state import capture_rng_state, restore_rng_state
+from megadomino.zero import ZeroPlusPlus
 
-TRACKER = "latest_checkpointed_iteration.txt"
 SHARD = "model_optim_rng.pt"
-FORMAT_VERSION = 1
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                        "kv_channels", "ffn_hidden_size", "vocab_size", "normalization", "swiglu",
                        "position_embedding_type", "add_bias_linear",
                        "untie_embeddings_and_output_weights")
 """ModelConfig fields a checkpoint's weights are tied to (plus max_position_embeddings with
 learned positions); any difference is an error."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded or saved; the message names the file or the field."""
 
 
 @dataclasses.dataclass
@@ -80,6 +94,12 @@ def shard_path(iteration_dir: Path, tp_rank: int, pp_rank: int, pp: int) -> Path
     return iteration_dir / name / SHARD
 
 
+def zero_shard_path(iteration_dir: Path, dims: ParallelDims) -> Path:
+    """This rank's ZeRO optimizer shard, beside its TP rank's model shard."""
+    return (shard_path(iteration_dir, dims.tp_rank, dims.pp_rank, dims.pp).parent
+            / f"optim_dp_rank_{dims.dp_rank:03d}.pt")
+
+
 def latest_iteration(directory: str | os.PathLike) -> int | str | None:
     """The iteration named by DIR's iteration file ('release' for a release checkpoint), or None
     when there is no file."""
@@ -99,45 +119,65 @@ def latest_iteration(directory: str | os.PathLike) -> int | str | None:
 
 
 def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: nn.Module,
-                    optimizer: MixedPrecisionAdamW | None, dims: ParallelDims, *,
-                    save_rng: bool = True, release: bool = False) -> Path:
+                    optimizer: MixedPrecisionAdamW | ZeroPlusPlus | None, dims: ParallelDims, *,
+                    save_rng: bool = True, release: bool = False,
+                    save_optim: bool = True) -> Path:
     """Write the checkpoint of `state.iteration` (or a weights-only 'release' one) and return its
-    directory. Collective over the world; `optimizer` None leaves the optimizer out."""
+    directory. Collective over the world. `optimizer` None or `save_optim` False leaves the
+    optimizer out; a ZeRO engine is needed for the weights at stage 3 either way."""
     iteration = "release" if release else state.iteration
     target = checkpoint_dir(directory, iteration)
-    rng = _gather_over_dp(capture_rng_state(dims), dims) if save_rng else None
+    rng = gather_over_dp(capture_rng_state(dims), dims) if save_rng else None
+    engine = optimizer if isinstance(optimizer, ZeroPlusPlus) else None
+    zero = {"stage": engine.config.stage} if engine is not None and save_optim else None
     error = None
-    if dims.dp_rank == 0:
+    with _whole_weights(engine):
+        if dims.dp_rank == 0:
+            try:
+                shard = {
+                    "format": FORMAT_VERSION,
+                    "model_config": dataclasses.asdict(model.config),
+                    "parallel": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
+                    "state": dataclasses.asdict(state),
+                    "model": {name: compact(p) for name, p in model.named_parameters()},
+                    "sharding": {name: _sharding(p) for name, p in model.named_parameters()},
+                    "optimizer": _optimizer_shard(optimizer, model)
+                    if save_optim and optimizer is not None and engine is None else None,
+                    "zero": zero,
+                    "rng": rng,
+                }
+                atomic_save(shard, shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp))
+            except Exception as err:  # every rank must hear of it, or they wait on the tracker
+                error = f"rank {dims.rank} could not write its shard: {err!r}"
+    if zero is not None:
+        path = zero_shard_path(target, dims)
         try:
-            shard = {
-                "format": FORMAT_VERSION,
-                "model_config": dataclasses.asdict(model.config),
-                "parallel": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
-                "state": dataclasses.asdict(state),
-                "model": {name: _compact(p) for name, p in model.named_parameters()},
-                "sharding": {name: _sharding(p) for name, p in model.named_parameters()},
-                "optimizer": None if optimizer is None else _optimizer_shard(optimizer, model),
-                "rng": rng,
-            }
-            _atomic_save(shard, shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp))
-        except Exception as err:  # every rank must hear of it, or they wait on the tracker
-            error = f"rank {dims.rank} could not write its shard: {err!r}"
-    _agree(error)
+            atomic_save({"format": FORMAT_VERSION, "zero": compact_all(engine.state_dict())},
+                         path)
+        except Exception as err:
+            error = error or f"rank {dims.rank} could not write {path}: {err!r}"
+    agree(error)
     if dims.rank == 0:
         try:
-            _write_tracker(Path(directory), iteration)
+            write_tracker(Path(directory), iteration)
         except OSError as err:
             error = f"rank 0 could not write {Path(directory) / TRACKER}: {err!r}"
-    _agree(error)
+    agree(error)
     return target
 
 
-def _compact(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor owning exactly its bytes (torch.save writes a view's whole storage)."""
-    tensor = tensor.detach().cpu()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
+@contextlib.contextmanager
+def _whole_weights(engine: ZeroPlusPlus | None) -> Iterator[None]:
+    """ZeRO stage 3: the model's parameters gathered (exactly, not quantized) inside; collective
+    over DP. Otherwise they are whole already."""
+    if engine is None or engine.config.stage == 1:
+        yield
+        return
+    engine.params.materialize()
+    try:
+        yield
+    finally:
+        engine.params.release_all()
 
 
 def _sharding(param: torch.Tensor) -> dict | None:
@@ -152,58 +192,12 @@ def _optimizer_shard(optimizer: MixedPrecisionAdamW, model: nn.Module) -> dict:
     names = {id(p): name for name, p in model.named_parameters()}
     params = {}
     for param, master in zip(optimizer.params, optimizer.masters):
-        entry = {key: _compact(value) for key, value in optimizer.adamw.state[master].items()}
+        entry = {key: compact(value) for key, value in optimizer.adamw.state[master].items()}
         if param is not master:
-            entry["master"] = _compact(master)
+            entry["master"] = compact(master)
         params[names[id(param)]] = entry
     scaler = optimizer.loss_scaler
     return {"params": params, "loss_scaler": None if scaler is None else scaler.state_dict()}
-
-
-def _atomic_save(obj: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
-        torch.save(obj, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    _fsync_dir(path.parent)
-
-
-def _write_tracker(directory: Path, iteration: int | str) -> None:
-    temporary = directory / (TRACKER + ".tmp")
-    with open(temporary, "w") as file:
-        file.write(f"{iteration}\n")
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, directory / TRACKER)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-
-
-def _gather_over_dp(obj: dict, dims: ParallelDims) -> list[dict]:
-    if dims.dp == 1:
-        return [obj]
-    gathered: list = [None] * dims.dp
-    dist.all_gather_object(gathered, obj, group=dims.dp_group)
-    return gathered
-
-
-def _agree(error: str | None) -> None:
-    """Raise on every rank the first rank's error, if any rank has one (a barrier otherwise)."""
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise CheckpointError(first)
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -231,7 +225,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module,
         reader = _ShardReader(source, dims, model)
     except CheckpointError as err:
         error = str(err)
-    _agree(error)
+    agree(error)
     try:
         state = reader.load(model, optimizer,
                             load_optim and optimizer is not None and not only_weights)
@@ -240,11 +234,50 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module,
             rng_note = reader.load_rng()
     except CheckpointError as err:
         error = str(err)
-    _agree(error)
+    agree(error)
     if dims.rank == 0:
         log(f" loaded checkpoint {source} (iteration {iteration})"
             + (" as weights only" if only_weights else "") + (f"; {rng_note}" if rng_note else ""))
     return TrainingState() if only_weights else state
+
+
+def load_zero_state(directory: str | os.PathLike, iteration: int, engine: ZeroPlusPlus,
+                    dims: ParallelDims) -> None:
+    """Load this rank's optim_dp_rank file of checkpoint `iteration` into `engine` (built on the
+    model load_checkpoint put the weights into). Collective over the world; every rank raises the
+    same CheckpointError for a checkpoint saved without ZeRO (or its optimizer), at another
+    stage or degrees, or whose file is missing or unreadable."""
+    state, error = None, None
+    try:
+        source = checkpoint_dir(directory, iteration)
+        head_path = shard_path(source, dims.tp_rank, dims.pp_rank, dims.pp)
+        head = open_shard(head_path)
+        zero, saved = head.get("zero"), head["parallel"]
+        if zero is None:
+            raise CheckpointError(
+                f"{head_path} holds no ZeRO optimizer state (saved without --zero-stage, or with "
+                "--no-save-optim): resume it without --zero-stage / --use-distributed-optimizer, "
+                "or load the weights only with --no-load-optim or --finetune")
+        if (zero["stage"], saved["tp"], saved["dp"]) != (engine.config.stage, dims.tp, dims.dp):
+            raise CheckpointError(
+                f"{head_path}: saved with --zero-stage {zero['stage']} at tensor-parallel "
+                f"{saved['tp']} x data-parallel {saved['dp']}, this run has --zero-stage "
+                f"{engine.config.stage} at {dims.tp} x {dims.dp}: ZeRO optimizer shards load at "
+                "the same stage and degrees only (--no-load-optim loads the weights)")
+        path = zero_shard_path(source, dims)
+        if not path.exists():
+            raise CheckpointError(f"checkpoint shard missing: {path} (--zero-stage "
+                                  f"{zero['stage']} saves one per data-parallel rank)")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)["zero"]
+        except Exception as err:
+            raise CheckpointError(f"{path} is unreadable (truncated or corrupt?): {err}") from None
+        if state["layout"] != engine.state_dict()["layout"]:
+            raise CheckpointError(f"{path}: layout {state['layout']} differs from this engine's")
+    except CheckpointError as err:
+        error = str(err)
+    agree(error)  # before the load, whose parameter refresh is collective
+    engine.load_state_dict(state)
 
 
 class _ShardReader:
@@ -253,7 +286,7 @@ class _ShardReader:
     def __init__(self, source: Path, dims: ParallelDims, model: nn.Module):
         self.source, self.dims = source, dims
         first = shard_path(source, 0, dims.pp_rank, dims.pp)
-        head = _open_shard(first)
+        head = open_shard(first)
         saved = head["parallel"]
         if saved["pp"] != dims.pp:
             raise CheckpointError(f"{first}: saved with pipeline-parallel size {saved['pp']}, "
@@ -267,7 +300,7 @@ class _ShardReader:
         self.saved_tp, self.saved_dp = saved["tp"], saved["dp"]
         self.same_layout = self.saved_tp == dims.tp
         self.paths = [paths[dims.tp_rank]] if self.same_layout else paths
-        self.shards = [head if p == first else _open_shard(p) for p in self.paths]
+        self.shards = [head if p == first else open_shard(p) for p in self.paths]
 
     def load(self, model: nn.Module, optimizer: MixedPrecisionAdamW | None,
              load_optim: bool) -> TrainingState:
@@ -280,7 +313,13 @@ class _ShardReader:
         if missing or unexpected:
             raise CheckpointError(f"{self.paths[0]}: parameters differ from the model's: missing "
                                   f"{missing}, unexpected {unexpected}")
-        saved_optimizer = own["optimizer"]
+        saved_optimizer, zero = own["optimizer"], own.get("zero")
+        if load_optim and zero is not None:
+            raise CheckpointError(
+                f"{self.paths[0]} was saved with --zero-stage {zero['stage']}: its optimizer state "
+                "is sharded over the data-parallel ranks. Resume it with --zero-stage "
+                f"{zero['stage']} at tensor-parallel {self.saved_tp} x data-parallel "
+                f"{self.saved_dp}, or load the weights only with --no-load-optim or --finetune")
         if load_optim and saved_optimizer is None:
             raise CheckpointError(f"{self.paths[0]} holds no optimizer state (saved with "
                                   "--no-save-optim): pass --no-load-optim or --finetune")
@@ -349,19 +388,6 @@ class _ShardReader:
         optimizer.adamw.load_state_dict(torch_state)
         if optimizer.loss_scaler is not None and saved["loss_scaler"] is not None:
             optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])
-
-
-def _open_shard(path: Path) -> dict:
-    if not path.exists():
-        raise CheckpointError(f"checkpoint shard missing: {path}")
-    try:
-        shard = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"{path} is unreadable (truncated or corrupt?): {err}") from None
-    if not isinstance(shard, dict) or shard.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{path} is not a megadomino checkpoint shard of format "
-                              f"{FORMAT_VERSION}")
-    return shard
 
 
 def _check_config(path: Path, saved: dict, current: dict) -> None:

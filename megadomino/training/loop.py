@@ -4,9 +4,16 @@ checkpoints, early stops, logs.
 One iteration consumes one global batch of `global_batch_size` samples: `global_batch_size //
 (micro_batch_size * dp)` micro-batches per rank, each a forward and a backward of the mean loss
 over its loss-mask tokens divided by the number of micro-batches (times the loss scale in fp16).
-All but the last backward run under `GradBuffer.no_sync()`; the last launches the DP all-reduces
-bucket by bucket while backward proceeds. Then `finish_grad_sync()`, clip, AdamW step
+All but the last backward run under `no_sync()`; the last launches the DP reduction layer by layer
+(plain DP: all-reduce buckets of `GradBuffer`) while backward proceeds. Then clip and AdamW step
 (`training.step`; its docstring gives the sampler: DP ranks never read the same sample in a step).
+
+With --zero-stage (or --use-distributed-optimizer) a `megadomino.zero.ZeroPlusPlus` engine replaces
+GradBuffer + MixedPrecisionAdamW: it reduce-scatters the gradients, steps AdamW on this DP rank's
+chunk of the fp32 masters and all-gathers the weights (stage 1), or gathers each layer just
+before use (stage 3), with ZeRO++'s qwZ, hpZ and qgZ as the --zeropp-* flags say. It is built
+after the Domino auto-tune and after --load's weights went into the whole model, which it then
+shards; its own optimizer shards load after that (`checkpoint.load_zero_state`).
 
 After each iteration, in Megatron-LM's order: the log line at --log-interval (`training.report`:
 NaN stop, timers, TensorBoard), validation at --eval-interval, a checkpoint at --save-interval, at
@@ -20,9 +27,10 @@ the process group chose the backend to match.
 
 from __future__ import annotations
 
-import time
+import functools
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
@@ -30,23 +38,30 @@ from megadomino.domino.autotune import autotune_domino
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
+from megadomino.training.arguments import zero_config
 from megadomino.training.checkpoint import (
     TRACKER,
     CheckpointError,
     TrainingState,
     load_checkpoint,
+    load_zero_state,
     save_checkpoint,
 )
 from megadomino.training.data.mock import MockDataset
 from megadomino.training.ddp import GradBuffer
 from megadomino.training.lr_schedule import LRSchedule
 from megadomino.training.metrics import num_floating_point_operations
-from megadomino.training.optimizer import MixedPrecisionAdamW, build_optimizer
+from megadomino.training.optimizer import (
+    DynamicLossScaler,
+    MixedPrecisionAdamW,
+    build_optimizer,
+)
 from megadomino.training.report import Reporter
-from megadomino.training.step import Dataset, Stepper
+from megadomino.training.step import DataParallel, Dataset, Stepper
 from megadomino.training.stopping import StopConditions
 from megadomino.training.tensorboard import open_writer
 from megadomino.training.timers import Timers
+from megadomino.zero import ZeroConfig, ZeroPlusPlus
 
 ModelInit = Callable[[ModelConfig, ParallelDims], nn.Module]
 """Builds this rank's model from the resolved config (default: `build_model` of the family)."""
@@ -90,14 +105,16 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     with it, `valid_data` None means no evaluation.
     `model_init` replaces `build_model` (say, to start from Hugging Face weights); it runs after
     the RNGs are seeded and before `--load`. Returns per-iteration lists `losses` (DP-averaged),
-    `lrs`, `grad_norms` (nan when an fp16 step was skipped), `eval` ({iteration, loss, ppl}
-    dicts), `skipped_iterations`, the last interval's `metrics`, `exit_reason` (None, or why an
-    early stop ended the run), the final TrainingState `state`, and the `model` and `optimizer`.
-    Raises NonFiniteLossError (every rank) when the loss becomes NaN or infinite.
+    `lrs`, `grad_norms` (nan when a step was skipped), `eval` ({iteration, loss, ppl} dicts),
+    `skipped_iterations`, the last interval's `metrics`, `exit_reason` (None, or why an early stop
+    ended the run), the final TrainingState `state`, the `model` and the `optimizer`
+    (MixedPrecisionAdamW, or the ZeroPlusPlus engine with --zero-stage). Raises
+    NonFiniteLossError (every rank) when the loss becomes NaN or infinite.
     """
     gbs, num_micro = batch_plan(train_config, dims.dp)
     iters = train_iterations(train_config, gbs)
     model_config = _check_and_resolve(model_config, train_config, dims)
+    zero = zero_config(model_config, train_config)
     schedule = LRSchedule.from_config(train_config, iters)
     writer = open_writer(train_config.tensorboard_dir, dims.rank)
     train_data, valid_data = _default_data(model_config, train_config, train_data, valid_data)
@@ -106,21 +123,27 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     model = (model_init or (lambda config, d: build_model(config, d, family)))(model_config, dims)
     model.train()
     device = next(model.parameters()).device
-    if train_config.domino_auto:  # before the gradient buffer hooks the parameters
+    if train_config.domino_auto:  # before the gradient buffer or engine hooks the parameters
         autotune_domino(model, train_config.micro_batch_size, log)
-    grads = GradBuffer(model.parameters(), dims, bucket_numel=train_config.ddp_bucket_size)
-    optimizer = build_optimizer(model.parameters(), dims, train_config)
-    state = _resume(train_config, model, optimizer, dims, log)
+    if zero is None:
+        grads = GradBuffer(model.parameters(), dims, bucket_numel=train_config.ddp_bucket_size)
+        optimizer = build_optimizer(model.parameters(), dims, train_config)
+        state = _resume(train_config, model, optimizer, dims, log)
+        engine = DataParallel(grads, optimizer)
+    else:
+        state = _resume(train_config, model, None, dims, log)  # the weights, before sharding
+        optimizer = engine = _zero_engine(model, dims, train_config, zero)
+        if state.iteration > 0 and not train_config.no_load_optim:
+            load_zero_state(train_config.load, state.iteration, engine, dims)
     timers = Timers(device)
-    step = Stepper(model, grads, optimizer, dims, train_config.micro_batch_size, num_micro,
-                   device, timers)
+    step = Stepper(model, engine, dims, train_config.micro_batch_size, num_micro, device, timers)
     padded_vocab = model_config.padded_vocab_size(dims.tp)
     flops = num_floating_point_operations(model_config, gbs, padded_vocab)
     history = {"losses": [], "lrs": [], "grad_norms": [], "eval": [], "skipped_iterations": 0,
                "metrics": {}, "exit_reason": None, "state": state, "model": model,
                "optimizer": optimizer}
     reporter = Reporter(history, dims, device, log, iters, flops, gbs * model_config.seq_length,
-                        train_config.peak_tflops, timers, writer)
+                        train_config.peak_tflops, timers, writer, engine if zero else None)
 
     evaluating = (valid_data is not None and train_config.eval_iters > 0
                   and train_config.eval_interval > 0)
@@ -128,7 +151,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
         with StopConditions(train_config, device) as stop:
             for iteration in range(state.iteration + 1, iters + 1):
                 lr = schedule(state.scheduler_steps)
-                optimizer.set_lr(lr)
+                engine.set_lr(lr)
                 loss, result = step.train(train_data, state.consumed_train_samples)
                 state.iteration = iteration
                 state.consumed_train_samples += gbs
@@ -137,21 +160,19 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
                 reason = stop.reason(iteration)
                 last = iteration == iters or reason is not None
                 if iteration % train_config.log_interval == 0 or last:
-                    reporter.flush(iteration, optimizer)
+                    reporter.flush(iteration, engine)
                 if evaluating and (iteration % train_config.eval_interval == 0
                                    or iteration == iters):
-                    began = time.perf_counter()
-                    valid_loss = step.evaluate(valid_data, state.consumed_valid_samples,
-                                               train_config.eval_iters)
+                    with reporter.outside_training():
+                        valid_loss = step.evaluate(valid_data, state.consumed_valid_samples,
+                                                   train_config.eval_iters)
                     state.consumed_valid_samples += train_config.eval_iters * gbs
                     reporter.validation(iteration, valid_loss)
-                    reporter.exclude(time.perf_counter() - began)
                 interval = train_config.save_interval
                 if train_config.save and (last or interval and iteration % interval == 0):
                     reporter.check_finite(iteration)  # never save a diverged model
-                    began = time.perf_counter()
-                    _save(train_config, state, model, optimizer, dims, log)
-                    reporter.exclude(time.perf_counter() - began)
+                    with reporter.outside_training():
+                        _save(train_config, state, model, optimizer, dims, log)
                 if reason is not None:
                     history["exit_reason"] = reason
                     if dims.rank == 0:
@@ -176,9 +197,28 @@ def _default_data(model_config: ModelConfig, train_config: TrainConfig,
     return MockDataset(seq, vocab, seed, "train"), MockDataset(seq, vocab, seed, "valid")
 
 
-def _resume(config: TrainConfig, model: nn.Module, optimizer: MixedPrecisionAdamW,
+def _zero_engine(model: nn.Module, dims: ParallelDims, config: TrainConfig,
+                 zero: ZeroConfig) -> ZeroPlusPlus:
+    """The ZeRO engine over `model` with the AdamW, clipping and fp16 loss scaling that
+    build_optimizer gives plain DP."""
+    on_cuda = next(model.parameters()).is_cuda
+    factory = functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay,
+                                betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                                fused=True if on_cuda else None,
+                                foreach=None if on_cuda else True)
+    scaler = None
+    if config.fp16:
+        scaler = DynamicLossScaler(config.initial_loss_scale, config.min_loss_scale,
+                                   config.loss_scale_window, config.hysteresis)
+    return ZeroPlusPlus(model, dims, factory, zero, clip_grad=config.clip_grad,
+                        loss_scaler=scaler)
+
+
+def _resume(config: TrainConfig, model: nn.Module, optimizer: MixedPrecisionAdamW | None,
             dims: ParallelDims, log: Callable[[str], None]) -> TrainingState:
-    """The state to start from: fresh, or what --load's checkpoint holds (see load_checkpoint)."""
+    """The state to start from: fresh (iteration 0: also after --finetune or a release
+    checkpoint), or what --load's checkpoint holds (see load_checkpoint). `optimizer` None: the
+    weights, counters and RNG states only."""
     if config.load is None:
         return TrainingState()
     state = load_checkpoint(config.load, model, optimizer, dims,
@@ -196,9 +236,10 @@ def _resume(config: TrainConfig, model: nn.Module, optimizer: MixedPrecisionAdam
 
 
 def _save(config: TrainConfig, state: TrainingState, model: nn.Module,
-          optimizer: MixedPrecisionAdamW, dims: ParallelDims, log: Callable[[str], None]) -> None:
-    path = save_checkpoint(config.save, state, model, None if config.no_save_optim else optimizer,
-                           dims, save_rng=not config.no_save_rng)
+          optimizer: MixedPrecisionAdamW | ZeroPlusPlus, dims: ParallelDims,
+          log: Callable[[str], None]) -> None:
+    path = save_checkpoint(config.save, state, model, optimizer, dims,
+                           save_rng=not config.no_save_rng, save_optim=not config.no_save_optim)
     if dims.rank == 0:
         log(f" saved checkpoint {path} (iteration {state.iteration})")
 
@@ -213,6 +254,9 @@ def _check_and_resolve(model_config: ModelConfig, train_config: TrainConfig,
     if train_config.tensor_model_parallel_size != dims.tp:
         raise ConfigError(f"--tensor-model-parallel-size={train_config.tensor_model_parallel_size}"
                           f" disagrees with the process grid's tp={dims.tp}")
+    if train_config.gpus_per_node not in (None, dims.gpus_per_node):
+        raise ConfigError(f"--gpus-per-node={train_config.gpus_per_node} disagrees with the "
+                          f"process grid's gpus_per_node={dims.gpus_per_node}")
     dtype = "bfloat16" if train_config.bf16 else "float16" if train_config.fp16 else "float32"
     model_config = model_config.replace(params_dtype=dtype)
     model_config.validate(tp=dims.tp)

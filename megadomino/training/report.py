@@ -3,25 +3,33 @@
 Each iteration's loss and grad norm stay device tensors until a log boundary (no host sync per
 step); there the interval's losses are averaged over DP in one all-reduce, checked for NaN/inf
 (every rank sees the same DP mean, so every rank stops alike), and rank 0 logs one line and writes
-the scalars.
+the scalars. With a ZeRO engine rank 0 adds a second line: what the engine holds per GPU and the
+bytes per training step it handed to collectives inside and across nodes (evaluation and
+checkpoint traffic left out).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from megadomino.parallel import ParallelDims
 from megadomino.training.metrics import peak_memory_gib, throughput
-from megadomino.training.optimizer import MixedPrecisionAdamW, StepResult
-from megadomino.training.step import dp_mean
+from megadomino.training.optimizer import StepResult
+from megadomino.training.step import DataParallel, dp_mean
 from megadomino.training.tensorboard import ScalarWriter
 from megadomino.training.timers import Timers
+from megadomino.zero import ZeroPlusPlus
 
 PHASES = ("data", "forward", "backward", "optimizer")
+ZERO_HELD = ("params", "masters", "optimizer_state", "grad_shards")
+"""memory_stats() entries the engine holds for the whole run."""
+ZERO_SCALARS = ("zero_intra_mb_per_iter", "zero_inter_mb_per_iter", "zero_held_mib",
+                "zero_transient_peak_mib")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -34,16 +42,19 @@ class Reporter:
     def __init__(self, history: dict, dims: ParallelDims, device: torch.device,
                  log: Callable[[str], None], iters: int, flops_per_iteration: float,
                  tokens_per_iteration: int, peak_tflops: float, timers: Timers,
-                 writer: ScalarWriter | None):
+                 writer: ScalarWriter | None, zero: ZeroPlusPlus | None = None):
         self.history, self.dims, self.device, self.log = history, dims, device, log
         self.iters, self.flops = iters, flops_per_iteration
         self.tokens, self.peak_tflops = tokens_per_iteration, peak_tflops
-        self.timers, self.writer = timers, writer
+        self.timers, self.writer, self.zero = timers, writer, zero
         self.losses: list[torch.Tensor] = []
         self.norms: list[torch.Tensor] = []
         self.skipped = 0
         self.start = time.perf_counter()
         self.excluded = 0.0
+        self.excluded_bytes = {"intra": 0, "inter": 0}
+        if zero is not None:
+            zero.comm.reset()  # the counts start with training, not with a checkpoint load
 
     def record(self, loss: torch.Tensor, result: StepResult, lr: float) -> None:
         self.losses.append(loss)
@@ -53,9 +64,21 @@ class Reporter:
         self.history["skipped_iterations"] += result.skipped
         self.history["lrs"].append(lr)
 
-    def exclude(self, seconds: float) -> None:
-        """Time spent outside training (evaluation, saving) that ms/iter must not count."""
-        self.excluded += seconds
+    @contextlib.contextmanager
+    def outside_training(self) -> Iterator[None]:
+        """Evaluation, saving: time (and ZeRO bytes) that the per-iteration figures must not
+        count."""
+        began, before = time.perf_counter(), self._zero_bytes()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - began
+            after = self._zero_bytes()
+            for side in self.excluded_bytes:
+                self.excluded_bytes[side] += after[side] - before[side]
+
+    def _zero_bytes(self) -> dict[str, int]:
+        return self.zero.comm.totals() if self.zero is not None else {"intra": 0, "inter": 0}
 
     def check_finite(self, iteration: int) -> list[float]:
         """The DP-mean losses since the last log line; NonFiniteLossError (on every rank) naming
@@ -68,9 +91,9 @@ class Reporter:
                                          "(lower --lr, or check the data and the precision)")
         return losses
 
-    def flush(self, iteration: int, optimizer: MixedPrecisionAdamW) -> None:
+    def flush(self, iteration: int, engine: DataParallel | ZeroPlusPlus) -> None:
         """Log: the interval's mean loss, the current lr and grad norm, mean time per iteration,
-        and the per-phase times."""
+        and the per-phase times; with ZeRO, the engine's memory and bytes per iteration."""
         losses = self.check_finite(iteration)
         norms = torch.stack(self.norms).tolist()
         self.history["losses"] += losses
@@ -86,10 +109,14 @@ class Reporter:
                        peak_memory_gib=peak_memory_gib(self.device))
         phases = self.timers.flush()
         metrics.update({f"{phase}_ms": 1e3 * phases.get(phase, 0.0) / count for phase in PHASES})
-        scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else None
+        if self.zero is not None:
+            metrics.update(self._zero_metrics(count))
+        scale = engine.loss_scaler.scale if engine.loss_scaler is not None else None
         self.history["metrics"] = metrics
         if self.dims.rank == 0:
             self.log(self._line(iteration, metrics, scale))
+            if self.zero is not None:
+                self.log(self._zero_line(metrics))
         if self.writer is not None:
             first = iteration - count + 1
             for offset, loss in enumerate(losses):
@@ -102,9 +129,36 @@ class Reporter:
                        **{f"timers/{phase}_ms": metrics[f"{phase}_ms"] for phase in PHASES}}
             if scale is not None:
                 scalars["train/loss_scale"] = scale
+            if self.zero is not None:
+                scalars.update({f"zero/{key}": metrics[key] for key in ZERO_SCALARS})
             self.writer.write(scalars, iteration)
         self.losses, self.norms, self.skipped = [], [], 0
         self.start, self.excluded = time.perf_counter(), 0.0
+        self.excluded_bytes = {"intra": 0, "inter": 0}
+
+    def _zero_metrics(self, count: int) -> dict[str, float]:
+        """This rank's ZeRO bytes per iteration since the last flush (then reset) and the memory
+        the engine holds, in GiB."""
+        totals = self.zero.comm.totals()
+        self.zero.comm.reset()
+        memory = self.zero.memory_stats()
+        held = sum(memory[key] for key in ZERO_HELD)
+        return {"zero_intra_mb_per_iter": (totals["intra"] - self.excluded_bytes["intra"])
+                / count / 1e6,
+                "zero_inter_mb_per_iter": (totals["inter"] - self.excluded_bytes["inter"])
+                / count / 1e6,
+                "zero_held_mib": held / 2**20,
+                "zero_transient_peak_mib": memory["transient_peak"] / 2**20,
+                **{f"zero_{key}_mib": memory[key] / 2**20 for key in ZERO_HELD}}
+
+    def _zero_line(self, metrics: dict) -> str:
+        stage = self.zero.config.stage
+        parts = ", ".join(f"{key.replace('_', ' ')} {metrics[f'zero_{key}_mib']:.1f}"
+                          for key in ZERO_HELD)
+        return (f" ZeRO-{stage} per GPU: held {metrics['zero_held_mib']:.1f} MiB ({parts}), "
+                f"transient peak {metrics['zero_transient_peak_mib']:.1f} MiB | per iteration: "
+                f"{metrics['zero_intra_mb_per_iter']:.2f} MB intra-node, "
+                f"{metrics['zero_inter_mb_per_iter']:.2f} MB inter-node")
 
     def _line(self, iteration: int, metrics: dict, scale: float | None) -> str:
         line = (f" iteration {iteration:8d}/{self.iters:8d} | loss {metrics['loss']:.6E} | "
@@ -116,6 +170,8 @@ class Reporter:
                 f"peak mem {metrics['peak_memory_gib']:.2f} GiB")
         if scale is not None:
             line += f" | loss scale {scale:.1f} | skipped {self.skipped}"
+        elif self.skipped:  # ZeRO skips a step whose gradients hold inf/NaN
+            line += f" | skipped {self.skipped}"
         return line + " | time (ms): " + " ".join(
             f"{phase} {metrics[f'{phase}_ms']:.1f}" for phase in PHASES)
 

@@ -8,12 +8,17 @@ group read the same samples; two DP ranks never read the same sample in a step.
 A sample is a LongTensor [seq_length + 1] (inputs [:-1], labels [1:], every label counts) or a
 dict {"tokens": LongTensor [seq_length + 1], "loss_mask": FloatTensor [seq_length]} whose mask
 weighs each label. A micro-batch's loss is the mask-weighted mean over its labels.
+
+The Stepper drives a `megadomino.zero.ZeroPlusPlus` engine, or `DataParallel` (GradBuffer +
+MixedPrecisionAdamW) behind the same calls: `zero_grad()`, `no_sync()` for all but the last
+micro-batch, `backward(loss / num_micro)` (fp16 loss scaling and the DP reduction inside),
+`step()`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,8 +26,9 @@ from torch import nn
 
 from megadomino.parallel import ParallelDims
 from megadomino.training.ddp import GradBuffer
-from megadomino.training.optimizer import MixedPrecisionAdamW, StepResult
+from megadomino.training.optimizer import DynamicLossScaler, MixedPrecisionAdamW, StepResult
 from megadomino.training.timers import Timers
+from megadomino.zero import ZeroPlusPlus
 
 Sample = torch.Tensor | dict[str, torch.Tensor]
 Dataset = Sequence[Sample]
@@ -39,13 +45,52 @@ def collate(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, loss_mask
 
 
+class DataParallel:
+    """Plain data parallelism (every DP rank holds everything) with the ZeRO engine's calls."""
+
+    def __init__(self, grads: GradBuffer, optimizer: MixedPrecisionAdamW):
+        self.grads, self.optimizer = grads, optimizer
+        self._deferred = False
+
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        return self.optimizer.loss_scaler
+
+    def set_lr(self, lr: float) -> None:
+        self.optimizer.set_lr(lr)
+
+    def zero_grad(self) -> None:
+        self.grads.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside only accumulates; the next backward outside reduces."""
+        self._deferred = True
+        try:
+            with self.grads.no_sync():
+                yield
+        finally:
+            self._deferred = False
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` (times the loss scale in fp16); outside no_sync() the DP all-reduce,
+        overlapped with it, is finished before returning."""
+        scaler = self.optimizer.loss_scaler
+        (loss if scaler is None else loss * scaler.scale).backward()
+        if not self._deferred:
+            self.grads.finish_grad_sync()
+
+    def step(self) -> StepResult:
+        return self.optimizer.step()
+
+
 class Stepper:
     """Forward, backward and optimizer step of one global batch for this rank, timed by phase."""
 
-    def __init__(self, model: nn.Module, grads: GradBuffer, optimizer: MixedPrecisionAdamW,
+    def __init__(self, model: nn.Module, engine: DataParallel | ZeroPlusPlus,
                  dims: ParallelDims, micro_batch_size: int, num_micro: int,
                  device: torch.device, timers: Timers):
-        self.model, self.grads, self.optimizer, self.dims = model, grads, optimizer, dims
+        self.model, self.engine, self.dims = model, engine, dims
         self.mbs, self.num_micro, self.device, self.timers = (micro_batch_size, num_micro, device,
                                                               timers)
 
@@ -66,26 +111,22 @@ class Stepper:
         return per_token.sum() / loss_mask.sum().clamp(min=1.0)
 
     def train(self, dataset: Dataset, consumed: int) -> tuple[torch.Tensor, StepResult]:
-        """Accumulate gradients over the micro-batches, reduce, step. Returns (this rank's mean
-        loss as a 0-dim tensor, StepResult)."""
-        self.grads.zero_grad()
-        scaler = self.optimizer.loss_scaler
-        scale = scaler.scale if scaler is not None else 1.0
+        """Accumulate gradients over the micro-batches, reduce (with the last backward), step.
+        Returns (this rank's mean loss as a 0-dim tensor, StepResult)."""
+        self.engine.zero_grad()
         total = torch.zeros((), device=self.device)
         for micro in range(self.num_micro):
             last = micro == self.num_micro - 1
             with self.timers("data"):
                 batch = self._micro_batch(dataset, consumed, micro)
-            with self.grads.no_sync() if not last else contextlib.nullcontext():
+            with self.engine.no_sync() if not last else contextlib.nullcontext():
                 with self.timers("forward"):
                     loss = self._loss(*batch)
                 with self.timers("backward"):
-                    (loss * (scale / self.num_micro)).backward()
+                    self.engine.backward(loss / self.num_micro)
             total += loss.detach()
-        with self.timers("backward"):  # the tail of the overlapped DP reduce
-            self.grads.finish_grad_sync()
         with self.timers("optimizer"):
-            result = self.optimizer.step()
+            result = self.engine.step()
         return total / self.num_micro, result
 
     @torch.no_grad()
