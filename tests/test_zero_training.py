@@ -1,0 +1,201 @@
+"""ZeRO in the training loop: `train` with the configs pretrain_gpt.py parses from its flags, on
+gloo ranks, one spawn per world size.
+
+2 ranks (DP=2): stage 1 and stage 3 repeat plain DP's losses (1e-5 relative, fp32, dropout on,
+two micro-batches per step); fp16 at stage 3 trains with its loss scaler; checkpoints hold the
+whole weights for model-only loads, and a missing optimizer shard or a ZeRO / plain mismatch is an
+error naming the file or the flag. 4 ranks: the same equivalence at TP=2 x DP=2 (sequence
+parallel; stage 1 with Domino too), full ZeRO++ (qwZ + hpZ + qgZ, blocks of 256) on 2 nodes x 2
+trains, and resumes repeat the uninterrupted run exactly: stage 3 + ZeRO++ on 2 nodes x 2, stage
+1 in bf16 at TP=2 x DP=2.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import CaseRunner, check_result, run_cases
+from megadomino.models import build_model
+from megadomino.parallel import ParallelDims
+from megadomino.training.arguments import parse_args
+from megadomino.training.checkpoint import CheckpointError, latest_iteration, load_checkpoint
+from megadomino.training.loop import train
+from megadomino.zero import ZeroPlusPlus
+
+BASE = ["--model-preset", "gpt-tiny", "--seq-length", "32", "--mock-data", "--global-batch-size",
+        "8", "--lr", "5e-3", "--min-lr", "5e-4", "--lr-warmup-iters", "2", "--log-interval", "5",
+        "--eval-interval", "5", "--eval-iters", "1"]
+ZERO_PP = ("--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-hpz-partition-size", "2",
+           "--zeropp-quantized-gradients", "--zeropp-block-size", "256", "--gpus-per-node", "2")
+
+
+def _train(dims: ParallelDims, *flags: str, iters: int = 10, micro_batch_size: int = 2,
+           log=None) -> dict:
+    """pretrain_gpt.py's flags (BASE, then `flags`) through parse_args into `train`."""
+    argv = [*BASE, "--train-iters", str(iters), "--micro-batch-size", str(micro_batch_size),
+            "--tensor-model-parallel-size", str(dims.tp), *flags]
+    model_config, train_config, _ = parse_args(argv, "gpt")
+    return train(model_config, train_config, dims, "gpt", log=log or (lambda line: None))
+
+
+def _check_same_losses(got: dict, want: dict, rel: float) -> None:
+    for key, pick in (("losses", lambda h: h["losses"]),
+                      ("eval", lambda h: [e["loss"] for e in h["eval"]])):
+        a, b = pick(got), pick(want)
+        assert len(a) == len(b) > 0, (key, a, b)
+        worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+        assert worst <= rel, f"{key}: relative difference {worst:.2e} > {rel:g}: {a} vs {b}"
+
+
+def _case_matches_plain_dp(dims: ParallelDims, *flags: str) -> None:
+    """Stage 1 and stage 3 give plain DP's losses over 10 steps (1e-5 relative); the engine is
+    really the one stepping, and the curve really falls."""
+    plain = _train(dims, *flags)
+    assert not isinstance(plain["optimizer"], ZeroPlusPlus)
+    assert plain["losses"][-1] < 0.9 * plain["losses"][0], plain["losses"]
+    for stage in (1, 3):
+        zero = _train(dims, "--zero-stage", str(stage), *flags)
+        assert isinstance(zero["optimizer"], ZeroPlusPlus)
+        assert zero["optimizer"].config.stage == stage
+        _check_same_losses(zero, plain, 1e-5)
+
+
+def _case_stage1_domino(dims: ParallelDims) -> None:
+    """Stage 1 under the Domino schedule gives Domino's losses with plain DP."""
+    domino = ("--sequence-parallel", "--domino")
+    _check_same_losses(_train(dims, "--zero-stage", "1", *domino), _train(dims, *domino), 1e-5)
+
+
+def _case_fp16_stage3(dims: ParallelDims) -> None:
+    """fp16 parameters, fp32 masters and the loss scaler (on the log line) at stage 3."""
+    lines: list[str] = []
+    run = _train(dims, "--zero-stage", "3", "--fp16", "--initial-loss-scale", "65536",
+                 log=lines.append)
+    engine = run["optimizer"]
+    assert engine.loss_scaler is not None and engine.loss_scaler.scale >= 65536
+    assert all(s.dtype == torch.float16 for s in engine.params.shards)
+    assert all(m.dtype == torch.float32 for m in engine.optimizer.masters)
+    assert run["losses"][-1] < 0.9 * run["losses"][0], run["losses"]
+    if dims.rank == 0:
+        assert "loss scale 65536.0" in lines[0], lines[0]
+        assert lines[1].startswith(" ZeRO-3 per GPU: held "), lines[1]
+
+
+def _case_zeropp_trains(dims: ParallelDims) -> None:
+    """qwZ + hpZ + qgZ (int4, blocks of 256) on 2 nodes x 2: the loss falls as ZeRO-3's does, and
+    the log says what crossed the nodes."""
+    lines: list[str] = []
+    zeropp = _train(dims, *ZERO_PP, iters=20, micro_batch_size=1, log=lines.append)
+    zero3 = _train(dims, "--zero-stage", "3", iters=20, micro_batch_size=1)
+    engine = zeropp["optimizer"]
+    assert engine.config.quantized_weights and engine.config.hpz
+    assert engine.config.quantized_gradients and engine.config.block_size == 256
+    first, last = zeropp["losses"][0], sum(zeropp["losses"][-5:]) / 5
+    assert last < 0.8 * first, zeropp["losses"]
+    assert abs(last - sum(zero3["losses"][-5:]) / 5) < 0.05 * last
+    metrics = zeropp["metrics"]
+    assert metrics["zero_inter_mb_per_iter"] > 0 and metrics["zero_intra_mb_per_iter"] > 0
+    assert metrics["zero_inter_mb_per_iter"] < 0.5 * zero3["metrics"]["zero_inter_mb_per_iter"]
+    if dims.rank == 0:
+        assert " MB inter-node" in lines[1], lines[1]
+
+
+def _case_resume(dims: ParallelDims, directory: str, *flags: str) -> None:
+    """6 iterations straight == 3 (stopped by --exit-interval, saved) + resume + 3, exactly; every
+    (TP, DP) rank wrote its optimizer shard."""
+    straight = _train(dims, *flags, iters=6)
+    first = _train(dims, *flags, "--save", directory, "--exit-interval", "3", iters=6)
+    assert latest_iteration(directory) == 3
+    shard = (f"{directory}/iter_0000003/mp_rank_{dims.tp_rank:02d}/"
+             f"optim_dp_rank_{dims.dp_rank:03d}.pt")
+    assert os.path.exists(shard), shard
+    resumed = _train(dims, *flags, "--load", directory, iters=6)
+    assert first["losses"] + resumed["losses"] == straight["losses"]
+    assert first["eval"] + resumed["eval"] == straight["eval"]
+
+
+def _expect_error(match: str, dims: ParallelDims, *flags: str) -> None:
+    """A CheckpointError matching `match` (an AssertionError otherwise: pytest.raises' failure is
+    no Exception, and would end the spawned rank rather than the case)."""
+    try:
+        _train(dims, *flags, iters=6)
+    except CheckpointError as err:
+        assert re.search(match, str(err)), str(err)
+    else:
+        raise AssertionError(f"no CheckpointError matching {match!r}")
+
+
+def _case_checkpoint_mismatches(dims: ParallelDims, root: str) -> None:
+    """Stage 3's model shard holds the whole weights (a model-only load gets the engine's);
+    loading across ZeRO and plain DP works with --no-load-optim / --finetune, else it is an error
+    naming the flag, as is another stage or a missing optimizer shard."""
+    zero = _train(dims, "--zero-stage", "3", "--save", f"{root}/zero3", "--exit-interval", "3",
+                  iters=6)
+    _train(dims, "--save", f"{root}/plain", "--exit-interval", "3", iters=6)
+    weights = zero["optimizer"].full_state_dict()
+    model = build_model(zero["model"].config, dims, "gpt")
+    load_checkpoint(f"{root}/zero3", model, None, dims, load_optim=False, load_rng=False)
+    loaded = model.full_state_dict()
+    assert loaded.keys() == weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(loaded[name], value), name
+
+    _expect_error("saved with --zero-stage 3: .* --no-load-optim or --finetune", dims,
+                  "--load", f"{root}/zero3")
+    assert len(_train(dims, "--load", f"{root}/zero3", "--no-load-optim", iters=6)["losses"]) == 3
+    _expect_error("holds no ZeRO optimizer state .*without --zero-stage", dims,
+                  "--zero-stage", "1", "--load", f"{root}/plain")
+    tuned = _train(dims, "--zero-stage", "1", "--load", f"{root}/plain", "--finetune", iters=6)
+    assert len(tuned["losses"]) == 6
+    _expect_error("saved with --zero-stage 3 at tensor-parallel 1 x data-parallel 2, this run has "
+                  "--zero-stage 1", dims, "--zero-stage", "1", "--load", f"{root}/zero3")
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{root}/zero3", f"{root}/missing")
+        os.remove(f"{root}/missing/iter_0000003/mp_rank_00/optim_dp_rank_001.pt")
+    dist.barrier()
+    _expect_error("checkpoint shard missing: .*iter_0000003/mp_rank_00/optim_dp_rank_001.pt",
+                  dims, "--zero-stage", "3", "--load", f"{root}/missing")
+
+
+def _cases(world: int, root: str) -> dict[str, str | None]:
+    runner = CaseRunner()
+    if world == 2:
+        dp2 = ParallelDims(tp=1)
+        runner.run("dp2_matches_plain", _case_matches_plain_dp, dp2)
+        runner.run("dp2_fp16_stage3", _case_fp16_stage3, dp2)
+        runner.run("dp2_checkpoint_mismatches", _case_checkpoint_mismatches, dp2, root)
+    else:
+        tp2_dp2, nodes = ParallelDims(tp=2), ParallelDims(tp=1, gpus_per_node=2)
+        runner.run("tp2_dp2_matches_plain", _case_matches_plain_dp, tp2_dp2,
+                   "--sequence-parallel")
+        runner.run("tp2_dp2_stage1_domino", _case_stage1_domino, tp2_dp2)
+        runner.run("nodes_zeropp_trains", _case_zeropp_trains, nodes)
+        runner.run("nodes_zeropp_resume", _case_resume, nodes, f"{root}/zeropp", *ZERO_PP)
+        runner.run("tp2_dp2_stage1_bf16_resume", _case_resume, tp2_dp2, f"{root}/stage1",
+                   "--zero-stage", "1", "--bf16")
+    return runner.results
+
+
+@functools.cache
+def _results(world: int, root: str) -> dict[str, str | None]:
+    return run_cases(world, _cases, world, root)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("zero_checkpoints"))
+
+
+@pytest.mark.parametrize("world, case", [
+    (2, "dp2_matches_plain"), (2, "dp2_fp16_stage3"), (2, "dp2_checkpoint_mismatches"),
+    (4, "tp2_dp2_matches_plain"), (4, "tp2_dp2_stage1_domino"), (4, "nodes_zeropp_trains"),
+    (4, "nodes_zeropp_resume"), (4, "tp2_dp2_stage1_bf16_resume")])
+def test_zero_training(root, world, case):
+    check_result(_results(world, root), case)
