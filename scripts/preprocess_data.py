@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -86,6 +87,7 @@ def preprocess(args: argparse.Namespace) -> list[str]:
     """Write one indexed dataset per JSON key; returns their prefixes."""
     dtype = optimal_dtype(_tokenizer(args).vocab_size)
     prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     builders = {key: IndexedDatasetBuilder(bin_path(prefix), dtype)
                 for key, prefix in zip(args.json_keys, prefixes)}
     start, total_bytes = time.time(), 0

@@ -48,14 +48,16 @@ def build_datasets(model_config: ModelConfig, train_config: TrainConfig, dims: P
     Collective: pretraining datasets are built (and their index cached) on rank 0 first."""
     if train_config.mock_data:
         return None, None
-    train_samples, valid_samples, test_samples = sample_counts(train_config, dims.dp)
+    train_samples, valid_samples, _ = sample_counts(train_config, dims.dp)
     if finetune:
         return build_sft_datasets(train_config.data_path, train_config.split, tokenizer,
                                   model_config.seq_length, train_config.prompt_template,
                                   train_config.seed, (train_samples, valid_samples))
+    # The test split is never read by the loop: it is not built (a small corpus's 0.1% test
+    # split may not hold one sample).
     train, valid, _ = build_train_valid_test_datasets(
         train_config.data_path, train_config.split, model_config.seq_length, train_config.seed,
-        (train_samples, valid_samples, test_samples), tokenizer.eod, train_config.eod_mask_loss,
+        (train_samples, valid_samples, 0), tokenizer.eod, train_config.eod_mask_loss,
         train_config.data_cache_path)
     return train, valid
 

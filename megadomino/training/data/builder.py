@@ -17,8 +17,9 @@
   the blend holds sum_k ceil(num_samples * w_k) samples.
 - Each sample is a dict, see `gpt_dataset`. Index files are cached in `cache_dir`, default
   `DIR/index-cache` beside the first prefix (`--data-cache-path`); the second run loads them.
-- Under torch.distributed, rank 0 builds (and caches) first, then, after a barrier, the other
-  ranks build (loading the cache where they share the disk): call it on every rank.
+- Under torch.distributed, rank 0 builds (and caches) first, then the other ranks build
+  (loading the cache where they share the disk): call it on every rank. An error on rank 0
+  (too little data for a split, a bad file) is raised on every rank.
 
 Which rank reads which sample is the sampler's business (the loop's: DP ranks take disjoint
 slices of each global batch of consecutive sample indices).
@@ -79,18 +80,29 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
     ranges = parse_split(split)
     if cache_dir is None:
         cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "index-cache")
-    rank0_first = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if rank0_first and dist.get_rank() != 0:
-        dist.barrier()
-    indexed = [IndexedDataset(prefix) for prefix in prefixes]
-    datasets = tuple(
-        _build_split(indexed, weights, ranges[i], num_samples[i], seq_length, seed,
-                     tokenizer_eod, eod_mask_loss, cache_dir, SPLITS[i])
-        if ranges[i] is not None and num_samples[i] > 0 else None
-        for i in range(3))
-    if rank0_first and dist.get_rank() == 0:
-        dist.barrier()
-    return datasets
+    def build() -> tuple:
+        indexed = [IndexedDataset(prefix) for prefix in prefixes]
+        return tuple(
+            _build_split(indexed, weights, ranges[i], num_samples[i], seq_length, seed,
+                         tokenizer_eod, eod_mask_loss, cache_dir, SPLITS[i])
+            if ranges[i] is not None and num_samples[i] > 0 else None
+            for i in range(3))
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return build()
+    # Rank 0 builds (and caches) first; its outcome is broadcast, so that a bad dataset is the
+    # same error on every rank instead of the others failing in a collective.
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            datasets = build()
+        except (ValueError, OSError) as error:
+            outcome = [(type(error), str(error))]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        error_type, message = outcome[0]
+        raise error_type(message)
+    return datasets if dist.get_rank() == 0 else build()
 
 
 def _build_split(indexed: list[IndexedDataset], weights: list[float] | None,
