@@ -18,51 +18,8 @@ RATES=${RATES:-"1gbit 100mbit"}
 RUN_TIMEOUT=${RUN_TIMEOUT:-400}
 OUT_DIR=${OUT_DIR:-$(mktemp -d)}
 SUBNET=10.232.84
-# Names unique per invocation: other runs on this machine may hold their own namespaces.
-NS_A="mdz-$$-a" NS_B="mdz-$$-b" VETH_A="mdz$$a" VETH_B="mdz$$b"
-ADDR_A="$SUBNET.1" ADDR_B="$SUBNET.2"
-
-cleanup() {
-  local ns pid
-  for ns in "$NS_A" "$NS_B"; do
-    if ip netns list | grep -qw "$ns"; then
-      for pid in $(ip netns pids "$ns"); do kill -TERM "$pid" 2>/dev/null || true; done
-      sleep 0.5
-      for pid in $(ip netns pids "$ns"); do kill -KILL "$pid" 2>/dev/null || true; done
-      ip netns del "$ns"
-    fi
-  done
-  ip link del "$VETH_A" 2>/dev/null || true  # only left if setup failed before the move
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-ip netns add "$NS_A"
-ip netns add "$NS_B"
-ip link add "$VETH_A" type veth peer name "$VETH_B"
-ip link set "$VETH_A" netns "$NS_A"
-ip link set "$VETH_B" netns "$NS_B"
-ip -n "$NS_A" addr add "$ADDR_A/24" dev "$VETH_A"
-ip -n "$NS_B" addr add "$ADDR_B/24" dev "$VETH_B"
-for ns in "$NS_A" "$NS_B"; do ip -n "$ns" link set lo up; done
-ip -n "$NS_A" link set "$VETH_A" up
-ip -n "$NS_B" link set "$VETH_B" up
-
-# limit_link NAMESPACE VETH RATE: netem (rate, 1 ms delay) as NETWORK.md says; where the kernel
-# lacks netem, a token bucket (tbf) at the same rate without the delay (the burst covers one
-# 64 KB segmentation-offload packet, which a smaller bucket would drop forever).
-limit_link() {
-  if [ "$3" = none ]; then
-    ip netns exec "$1" tc qdisc del dev "$2" root 2>/dev/null || true
-    echo "$2: no rate limit" >&2
-  elif ip netns exec "$1" tc qdisc replace dev "$2" root netem rate "$3" delay 1ms limit 100000 \
-      2>/dev/null; then
-    echo "$2: netem rate $3 delay 1ms" >&2
-  else
-    ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$3" burst 256kb limit 8mb
-    echo "$2: no netem in this kernel; tbf rate $3 burst 256kb (no added delay)" >&2
-  fi
-}
+source scripts/lib/netns.sh
+netns_pair_up mdz "$SUBNET"
 
 # rank RANK NAMESPACE VETH PORT RATE [flags]: one worker; the master is rank 0 at node A's address.
 rank() {

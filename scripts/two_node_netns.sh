@@ -8,7 +8,7 @@
 #   sudo bash scripts/two_node_netns.sh [extra pretrain_gpt.py flags]
 #
 # Environment: ITERS (8), RUN_TIMEOUT seconds per run (150), REL (1e-5), RATE (e.g. 100mbit: a
-# token-bucket limit on each direction of the link; default none), LOG_DIR (a temporary dir).
+# limit on each direction of the link, scripts/lib/netns.sh; default none), LOG_DIR (a temporary dir).
 # Needs root (ip netns). Traffic only reaches the two namespaces' addresses and loopback; the
 # namespaces, the link and every process started here are removed on any exit.
 set -euo pipefail
@@ -21,39 +21,11 @@ RATE=${RATE:-}
 LOG_DIR=${LOG_DIR:-$(mktemp -d)}
 SUBNET=10.231.57
 PORT=29400
-# Names unique per invocation: other runs on this machine may hold their own namespaces.
-NS_A="md2n-$$-a" NS_B="md2n-$$-b" VETH_A="md2n$$a" VETH_B="md2n$$b"
-ADDR_A="$SUBNET.1" ADDR_B="$SUBNET.2"
-
-cleanup() {
-  local ns pid
-  for ns in "$NS_A" "$NS_B"; do
-    if ip netns list | grep -qw "$ns"; then
-      for pid in $(ip netns pids "$ns"); do kill -TERM "$pid" 2>/dev/null || true; done
-      sleep 0.5
-      for pid in $(ip netns pids "$ns"); do kill -KILL "$pid" 2>/dev/null || true; done
-      ip netns del "$ns"
-    fi
-  done
-  ip link del "$VETH_A" 2>/dev/null || true  # only left if setup failed before the move
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-ip netns add "$NS_A"
-ip netns add "$NS_B"
-ip link add "$VETH_A" type veth peer name "$VETH_B"
-ip link set "$VETH_A" netns "$NS_A"
-ip link set "$VETH_B" netns "$NS_B"
-ip -n "$NS_A" addr add "$ADDR_A/24" dev "$VETH_A"
-ip -n "$NS_B" addr add "$ADDR_B/24" dev "$VETH_B"
-for ns in "$NS_A" "$NS_B"; do ip -n "$ns" link set lo up; done
-ip -n "$NS_A" link set "$VETH_A" up
-ip -n "$NS_B" link set "$VETH_B" up
+source scripts/lib/netns.sh
+netns_pair_up md2n "$SUBNET"
 if [ -n "$RATE" ]; then
-  # tbf, not netem: the netem qdisc is missing on some kernels (ours, 2026-11-22).
-  ip netns exec "$NS_A" tc qdisc add dev "$VETH_A" root tbf rate "$RATE" burst 64kb latency 100ms
-  ip netns exec "$NS_B" tc qdisc add dev "$VETH_B" root tbf rate "$RATE" burst 64kb latency 100ms
+  limit_link "$NS_A" "$VETH_A" "$RATE"
+  limit_link "$NS_B" "$VETH_B" "$RATE"
 fi
 
 TRAIN_ARGS=(pretrain_gpt.py --model-preset gpt-tiny --tensor-model-parallel-size 2 --mock-data
