@@ -21,7 +21,7 @@ slice (the schedule owns the loop over layers).
 Backward order (explicit; every call is `torch.autograd.grad` on one unit): for l = L-1..0:
 mlp(l, i) for each i - preceded by glue_in(l+1, i) - then attention(l, i) for each i - preceded by
 glue_mid(l, i). A unit's input-gradient reduce is launched right after its data-gradient GEMMs;
-its weight-gradient GEMMs are deferred (`_DominoLinear`) and run right after that launch, so they
+its weight-gradient GEMMs are deferred (units.py) and run right after that launch, so they
 overlap it, and the wait happens only when the next unit of the same slice needs the gradient,
 after the other slices' units ran. Parameter gradients are summed over slices in fp32 and handed
 to autograd once per layer (`torch.autograd.backward` on the leaf parameters), so gradient hooks
@@ -50,112 +50,9 @@ import torch
 import torch.nn.functional as F
 
 from megadomino.domino.plan import DominoPlan
+from megadomino.domino.units import Pending, WgradSink, active_sinks, domino_linear, leaf
 from megadomino.parallel import random as tp_random
 from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
-
-_active_sink: list = []
-
-
-class _WgradSink:
-    """Deferred weight-gradient GEMMs and the per-parameter accumulators of one backward.
-
-    With several batch slices a parameter's gradient is a sum over slices, accumulated in fp32
-    and rounded once; with one slice every element gets exactly one contribution (hidden slices
-    own disjoint rows/columns), accumulated in the parameter's dtype at no conversion cost."""
-
-    def __init__(self, sums_slices: bool):
-        self.deferred: list = []
-        self.acc: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
-        self.sums_slices = sums_slices
-
-    def add(self, param, grad: torch.Tensor, dim: int | None = None, start: int = 0) -> None:
-        entry = self.acc.get(id(param))
-        if entry is None and dim is None and not self.sums_slices and grad.dtype == param.dtype:
-            self.acc[id(param)] = (param, grad)  # the one contribution: keep it as it is
-            return
-        if entry is None:
-            dtype = torch.float32 if self.sums_slices else param.dtype
-            entry = (param, torch.zeros(param.shape, dtype=dtype, device=grad.device))
-            self.acc[id(param)] = entry
-        target = entry[1] if dim is None else entry[1].narrow(dim, start, grad.shape[dim])
-        target.add_(grad)
-
-    def run_deferred(self) -> None:
-        for work in self.deferred:
-            work()
-        self.deferred.clear()
-
-    def flush(self, params) -> None:
-        """Hand the summed gradients of `params` to autograd (one accumulation each)."""
-        ready = [self.acc.pop(id(p)) for p in params if id(p) in self.acc]
-        if ready:
-            torch.autograd.backward([p for p, _ in ready],
-                                    [g.to(p.dtype) for p, g in ready])
-
-
-class _DominoLinear(torch.autograd.Function):
-    """y = x W^T + b whose backward returns only the input gradient and queues the weight (and
-    bias) gradient GEMMs on the sink, to be run after the unit's collective was launched.
-    `weight` / `bias` are detached views of `param` rows/columns starting at `start` on `dim`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, param, dim, start, bias_param):
-        ctx.save_for_backward(x, weight)
-        ctx.param, ctx.dim, ctx.start, ctx.bias_param = param, dim, start, bias_param
-        ctx.sink = _active_sink[-1]
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_out = grad_out.contiguous()  # a strided 3-D grad would make matmul batch over s
-        grad_x = grad_out.matmul(weight)
-        sink, param, dim, start, bias_param = ctx.sink, ctx.param, ctx.dim, ctx.start, \
-            ctx.bias_param
-
-        def weight_grads():
-            grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-            sink.add(param, grad_2d.t().matmul(x.reshape(-1, x.shape[-1])), dim, start)
-            if bias_param is not None:
-                sink.add(bias_param, grad_2d.sum(0, dtype=torch.float32), 0, start)
-
-        sink.deferred.append(weight_grads)
-        return grad_x, None, None, None, None, None, None
-
-
-def _linear(x, param, bias_param=None, dim: int | None = None, start: int = 0,
-            length: int | None = None):
-    weight, bias = param.detach(), None if bias_param is None else bias_param.detach()
-    if dim is not None:
-        weight = weight.narrow(dim, start, length)
-        if bias is not None:
-            bias = bias.narrow(0, start, length)
-    return _DominoLinear.apply(x, weight, bias, param, dim, start, bias_param)
-
-
-class _Pending:
-    """Partial tensors whose reduction was launched async; wait() returns their sum."""
-
-    def __init__(self):
-        self.parts: list[torch.Tensor] = []
-        self.handles: list = []
-
-    def add(self, tensor: torch.Tensor, handle) -> None:
-        self.parts.append(tensor)
-        self.handles.append(handle)
-
-    def wait(self) -> torch.Tensor:
-        for handle in self.handles:
-            if handle is not None:
-                handle.wait()
-        total = self.parts[0]
-        for part in self.parts[1:]:
-            total = total + part
-        return total
-
-
-def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().requires_grad_()
 
 
 @dataclass
@@ -198,12 +95,12 @@ class DominoRunner:
     def __call__(self, x: torch.Tensor, rotary) -> torch.Tensor:
         """x (s, b, h) (s/tp under sequence parallelism) -> the last layer's output."""
         if not torch.is_grad_enabled():
-            sink = _WgradSink(False)
-            _active_sink.append(sink)
+            sink = WgradSink(False)
+            active_sinks.append(sink)
             try:
                 return self._forward(x, rotary, build=False)[0]
             finally:
-                _active_sink.pop()
+                active_sinks.pop()
         anchor = torch.empty(0, device=x.device, requires_grad=True)
         return _DominoBlock.apply(x, anchor, self, rotary)
 
@@ -231,7 +128,7 @@ class DominoRunner:
         """A unit's input: the whole sequence (all-gathered under sequence parallelism)."""
         return all_gather_dim0(t.detach(), self.dims.tp_group)[0] if self.sp else t.detach()
 
-    def _reduce(self, partial: torch.Tensor, pending: _Pending, overlapped: bool = True) -> None:
+    def _reduce(self, partial: torch.Tensor, pending: Pending, overlapped: bool = True) -> None:
         """Launch the reduction of a partial output (all-reduce, or reduce-scatter under SP);
         `overlapped`: whether compute is scheduled under it (then on overlap_group())."""
         group = self.overlap_group() if overlapped else self.dims.tp_group
@@ -246,8 +143,8 @@ class DominoRunner:
         reduce-scatter's backward is an all-gather)."""
         return all_gather_dim0(grad, self.dims.tp_group)[0] if self.sp else grad
 
-    def _reduce_grad(self, grad: torch.Tensor) -> _Pending:
-        pending = _Pending()
+    def _reduce_grad(self, grad: torch.Tensor) -> Pending:
+        pending = Pending()
         self._reduce(grad, pending)
         return pending
 
@@ -275,7 +172,7 @@ class DominoRunner:
     def _glue_in(self, index: int, unit: _Unit, build: bool) -> None:
         layers = self.block.layers
         if build:
-            unit.in_leaves = [_leaf(t) for t in unit.inputs]
+            unit.in_leaves = [leaf(t) for t in unit.inputs]
             values = unit.in_leaves
         else:
             values = unit.inputs
@@ -286,26 +183,26 @@ class DominoRunner:
             x = self._residual(prev, values[0], values[1], prev.mlp.linear_fc2.bias)
         unit.x, unit.u = x, layers[index].input_layernorm(x)
 
-    def _attention(self, index: int, unit: _Unit, rotary, pending: _Pending, build: bool):
+    def _attention(self, index: int, unit: _Unit, rotary, pending: Pending, build: bool):
         attention = self.block.layers[index].self_attention
         u_full = self._gather(unit.u)
-        unit.u_leaf = _leaf(u_full) if build else u_full
-        qkv = _linear(unit.u_leaf, attention.linear_qkv.weight, attention.linear_qkv.bias)
-        unit.a = _linear(attention.attend(qkv, rotary), attention.linear_proj.weight)
+        unit.u_leaf = leaf(u_full) if build else u_full
+        qkv = domino_linear(unit.u_leaf, attention.linear_qkv.weight, attention.linear_qkv.bias)
+        unit.a = domino_linear(attention.attend(qkv, rotary), attention.linear_proj.weight)
         self._reduce(unit.a, pending, self.plan.batch_slices > 1)
 
     def _glue_mid(self, index: int, unit: _Unit, reduced_a: torch.Tensor, build: bool) -> None:
         layer = self.block.layers[index]
-        unit.x_leaf = _leaf(unit.x) if build else unit.x
-        unit.a_leaf = _leaf(reduced_a) if build else reduced_a
+        unit.x_leaf = leaf(unit.x) if build else unit.x
+        unit.a_leaf = leaf(reduced_a) if build else reduced_a
         unit.h = self._residual(layer, unit.x_leaf, unit.a_leaf,
                                 layer.self_attention.linear_proj.bias)
         unit.v = layer.pre_mlp_layernorm(unit.h)
 
-    def _mlp(self, index: int, unit: _Unit, pending: _Pending | None, build: bool) -> None:
+    def _mlp(self, index: int, unit: _Unit, pending: Pending | None, build: bool) -> None:
         mlp = self.block.layers[index].mlp
         v_full = self._gather(unit.v)
-        unit.v_leaf = _leaf(v_full) if build else v_full
+        unit.v_leaf = leaf(v_full) if build else v_full
         fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
         ffn_local = fc2.weight.shape[1]
         chunk = ffn_local // self.plan.hidden_slices
@@ -313,14 +210,15 @@ class DominoRunner:
         for k in range(self.plan.hidden_slices):
             start = k * chunk
             if self.config.swiglu:
-                gate = _linear(unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk)
-                up = _linear(unit.v_leaf, fc1.weight, fc1.bias, 0, ffn_local + start, chunk)
+                gate = domino_linear(unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk)
+                up = domino_linear(unit.v_leaf, fc1.weight, fc1.bias, 0, ffn_local + start, chunk)
                 act = F.silu(gate) * up
             elif self.plan.hidden_slices == 1:
-                act = mlp.activation(_linear(unit.v_leaf, fc1.weight, fc1.bias))
+                act = mlp.activation(domino_linear(unit.v_leaf, fc1.weight, fc1.bias))
             else:
-                act = mlp.activation(_linear(unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk))
-            part = _linear(act, fc2.weight, None, 1, start, chunk)
+                act = mlp.activation(
+                    domino_linear(unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk))
+            part = domino_linear(act, fc2.weight, None, 1, start, chunk)
             unit.m_parts.append(part)
             if pending is not None:
                 self._reduce(part, pending, self.plan.enabled)
@@ -354,13 +252,13 @@ class DominoRunner:
                     if capture:
                         unit.rng["in"] = self._rng_capture()
                     self._glue_in(index, unit, layer_build)
-                    pending_a.append(_Pending())
+                    pending_a.append(Pending())
                     self._attention(index, unit, rotaries[i], pending_a[i], layer_build)
                 for i, unit in enumerate(layer_units):
                     if capture:
                         unit.rng["mid"] = self._rng_capture()
                     self._glue_mid(index, unit, pending_a[i].wait(), layer_build)
-                    pending_m[i] = _Pending()
+                    pending_m[i] = Pending()
                     self._mlp(index, unit, pending_m[i], layer_build)
                     inputs[i] = [unit.h.detach()]
             if build and not layer_build:  # keep only what the recompute starts from
@@ -371,7 +269,7 @@ class DominoRunner:
         for i in range(n_slices):
             h, m = inputs[i][0], pending_m[i].wait()
             if build:
-                h, m = _leaf(h), _leaf(m)
+                h, m = leaf(h), leaf(m)
                 out_leaves.append((h, m))
             outputs.append(self._residual(last, h, m, last.mlp.linear_fc2.bias))
         output = torch.cat([o.detach() for o in outputs], dim=1) if build else \
@@ -389,7 +287,7 @@ class DominoRunner:
             if "in" in unit.rng:
                 self._rng_restore(unit.rng["in"])
             self._glue_in(index, unit, True)
-            pending_a.append(_Pending())
+            pending_a.append(Pending())
             self._attention(index, unit, rotaries[i], pending_a[i], True)
         for i, unit in enumerate(layer_units):
             if "mid" in unit.rng:
@@ -400,7 +298,7 @@ class DominoRunner:
             self._rng_restore(current)
 
     # ---- backward ------------------------------------------------------------------------
-    def _grad(self, sink: _WgradSink, outputs, grads, leaves, params):
+    def _grad(self, sink: WgradSink, outputs, grads, leaves, params):
         """Gradients of one unit's graph: returns the leaves' grads, adds the params' to sink."""
         pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and o.requires_grad]
         wanted = [leaf for leaf in leaves if leaf is not None] + params
@@ -458,7 +356,7 @@ class DominoRunner:
         sink.flush(layers[0].parameters())
         return torch.cat(grad_inputs, dim=1)
 
-    def _glue_in_backward(self, sink, index: int, unit: _Unit, pending: _Pending):
+    def _glue_in_backward(self, sink, index: int, unit: _Unit, pending: Pending):
         """Wait for the unit's input-gradient reduction, then back through glue_in: returns the
         gradients of glue_in's inputs ((h, m) of the previous layer, or the block input)."""
         grad_u = pending.wait()
@@ -474,13 +372,13 @@ class _DominoBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, anchor, runner: DominoRunner, rotary):
-        sink = _WgradSink(runner.plan.batch_slices > 1)
-        _active_sink.append(sink)
+        sink = WgradSink(runner.plan.batch_slices > 1)
+        active_sinks.append(sink)
         try:
             with torch.enable_grad():
                 output, units, outs = runner._forward(x, rotary, build=True)
         finally:
-            _active_sink.pop()
+            active_sinks.pop()
         ctx.runner, ctx.state = runner, (units, outs, sink)
         return output
 
@@ -488,9 +386,9 @@ class _DominoBlock(torch.autograd.Function):
     def backward(ctx, grad_output):
         runner, state = ctx.runner, ctx.state
         ctx.state = None
-        _active_sink.append(state[2])
+        active_sinks.append(state[2])
         try:
             grad_x = runner.backward(state, grad_output.contiguous())
         finally:
-            _active_sink.pop()
+            active_sinks.pop()
         return grad_x, None, None, None
