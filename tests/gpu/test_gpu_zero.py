@@ -1,0 +1,77 @@
+"""On the GPU machine: the ZeRO engine's cases of tests/test_zero.py (stage 1 / 3 vs plain DP,
+qgZ and qwZ within their bounds, ZeRO++ vs ZeRO-3 over 100 steps, inf/NaN, bf16 bytes, the hpZ
+resume) with NCCL on 4 GPUs as 2 nodes x 2 (and TP=2 x DP=2), fp32 with TF32 off. Skipped with
+fewer than 4 GPUs; `python -m pytest tests/gpu -q` runs it.
+
+test_zero.py writes its cases for CPU tensors; each rank here runs them unchanged with every
+tensor they make on its GPU: the default device is the GPU, and in test_zero's namespace
+`build_model` builds there, `_batch` moves its samples there and `torch.Generator()` is a CUDA
+generator (random values differ from the CPU run's; the cases check bounds, not values).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+import test_zero
+import torch
+
+from dist_utils import check_result, run_cases
+from megadomino.models import build_model
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+CASES = next(mark.args[1] for mark in test_zero.test_zero.pytestmark
+             if mark.name == "parametrize")
+
+pytestmark = pytest.mark.skipif(GPUS < 4, reason="needs 4+ CUDA GPUs")
+
+
+class _TorchWithDeviceGenerators(types.ModuleType):
+    """torch, except that `Generator()` makes a generator on `device`."""
+
+    def __init__(self, device: torch.device):
+        super().__init__("torch")
+        self._device = device
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    def Generator(self, device: torch.device | str | None = None) -> torch.Generator:  # noqa: N802
+        return torch.Generator(device if device is not None else self._device)
+
+
+def cases_on(device: torch.device) -> dict[str, str | None]:
+    """test_zero's cases with every tensor they make on `device` (see the module docstring)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_default_device(device)
+    on_cpu = test_zero._batch
+
+    def batch_on_device(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+        return tuple(t.to(device) for t in on_cpu(*args, **kwargs))
+
+    test_zero.build_model = functools.partial(_build_on, device)
+    test_zero._batch = batch_on_device
+    test_zero.torch = _TorchWithDeviceGenerators(device)
+    return test_zero._cases()
+
+
+def _build_on(target: torch.device, config, dims, family: str = "gpt", device=None):
+    """build_model on `target`, whatever `device` the caller asked for."""
+    return build_model(config, dims, family, device=target)
+
+
+def gpu_cases() -> dict[str, str | None]:
+    return cases_on(torch.device("cuda", torch.cuda.current_device()))
+
+
+@functools.cache
+def results() -> dict[str, str | None]:
+    return run_cases(4, gpu_cases, backend="nccl")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_zero(case: str):
+    check_result(results(), case)
