@@ -2,7 +2,8 @@
 ranks, sequence parallel, gradient accumulation) and TP=2 x DP=2 (4 ranks); the same global batch
 gives the same loss curve whatever the split into TP, DP and micro-batches; bf16 and fp16 (fp32
 masters, loss scaling) train too. The command line (launch.main, in this process) trains on an
-indexed dataset through --data-path, stops at --exit-interval with a checkpoint and resumes."""
+indexed dataset through --data-path, stops at --exit-interval with a checkpoint and resumes, and
+trains with --zero-stage 3 (tests/test_zero_training.py has ZeRO's multi-rank cases)."""
 
 from __future__ import annotations
 
@@ -139,3 +140,20 @@ def test_command_line_trains_on_data_path_and_resumes(tmp_path, monkeypatch, cap
     iterations = [int(i) for i in re.findall(r" iteration +(\d+)/", first + second)]
     assert iterations == [2, 4, 6, 8], first + second
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+
+
+def test_command_line_zero(monkeypatch, capsys):
+    """pretrain_gpt.py's main with --zero-stage 3 and qwZ trains and logs the engine's line; an
+    hpZ partition this world cannot have exits 2 naming the flag, before any process group."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                        ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    argv = ["--model-preset", "gpt-tiny", "--seq-length", "16", "--mock-data", "--train-iters",
+            "4", "--log-interval", "2", "--zero-stage", "3", "--zeropp-quantized-weights"]
+    assert main("gpt", argv) == 0
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^ ZeRO-3 per GPU: held .* MB inter-node$", out, re.M)) == 2, out
+    assert main("gpt", [*argv, "--zeropp-hpz-partition-size", "2"]) == 2
+    assert "error: --zeropp-hpz-partition-size=2 is invalid" in capsys.readouterr().err
+    assert not dist.is_initialized()
