@@ -24,8 +24,15 @@ import torch.distributed as dist
 from dist_utils import CaseRunner, check_result, run_cases
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
+from megadomino.training import checkpoint
 from megadomino.training.arguments import parse_args
-from megadomino.training.checkpoint import CheckpointError, latest_iteration, load_checkpoint
+from megadomino.training.checkpoint import (
+    CheckpointError,
+    TrainingState,
+    latest_iteration,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megadomino.training.loop import train
 from megadomino.zero import ZeroPlusPlus
 
@@ -132,12 +139,38 @@ def _expect_error(match: str, dims: ParallelDims, *flags: str) -> None:
         raise AssertionError(f"no CheckpointError matching {match!r}")
 
 
+def _check_failed_optimizer_shard_blocks_the_save(run: dict, dims: ParallelDims,
+                                                  directory: str) -> None:
+    """One rank failing to write its optimizer shard fails the save on every rank, and the
+    iteration file keeps naming the previous checkpoint."""
+    real_save = checkpoint.atomic_save
+
+    def fail_on_rank1(obj: dict, path) -> None:
+        if dims.rank == 1 and path.name.startswith("optim_dp_rank_"):
+            raise OSError("disk full")
+        real_save(obj, path)
+
+    checkpoint.atomic_save = fail_on_rank1
+    try:
+        save_checkpoint(directory, TrainingState(iteration=9), run["model"], run["optimizer"],
+                        dims)
+    except CheckpointError as err:
+        assert re.search("rank 1 could not write .*optim_dp_rank_001.pt: .*disk full", str(err))
+    else:
+        raise AssertionError("the save did not fail")
+    finally:
+        checkpoint.atomic_save = real_save
+    assert latest_iteration(directory) == 3
+
+
 def _case_checkpoint_mismatches(dims: ParallelDims, root: str) -> None:
-    """Stage 3's model shard holds the whole weights (a model-only load gets the engine's);
-    loading across ZeRO and plain DP works with --no-load-optim / --finetune, else it is an error
-    naming the flag, as is another stage or a missing optimizer shard."""
+    """Stage 3's model shard holds the whole weights (a model-only load gets the engine's); a
+    save is complete only with every optimizer shard; loading across ZeRO and plain DP works with
+    --no-load-optim / --finetune, else it is an error naming the flag, as is another stage or a
+    missing optimizer shard."""
     zero = _train(dims, "--zero-stage", "3", "--save", f"{root}/zero3", "--exit-interval", "3",
                   iters=6)
+    _check_failed_optimizer_shard_blocks_the_save(zero, dims, f"{root}/zero3")
     _train(dims, "--save", f"{root}/plain", "--exit-interval", "3", iters=6)
     weights = zero["optimizer"].full_state_dict()
     model = build_model(zero["model"].config, dims, "gpt")

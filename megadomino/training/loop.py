@@ -108,7 +108,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     `lrs`, `grad_norms` (nan when a step was skipped), `eval` ({iteration, loss, ppl} dicts),
     `skipped_iterations`, the last interval's `metrics`, `exit_reason` (None, or why an early stop
     ended the run), the final TrainingState `state`, the `model` and the `optimizer`
-    (MixedPrecisionAdamW, or the ZeroPlusPlus engine with --zero-stage). Raises
+    (MixedPrecisionAdamW, or the ZeroPlusPlus engine with --zero-stage: at stage 3 the model's
+    parameters are empty outside a forward, its `full_state_dict()` gathers them). Raises
     NonFiniteLossError (every rank) when the loss becomes NaN or infinite.
     """
     gbs, num_micro = batch_plan(train_config, dims.dp)

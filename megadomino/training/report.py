@@ -130,7 +130,8 @@ class Reporter:
             if scale is not None:
                 scalars["train/loss_scale"] = scale
             if self.zero is not None:
-                scalars.update({f"zero/{key}": metrics[key] for key in ZERO_SCALARS})
+                scalars.update({f"zero/{key.removeprefix('zero_')}": metrics[key]
+                                for key in ZERO_SCALARS})
             self.writer.write(scalars, iteration)
         self.losses, self.norms, self.skipped = [], [], 0
         self.start, self.excluded = time.perf_counter(), 0.0
