@@ -134,7 +134,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     else:
         state = _resume(train_config, model, None, dims, log)  # the weights, before sharding
         optimizer = engine = _zero_engine(model, dims, train_config, zero)
-        if state.iteration > 0 and not train_config.no_load_optim:
+        if state.iteration > 0 and not train_config.no_load_optim:  # resumed a training run
             load_zero_state(train_config.load, state.iteration, engine, dims)
     timers = Timers(device)
     step = Stepper(model, engine, dims, train_config.micro_batch_size, num_micro, device, timers)
@@ -144,7 +144,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
                "metrics": {}, "exit_reason": None, "state": state, "model": model,
                "optimizer": optimizer}
     reporter = Reporter(history, dims, device, log, iters, flops, gbs * model_config.seq_length,
-                        train_config.peak_tflops, timers, writer, engine if zero else None)
+                        train_config.peak_tflops, timers, writer,
+                        engine if zero is not None else None)
 
     evaluating = (valid_data is not None and train_config.eval_iters > 0
                   and train_config.eval_interval > 0)
