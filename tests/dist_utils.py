@@ -35,6 +35,9 @@ def _worker(rank: int, world: int, port: int, backend: str, fn, args, out_dir: s
     except Exception:
         result = {"<setup>": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    # A barrier is queued behind any collective a case left in flight (gloo runs them in order),
+    # so the group is not torn down under a background thread still using it.
+    dist.barrier()
     dist.destroy_process_group()
 
 

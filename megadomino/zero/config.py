@@ -1,6 +1,6 @@
 """ZeroConfig: which ZeRO stage, and which of ZeRO++'s three communication cuts are on.
 
-Field names follow the command-line flags they will be wired to (`--zero-stage`,
+Field names follow the command-line flags that set them (`--zero-stage`,
 `--zeropp-quantized-weights`, `--zeropp-hpz-partition-size`, `--zeropp-quantized-gradients`,
 `--zeropp-gradient-bits`, `--zeropp-block-size`); errors name the flag.
 """
