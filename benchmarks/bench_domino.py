@@ -11,6 +11,7 @@ Timing: CUDA events around forward+backward of `--layers` layers (input grad and
 grad), median of `--iters` after `--warmup`, divided by the layer count; grads set to None
 between iterations. `--profile` adds, for (b) and the best (e), one profiled iteration's kernel
 timeline summary: compute busy time, NCCL time, and how much of NCCL ran under compute.
+`--cuda-graph` times CUDA-graph replays of every column instead (gradients accumulate in place).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from timeline import graphed, profile_summary  # noqa: E402
 
 from megadomino.config import ModelConfig  # noqa: E402
 from megadomino.domino.plan import DominoPlan  # noqa: E402
@@ -88,11 +91,14 @@ def time_step(step, warmup: int, iters: int) -> tuple[float, float]:
     return median[0].item(), median[1].item()
 
 
-def make_step(module, forward, x, grad_out, params):
+def make_step(module, forward, x, grad_out, params, keep_grads=False):
+    """forward + backward; grads set to None first unless keep_grads (CUDA-graph capture: the
+    captured backward accumulates into the buffers the warm-up made)."""
     def step():
-        for p in params:
-            p.grad = None
-        x.grad = None
+        if not keep_grads:
+            for p in params:
+                p.grad = None
+            x.grad = None
         out = forward(x)
         out.backward(grad_out)
     return step
@@ -112,46 +118,6 @@ def ours(config, dims, rotary):
             out = layer(out, rotary)
         return out
     return block, forward
-
-
-def profile_summary(step) -> dict:
-    """One profiled step: busy time of compute kernels, of NCCL kernels, and their overlap."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    comm, compute, by_name = [], [], {}
-    for event in prof.events():
-        if event.device_type.name != "CUDA" or event.time_range.elapsed_us() <= 0:
-            continue
-        interval = (event.time_range.start, event.time_range.end)
-        (comm if "nccl" in event.name.lower() else compute).append(interval)
-        total, count = by_name.get(event.name[:60], (0.0, 0))
-        by_name[event.name[:60]] = (total + event.time_range.elapsed_us() / 1e3, count + 1)
-    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:10]
-
-    def union(intervals):
-        merged = []
-        for s, e in sorted(intervals):
-            if merged and s <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
-        return merged
-
-    comm_u, compute_u = union(comm), union(compute)
-    overlap = 0.0
-    for s, e in comm_u:
-        for cs, ce in compute_u:
-            overlap += max(0.0, min(e, ce) - max(s, cs))
-    busy = lambda spans: sum(e - s for s, e in spans)  # noqa: E731
-    total = union(comm + compute)
-    return {"span_ms": (total[-1][1] - total[0][0]) / 1e3 if total else 0.0,
-            "compute_busy_ms": busy(compute_u) / 1e3, "nccl_busy_ms": busy(comm_u) / 1e3,
-            "nccl_under_compute_ms": overlap / 1e3,
-            "top_kernels": {name: [round(ms, 3), n] for name, (ms, n) in top}, "gpu_idle_ms":
-            ((total[-1][1] - total[0][0]) - busy(total)) / 1e3 if total else 0.0}
 
 
 def bench_row(row: str, args, dims) -> dict:
@@ -175,8 +141,21 @@ def bench_row(row: str, args, dims) -> dict:
 
     def measure(name, module, forward, comm=True, profile=False, inputs=None):
         params = [p for p in module.parameters() if p.requires_grad]
-        step = make_step(module, forward, *(inputs or (x, grad_out)), params)
+        step = make_step(module, forward, *(inputs or (x, grad_out)), params,
+                         keep_grads=args.cuda_graph)
         torch.cuda.reset_peak_memory_stats()
+        if args.cuda_graph:
+            try:
+                if comm:
+                    step = graphed(step)
+                else:
+                    with no_tp_communication():
+                        step = graphed(step)
+            except Exception as error:  # report, time eagerly
+                result["skipped"][name + " graph"] = f"{type(error).__name__}: {error}"[:300]
+                log(f"  {row} {name}: CUDA graph capture failed ({error}); eager")
+                torch.cuda.synchronize()
+                step = make_step(module, forward, *(inputs or (x, grad_out)), params)
         if comm:
             ms, host_ms = time_step(step, args.warmup, args.iters)
             if profile:
@@ -284,6 +263,9 @@ def main() -> None:
     parser.add_argument("--comm-overlap", action="store_true",
                         help="also time plain TP + SP without and with --tp-comm-overlap")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="capture each column's forward+backward in a CUDA graph and time "
+                             "replays (host time drops out; a capture failure is reported)")
     parser.add_argument("--out", default="bench_domino.json")
     args = parser.parse_args()
     args.peers = [p for p in args.peers.split(",") if p]

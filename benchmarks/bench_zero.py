@@ -8,15 +8,17 @@
 
 Each configuration builds the bf16 model afresh, runs `--warmup` steps, then times `--steps`
 (median of per-step wall clock, synchronized); peak memory is torch.cuda.max_memory_allocated
-over its steps (reset once the model is built and sharded). Over NVLink the links are not the
-bottleneck, so ZeRO++'s step time over ZeRO-3's is its quantization overhead (issue 4: under
-5%); the bytes each configuration sends are printed beside it (the engine's CommCounter, per
-rank, per step).
+over its steps (reset once the model is built and sharded). `--profile` adds one profiled step
+per configuration (busy/idle times and the top kernels, benchmarks/timeline.py). Over NVLink the
+links are not the bottleneck, so ZeRO++'s step time over ZeRO-3's is its quantization overhead
+(issue 4: under 5%); the bytes each configuration sends are printed beside it (the engine's
+CommCounter, per rank, per step).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -50,7 +52,14 @@ def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
+    profile = None
+    if args.profile and cuda:  # one more step, profiled: where the time goes
+        from timeline import profile_summary
+        profile = profile_summary(functools.partial(train_step, engine, dims, args,
+                                                    args.warmup + args.steps, device), top=15,
+                                  host=True)
     row = {"config": name, "s_per_step": statistics.median(times[args.warmup:]),
+           "profile": profile,
            "loss": loss, "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30
            if cuda else None}
     if name != "plain dp":
@@ -73,6 +82,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--profile", action="store_true",
+                        help="add one profiled step per config: kernel timeline summary")
     parser.set_defaults(micro_batch_size=1)
     args = parser.parse_args()
     if args.device == "cuda":
@@ -107,6 +118,17 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         print(f"{r['config']:<18} {r['s_per_step']:>8.4f} {tokens / r['s_per_step']:>10.0f} "
               f"{ratio:>10.3f} {peak:>9} {inter:>9.1f} {intra:>9.1f}")
     print("(plain DP's all-reduce is not counted: inter/intra MB are the ZeRO engine's)")
+    for r in rows:
+        if r.get("profile"):
+            p = r["profile"]
+            print(f"\n{r['config']}: span {p['span_ms']:.1f} ms, "
+                  f"compute {p['compute_busy_ms']:.1f}, nccl {p['nccl_busy_ms']:.1f} "
+                  f"(under compute {p['nccl_under_compute_ms']:.1f}), "
+                  f"memcpy {p['memcpy_busy_ms']:.1f}, idle {p['gpu_idle_ms']:.1f}")
+            for kernel, (ms, count) in p["top_kernels"].items():
+                print(f"    {ms:8.2f} ms {count:5d}x {kernel}")
+            for op, (ms, count) in p.get("top_host_ops", {}).items():
+                print(f"    host {ms:8.2f} ms {count:5d}x {op}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

@@ -112,15 +112,35 @@ def _dequantize_tile(q_ptrs, q_mask, scale_ptrs, scale_mask, BITS: tl.constexpr)
 
 
 @triton.jit
-def _quantize_tile(values, QMAX: tl.constexpr):
-    """fp32 (blocks, BLOCK_PAD) -> (int32 whose low byte / nibble is q, the blocks' scales)."""
-    # absmax on the bits of |values|: integer order is float order there, with NaN above Inf
-    # above every finite value, so one integer max also finds NaN / Inf.
-    absmax_bits = tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+def _dequantize_nibbles(q_ptrs, q_mask, scale_ptrs, scale_mask):
+    """int4 bytes -> fp32 (low nibbles, high nibbles), each (blocks, BLOCK_PAD / 2), times the
+    block scales: the even and the odd elements, kept apart (no interleave)."""
+    scale = tl.load(scale_ptrs, mask=scale_mask, other=0.0)[:, None]
+    packed = tl.load(q_ptrs, mask=q_mask, other=0).to(tl.int32)
+    low = ((packed & 15) ^ 8) - 8  # sign-extend the nibbles
+    high = ((packed >> 4) ^ 8) - 8
+    return low.to(tl.float32) * scale, high.to(tl.float32) * scale
+
+
+@triton.jit
+def _absmax_bits(values):
+    """Per row, max over |values| as int32 bits: integer order is float order there, with NaN
+    above Inf above every finite value, so one integer max also finds NaN / Inf."""
+    return tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+
+
+@triton.jit
+def _scale_of(absmax_bits, QMAX: tl.constexpr):
+    """(scale, nonfinite) per block from _absmax_bits: absmax / qmax, 1 for a zero scale."""
     nonfinite = absmax_bits > _FLT_MAX_BITS
     absmax = absmax_bits.to(tl.float32, bitcast=True)
     scale = tl.math.div_rn(absmax, QMAX * 1.0)
-    scale = tl.where(scale == 0.0, 1.0, scale)
+    return tl.where(scale == 0.0, 1.0, scale), nonfinite
+
+
+@triton.jit
+def _quantize_values(values, scale, nonfinite, QMAX: tl.constexpr):
+    """fp32 (blocks, n) with per-block scale -> int32 whose low byte / nibble is q."""
     if tl.min(scale) < _FAST_DIVISION_MIN_SCALE:  # rare: the residual below could underflow
         ratio = tl.math.div_rn(values, scale[:, None])
         ratio = tl.minimum(tl.maximum(ratio, -QMAX * 1.0), QMAX * 1.0)
@@ -134,7 +154,15 @@ def _quantize_tile(values, QMAX: tl.constexpr):
     # With a normal scale |ratio| <= qmax (+ an ulp), so no clamp on the fast path. The low
     # bits of the sum are round_half_to_even(ratio) in two's complement.
     bits = (ratio + _ROUND_MAGIC).to(tl.int32, bitcast=True)
-    return tl.where(nonfinite[:, None], 0, bits), tl.where(nonfinite, float("nan"), scale)
+    return tl.where(nonfinite[:, None], 0, bits)
+
+
+@triton.jit
+def _quantize_tile(values, QMAX: tl.constexpr):
+    """fp32 (blocks, BLOCK_PAD) -> (int32 whose low byte / nibble is q, the blocks' scales)."""
+    scale, nonfinite = _scale_of(_absmax_bits(values), QMAX)
+    return (_quantize_values(values, scale, nonfinite, QMAX),
+            tl.where(nonfinite, float("nan"), scale))
 
 
 @triton.jit
@@ -180,6 +208,29 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
         src_mask = mask
         src_stride = num_partitions * partition_numel
 
+    dst_part = (partition % devices_per_node) * nodes + partition // devices_per_node
+    if BITS_IN == 4 and BITS_OUT == 4:
+        # int4 -> int4 (qgZ's intra-node reduce): the even (low-nibble) and odd (high-nibble)
+        # elements are summed and quantized apart, sharing each block's absmax, and packed
+        # back; no interleave / split shuffles. The same sums and q as the general path.
+        scale_ptrs = src_scale_ptr + partition * blocks_per_partition + first_block + rows
+        scale_stride = num_partitions * blocks_per_partition
+        low, high = _dequantize_nibbles(src_ptrs, src_mask, scale_ptrs, block_valid)
+        for j in tl.static_range(1, NUM_INPUTS):
+            low_j, high_j = _dequantize_nibbles(src_ptrs + j * src_stride, src_mask,
+                                                scale_ptrs + j * scale_stride, block_valid)
+            low += low_j
+            high += high_j
+        scale, nonfinite = _scale_of(tl.maximum(_absmax_bits(low), _absmax_bits(high)), 7)
+        q_low = _quantize_values(low, scale, nonfinite, 7)
+        q_high = _quantize_values(high, scale, nonfinite, 7)
+        tl.store(dst_scale_ptr + dst_part * blocks_per_partition + first_block + rows,
+                 tl.where(nonfinite, float("nan"), scale), mask=block_valid)
+        packed = (q_low & 15) | ((q_high & 15) << 4)
+        dst = dst_ptr + (dst_part * partition_bytes + byte_base)
+        tl.store(dst + byte_local, packed.to(tl.uint8), mask=byte_mask)
+        return
+
     if BITS_IN == 0:
         values = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
     else:
@@ -190,7 +241,6 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
             values += _dequantize_tile(src_ptrs + j * src_stride, src_mask,
                                        scale_ptrs + j * scale_stride, block_valid, BITS_IN)
 
-    dst_part = (partition % devices_per_node) * nodes + partition // devices_per_node
     if BITS_OUT == 0:
         if SCALE_OUTPUT:
             values = values * multiplier

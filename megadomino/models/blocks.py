@@ -111,7 +111,8 @@ class Attention(nn.Module):
         return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        return self.linear_proj.reduce(self.partial(x, rotary))
+        # linear_proj's forward fuses the GEMM with its reduce-scatter under --tp-comm-overlap
+        return self.linear_proj(self.attend(self.linear_qkv(x), rotary))
 
 
 class MLP(nn.Module):
@@ -148,4 +149,5 @@ class MLP(nn.Module):
         return self.linear_fc2.partial(self.activation(self.linear_fc1(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2.reduce(self.partial(x))
+        # linear_fc2's forward fuses the GEMM with its reduce-scatter under --tp-comm-overlap
+        return self.linear_fc2(self.activation(self.linear_fc1(x)))

@@ -1,0 +1,99 @@
+"""Kernel-timeline summaries and CUDA-graph capture shared by the GPU benchmarks.
+
+`profile_summary(step)` profiles one call of `step()` and says how busy the GPU was: compute
+kernels, NCCL kernels, memcpy (copy engines), their overlap, the idle time inside the step's
+span, and the top kernels by total time. `graphed(step)` captures `step()` (forward + backward,
+gradients accumulated into buffers that already exist) in a CUDA graph and returns its replay,
+so that a step's host time drops out of its device time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _busy(spans: list[list[float]]) -> float:
+    return sum(end - start for start, end in spans)
+
+
+def _overlap(a: list[list[float]], b: list[list[float]]) -> float:
+    total = 0.0
+    for start, end in a:
+        for b_start, b_end in b:
+            total += max(0.0, min(end, b_end) - max(start, b_start))
+    return total
+
+
+def profile_summary(step: Callable[[], object], top: int = 12, host: bool = False) -> dict:
+    """One profiled step: busy ms of compute kernels, NCCL kernels and memcpy, NCCL under
+    compute, GPU idle inside the span, and the `top` kernels by total ms ([ms, count]).
+    host=True also records the CPU side and adds the `top` host ops by self time
+    (`top_host_ops`: [self ms, count]; CUDA runtime calls such as cudaStreamSynchronize or
+    cudaMalloc appear there), to find what keeps the GPU idle."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
+    with profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize()
+    host_ops = {}
+    if host:
+        for event in prof.key_averages():
+            if event.self_cpu_time_total > 0:
+                host_ops[event.key[:70]] = [round(event.self_cpu_time_total / 1e3, 3),
+                                            event.count]
+        host_ops = dict(sorted(host_ops.items(), key=lambda item: -item[1][0])[:top])
+    comm, compute, copies, by_name = [], [], [], {}
+    for event in prof.events():
+        if event.device_type.name != "CUDA" or event.time_range.elapsed_us() <= 0:
+            continue
+        interval = (event.time_range.start, event.time_range.end)
+        name = event.name.lower()
+        if "nccl" in name:
+            comm.append(interval)
+        elif "memcpy" in name or "memset" in name:
+            copies.append(interval)
+        else:
+            compute.append(interval)
+        total, count = by_name.get(event.name[:70], (0.0, 0))
+        by_name[event.name[:70]] = (total + event.time_range.elapsed_us() / 1e3, count + 1)
+    comm_u, compute_u, copies_u = _union(comm), _union(compute), _union(copies)
+    everything = _union(comm + compute + copies)
+    span = (everything[-1][1] - everything[0][0]) if everything else 0.0
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    return {"span_ms": span / 1e3, "compute_busy_ms": _busy(compute_u) / 1e3,
+            "nccl_busy_ms": _busy(comm_u) / 1e3, "memcpy_busy_ms": _busy(copies_u) / 1e3,
+            "nccl_under_compute_ms": _overlap(comm_u, compute_u) / 1e3,
+            "gpu_idle_ms": (span - _busy(everything)) / 1e3,
+            "top_kernels": {name: [round(ms, 3), n] for name, (ms, n) in ranked},
+            **({"top_host_ops": host_ops} if host else {})}
+
+
+def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
+    """Capture `step()` in a CUDA graph after `warmup` eager calls on a side stream (which also
+    create every gradient buffer, so that the captured backward accumulates into them in place;
+    `step` must not set gradients to None). Returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    return graph.replay
