@@ -49,6 +49,8 @@ class ModelConfig:
     tp_comm_overlap: bool = False
     """With sequence parallelism: fuse the all-gather / reduce-scatter into the GEMMs
     (symmetric-memory kernels over NVLink copy engines; parallel/async_tp.py)."""
+    enable_cuda_graph: bool = False
+    """Capture the layers' forward + backward in CUDA graphs (megadomino/models/cuda_graph.py)."""
     recompute_granularity: str | None = None
     """None, 'full' (whole layers) or 'selective' (the attention core)."""
     recompute_method: str | None = None
@@ -193,6 +195,19 @@ class ModelConfig:
             self.tp_comm_overlap,
             "off with Domino (--domino-*): they are two ways to overlap the same collectives",
         )
+        if self.enable_cuda_graph:
+            dropout = {"--hidden-dropout": self.hidden_dropout,
+                       "--attention-dropout": self.attention_dropout}
+            for flag, value in dropout.items():
+                _check(value == 0.0, flag, value, "0 with --enable-cuda-graph (the model-parallel "
+                       "RNG tracker swaps generator states, which a CUDA graph cannot capture)")
+            _check(self.recompute_granularity is None, "--recompute-granularity",
+                   self.recompute_granularity, "unset with --enable-cuda-graph (recompute saves "
+                   "and restores RNG states, which a CUDA graph cannot capture)")
+            _check(not self.domino_enabled, "--enable-cuda-graph", True,
+                   "off with Domino slicing (--domino-*): its schedule hands parameter gradients "
+                   "to autograd inside its backward; use --sequence-parallel --tp-comm-overlap "
+                   "--enable-cuda-graph for overlapped communication under graphs")
         if self.sequence_parallel:
             _check(
                 self.seq_length % tp == 0,

@@ -102,6 +102,8 @@ MAPPED = [
     (("--domino-batch-slices", "auto"), "train.domino_auto", True),
     (("--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"),
      "model.tp_comm_overlap", True),
+    (("--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0"),
+     "model.enable_cuda_graph", True),
     (("--save", "/ckpt"), "train.save", "/ckpt"),
     (("--save-interval", "50"), "train.save_interval", 50),
     (("--load", "/ckpt"), "train.load", "/ckpt"),
@@ -405,6 +407,27 @@ def test_zero_flags_make_the_engine_config():
      "--zero-stage 3 gathers .* --domino-batch-slices auto"),
 ])
 def test_zero_rules(argv, named):
+    with pytest.raises(ConfigError, match=named):
+        parse(*argv)
+
+
+NO_DROPOUT = ("--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0")
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--enable-cuda-graph",), "--hidden-dropout=0.1 is invalid: it must be 0 with "
+     "--enable-cuda-graph"),
+    (("--enable-cuda-graph", "--hidden-dropout", "0"), "--attention-dropout=0.1 is invalid"),
+    ((*NO_DROPOUT, "--recompute-granularity", "selective"),
+     "--recompute-granularity=selective is invalid: it must be unset with --enable-cuda-graph"),
+    ((*NO_DROPOUT, "--tensor-model-parallel-size", "2", "--domino"),
+     "--enable-cuda-graph=True is invalid: it must be off with Domino slicing"),
+    ((*NO_DROPOUT, "--domino-batch-slices", "auto"),
+     "--domino-batch-slices auto may pick a Domino plan"),
+    ((*NO_DROPOUT, "--zero-stage", "3"), "--enable-cuda-graph captures the layers, but "
+     "--zero-stage 3"),
+])
+def test_cuda_graph_rules(argv, named):
     with pytest.raises(ConfigError, match=named):
         parse(*argv)
 

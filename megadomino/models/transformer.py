@@ -66,11 +66,25 @@ class TransformerBlock(nn.Module):
             return x
         return run
 
+    @property
+    def graphed_layers(self):
+        """The CUDA-graphed layer stack (megadomino.models.cuda_graph), or None."""
+        return self.__dict__.get("_graphed_layers")
+
+    @graphed_layers.setter
+    def graphed_layers(self, graphed) -> None:
+        # a plain attribute, not a submodule: the layers are already registered here
+        self.__dict__["_graphed_layers"] = graphed
+
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         config = self.config
         if self.domino is not None:
             return self.final_layernorm(self.domino(x, rotary))
         rotary_args = tuple(rotary) if rotary is not None else ()
+        graphed = self.graphed_layers
+        if graphed is not None and self.training and torch.is_grad_enabled() \
+                and graphed.matches((x, *rotary_args)):
+            return self.final_layernorm(graphed(x, *rotary_args))
         if config.recompute_granularity == "full" and self.training:
             n, count = config.recompute_num_layers, len(self.layers)
             if config.recompute_method == "uniform":

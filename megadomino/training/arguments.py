@@ -121,6 +121,9 @@ def parse_args(argv: list[str] | None, family: str,
             raise ConfigError(f"{', '.join(missing)} required (or give --model-preset NAME)")
         model_config = ModelConfig(**{**FAMILY_DEFAULTS[family], **fields["model"]})
     model_config.validate(tp=tp)
+    if train_config.domino_auto and model_config.enable_cuda_graph:
+        raise ConfigError("--domino-batch-slices auto may pick a Domino plan, which "
+                          "--enable-cuda-graph cannot capture: give one of them")
     zero_config(model_config, train_config)
     return model_config, train_config, notices
 
@@ -149,6 +152,10 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
                                              or config.zeropp_quantized_gradients):
         raise ConfigError("--zeropp-block-size sets the blocks of qwZ and qgZ: add "
                           "--zeropp-quantized-weights or --zeropp-quantized-gradients")
+    if config.zero_stage == 3 and model_config.enable_cuda_graph:
+        raise ConfigError("--enable-cuda-graph captures the layers, but --zero-stage 3 gathers "
+                          "each layer's parameters from host-side hooks: use --zero-stage 1 "
+                          "(or --use-distributed-optimizer) with CUDA graphs")
     if config.zero_stage == 3 and (model_config.domino_enabled or config.domino_auto):
         domino = ("--domino-batch-slices auto (it may pick a Domino plan)" if config.domino_auto
                   else "Domino (--domino, --domino-batch-slices, --domino-hidden-slices)")

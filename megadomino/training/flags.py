@@ -274,8 +274,14 @@ FLAGS: tuple[Flag, ...] = (
           "Domino: chunks of the MLP's hidden dim (1 = off)."),
     _impl("--tp-comm-overlap", "model.tp_comm_overlap", None,
           "With --sequence-parallel: the all-gather / reduce-scatter fused into the GEMMs (torch "
-          "symmetric-memory kernels, NVLink); measured slower than plain TP in eager mode "
-          "(BENCHMARKS.md), so off by default."),
+          "symmetric-memory kernels, NVLink copy engines). Host-bound in eager mode: use it with "
+          "--enable-cuda-graph, where it is the fastest TP path measured (BENCHMARKS.md)."),
+    _impl("--enable-cuda-graph", "model.enable_cuda_graph", None,
+          "Capture the transformer layers' forward + backward of a micro-batch in CUDA graphs at "
+          "start-up and replay them (megadomino/models/cuda_graph.py): host launch time drops "
+          "out of the step. Needs CUDA, dropout 0, no recompute, no Domino slicing, no ZeRO "
+          "stage 3. With --sequence-parallel --tp-comm-overlap it is the fastest TP path "
+          "measured (BENCHMARKS.md)."),
     # ZeRO and ZeRO++ (megadomino.zero).
     _impl("--use-distributed-optimizer", None, None,
           "Shard the optimizer states and fp32 master weights over the data-parallel ranks "

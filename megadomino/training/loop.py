@@ -36,6 +36,7 @@ from torch import nn
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.domino.autotune import autotune_domino
 from megadomino.models import build_model
+from megadomino.models.cuda_graph import capture_layers
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
 from megadomino.training.arguments import zero_config
@@ -126,6 +127,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     device = next(model.parameters()).device
     if train_config.domino_auto:  # before the gradient buffer or engine hooks the parameters
         autotune_domino(model, train_config.micro_batch_size, log)
+    if model_config.enable_cuda_graph:
+        capture_layers(model, train_config.micro_batch_size, log=log)
     if zero is None:
         grads = GradBuffer(model.parameters(), dims, bucket_numel=train_config.ddp_bucket_size)
         optimizer = build_optimizer(model.parameters(), dims, train_config)

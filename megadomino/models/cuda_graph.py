@@ -1,0 +1,93 @@
+"""CUDA graphs for the decoder's layer stack (`--enable-cuda-graph`).
+
+The layers' forward and backward of one micro-batch are captured once, at start-up, with
+`torch.cuda.make_graphed_callables`, and replayed every micro-batch after: one graph launch
+instead of hundreds of kernel and collective launches, so the step's time is the GPU's, not the
+host's. This is what makes the fused GEMM + communication path (`--sequence-parallel
+--tp-comm-overlap`, whose per-chunk pipelining is host-heavy) pay: BENCHMARKS.md.
+
+What is captured: the transformer layers only (not the embedding, final norm, output layer or
+loss), forward and backward, tensor-parallel collectives included (NCCL and symmetric-memory ops
+are capturable; they are first run eagerly by the warm-up, which sets up communicators and
+symmetric-memory buffers). The layer inputs (hidden states, rotary tables) are copied into the
+graph's static buffers on each call; the parameters are read in place, so optimizer updates are
+seen. Parameter gradients come out of the backward graph and are accumulated by autograd
+outside it, so gradient hooks (the DP gradient buffer, ZeRO stage 1) run as usual: the data-
+parallel all-reduce then starts after the whole layer stack's backward instead of bucket by
+bucket during it.
+
+Limits, refused up front by `ModelConfig.validate` / the training arguments with the flag named:
+dropout must be 0 (the model-parallel RNG tracker swaps generator states, which a graph cannot
+capture), no activation recompute (it saves and restores RNG states), no Domino slicing (its
+schedule hands parameter gradients to autograd from inside its backward), no ZeRO stage 3 (its
+per-layer gather hooks run on the host). Shapes are static: a call whose input shape differs
+from the captured one (or in eval mode / without grad) runs the layers eagerly, same math.
+Memory: the graphs keep one micro-batch's activations in a private pool, about what an eager
+step holds at its peak.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megadomino.config import ConfigError
+
+
+class _LayerStack(nn.Module):
+    """The block's layers as one module (the callable that is captured)."""
+
+    def __init__(self, layers: nn.ModuleList):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, rotary or None)
+        return x
+
+
+class GraphedLayers:
+    """A captured layer stack: call it like the layers (x, *rotary) -> x; `matches(x, rotary)`
+    says whether a call has the captured shapes (else the caller runs the layers eagerly)."""
+
+    def __init__(self, stack: nn.Module, sample: tuple[torch.Tensor, ...]):
+        self._stack = stack
+        self._shapes = [(t.shape, t.dtype, t.device) for t in sample]
+
+    def matches(self, args: tuple[torch.Tensor, ...]) -> bool:
+        return len(args) == len(self._shapes) and all(
+            (t.shape, t.dtype, t.device) == shape for t, shape in zip(args, self._shapes))
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return self._stack(*args)
+
+
+def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> GraphedLayers:
+    """Capture `model.decoder`'s layers (forward + backward of one training micro-batch of
+    `micro_batch_size` x seq_length) and install the graphs on the decoder. Collective over the
+    tensor-parallel group (warm-up and capture run its collectives): every rank calls it at the
+    same point. Gradients the warm-up computed are not kept (autograd.grad, no accumulation)."""
+    block, config, dims = model.decoder, model.config, model.dims
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ConfigError(f"--enable-cuda-graph needs the model on a CUDA device, got {device}: "
+                          "drop the flag on CPU")
+    dtype = next(block.parameters()).dtype
+    seq = config.seq_length // dims.tp if model.sequence_parallel else config.seq_length
+    gen = torch.Generator(device=device).manual_seed(4321)
+    x = torch.randn(seq, micro_batch_size, config.hidden_size, device=device, dtype=dtype,
+                    generator=gen).requires_grad_()
+    rotary = model.rotary(config.seq_length, None, device)
+    sample = (x, *rotary) if rotary is not None else (x,)
+    stack = _LayerStack(block.layers)
+    stack.train(block.training)
+    torch.cuda.synchronize(device)
+    graphed = torch.cuda.make_graphed_callables(stack, sample, num_warmup_iters=warmup)
+    torch.cuda.synchronize(device)
+    layers = GraphedLayers(graphed, sample)
+    block.graphed_layers = layers
+    if dims.rank == 0:
+        log(f"cuda graph: captured {len(block.layers)} layers, forward + backward of a "
+            f"({seq}, {micro_batch_size}, {config.hidden_size}) micro-batch")
+    return layers
