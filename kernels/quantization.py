@@ -45,9 +45,16 @@ Dispatch: a CUDA tensor runs the Triton kernel (one launch per op over the whole
 tensor runs the torch reference (`*_reference`, in quantization_reference.py, bit-identical,
 the tests' oracle), unless `force_triton=True` or MEGADOMINO_FORCE_TRITON=1, which run the same
 Triton kernel on CPU under Triton's interpreter; that needs TRITON_INTERPRET=1 set before triton
-is first imported in the process (tests: small inputs). Every op takes `out=` buffers so that
-results can land directly in communication buffers. No op records autograd history; all work
-on the current CUDA stream.
+is first imported in the process (tests: small inputs). No op records autograd history; all
+work on the current CUDA stream.
+
+Row layouts (zero-copy collectives). Quantized inputs and `out=` buffers are flat and
+contiguous, or [rows, ...] views whose rows are contiguous and any stride apart, each row
+holding the same number of whole partitions, taken in row order. PayloadLayout describes one
+collective's uint8 buffer [rows, row_bytes], row i = [q of its partitions | their fp32 scales],
+each section padded to 16 bytes, and its views(): quantize / swizzled_quantize write into a
+send buffer's rows and the reduce ops read a receive buffer's rows in place, in the same single
+launch (the kernel finds partition k at (k // per row) * row stride + (k % per row) * its size).
 """
 
 # No `from __future__ import annotations`: Triton reads the kernel's `tl.constexpr` annotations.
@@ -56,7 +63,9 @@ import functools
 import math
 import os
 import warnings
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -73,10 +82,10 @@ from megadomino.kernels.quantization_reference import (
 )
 
 __all__ = [
-    "MAX_BLOCK_SIZE", "dequantize", "dequantize_reduce", "dequantize_reduce_quantize",
-    "dequantize_reduce_quantize_reference", "dequantize_reduce_reference",
-    "dequantize_reference", "quantize", "quantize_reference", "quantized_size",
-    "swizzled_quantize", "swizzled_quantize_reference",
+    "MAX_BLOCK_SIZE", "PayloadLayout", "dequantize", "dequantize_reduce",
+    "dequantize_reduce_quantize", "dequantize_reduce_quantize_reference",
+    "dequantize_reduce_reference", "dequantize_reference", "quantize", "quantize_reference",
+    "quantized_size", "swizzled_quantize", "swizzled_quantize_reference",
 ]
 
 try:
@@ -166,19 +175,29 @@ def _quantize_tile(values, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _partition_offset(index, row_parts, row_stride, partition_size):
+    """Offset of partition `index` in a buffer of rows of `row_parts` partitions each, rows
+    `row_stride` apart, partitions `partition_size` apart inside a row (see _Rows)."""
+    return (index // row_parts) * row_stride + (index % row_parts) * partition_size
+
+
+@triton.jit
 def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                         partition_numel, partition_bytes, blocks_per_partition,
+                        src_row_parts, src_row_stride, src_scale_row_stride,
+                        dst_row_parts, dst_row_stride, dst_scale_row_stride,
                         nodes, devices_per_node, multiplier, NUM_INPUTS: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr,
                         BLOCKS_PER_PROGRAM: tl.constexpr, BITS_IN: tl.constexpr,
                         BITS_OUT: tl.constexpr, SCALE_OUTPUT: tl.constexpr):
     """One program: BLOCKS_PER_PROGRAM consecutive blocks of partition p = program_id(1).
 
-    Input: BITS_IN == 0 reads floats (partition p at p * partition_numel); otherwise it sums
-    NUM_INPUTS quantized inputs in order, input j's partition p being buffer partition
-    j * partitions + p (unrolled: loads of several inputs can be in flight together).
-    Output: BITS_OUT == 0 writes floats (times `multiplier` if SCALE_OUTPUT); otherwise it
-    quantizes, to position (p % devices_per_node) * nodes + p // devices_per_node.
+    Input: BITS_IN == 0 reads floats (partition p); otherwise it sums NUM_INPUTS quantized inputs
+    in order, input j's partition p being source partition j * partitions + p (unrolled: loads of
+    several inputs can be in flight together). Output: BITS_OUT == 0 writes floats (times
+    `multiplier` if SCALE_OUTPUT) to partition p; otherwise it quantizes, to partition
+    (p % devices_per_node) * nodes + p // devices_per_node. Source and destination partitions
+    (and their scales) are found by _partition_offset from the src_* / dst_* row layouts.
     """
     pid_block = tl.program_id(0)
     partition = tl.program_id(1).to(tl.int64)
@@ -199,64 +218,88 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
     byte_local = rows[:, None] * (BLOCK_SIZE // 2) + byte_cols[None, :]  # (blocks, BLOCK_PAD/2)
     bytes_left = tl.minimum(partition_bytes - byte_base, BLOCKS_PER_PROGRAM * (BLOCK_SIZE // 2))
     byte_mask = (byte_cols[None, :] < BLOCK_SIZE // 2) & (byte_local < bytes_left.to(tl.int32))
+    # Pointers into partition 0; each input adds its partition's offset (a scalar).
     if BITS_IN == 4:
-        src_ptrs = src_ptr + (partition * partition_bytes + byte_base) + byte_local
+        src_ptrs = src_ptr + byte_base + byte_local
         src_mask = byte_mask
-        src_stride = num_partitions * partition_bytes  # between inputs
+        src_size = partition_bytes
     else:
-        src_ptrs = src_ptr + (partition * partition_numel + elem_base) + local
+        src_ptrs = src_ptr + elem_base + local
         src_mask = mask
-        src_stride = num_partitions * partition_numel
+        src_size = partition_numel
+    scale_ptrs = src_scale_ptr + first_block + rows
 
     dst_part = (partition % devices_per_node) * nodes + partition // devices_per_node
+    dst_scale_ptrs = dst_scale_ptr + first_block + rows + _partition_offset(
+        dst_part, dst_row_parts, dst_scale_row_stride, blocks_per_partition)
     if BITS_IN == 4 and BITS_OUT == 4:
         # int4 -> int4 (qgZ's intra-node reduce): the even (low-nibble) and odd (high-nibble)
         # elements are summed and quantized apart, sharing each block's absmax, and packed
         # back; no interleave / split shuffles. The same sums and q as the general path.
-        scale_ptrs = src_scale_ptr + partition * blocks_per_partition + first_block + rows
-        scale_stride = num_partitions * blocks_per_partition
-        low, high = _dequantize_nibbles(src_ptrs, src_mask, scale_ptrs, block_valid)
+        low, high = _dequantize_nibbles(
+            src_ptrs + _partition_offset(partition, src_row_parts, src_row_stride, src_size),
+            src_mask,
+            scale_ptrs + _partition_offset(partition, src_row_parts, src_scale_row_stride,
+                                           blocks_per_partition),
+            block_valid)
         for j in tl.static_range(1, NUM_INPUTS):
-            low_j, high_j = _dequantize_nibbles(src_ptrs + j * src_stride, src_mask,
-                                                scale_ptrs + j * scale_stride, block_valid)
+            index = j * num_partitions + partition
+            low_j, high_j = _dequantize_nibbles(
+                src_ptrs + _partition_offset(index, src_row_parts, src_row_stride, src_size),
+                src_mask,
+                scale_ptrs + _partition_offset(index, src_row_parts, src_scale_row_stride,
+                                               blocks_per_partition),
+                block_valid)
             low += low_j
             high += high_j
         scale, nonfinite = _scale_of(tl.maximum(_absmax_bits(low), _absmax_bits(high)), 7)
         q_low = _quantize_values(low, scale, nonfinite, 7)
         q_high = _quantize_values(high, scale, nonfinite, 7)
-        tl.store(dst_scale_ptr + dst_part * blocks_per_partition + first_block + rows,
-                 tl.where(nonfinite, float("nan"), scale), mask=block_valid)
+        tl.store(dst_scale_ptrs, tl.where(nonfinite, float("nan"), scale), mask=block_valid)
         packed = (q_low & 15) | ((q_high & 15) << 4)
-        dst = dst_ptr + (dst_part * partition_bytes + byte_base)
+        dst = dst_ptr + (_partition_offset(dst_part, dst_row_parts, dst_row_stride,
+                                           partition_bytes) + byte_base)
         tl.store(dst + byte_local, packed.to(tl.uint8), mask=byte_mask)
         return
 
     if BITS_IN == 0:
-        values = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
+        values = tl.load(src_ptrs + _partition_offset(partition, src_row_parts, src_row_stride,
+                                                      src_size),
+                         mask=mask, other=0.0).to(tl.float32)
     else:
-        scale_ptrs = src_scale_ptr + partition * blocks_per_partition + first_block + rows
-        scale_stride = num_partitions * blocks_per_partition
-        values = _dequantize_tile(src_ptrs, src_mask, scale_ptrs, block_valid, BITS_IN)
+        values = _dequantize_tile(
+            src_ptrs + _partition_offset(partition, src_row_parts, src_row_stride, src_size),
+            src_mask,
+            scale_ptrs + _partition_offset(partition, src_row_parts, src_scale_row_stride,
+                                           blocks_per_partition),
+            block_valid, BITS_IN)
         for j in tl.static_range(1, NUM_INPUTS):
-            values += _dequantize_tile(src_ptrs + j * src_stride, src_mask,
-                                       scale_ptrs + j * scale_stride, block_valid, BITS_IN)
+            index = j * num_partitions + partition
+            values += _dequantize_tile(
+                src_ptrs + _partition_offset(index, src_row_parts, src_row_stride, src_size),
+                src_mask,
+                scale_ptrs + _partition_offset(index, src_row_parts, src_scale_row_stride,
+                                               blocks_per_partition),
+                block_valid, BITS_IN)
 
     if BITS_OUT == 0:
         if SCALE_OUTPUT:
             values = values * multiplier
-        dst = dst_ptr + (dst_part * partition_numel + elem_base)
+        dst = dst_ptr + (_partition_offset(dst_part, dst_row_parts, dst_row_stride,
+                                           partition_numel) + elem_base)
         tl.store(dst + local, values.to(dst_ptr.dtype.element_ty), mask=mask)
     else:
         q, scale = _quantize_tile(values, (1 << (BITS_OUT - 1)) - 1)
-        tl.store(dst_scale_ptr + dst_part * blocks_per_partition + first_block + rows, scale,
-                 mask=block_valid)
+        tl.store(dst_scale_ptrs, scale, mask=block_valid)
         if BITS_OUT == 8:
-            dst = dst_ptr + (dst_part * partition_numel + elem_base)
+            dst = dst_ptr + (_partition_offset(dst_part, dst_row_parts, dst_row_stride,
+                                               partition_numel) + elem_base)
             tl.store(dst + local, q.to(tl.int8), mask=mask)  # keeps the low byte
         else:
             low, high = tl.split(tl.reshape(q, [BLOCKS_PER_PROGRAM, BLOCK_PAD // 2, 2]))
             packed = (low & 15) | ((high & 15) << 4)
-            dst = dst_ptr + (dst_part * partition_bytes + byte_base)
+            dst = dst_ptr + (_partition_offset(dst_part, dst_row_parts, dst_row_stride,
+                                               partition_bytes) + byte_base)
             tl.store(dst + byte_local, packed.to(tl.uint8), mask=byte_mask)
 
 
@@ -273,22 +316,41 @@ def _default_tile(block_pad: int) -> tuple[int, int]:
     return elements, min(16, elements // 1024)
 
 
+class _Rows(NamedTuple):
+    """Where a buffer's partitions lie: in rows of `parts` partitions each, contiguous inside a
+    row; a row starts `stride` elements (of q, or of the floats) after the previous one, and its
+    scales `scale_stride` fp32 values after the previous row's."""
+    parts: int
+    stride: int
+    scale_stride: int
+
+
+def _contiguous_rows(partition_numel: int, bits: int, block_size: int) -> _Rows:
+    """A flat buffer (bits 0: floats): one partition per row, rows back to back."""
+    q_numel, s_numel = quantized_size(partition_numel, bits or 8, block_size)
+    return _Rows(1, q_numel, s_numel)
+
+
 def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Tensor | None, *,
             num_inputs: int, num_partitions: int, partition_numel: int, block_size: int,
-            bits_in: int, bits_out: int, nodes: int = 1, devices_per_node: int | None = None,
+            bits_in: int, bits_out: int, src_rows: _Rows | None = None,
+            dst_rows: _Rows | None = None, nodes: int = 1, devices_per_node: int | None = None,
             multiplier: float = 1.0, tile: tuple[int, int] | None = None) -> None:
-    """One launch over all partitions; grid (program blocks, partitions). `tile` overrides
-    (elements per program, num_warps), for benchmarks."""
+    """One launch over all partitions; grid (program blocks, partitions). src / dst (and their
+    scales) point at their first partition; `src_rows` / `dst_rows` give their layout (default:
+    flat). `tile` overrides (elements per program, num_warps), for benchmarks."""
     block_pad = triton.next_power_of_2(block_size)
     elements, num_warps = tile or _default_tile(block_pad)
     blocks_per_program = max(1, elements // block_pad)
     blocks_per_partition = math.ceil(partition_numel / block_size)
+    src_rows = src_rows or _contiguous_rows(partition_numel, bits_in, block_size)
+    dst_rows = dst_rows or _contiguous_rows(partition_numel, bits_out, block_size)
     grid = (triton.cdiv(blocks_per_partition, blocks_per_program), num_partitions)
     with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
         _block_quant_kernel[grid](src, src if src_scales is None else src_scales,
                                   dst, dst if dst_scales is None else dst_scales,
                                   partition_numel, (partition_numel + 1) // 2,
-                                  blocks_per_partition,
+                                  blocks_per_partition, *src_rows, *dst_rows,
                                   nodes, devices_per_node or num_partitions, multiplier,
                                   NUM_INPUTS=num_inputs, BLOCK_SIZE=block_size,
                                   BLOCK_PAD=block_pad,
@@ -296,6 +358,72 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
                                   BITS_OUT=bits_out, SCALE_OUTPUT=multiplier != 1.0,
                                   num_warps=num_warps,
                                   enable_fp_fusion=False)  # no FMA: bit-identical to the reference
+
+
+# --- payloads: quantized partitions as the rows of one collective's buffer --------------------
+
+PAYLOAD_ALIGNMENT = 16  # bytes: q, scales and rows start 16-byte aligned (vector accesses)
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """One collective's uint8 buffer [rows, row_bytes] of quantized partitions. Row i (what a
+    rank sends to, or receives from, group rank i) holds `parts` partitions of
+    `partition_numel` elements: [their q | padding | their fp32 scales | padding], each section
+    padded to 16 bytes. The padding is never written nor read.
+
+    views(payload) gives (q, scales) as [rows, ...] views that every op here takes as input or
+    `out=` in place, so that quantized data goes into a collective's send buffer and is reduced
+    from its receive buffer without packing copies."""
+    parts: int
+    partition_numel: int
+    bits: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        check_scheme(self.bits, self.block_size)
+        if self.parts < 1 or self.partition_numel < 1:
+            raise ValueError(f"a payload row needs parts >= 1 and partition_numel >= 1, got "
+                             f"{self.parts}, {self.partition_numel}")
+
+    @property
+    def q_numel(self) -> int:
+        """q elements (= bytes) of a row's partitions."""
+        return self.parts * quantized_size(self.partition_numel, self.bits, self.block_size)[0]
+
+    @property
+    def scales_numel(self) -> int:
+        """fp32 scales of a row's partitions."""
+        return self.parts * quantized_size(self.partition_numel, self.bits, self.block_size)[1]
+
+    @property
+    def scales_offset(self) -> int:
+        """Byte offset of the scales in a row."""
+        return _round_up(self.q_numel)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.scales_offset + _round_up(4 * self.scales_numel)
+
+    def empty(self, rows: int, device: torch.device | str) -> Tensor:
+        """An uninitialized payload, uint8 [rows, row_bytes]."""
+        return torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=device)
+
+    def views(self, payload: Tensor) -> tuple[Tensor, Tensor]:
+        """(q [rows, q_numel] int8 (bits 8) / uint8 (bits 4), scales [rows, scales_numel] fp32),
+        views into `payload` [rows, row_bytes] (contiguous uint8)."""
+        if (payload.dtype != torch.uint8 or payload.dim() != 2
+                or payload.shape[1] != self.row_bytes or not payload.is_contiguous()):
+            raise ValueError(f"payload must be contiguous uint8 [rows, {self.row_bytes}], got "
+                             f"{payload.dtype} {list(payload.shape)}")
+        q = payload[:, :self.q_numel]
+        start = self.scales_offset // 4
+        scales = payload.view(torch.float32)[:, start:start + self.scales_numel]
+        return (q.view(torch.int8) if self.bits == 8 else q), scales
 
 
 # --- functional wrappers ------------------------------------------------------------------------
@@ -326,19 +454,35 @@ def _check_float(x: Tensor) -> Tensor:
     return x.reshape(-1)
 
 
-def _check_quantized(q: Tensor, scales: Tensor, parts: int, partition_numel: int, bits: int,
-                     block_size: int) -> tuple[Tensor, Tensor]:
+def _quantized_rows(q: Tensor, scales: Tensor, parts: int, partition_numel: int, bits: int,
+                    block_size: int, what: str = "") -> _Rows:
+    """Check that (q, scales) hold `parts` quantized partitions, either flat and contiguous or
+    as [rows, ...] views with contiguous, non-overlapping rows (PayloadLayout.views), the same
+    number of partitions in each row; returns their layout. `what` prefixes the messages."""
     q_numel, s_numel = quantized_size(partition_numel, bits, block_size)
     want = torch.int8 if bits == 8 else torch.uint8
     if q.dtype != want or q.numel() != parts * q_numel:
-        raise ValueError(f"q must be {parts * q_numel} {want} values for {parts} partition(s) of "
-                         f"{partition_numel} at {bits} bits, got {q.numel()} {q.dtype}")
+        raise ValueError(f"{what}q must be {parts * q_numel} {want} values for {parts} "
+                         f"partition(s) of {partition_numel} at {bits} bits, got {q.numel()} "
+                         f"{q.dtype}")
     if scales.dtype != torch.float32 or scales.numel() != parts * s_numel:
-        raise ValueError(f"scales must be {parts * s_numel} float32 values, got "
+        raise ValueError(f"{what}scales must be {parts * s_numel} float32 values, got "
                          f"{scales.numel()} {scales.dtype}")
     if q.device != scales.device:
-        raise ValueError(f"q on {q.device} but scales on {scales.device}")
-    return q.reshape(-1), scales.reshape(-1)
+        raise ValueError(f"{what}q on {q.device} but scales on {scales.device}")
+    if q.dim() == 1 and scales.dim() == 1 and q.is_contiguous() and scales.is_contiguous():
+        return _Rows(1, q_numel, s_numel)
+    if q.dim() == 2 and scales.dim() == 2 and q.shape[0] == scales.shape[0] and q_numel:
+        per_row = q.shape[1] // q_numel
+        rows_ok = q.shape[0] == 1 or (q.stride(0) >= q.shape[1]
+                                      and scales.stride(0) >= scales.shape[1])
+        if (q.shape[1] == per_row * q_numel and scales.shape[1] == per_row * s_numel
+                and q.stride(1) == 1 and scales.stride(1) == 1 and rows_ok):
+            return _Rows(per_row, q.stride(0), scales.stride(0))
+    raise ValueError(f"{what}q and scales must be flat and contiguous, or [rows, ...] views with "
+                     f"contiguous non-overlapping rows of whole partitions (PayloadLayout.views),"
+                     f" got q {list(q.shape)} stride {q.stride()}, scales {list(scales.shape)} "
+                     f"stride {scales.stride()}")
 
 
 def _output(out: Tensor | None, numel: int, dtype: torch.dtype, like: Tensor) -> Tensor:
@@ -353,11 +497,23 @@ def _output(out: Tensor | None, numel: int, dtype: torch.dtype, like: Tensor) ->
 
 
 def _outputs(out: tuple[Tensor, Tensor] | None, parts: int, numel: int, bits: int,
-             block_size: int, like: Tensor) -> tuple[Tensor, Tensor]:
-    q_numel, s_numel = quantized_size(numel, bits, block_size)
-    q_out, s_out = out if out is not None else (None, None)
-    return (_output(q_out, parts * q_numel, torch.int8 if bits == 8 else torch.uint8, like),
-            _output(s_out, parts * s_numel, torch.float32, like))
+             block_size: int, like: Tensor) -> tuple[Tensor, Tensor, _Rows]:
+    """(q, scales, their layout): `out` checked, or new flat buffers."""
+    if out is None:
+        q_numel, s_numel = quantized_size(numel, bits, block_size)
+        q_dtype = torch.int8 if bits == 8 else torch.uint8
+        return (torch.empty(parts * q_numel, dtype=q_dtype, device=like.device),
+                torch.empty(parts * s_numel, dtype=torch.float32, device=like.device),
+                _Rows(1, q_numel, s_numel))
+    q, scales = out
+    if q.device != like.device:
+        raise ValueError(f"out must be on {like.device}, got {q.device}")
+    return q, scales, _quantized_rows(q, scales, parts, numel, bits, block_size, "out ")
+
+
+def _fill(out: Tensor, values: Tensor) -> Tensor:
+    """The reference's flat result copied into `out` (flat or a [rows, ...] view)."""
+    return out.copy_(values.view(out.shape))
 
 
 @torch.no_grad()
@@ -368,18 +524,19 @@ def quantize(x: Tensor, bits: int = 8, block_size: int = 2048, *,
     contiguous) block-wise.
 
     Returns (q, scales): q is int8 [numel] (bits=8) or uint8 [ceil(numel / 2)] (bits=4),
-    scales float32 [ceil(numel / block_size)]. `out` = (q, scales) buffers to fill instead.
+    scales float32 [ceil(numel / block_size)]. `out` = (q, scales) buffers to fill instead
+    (flat, or a PayloadLayout's views of a one-row payload).
     """
     check_scheme(bits, block_size)
     x = _check_float(x)
-    q, scales = _outputs(out, 1, x.numel(), bits, block_size, x)
+    q, scales, rows = _outputs(out, 1, x.numel(), bits, block_size, x)
     if x.numel() == 0:
         return q, scales
     if not _use_triton(x, force_triton):
         q_ref, s_ref = quantize_reference(x, bits, block_size)
-        return q.copy_(q_ref), scales.copy_(s_ref)
+        return _fill(q, q_ref), _fill(scales, s_ref)
     _launch(x, None, q, scales, num_inputs=1, num_partitions=1, partition_numel=x.numel(),
-            block_size=block_size, bits_in=0, bits_out=bits)
+            block_size=block_size, bits_in=0, bits_out=bits, dst_rows=rows)
     return q, scales
 
 
@@ -389,7 +546,7 @@ def dequantize(q: Tensor, scales: Tensor, numel: int, bits: int = 8, block_size:
                force_triton: bool = False) -> Tensor:
     """The `numel` values that quantize() encoded as (q, scales), as a flat `dtype` tensor."""
     check_scheme(bits, block_size)
-    q, scales = _check_quantized(q, scales, 1, numel, bits, block_size)
+    _quantized_rows(q, scales, 1, numel, bits, block_size)
     if numel == 0:
         return _output(out, 0, dtype, q)
     return dequantize_reduce(q, scales, 1, bits, block_size, numel, dtype, out=out,
@@ -404,7 +561,9 @@ def swizzled_quantize(x: Tensor, bits: int, block_size: int, num_nodes: int,
     (x.numel() % world == 0, P = numel / world), partition p written at position
     (p % devices_per_node) * num_nodes + p // devices_per_node (see the module docstring).
 
-    Returns (q, scales): world * quantized_size(P, bits, block_size) elements, in output order.
+    Returns (q, scales): world * quantized_size(P, bits, block_size) elements, in output order;
+    `out` may be a PayloadLayout's views, positions filling its rows in order (rows of
+    num_nodes partitions: row d is what goes to local rank d).
     """
     check_scheme(bits, block_size)
     x = _check_float(x)
@@ -413,22 +572,23 @@ def swizzled_quantize(x: Tensor, bits: int, block_size: int, num_nodes: int,
         raise ValueError(f"{x.numel()} elements do not split into {num_nodes} x "
                          f"{devices_per_node} equal partitions")
     partition_numel = x.numel() // world
-    q, scales = _outputs(out, world, partition_numel, bits, block_size, x)
+    q, scales, rows = _outputs(out, world, partition_numel, bits, block_size, x)
     if x.numel() == 0:
         return q, scales
     if not _use_triton(x, force_triton):
         q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, num_nodes,
                                                    devices_per_node)
-        return q.copy_(q_ref), scales.copy_(s_ref)
+        return _fill(q, q_ref), _fill(scales, s_ref)
     _launch(x, None, q, scales, num_inputs=1, num_partitions=world,
             partition_numel=partition_numel, block_size=block_size, bits_in=0, bits_out=bits,
-            nodes=num_nodes, devices_per_node=devices_per_node)
+            dst_rows=rows, nodes=num_nodes, devices_per_node=devices_per_node)
     return q, scales
 
 
 def _reduce_shape(q: Tensor, scales: Tensor, num_inputs: int, partition_numel: int, bits: int,
-                  block_size: int) -> tuple[Tensor, Tensor, int]:
-    """Validate num_inputs stacked inputs of equal partition count; returns partitions/input."""
+                  block_size: int) -> tuple[int, _Rows]:
+    """Validate num_inputs stacked inputs of equal partition count; returns (partitions per
+    input, the inputs' layout)."""
     if num_inputs < 1 or partition_numel < 1:
         raise ValueError(f"need num_inputs >= 1 and partition_numel >= 1, got {num_inputs}, "
                          f"{partition_numel}")
@@ -437,8 +597,8 @@ def _reduce_shape(q: Tensor, scales: Tensor, num_inputs: int, partition_numel: i
     if parts % num_inputs or parts == 0:
         raise ValueError(f"{q.numel()} values of q are not {num_inputs} inputs of whole "
                          f"{partition_numel}-element partitions at {bits} bits")
-    q, scales = _check_quantized(q, scales, parts, partition_numel, bits, block_size)
-    return q, scales, parts // num_inputs
+    rows = _quantized_rows(q, scales, parts, partition_numel, bits, block_size)
+    return parts // num_inputs, rows
 
 
 @torch.no_grad()
@@ -450,19 +610,22 @@ def dequantize_reduce_quantize(q: Tensor, scales: Tensor, num_inputs: int, bits_
     S of quantized `partition_numel`-element partitions. Partition s of the result is
     quantize(sum over inputs j of dequantize(input j, partition s)), the sum in fp32 in input
     order. Returns (q, scales) of S partitions at bits_out.
+
+    (q, scales) and `out` are flat, or PayloadLayout views (partitions in row order; e.g. the
+    rows of a received payload, one input per row, read in place).
     """
     check_scheme(bits_in, block_size)
     check_scheme(bits_out, block_size)
-    q, scales, per_input = _reduce_shape(q, scales, num_inputs, partition_numel, bits_in,
-                                         block_size)
-    q_out, s_out = _outputs(out, per_input, partition_numel, bits_out, block_size, q)
+    per_input, src_rows = _reduce_shape(q, scales, num_inputs, partition_numel, bits_in,
+                                        block_size)
+    q_out, s_out, dst_rows = _outputs(out, per_input, partition_numel, bits_out, block_size, q)
     if not _use_triton(q, force_triton):
         q_ref, s_ref = dequantize_reduce_quantize_reference(q, scales, num_inputs, bits_in,
                                                             bits_out, block_size, partition_numel)
-        return q_out.copy_(q_ref), s_out.copy_(s_ref)
+        return _fill(q_out, q_ref), _fill(s_out, s_ref)
     _launch(q, scales, q_out, s_out, num_inputs=num_inputs, num_partitions=per_input,
             partition_numel=partition_numel, block_size=block_size, bits_in=bits_in,
-            bits_out=bits_out)
+            bits_out=bits_out, src_rows=src_rows, dst_rows=dst_rows)
     return q_out, s_out
 
 
@@ -471,18 +634,19 @@ def dequantize_reduce(q: Tensor, scales: Tensor, num_inputs: int, bits: int, blo
                       partition_numel: int, dtype: torch.dtype = torch.float32,
                       multiplier: float = 1.0, *, out: Tensor | None = None,
                       force_triton: bool = False) -> Tensor:
-    """qgZ step 5, one launch: like dequantize_reduce_quantize but the fp32 sum, times
-    `multiplier` (fp32), is returned as `dtype` [S * partition_numel]."""
+    """qgZ step 5 (and qwZ's dequantize of the gathered rows), one launch: like
+    dequantize_reduce_quantize but the fp32 sum, times `multiplier` (fp32), is returned as
+    `dtype` [S * partition_numel] (`out`: flat, contiguous)."""
     check_scheme(bits, block_size)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be float32/bfloat16/float16, got {dtype}")
-    q, scales, per_input = _reduce_shape(q, scales, num_inputs, partition_numel, bits,
-                                         block_size)
+    per_input, src_rows = _reduce_shape(q, scales, num_inputs, partition_numel, bits,
+                                        block_size)
     result = _output(out, per_input * partition_numel, dtype, q)
     if not _use_triton(q, force_triton):
         return result.copy_(dequantize_reduce_reference(q, scales, num_inputs, bits, block_size,
                                                         partition_numel, dtype, multiplier))
     _launch(q, scales, result, None, num_inputs=num_inputs, num_partitions=per_input,
             partition_numel=partition_numel, block_size=block_size, bits_in=bits, bits_out=0,
-            multiplier=multiplier)
+            src_rows=src_rows, multiplier=multiplier)
     return result

@@ -1,6 +1,9 @@
 """Torch references for kernels/quantization.py: the same scheme (see its docstring) in plain
 torch ops, with the kernel's fp32 operations in the kernel's order, so that results are
-bit-identical. CPU tensors run these; the tests use them as the oracle."""
+bit-identical. CPU tensors run these; the tests use them as the oracle.
+
+Quantized inputs (q, scales) are flat, or [rows, ...] views of a payload (PayloadLayout.views):
+the partitions are read row by row, as the kernel reads them; results are flat."""
 
 import math
 
@@ -77,7 +80,7 @@ def dequantize_reference(q: Tensor, scales: Tensor, numel: int, bits: int = 8,
                          block_size: int = 2048, dtype: torch.dtype = torch.float32) -> Tensor:
     """dequantize() in torch ops."""
     check_scheme(bits, block_size)
-    return _dequantize_partitions(q.view(1, -1), scales.view(1, -1), numel, bits,
+    return _dequantize_partitions(q.reshape(1, -1), scales.reshape(1, -1), numel, bits,
                                   block_size).view(-1).to(dtype)
 
 
@@ -97,8 +100,9 @@ def _sum_inputs(q: Tensor, scales: Tensor, num_inputs: int, bits: int, block_siz
                 partition_numel: int) -> Tensor:
     """fp32 (S, partition_numel): the dequantized inputs summed in input order."""
     parts = scales.numel() // math.ceil(partition_numel / block_size)
-    values = _dequantize_partitions(q.view(parts, -1), scales.view(parts, -1), partition_numel,
-                                    bits, block_size).view(num_inputs, parts // num_inputs, -1)
+    values = _dequantize_partitions(q.reshape(parts, -1), scales.reshape(parts, -1),
+                                    partition_numel, bits, block_size)
+    values = values.view(num_inputs, parts // num_inputs, -1)
     total = torch.zeros_like(values[0])
     for value in values:
         total = total + value

@@ -23,6 +23,7 @@ import torch
 
 from megadomino.kernels import quantization as quant
 from megadomino.kernels.quantization import (
+    PayloadLayout,
     dequantize,
     dequantize_reduce,
     dequantize_reduce_quantize,
@@ -156,6 +157,158 @@ def check_dequantize_reduce(device: str, force_triton: bool, num_inputs: int, pa
     want = dequantize_reduce_reference(q, s, num_inputs, bits, block_size, partition_numel,
                                        torch.float32, multiplier)
     assert_same(got, expected_cast(want, DTYPES[dtype], force_triton), "reduced")
+
+
+# --- row layouts: quantized data read and written in place in rows of a payload -------------
+
+def row_buffers(kind: str, rows: int, per_row: int, partition_numel: int, bits: int,
+                block_size: int, device):
+    """Poisoned (q, scales) [rows, ...] views holding `per_row` partitions per row, and a check
+    that nothing outside them changed. kind "payload": a PayloadLayout's views (one uint8 buffer;
+    0x80 / 0x88 bytes read as an impossible q and, four of them, as a negative scale); "gapped":
+    separate buffers whose rows are 3 q elements and 5 scales longer than their data (odd,
+    unaligned row strides)."""
+    q_numel, s_numel = quantized_size(partition_numel, bits, block_size)
+    q_poison = POISON_INT8 if bits == 8 else POISON_UINT8
+    if kind == "payload":
+        layout = PayloadLayout(per_row, partition_numel, bits, block_size)
+        payload = torch.full((rows, layout.row_bytes), q_poison & 0xFF, dtype=torch.uint8,
+                             device=device)
+        q, scales = layout.views(payload)
+        gaps = (payload[:, layout.q_numel:layout.scales_offset],
+                payload[:, layout.scales_offset + 4 * layout.scales_numel:])
+        poison = [q_poison & 0xFF] * 2
+    else:
+        q_buf = torch.full((rows, per_row * q_numel + 3), q_poison,
+                           dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
+        s_buf = torch.full((rows, per_row * s_numel + 5), POISON_FLOAT, device=device)
+        q, scales = q_buf[:, :per_row * q_numel], s_buf[:, :per_row * s_numel]
+        gaps = (q_buf[:, per_row * q_numel:], s_buf[:, per_row * s_numel:])
+        poison = [q_poison, POISON_FLOAT]
+
+    def untouched() -> None:
+        for gap, value in zip(gaps, poison):
+            assert (gap.cpu() == value).all(), "wrote outside the rows"
+    return q, scales, untouched
+
+
+def in_rows(q: torch.Tensor, scales: torch.Tensor, kind: str, per_row: int,
+            partition_numel: int, bits: int, block_size: int, device):
+    """Flat quantized partitions copied into row_buffers(kind, ..., per_row, ...)."""
+    rows = scales.numel() // (per_row * quantized_size(partition_numel, bits, block_size)[1])
+    q_rows, s_rows, untouched = row_buffers(kind, rows, per_row, partition_numel, bits,
+                                            block_size, device)
+    q_rows.copy_(q.view(q_rows.shape))
+    s_rows.copy_(scales.view(s_rows.shape))
+    return q_rows, s_rows, untouched
+
+
+def check_rows_quantize(device: str, force_triton: bool, numel: int, dtype: str, bits: int,
+                        block_size: int, kind: str) -> None:
+    x = make_input(numel, block_size, seed=4).to(DTYPES[dtype])
+    q_out, s_out, untouched = row_buffers(kind, 1, 1, numel, bits, block_size, device)
+    q, scales = quantize(x.to(device), bits, block_size, out=(q_out, s_out),
+                         force_triton=force_triton)
+    assert q.data_ptr() == q_out.data_ptr() and scales.data_ptr() == s_out.data_ptr()
+    q_ref, s_ref = quantize_reference(x, bits, block_size)
+    assert_same(q.reshape(-1), q_ref, "q")
+    assert_same(scales.reshape(-1), s_ref, "scales")
+    untouched()
+
+
+def check_rows_swizzled_quantize(device: str, force_triton: bool, nodes: int,
+                                 devices_per_node: int, partition_numel: int, bits: int,
+                                 block_size: int, dtype: str, kind: str) -> None:
+    """qgZ's send buffer: row d (for local rank d) holds `nodes` swizzled partitions."""
+    x = make_input(nodes * devices_per_node * partition_numel, block_size, seed=5)
+    x = x.to(DTYPES[dtype])
+    q_out, s_out, untouched = row_buffers(kind, devices_per_node, nodes, partition_numel, bits,
+                                          block_size, device)
+    swizzled_quantize(x.to(device), bits, block_size, nodes, devices_per_node,
+                      out=(q_out, s_out), force_triton=force_triton)
+    q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, nodes, devices_per_node)
+    assert_same(q_out.reshape(-1), q_ref, "q")
+    assert_same(s_out.reshape(-1), s_ref, "scales")
+    untouched()
+
+
+def check_rows_dequantize_reduce_quantize(device: str, force_triton: bool, num_inputs: int,
+                                          parts: int, partition_numel: int, bits_in: int,
+                                          bits_out: int, block_size: int, kind: str,
+                                          per_row_in: int, per_row_out: int) -> None:
+    """Inputs read from rows of `per_row_in` partitions (qgZ step 3: one source's `parts` per
+    row), written to rows of `per_row_out` (qgZ: one per inter-node destination)."""
+    q, s = quantized_inputs(num_inputs, parts, partition_numel, bits_in, block_size)
+    q_in, s_in, in_untouched = in_rows(q, s, kind, per_row_in, partition_numel, bits_in,
+                                       block_size, device)
+    q_out, s_out, out_untouched = row_buffers(kind, parts // per_row_out, per_row_out,
+                                              partition_numel, bits_out, block_size, device)
+    dequantize_reduce_quantize(q_in, s_in, num_inputs, bits_in, bits_out, block_size,
+                               partition_numel, out=(q_out, s_out), force_triton=force_triton)
+    q_ref, s_ref = dequantize_reduce_quantize_reference(q, s, num_inputs, bits_in, bits_out,
+                                                        block_size, partition_numel)
+    assert_same(q_out.reshape(-1), q_ref, "q")
+    assert_same(s_out.reshape(-1), s_ref, "scales")
+    in_untouched()
+    out_untouched()
+
+
+def check_rows_dequantize_reduce(device: str, force_triton: bool, num_inputs: int, parts: int,
+                                 partition_numel: int, bits: int, block_size: int, dtype: str,
+                                 multiplier: float, kind: str, per_row: int) -> None:
+    """Inputs read from rows of `per_row` partitions (qwZ: 1 input, one rank's shard per row;
+    qgZ step 5: one node's partial sum per row)."""
+    q, s = quantized_inputs(num_inputs, parts, partition_numel, bits, block_size)
+    q_in, s_in, untouched = in_rows(q, s, kind, per_row, partition_numel, bits, block_size,
+                                    device)
+    out = torch.full((parts * partition_numel,), POISON_FLOAT, dtype=DTYPES[dtype],
+                     device=device)
+    got = dequantize_reduce(q_in, s_in, num_inputs, bits, block_size, partition_numel,
+                            DTYPES[dtype], multiplier, out=out, force_triton=force_triton)
+    want = dequantize_reduce_reference(q, s, num_inputs, bits, block_size, partition_numel,
+                                       torch.float32, multiplier)
+    assert_same(got, expected_cast(want, DTYPES[dtype], force_triton), "reduced")
+    untouched()
+
+
+def row_cases() -> dict[str, tuple]:
+    """Row-layout cases (payload rows padded to 16 bytes, and odd gaps), int8 and int4, odd
+    sizes, several inputs; small enough for the interpreter."""
+    cases = {}
+    for bits in (8, 4):
+        for kind in ("payload", "gapped"):
+            for numel, block_size, dtype in [(7, 4, "fp16"), (2049, 2048, "bf16"),
+                                             (3001, 300, "fp32")]:
+                cases[f"rows-{kind}-quantize-{numel}-{block_size}-{dtype}-int{bits}"] = (
+                    check_rows_quantize, {"numel": numel, "dtype": dtype, "bits": bits,
+                                          "block_size": block_size, "kind": kind})
+            for nodes, dpn, numel, block_size, dtype in [(2, 2, 1000, 256, "bf16"),
+                                                         (3, 1, 515, 512, "fp16"),
+                                                         (1, 4, 7, 4, "fp32")]:
+                cases[f"rows-{kind}-swizzle-{nodes}x{dpn}-{numel}-{dtype}-int{bits}"] = (
+                    check_rows_swizzled_quantize,
+                    {"nodes": nodes, "devices_per_node": dpn, "partition_numel": numel,
+                     "bits": bits, "block_size": block_size, "dtype": dtype, "kind": kind})
+            for bits_out in (8, 4):
+                for num_inputs, parts, numel, block_size, per_row_in, per_row_out in [
+                        (4, 2, 1000, 256, 2, 1), (2, 1, 4097, 2048, 1, 1),
+                        (3, 3, 7, 4, 1, 3)]:
+                    cases[f"rows-{kind}-dequant-reduce-quant-{num_inputs}x{parts}-{numel}-"
+                          f"rows{per_row_in}:{per_row_out}-int{bits}-int{bits_out}"] = (
+                        check_rows_dequantize_reduce_quantize,
+                        {"num_inputs": num_inputs, "parts": parts, "partition_numel": numel,
+                         "bits_in": bits, "bits_out": bits_out, "block_size": block_size,
+                         "kind": kind, "per_row_in": per_row_in, "per_row_out": per_row_out})
+            for num_inputs, parts, numel, dtype, multiplier, per_row in [
+                    (1, 4, 1001, "bf16", 1.0, 1), (2, 1, 999, "fp32", 0.25, 1),
+                    (3, 2, 999, "fp16", 1 / 3, 2)]:
+                cases[f"rows-{kind}-dequant-reduce-{num_inputs}x{parts}-{numel}-rows{per_row}-"
+                      f"{dtype}-int{bits}"] = (
+                    check_rows_dequantize_reduce,
+                    {"num_inputs": num_inputs, "parts": parts, "partition_numel": numel,
+                     "bits": bits, "block_size": 128, "dtype": dtype, "multiplier": multiplier,
+                     "kind": kind, "per_row": per_row})
+    return cases
 
 
 def check_tiny_scales(device: str, force_triton: bool, bits: int) -> None:
@@ -308,6 +461,7 @@ def kernel_cases() -> dict[str, tuple]:
                 check_dequantize_reduce,
                 {"num_inputs": 2, "parts": 2, "partition_numel": 999, "bits": bits,
                  "block_size": 256, "dtype": dtype, "multiplier": multiplier})
+    cases.update(row_cases())
     return cases
 
 
@@ -329,6 +483,7 @@ def run_cases(device: str, force_triton: bool, cases: dict[str, tuple],
 # --- the interpreted kernels, one subprocess ------------------------------------------------------
 
 KERNEL_CASES = kernel_cases()
+ROW_CASES = row_cases()
 
 
 @pytest.fixture(scope="module")
@@ -462,10 +617,50 @@ def test_invalid_arguments_are_refused() -> None:
         dequantize(q.view(torch.uint8), scales, 10, 4, 4)
     with pytest.raises(ValueError, match="scales must be"):
         dequantize(q, scales[:2], 10, 8, 4)
-    with pytest.raises(ValueError, match="out must be"):
+    with pytest.raises(ValueError, match="out scales must be"):
         quantize(x, 8, 4, out=(torch.empty(10, dtype=torch.int8), torch.empty(2)))
     with pytest.raises(ValueError, match="whole"):
         dequantize_reduce_quantize(q, scales, 3, 8, 8, 4, 10)
+
+
+def test_payload_layout_sizes() -> None:
+    """Two int4 partitions of 1001 per row: 2 x 501 q bytes padded to 1008, 2 x 8 scales (64
+    bytes, already a multiple of 16); the views sit at those offsets of each row."""
+    layout = PayloadLayout(2, 1001, 4, 128)
+    assert (layout.q_numel, layout.scales_numel) == (1002, 16)
+    assert (layout.scales_offset, layout.row_bytes) == (1008, 1072)
+    payload = layout.empty(3, "cpu")
+    q, scales = layout.views(payload)
+    assert q.dtype == torch.uint8 and q.shape == (3, 1002) and q.stride() == (1072, 1)
+    assert scales.shape == (3, 16) and scales.stride() == (268, 1)
+    assert scales.data_ptr() - payload.data_ptr() == 1008
+    assert scales[1:].data_ptr() - payload.data_ptr() == 1072 + 1008
+    q8, _ = PayloadLayout(1, 5, 8, 4).views(PayloadLayout(1, 5, 8, 4).empty(1, "cpu"))
+    assert q8.dtype == torch.int8 and PayloadLayout(1, 5, 8, 4).row_bytes == 32
+
+
+def test_row_layouts_refused() -> None:
+    x = torch.randn(2, 10)
+    layout = PayloadLayout(1, 10, 8, 4)
+    with pytest.raises(ValueError, match="payload must be"):
+        layout.views(torch.empty(2, layout.row_bytes + 1, dtype=torch.uint8))
+    q = torch.empty(2, 10, dtype=torch.int8)
+    scales = torch.empty(2, 3)
+    overlapping = (q.as_strided((2, 10), (5, 1)), scales)
+    with pytest.raises(ValueError, match="non-overlapping"):
+        swizzled_quantize(x, 8, 4, 2, 1, out=overlapping)
+    q, scales = torch.zeros(24, dtype=torch.int8), torch.ones(12)  # 4 partitions of 6
+    with pytest.raises(ValueError, match="whole partitions"):  # 3 rows of 4 / 3 partitions
+        dequantize_reduce(q.view(3, 8), scales.view(3, 4), 1, 8, 2, 6)
+    with pytest.raises(ValueError, match="whole partitions"):  # q in 2 rows, scales in 1
+        dequantize_reduce(q.view(2, 12), scales.view(1, 12), 1, 8, 2, 6)
+
+
+@pytest.mark.parametrize("case", list(ROW_CASES))
+def test_reference_rows(case: str) -> None:
+    """The CPU path (torch reference) reads and writes the same row layouts."""
+    check, params = ROW_CASES[case]
+    check("cpu", False, **params)
 
 
 def test_empty_input() -> None:
