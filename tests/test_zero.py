@@ -298,6 +298,47 @@ def _case_hpz_checkpoint_resumes(dims: ParallelDims) -> None:
         assert abs(got - want) <= 1e-6 * want, (resumed, uninterrupted[3:])
 
 
+def _case_qwz_quantizes_once_per_step(dims: ParallelDims) -> None:
+    """qwZ without hpZ: a unit's shard is quantized at its first gather of a step only; the
+    backward's and the second micro-batch's gathers send the cached payload, counted in the
+    memory meter until the step drops it. Losses and grad norms equal qwZ + hpZ's exactly (the
+    same once-quantized weights in every gather)."""
+    calls = []
+    quantize_shard = collectives.quantize_shard
+
+    def counting(shard, bits, block_size):
+        calls.append(shard.numel())
+        return quantize_shard(shard, bits, block_size)
+
+    collectives.quantize_shard = counting
+    try:
+        engine = _engine(dims, quantized_weights=True, block_size=256)
+        history = []
+        for step in range(2):
+            calls.clear()
+            total = 0.0
+            for micro in range(2):
+                tokens, labels = _batch(dims, step, micro, num_micro=2)
+                with engine.no_sync() if micro == 0 else contextlib.nullcontext():
+                    loss = engine(tokens, labels=labels).mean()
+                    engine.backward(loss / 2)
+                total += loss.item() / 2
+            assert calls == [shard.numel() for shard in engine.params.shards]
+            cached = list(engine.params.quantized)
+            assert all(payload is not None for payload in cached)
+            held = engine.meter.current
+            history.append((_dp_mean(total, dims), engine.step()))
+            assert all(payload is None for payload in engine.params.quantized)
+            assert held - engine.meter.current == sum(p.numel() for p in cached)
+        assert engine.comm.calls["weights backward"] > 0
+    finally:
+        collectives.quantize_shard = quantize_shard
+    hpz = _train(_engine(dims, quantized_weights=True, hpz_partition_size=2, block_size=256),
+                 dims, range(2), num_micro=2)
+    for (loss, result), (want_loss, want) in zip(history, hpz):
+        assert loss == want_loss and result.grad_norm == want.grad_norm, (history, hpz)
+
+
 def _case_nonfinite(dims: ParallelDims) -> None:
     """inf on one rank only: every rank skips (weights unchanged; an fp16-style loss scaler backs
     off), or every rank raises with on_nonfinite='error'; on the plain and the qgZ path."""
@@ -365,6 +406,7 @@ def _cases() -> dict[str, str | None]:
     runner.run("qgz_int8", _case_qgz_matches_reduce_scatter, 8)
     runner.run("qwz_gather", _case_qwz_gather_within_bound)
     runner.run("stage1_qgz", _case_stage1_qgz, nodes)
+    runner.run("qwz_cache", _case_qwz_quantizes_once_per_step, nodes)
     runner.run("nonfinite", _case_nonfinite, nodes)
     runner.run("bf16_bytes", _case_bf16_zeropp, nodes)
     runner.run("hpz_checkpoint", _case_hpz_checkpoint_resumes, nodes)
@@ -380,7 +422,7 @@ def _results() -> dict[str, str | None]:
 
 @pytest.mark.parametrize("case", [
     "counter", "stage1_matches_dp", "stage3_matches_dp", "stage3_tp2_sp_matches_dp", "qgz_int4",
-    "qgz_int8", "qwz_gather", "stage1_qgz", "nonfinite", "bf16_bytes", "hpz_checkpoint",
-    "zeropp_100_steps", "zeropp_100_steps_tp2"])
+    "qgz_int8", "qwz_gather", "stage1_qgz", "qwz_cache", "nonfinite", "bf16_bytes",
+    "hpz_checkpoint", "zeropp_100_steps", "zeropp_100_steps_tp2"])
 def test_zero(case):
     check_result(_results(), case)

@@ -13,14 +13,20 @@ as ParallelDims cuts nodes):
                                               all-gather)
 
 These are the bytes a direct exchange moves, counted from the real calls' tensor sizes (quantized
-payloads and their fp32 scales included, padding included). What a ring algorithm puts on the
-wire differs by the forwarding it does; `benchmarks/bench_zero_netns.sh` sets the two side by side.
+payloads and their fp32 scales included, padding included: a quantized collective moves one uint8
+buffer whose row per peer is [q | fp32 scales], each section padded to 16 bytes, the kernels'
+`PayloadLayout`). What a ring algorithm puts on the wire differs by the forwarding it does;
+`benchmarks/bench_zero_netns.sh` sets the two side by side.
 
 The quantization scheme is the kernels' (`megadomino.kernels.quantization`, issue 4 item 5):
 symmetric, one fp32 scale per block of `block_size` elements, int4 packed two per byte, and each
 rank's chunk quantized on its own (its blocks restart at the chunk; a trailing partial block has
 its own scale), so a chunk of any size works: sizes that do not divide by dp are padded with
 zeros by the engine's flat layout (`partition.FlatUnit`), nothing falls back.
+
+Zero-copy: each quantized exchange moves q and scales in one collective without packing copies:
+the quantizers write straight into the send buffer's rows and the dequantizing reductions read
+the received rows in place (strided rows, one kernel launch per op).
 
 Ordering: each function issues its collectives on the calling thread in a fixed order; with
 `async_op=True` the returned `Pending` finishes the work when waited on. Ranks must launch and
@@ -141,21 +147,37 @@ def reduce_scatter(comm: CommCounter, flat: torch.Tensor, group, dtype: torch.dt
 # ---- qwZ -----------------------------------------------------------------------------------------
 
 
+def quantize_shard(shard: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """qwZ's send buffer for `shard` [S]: uint8 [1, row_bytes], `PayloadLayout(1, S, bits,
+    block_size)`, the quantized shard written straight into it (no packing copy)."""
+    quant = _quantization()
+    layout = quant.PayloadLayout(1, shard.numel(), bits, block_size)
+    payload = layout.empty(1, shard.device)
+    quant.quantize(shard, bits, block_size, out=layout.views(payload))
+    return payload
+
+
 def all_gather_quantized(comm: CommCounter, shard: torch.Tensor, group, bits: int,
-                         block_size: int, tag: str) -> Pending:
-    """qwZ: quantize `shard` [S] (bf16/fp16/fp32 read as is), gather every rank's int payload and
-    fp32 scales in one collective; wait() -> the dequantized [g * S] in `shard.dtype`, group-rank
-    order (each rank's S elements quantized on their own)."""
+                         block_size: int, tag: str, payload: torch.Tensor | None = None) -> Pending:
+    """qwZ: quantize `shard` [S] (bf16/fp16/fp32 read as is) and all-gather every rank's payload
+    row (q and fp32 scales, PayloadLayout) in one collective; wait() -> the dequantized [g * S]
+    in `shard.dtype`, group-rank order (each rank's S elements quantized on their own), read
+    from the received rows in place. `payload`: this rank's quantize_shard(shard, ...) made
+    earlier, sent instead of quantizing again."""
     quant = _quantization()
     size, numel = dist.get_world_size(group), shard.numel()
-    q, scales = quant.quantize(shard, bits=bits, block_size=block_size)
-    payload = _pack(q, scales, parts=1)
-    received = payload.new_empty(size * payload.numel())
-    work = comm.all_gather(received, payload.view(-1), group, tag, async_op=True)
+    layout = quant.PayloadLayout(1, numel, bits, block_size)
+    if payload is None:
+        payload = quantize_shard(shard, bits, block_size)
+    elif payload.shape != (1, layout.row_bytes):
+        raise ValueError(f"payload must be quantize_shard's [1, {layout.row_bytes}], got "
+                         f"{list(payload.shape)}")
+    received = layout.empty(size, shard.device)
+    work = comm.all_gather(received.view(-1), payload.view(-1), group, tag, async_op=True)
 
     def finish() -> torch.Tensor:
         work.wait()
-        q_all, scales_all = _unpack(received.view(size, -1), q.numel(), q.dtype)
+        q_all, scales_all = layout.views(received)  # one rank's shard per row
         return quant.dequantize_reduce(q_all, scales_all, 1, bits, block_size, numel,
                                        shard.dtype)
     return Pending(finish)
@@ -179,57 +201,48 @@ def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: 
       5. dequantize_reduce, times 1 / dp.
 
     Steps 1-2 run at launch (2 asynchronously), 3-5 in wait(); with P == 1 or n == 1 steps 2-3 or
-    3-4 drop out. inf/NaN: the quantizer gives a block holding one a NaN scale (and the sums keep
-    it NaN, never finite garbage); step 1's scales are checked here, before anything is sent, and
-    `found_nonfinite` is set (no host sync)."""
+    3-4 drop out. Zero-copy: steps 1 and 3 quantize straight into the rows of the next
+    all-to-all's send buffer (PayloadLayout, one row per destination), and steps 3 and 5 read
+    the received rows in place. inf/NaN: the quantizer gives a block holding one a NaN scale (and
+    the sums keep it NaN, never finite garbage); step 1's scales are checked here, before
+    anything is sent, and `found_nonfinite` is set (no host sync)."""
     quant = _quantization()
     nodes, local, chunk = dims.num_nodes_dp, dims.dp_per_node, flat.numel() // dims.dp
-    q, scales = quant.swizzled_quantize(flat, bits, block_size, nodes, local)
+    # The first all-to-all: inside the node, or across nodes with one rank per node. Row d of
+    # its send buffer holds the chunks for group rank d (swizzled_quantize's order).
+    first_group, first_size = ((dims.inter_node_group, nodes) if local == 1
+                               else (dims.intra_node_group, local))
+    sent = quant.PayloadLayout(dims.dp // first_size, chunk, bits, block_size)
+    payload = sent.empty(first_size, flat.device)
+    _, scales = quant.swizzled_quantize(flat, bits, block_size, nodes, local,
+                                        out=sent.views(payload))
     found_nonfinite.logical_or_(torch.isnan(scales).any())
 
-    def reduce(q_in, scales_in, inputs: int) -> torch.Tensor:
-        return quant.dequantize_reduce(q_in, scales_in, inputs, bits, block_size, chunk,
+    def reduce(received: torch.Tensor, layout, inputs: int) -> torch.Tensor:
+        return quant.dequantize_reduce(*layout.views(received), inputs, bits, block_size, chunk,
                                        torch.float32, multiplier=1.0 / dims.dp)
 
-    if local == 1:
-        inter = _exchange(comm, q, scales, nodes, dims.inter_node_group)
-        return Pending(lambda: reduce(*inter(), nodes))
-    intra = _exchange(comm, q, scales, local, dims.intra_node_group)
+    first = _exchange(comm, payload, first_group)
+    if local == 1 or nodes == 1:
+        return Pending(lambda: reduce(first(), sent, dims.dp))
 
     def finish() -> torch.Tensor:
-        q_node, scales_node = intra()
-        if nodes == 1:
-            return reduce(q_node, scales_node, local)
-        q_sum, scales_sum = quant.dequantize_reduce_quantize(q_node, scales_node, local, bits,
-                                                             bits, block_size, chunk)
-        return reduce(*_exchange(comm, q_sum, scales_sum, nodes, dims.inter_node_group)(), nodes)
+        sums = quant.PayloadLayout(1, chunk, bits, block_size)  # row n: the node's sum for node n
+        node_sums = sums.empty(nodes, flat.device)
+        quant.dequantize_reduce_quantize(*sent.views(first()), local, bits, bits, block_size,
+                                         chunk, out=sums.views(node_sums))
+        return reduce(_exchange(comm, node_sums, dims.inter_node_group)(), sums, nodes)
     return Pending(finish)
 
 
-def _exchange(comm: CommCounter, q: torch.Tensor, scales: torch.Tensor, parts: int,
-              group) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """Launch the all-to-all sending part i of (q, scales) to group rank i; the returned callable
-    waits and gives (q, scales) of the parts received, in group-rank order."""
-    payload = _pack(q, scales, parts)
+def _exchange(comm: CommCounter, payload: torch.Tensor,
+              group) -> Callable[[], torch.Tensor]:
+    """Launch the all-to-all sending row i of `payload` [g, row_bytes] to group rank i; the
+    returned callable waits and gives the received [g, row_bytes], row i from group rank i."""
     received = torch.empty_like(payload)
     work = comm.all_to_all(received.view(-1), payload.view(-1), group, "gradients", async_op=True)
 
-    def finish() -> tuple[torch.Tensor, torch.Tensor]:
+    def finish() -> torch.Tensor:
         work.wait()
-        return _unpack(received, q.numel() // parts, q.dtype)
+        return received
     return finish
-
-
-def _pack(q: torch.Tensor, scales: torch.Tensor, parts: int) -> torch.Tensor:
-    """[parts, q bytes + scale bytes of one part]: what one collective moves per destination."""
-    return torch.cat([q.view(torch.uint8).view(parts, -1),
-                      scales.view(torch.uint8).view(parts, -1)], dim=1)
-
-
-def _unpack(payload: torch.Tensor, q_bytes: int,
-            q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of _pack over the received [parts, ...]: (q of every part, scales of every part),
-    each contiguous in part order."""
-    q = payload[:, :q_bytes].contiguous().view(q_dtype).view(-1)
-    scales = payload[:, q_bytes:].contiguous().view(torch.float32).view(-1)
-    return q, scales

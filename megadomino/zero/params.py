@@ -23,6 +23,14 @@ ranks. Later gathers (backward, further micro-batches) all-gather those copies i
 unquantized: forward and backward see the same (once-quantized) weights. `refresh()` (after each
 step and each checkpoint load) drops the copies.
 
+qwZ without hpZ. Every gather of a unit (forward, backward, each micro-batch) goes over the DP
+group quantized. The weights do not change within a step, so this rank's quantized shard (the
+send payload: q and fp32 scales, `collectives.quantize_shard`) is made at the unit's first gather
+after a refresh and sent again by the later ones, not quantized again; `refresh()` drops it.
+Memory: per unit, about shard_numel * weight_bits / 8 bytes plus 4 per block of `block_size`
+(and under 32 bytes of padding), from the first forward until the step: for bf16 weights, half
+the shards' bytes at int8, a quarter at int4; counted in the MemoryMeter.
+
 Collectives: gathers are issued from the hooks in unit order, which is the same on every rank.
 """
 
@@ -38,8 +46,8 @@ from megadomino.zero.partition import FlatUnit
 
 
 class MemoryMeter:
-    """Bytes of the transient buffers the engine holds (gathered units, hpZ copies, gradient
-    buffers): the current total and its peak."""
+    """Bytes of the transient buffers the engine holds (gathered units, hpZ copies, qwZ's
+    cached quantized shards, gradient buffers): the current total and its peak."""
 
     def __init__(self):
         self.current = 0
@@ -118,6 +126,7 @@ class PartitionedParams:
         self.pending: list[Pending | None] = [None] * count
         self.from_primary = [False] * count
         self.secondary: list[torch.Tensor | None] = [None] * count
+        self.quantized: list[torch.Tensor | None] = [None] * count  # qwZ without hpZ
         self.is_root = [module is root for module in modules]
         for index, module in enumerate(modules):
             module.register_forward_pre_hook(lambda _m, _a, i=index: self._before_forward(i))
@@ -144,7 +153,8 @@ class PartitionedParams:
                                                          dims.intra_node_group, tag)
         elif config.quantized_weights:
             self.pending[index] = collectives.all_gather_quantized(
-                self.comm, shard, dims.dp_group, config.weight_bits, config.block_size, tag)
+                self.comm, shard, dims.dp_group, config.weight_bits, config.block_size, tag,
+                payload=self._quantized_shard(index))
         else:
             self.pending[index] = collectives.all_gather(self.comm, shard, dims.dp_group, tag)
 
@@ -191,14 +201,26 @@ class PartitionedParams:
             self.from_primary[index] = False
             self.fetch(index, "weights state dict")
 
+    def _quantized_shard(self, index: int) -> torch.Tensor | None:
+        """qwZ without hpZ: unit `index`'s quantized shard, made once per refresh (see the module
+        docstring). With hpZ, None: only the first gather after a refresh quantizes."""
+        if self.config.hpz:
+            return None
+        if self.quantized[index] is None:
+            self.quantized[index] = collectives.quantize_shard(
+                self.shards[index], self.config.weight_bits, self.config.block_size)
+            self.meter.hold(self.quantized[index])
+        return self.quantized[index]
+
     def refresh(self) -> None:
-        """The shards changed: drop gathered copies and hpZ secondaries (the next gather of each
-        unit goes over the DP group and makes a new secondary)."""
+        """The shards changed: drop gathered copies, hpZ secondaries (the next gather of each
+        unit goes over the DP group and makes a new secondary) and qwZ's quantized shards."""
         self.release_all()
-        for index, secondary in enumerate(self.secondary):
-            if secondary is not None:
-                self.meter.drop(secondary)
-                self.secondary[index] = None
+        for copies in (self.secondary, self.quantized):
+            for index, copy in enumerate(copies):
+                if copy is not None:
+                    self.meter.drop(copy)
+                    copies[index] = None
 
     # ---- hooks -----------------------------------------------------------------------------
 
