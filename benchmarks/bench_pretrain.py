@@ -79,8 +79,10 @@ def main() -> None:
             continue
         for variant in args.variants:
             rows.append(run(args, tp, False, variant))
+            print("row:", json.dumps(rows[-1]), flush=True)
             if args.sequence_parallel and tp > 1:
                 rows.append(run(args, tp, True, variant))
+                print("row:", json.dumps(rows[-1]), flush=True)
     device = torch.cuda.get_device_name(0) if gpus else "cpu"
     result = {"device": device, "gpus": gpus, "torch": torch.__version__, "args": vars(args),
               "rows": rows}

@@ -432,6 +432,15 @@ def test_cuda_graph_rules(argv, named):
         parse(*argv)
 
 
+def test_cuda_graph_refuses_data_parallelism():
+    model_config, train_config, _ = parse(*NO_DROPOUT, "--tensor-model-parallel-size", "2",
+                                          "--micro-batch-size", "2", "--global-batch-size", "8")
+    validate_world(model_config, train_config, 2)
+    with pytest.raises(ConfigError, match="--enable-cuda-graph is for tensor parallelism alone "
+                                          "for now .* got data-parallel size 2"):
+        validate_world(model_config, train_config, 4)
+
+
 HPZ = ("--zero-stage", "3", "--zeropp-hpz-partition-size")
 
 
