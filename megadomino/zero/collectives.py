@@ -46,13 +46,24 @@ from megadomino.parallel.compat import all_gather_single, reduce_scatter_single
 
 
 class Pending:
-    """A launched collective; `wait()` finishes it and returns its result (once)."""
+    """A launched collective; `wait()` finishes it and returns its result (once). A multi-stage
+    one (qgZ) may also take `advance`, its middle stage: `advance()` runs it (once) without
+    waiting for the last stage, so that its next collective is in flight while the caller goes
+    on; wait() advances first if nobody did."""
 
-    def __init__(self, finish: Callable[[], torch.Tensor]):
+    def __init__(self, finish: Callable[[], torch.Tensor],
+                 advance: Callable[[], None] | None = None):
         self._finish = finish
+        self._advance = advance
         self._result: torch.Tensor | None = None
 
+    def advance(self) -> None:
+        if self._advance is not None:
+            advance, self._advance = self._advance, None
+            advance()
+
     def wait(self) -> torch.Tensor:
+        self.advance()
         if self._finish is not None:
             self._result, self._finish = self._finish(), None
         return self._result
@@ -200,12 +211,13 @@ def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: 
          node's sum of its chunk;
       5. dequantize_reduce, times 1 / dp.
 
-    Steps 1-2 run at launch (2 asynchronously), 3-5 in wait(); with P == 1 or n == 1 steps 2-3 or
-    3-4 drop out. Zero-copy: steps 1 and 3 quantize straight into the rows of the next
-    all-to-all's send buffer (PayloadLayout, one row per destination), and steps 3 and 5 read
-    the received rows in place. inf/NaN: the quantizer gives a block holding one a NaN scale (and
-    the sums keep it NaN, never finite garbage); step 1's scales are checked here, before
-    anything is sent, and `found_nonfinite` is set (no host sync)."""
+    Steps 1-2 run at launch (2 asynchronously), 3-4 in the Pending's advance() (4 left in
+    flight), 5 in wait(); with P == 1 or n == 1 steps 2-3 or 3-4 drop out. Zero-copy: steps 1
+    and 3 quantize straight into the rows of the next all-to-all's send buffer (PayloadLayout,
+    one row per destination), and steps 3 and 5 read the received rows in place. inf/NaN: the
+    quantizer gives a block holding one a NaN scale (and the sums keep it NaN, never finite
+    garbage); step 1's scales are checked here, before anything is sent, and
+anything is sent, and `found_nonfinite` is set (no host sync)."""
     quant = _quantization()
     nodes, local, chunk = dims.num_nodes_dp, dims.dp_per_node, flat.numel() // dims.dp
     # The first all-to-all: inside the node, or across nodes with one rank per node. Row d of
@@ -226,13 +238,16 @@ def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: 
     if local == 1 or nodes == 1:
         return Pending(lambda: reduce(first(), sent, dims.dp))
 
-    def finish() -> torch.Tensor:
-        sums = quant.PayloadLayout(1, chunk, bits, block_size)  # row n: the node's sum for node n
+    sums = quant.PayloadLayout(1, chunk, bits, block_size)  # row n: the node's sum for node n
+    second: list[Callable[[], torch.Tensor]] = []
+
+    def advance() -> None:  # steps 3-4: the inter-node all-to-all left in flight
         node_sums = sums.empty(nodes, flat.device)
         quant.dequantize_reduce_quantize(*sent.views(first()), local, bits, bits, block_size,
                                          chunk, out=sums.views(node_sums))
-        return reduce(_exchange(comm, node_sums, dims.inter_node_group)(), sums, nodes)
-    return Pending(finish)
+        second.append(_exchange(comm, node_sums, dims.inter_node_group))
+
+    return Pending(lambda: reduce(second[0](), sums, nodes), advance)
 
 
 def _exchange(comm: CommCounter, payload: torch.Tensor,

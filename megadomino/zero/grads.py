@@ -18,8 +18,12 @@ the grad norm (which catches inf/NaN on the plain path) and skips or raises on e
 Ordering assumptions:
   * Reductions are launched in backward unit order (the last layer first, the root last),
     whatever order autograd fires the hooks in: a unit that completes early waits for the units
-    before it. At most one reduction is in flight; launching the next finishes it. So every DP
-    rank issues the same collectives in the same order.
+    before it. At most two reductions are in flight: launching unit i finishes unit i-2 and
+    advances unit i-1 (qgZ: its intra-node sums are requantized and its inter-node all-to-all
+    launched), so that no wait on the compute stream follows a collective launch directly (one
+    unit's backward runs between them). Memory: up to three units' fp32 gradient buffers at
+    stage 3 (the two in flight and the one filling). Every DP rank issues the same collectives
+    in the same order.
   * A parameter reports at most once per backward (one AccumulateGrad per leaf per graph).
   * CUDA: as GradBuffer, the hooks run on the stream of the parameter's gradient, collectives
     are enqueued after the work queued there, and waits make the current stream wait.
@@ -67,7 +71,7 @@ class GradReducer:
                 param.register_post_accumulate_grad_hook(self._on_grad)
         self._reported = [0] * len(units)
         self._next = 0
-        self._inflight: tuple[int, Pending] | None = None
+        self._inflight: list[tuple[int, Pending]] = []  # oldest first, at most two
         self._sync = True
 
     @contextlib.contextmanager
@@ -86,7 +90,7 @@ class GradReducer:
 
     def zero_grad(self) -> None:
         """Zero the shards (and stage 1's buffers) and the non-finite flag; start of a step."""
-        if self._inflight is not None or self._next:
+        if self._inflight or self._next:
             raise RuntimeError("zero_grad() during a backward's reduction: call "
                                "engine.backward() to the end first")
         for shard in self.grad_shards:
@@ -129,8 +133,12 @@ class GradReducer:
             index = self.order[self._next]
             if not force and self._reported[index] < len(self.units[index].params):
                 return
-            self._finish_inflight()
-            self._inflight = (index, self._launch(index))
+            # Two-deep pipeline: the unit before the previous one finishes, the previous one
+            # advances (qgZ: its inter-node all-to-all goes in flight), then this one launches.
+            self._finish_inflight(keep=1)
+            for _, pending in self._inflight:
+                pending.advance()
+            self._inflight.append((index, self._launch(index)))
             self._next += 1
 
     def _launch(self, index: int) -> Pending:
@@ -149,11 +157,12 @@ class GradReducer:
         return collectives.reduce_scatter(self.comm, flat, self.dims.dp_group,
                                           REDUCE_DTYPES[config.reduce_dtype])
 
-    def _finish_inflight(self) -> None:
-        if self._inflight is None:
-            return
-        index, pending = self._inflight
-        self._inflight = None
+    def _finish_inflight(self, keep: int = 0) -> None:
+        """Finish in-flight reductions, oldest first, until `keep` are left."""
+        while len(self._inflight) > keep:
+            self._finish_one(*self._inflight.pop(0))
+
+    def _finish_one(self, index: int, pending: Pending) -> None:
         self.grad_shards[index].add_(pending.wait())
         if self.persistent:
             self.buffers[index].zero_()  # reduced: a further synced backward starts afresh
