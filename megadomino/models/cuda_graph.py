@@ -18,8 +18,9 @@ bucket during it.
 
 Limits, refused up front by `ModelConfig.validate` / the training arguments with the flag named:
 data-parallel size 1 (at TP 2 x DP 2 the graphed losses drifted from eager ones by 1e-4
-relative after 3 iterations in fp32, while TP alone matches to 1e-5; not yet explained), dropout
-must be 0 (the model-parallel RNG tracker swaps generator states, which a graph cannot
+relative after 3 iterations in fp32, while TP alone matches to 1e-5; not yet explained;
+MEGADOMINO_CUDA_GRAPH_ALLOW_DP=1 lifts the refusal for scripts/debug/cuda_graph_dp_drift.py),
+dropout must be 0 (the model-parallel RNG tracker swaps generator states, which a graph cannot
 capture), no activation recompute (it saves and restores RNG states), no Domino slicing (its
 schedule hands parameter gradients to autograd from inside its backward), no ZeRO stage 3 (its
 per-layer gather hooks run on the host). Shapes are static: a call whose input shape differs
@@ -29,6 +30,8 @@ step holds at its peak.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -71,7 +74,7 @@ def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> 
     tensor-parallel group (warm-up and capture run its collectives): every rank calls it at the
     same point. Gradients the warm-up computed are not kept (autograd.grad, no accumulation)."""
     block, config, dims = model.decoder, model.config, model.dims
-    if dims.dp > 1:
+    if dims.dp > 1 and os.environ.get("MEGADOMINO_CUDA_GRAPH_ALLOW_DP") != "1":
         from megadomino.training.arguments import CUDA_GRAPH_DP_ERROR
         raise ConfigError(CUDA_GRAPH_DP_ERROR.format(dp=dims.dp))
     device = next(model.parameters()).device

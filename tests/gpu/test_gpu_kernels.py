@@ -1,7 +1,8 @@
 """On the GPU machine: the compiled quantization kernels against their torch references (bit
 for bit, bf16 output rounded to nearest even as torch does), larger than the interpreter allows,
-plus offsets past 2^31 and a tensor on another GPU than the current one. Skipped without CUDA;
-`python -m pytest tests/gpu/test_gpu_kernels.py -q` runs it."""
+plus offsets past 2^31, a tensor on another GPU than the current one, and the row layouts
+(quantized data read and written in place in payload rows) of tests/test_kernels.py. Skipped
+without CUDA; `python -m pytest tests/gpu/test_gpu_kernels.py -q` runs it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from test_kernels import (
     check_quantize,
     check_swizzled_quantize,
     check_tiny_scales,
+    row_cases,
 )
 
 from megadomino.kernels import dequantize, quantize, quantize_reference
@@ -39,6 +41,16 @@ def test_quantize_dequantize(numel: int, block_size: int, dtype: str, bits: int)
 @pytest.mark.parametrize("case", list(EXPLICIT_CHECKS))
 def test_explicit(case: str) -> None:
     check, params = EXPLICIT_CHECKS[case]
+    check("cuda", False, **params)
+
+
+ROW_CASES = row_cases()
+
+
+@pytest.mark.parametrize("case", list(ROW_CASES))
+def test_row_layouts(case: str) -> None:
+    """The row layouts (PayloadLayout rows and gapped rows) on the compiled kernel."""
+    check, params = ROW_CASES[case]
     check("cuda", False, **params)
 
 
