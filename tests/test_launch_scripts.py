@@ -96,7 +96,7 @@ def test_entry_point_started_by_srun_directly():
 
 def all_scripts() -> list[str]:
     patterns = ("scripts/slurm/*.sbatch", "scripts/slurm/*.sh", "scripts/local/*.sh",
-                "scripts/finetune/*.sh", "scripts/*.sh")
+                "scripts/finetune/*.sh", "scripts/*.sh", "benchmarks/*.sh")
     return sorted(path for pattern in patterns for path in glob.glob(os.path.join(REPO, pattern)))
 
 

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU machine's checks and benchmarks, step by step, each under its own time limit, results in
+# $OUT (default ./gpu_out). Meant for the device tool, which lends a machine for 10 minutes a
+# call: pick the steps that fit, e.g.
+#
+#   bash benchmarks/gpu_suite.sh setup tests-gpu zero domino        # 4 GPUs
+#   bash benchmarks/gpu_suite.sh setup kernels quant                # 1 GPU
+#
+# Steps:
+#   setup        editable install (python3's pip: plain `pip` there is another Python) and, when
+#                .peerwhl/ holds megatron-core / DeepSpeed wheels (carry it), the peers in /tmp/site
+#   tests-gpu    python3 -m pytest tests/gpu -q -x
+#   kernels      tests/gpu/test_gpu_kernels.py only (1 GPU)
+#   quant        benchmarks/bench_quant.py: our kernels vs DeepSpeed's quantizer, one GPU
+#   zero         benchmarks/bench_zero.py: ZeRO-3 vs ZeRO++ (and its parts) on 4 GPUs as 2 x 2
+#   domino       benchmarks/bench_domino.py core rows, CUDA-graphed, with megatron-core
+#   domino-ds    the GPT row with DeepSpeed's Domino too (CUDA_DEVICE_MAX_CONNECTIONS=1)
+#   e2e          pretrain_gpt.py gpt3-6.7b, 8 layers, TP = all GPUs: eager vs SP + fused comm +
+#                CUDA graphs
+#   graph-dp     scripts/debug/cuda_graph_dp_drift.py (the open --enable-cuda-graph DP drift)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.txt
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  echo "== $name rc=$?"
+  tail -n 12 "$OUT/$name.txt"
+}
+
+for name in "$@"; do
+  case $name in
+    setup)
+      python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/setup.txt" 2>&1
+      if ls .peerwhl/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site .peerwhl/*.whl \
+          >> "$OUT/setup.txt" 2>&1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/setup.txt" ;;
+    tests-gpu) step tests-gpu 500 python3 -m pytest tests/gpu -q -x ;;
+    kernels) step kernels 200 python3 -m pytest tests/gpu/test_gpu_kernels.py -q -x ;;
+    quant) step quant 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_quant.py \
+             --out "$OUT/quant.json" ;;
+    zero) step zero 200 torchrun --standalone --nproc_per_node 4 benchmarks/bench_zero.py \
+            --steps 6 --warmup 2 --out "$OUT/zero.json" ;;
+    domino) step domino 300 torchrun --standalone --nproc_per_node "$GPUS" \
+              benchmarks/bench_domino.py --rows core --peers megatron --plans 1x1,2x1 \
+              --comm-overlap --cuda-graph --iters 10 --out "$OUT/domino.json" ;;
+    domino-ds) step domino-ds 200 env CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --standalone \
+                 --nproc_per_node "$GPUS" benchmarks/bench_domino.py --rows gpt3-6.7b \
+                 --peers megatron,deepspeed --plans 1x1 --comm-overlap --cuda-graph --iters 10 \
+                 --out "$OUT/domino_ds.json" ;;
+    e2e) step e2e 400 python3 benchmarks/bench_pretrain.py --preset gpt3-6.7b --num-layers 8 \
+           --tp "$GPUS" --iters 10 --micro-batch-size 4 \
+           --variants '--hidden-dropout 0 --attention-dropout 0' \
+           '--hidden-dropout 0 --attention-dropout 0 --sequence-parallel --tp-comm-overlap --enable-cuda-graph' \
+           --out "$OUT/e2e.json" ;;
+    graph-dp) step graph-dp 200 env MEGADOMINO_CUDA_GRAPH_ALLOW_DP=1 torchrun --standalone \
+                --nproc_per_node 4 scripts/debug/cuda_graph_dp_drift.py ;;
+    *) echo "unknown step $name" >&2; exit 2 ;;
+  esac
+done
