@@ -17,6 +17,7 @@ FLAGS=("$@")
 RATES=${RATES:-"1gbit 100mbit"}
 RUN_TIMEOUT=${RUN_TIMEOUT:-400}
 OUT_DIR=${OUT_DIR:-$(mktemp -d)}
+mkdir -p "$OUT_DIR"
 SUBNET=10.232.84
 source scripts/lib/netns.sh
 netns_pair_up mdz "$SUBNET"
