@@ -11,10 +11,10 @@ loss), forward and backward, tensor-parallel collectives included (NCCL and symm
 are capturable; they are first run eagerly by the warm-up, which sets up communicators and
 symmetric-memory buffers). The layer inputs (hidden states, rotary tables) are copied into the
 graph's static buffers on each call; the parameters are read in place, so optimizer updates are
-seen. Parameter gradients come out of the backward graph and are accumulated by autograd
-outside it, so gradient hooks (the DP gradient buffer, ZeRO stage 1) run as usual: the data-
-parallel all-reduce then starts after the whole layer stack's backward instead of bucket by
-bucket during it.
+seen - as long as nothing re-points a parameter's storage after the capture (the training loop
+captures after the gradient buffer or ZeRO stage 1 engine, which flattens parameters, is built).
+Parameter gradients come out of the backward graph and are accumulated by autograd outside it,
+so gradient hooks (the DP gradient buffer, ZeRO stage 1) run as usual.
 
 Limits, refused up front by `ModelConfig.validate` / the training arguments with the flag named:
 data-parallel size 1 (at TP 2 x DP 2 the graphed losses drifted from eager ones by 1e-4

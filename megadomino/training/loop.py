@@ -127,8 +127,6 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     device = next(model.parameters()).device
     if train_config.domino_auto:  # before the gradient buffer or engine hooks the parameters
         autotune_domino(model, train_config.micro_batch_size, log)
-    if model_config.enable_cuda_graph:
-        capture_layers(model, train_config.micro_batch_size, log=log)
     if zero is None:
         grads = GradBuffer(model.parameters(), dims, bucket_numel=train_config.ddp_bucket_size)
         optimizer = build_optimizer(model.parameters(), dims, train_config)
@@ -139,6 +137,10 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
         optimizer = engine = _zero_engine(model, dims, train_config, zero)
         if state.iteration > 0 and not train_config.no_load_optim:  # resumed a training run
             load_zero_state(train_config.load, state.iteration, engine, dims)
+    if model_config.enable_cuda_graph:
+        # After the engine: ZeRO stage 1 re-points the parameters into its flat buffer, and the
+        # graphs read the parameters' storage as it is at capture.
+        capture_layers(model, train_config.micro_batch_size, log=log)
     timers = Timers(device)
     step = Stepper(model, engine, dims, train_config.micro_batch_size, num_micro, device, timers)
     padded_vocab = model_config.padded_vocab_size(dims.tp)
