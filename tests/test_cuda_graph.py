@@ -68,3 +68,13 @@ def test_routing_and_state_dict(family):
     with torch.no_grad():
         model(tokens, labels=tokens)  # eval: eager
     assert len(calls) == 1
+
+
+def test_invalidated_graph_refuses_to_replay():
+    model = _model()
+    stack = _LayerStack(model.decoder.layers)
+    x = torch.randn(64, 2, 64)
+    rotary = model.rotary(64, None, "cpu")
+    graphed = GraphedLayers(stack, (x, *rotary), still_valid=lambda: False)
+    with pytest.raises(RuntimeError, match="symmetric-memory workspace .* re-allocated"):
+        graphed(x, *rotary)

@@ -54,18 +54,45 @@ class _LayerStack(nn.Module):
 
 class GraphedLayers:
     """A captured layer stack: call it like the layers (x, *rotary) -> x; `matches(x, rotary)`
-    says whether a call has the captured shapes (else the caller runs the layers eagerly)."""
+    says whether a call has the captured shapes (else the caller runs the layers eagerly).
+    `still_valid()` says whether memory the graphs point at outside their own pool is still the
+    memory seen at capture (the symmetric-memory workspace of --tp-comm-overlap); a call after
+    it changed raises instead of replaying into freed memory."""
 
-    def __init__(self, stack: nn.Module, sample: tuple[torch.Tensor, ...]):
+    def __init__(self, stack: nn.Module, sample: tuple[torch.Tensor, ...],
+                 still_valid=lambda: True):
         self._stack = stack
         self._shapes = [(t.shape, t.dtype, t.device) for t in sample]
+        self._still_valid = still_valid
 
     def matches(self, args: tuple[torch.Tensor, ...]) -> bool:
         return len(args) == len(self._shapes) and all(
             (t.shape, t.dtype, t.device) == shape for t, shape in zip(args, self._shapes))
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        if not self._still_valid():
+            raise RuntimeError(
+                "--enable-cuda-graph: the symmetric-memory workspace of --tp-comm-overlap was "
+                "re-allocated after the layers were captured (an eager fused op needed a larger "
+                "one), so the graphs would use freed memory; the capture sizes it for the "
+                "layers' shapes: report the shapes that grew it")
         return self._stack(*args)
+
+
+def _workspace_guard(model):
+    """still_valid() for GraphedLayers: with fused SP communication, the TP group's
+    symmetric-memory workspace (a torch-internal table; no guard where it is absent) must stay
+    the tensor the capture used, since the graphs hold its address."""
+    config, dims = model.config, model.dims
+    if not (config.tp_comm_overlap and model.sequence_parallel and dims.tp > 1):
+        return lambda: True
+    from torch.distributed import _symmetric_memory as symm_mem
+    table = getattr(symm_mem, "_group_name_to_workspace_tensor", None)
+    if not isinstance(table, dict):
+        return lambda: True
+    name = dims.tp_group.group_name
+    captured = table.get(name)
+    return lambda: table.get(name) is captured
 
 
 def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> GraphedLayers:
@@ -93,7 +120,7 @@ def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> 
     torch.cuda.synchronize(device)
     graphed = torch.cuda.make_graphed_callables(stack, sample, num_warmup_iters=warmup)
     torch.cuda.synchronize(device)
-    layers = GraphedLayers(graphed, sample)
+    layers = GraphedLayers(graphed, sample, _workspace_guard(model))
     block.graphed_layers = layers
     if dims.rank == 0:
         log(f"cuda graph: captured {len(block.layers)} layers, forward + backward of a "
