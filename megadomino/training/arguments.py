@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.domino.plan import validate_plan
+from megadomino.models.cuda_graph import refuse_data_parallel
 from megadomino.parallel.dims import check_degrees, check_gpus_per_node
 from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, REFUSED, Flag
 from megadomino.zero.config import ZeroConfig
@@ -169,13 +170,6 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
                       **{name: value for name, value in optional.items() if value is not None})
 
 
-CUDA_GRAPH_DP_ERROR = (
-    "--enable-cuda-graph is for tensor parallelism alone for now (data-parallel size 1), got "
-    "data-parallel size {dp}: at TP 2 x DP 2 graphed training drifted from eager training "
-    "(1e-4 relative by iteration 3, fp32; the cause is not found yet), so it is refused. Drop "
-    "the flag or run one model replica")
-
-
 def validate_world(model_config: ModelConfig, train_config: TrainConfig, world_size: int,
                    local_world_size: int | None = None) -> None:
     """Raise ConfigError naming the flag if the configs cannot run on `world_size` ranks, of which
@@ -203,7 +197,7 @@ def validate_world(model_config: ModelConfig, train_config: TrainConfig, world_s
             f"--global-batch-size={global_batch} is invalid: it must be a positive multiple of "
             f"--micro-batch-size ({micro}) x data-parallel size ({dp}) = {micro * dp}")
     if model_config.enable_cuda_graph and dp > 1:
-        raise ConfigError(CUDA_GRAPH_DP_ERROR.format(dp=dp))
+        refuse_data_parallel(dp)
     zero = zero_config(model_config, train_config)
     if zero is not None:
         gpus = train_config.gpus_per_node or local_world_size or world_size
