@@ -19,9 +19,11 @@ Ordering assumptions:
     autograd fires the hooks in.
   * A parameter reports at most once per backward (one AccumulateGrad per leaf per graph); a
     second report after its bucket was launched would race the in-flight all-reduce and is refused.
-  * Streams (CUDA): the hooks run on the stream autograd uses for the parameter's gradient (the
-    forward's stream: one compute stream); NCCL orders the all-reduce after the work already queued
-    on that stream when it is launched. `finish_grad_sync()` waits on the handles, which makes the
+  * Streams (CUDA): the hooks run on the stream of the parameter's AccumulateGrad node (usually
+    the one compute stream; under --enable-cuda-graph the graphed layers' nodes are on the
+    capture's side stream). Before a bucket's all-reduce is enqueued on the current stream, that
+    stream waits for every other stream the bucket's hooks ran on (`parallel.streams`); NCCL
+    orders the all-reduce after the work queued there. `finish_grad_sync()` waits on the handles, which makes the
     calling (current) stream wait for NCCL; the optimizer must run on that stream.
 """
 
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megadomino.parallel import ParallelDims
+from megadomino.parallel.streams import HookStreams
 
 DEFAULT_BUCKET_NUMEL = 25_000_000
 
@@ -84,6 +87,7 @@ class GradBuffer:
         self._sequence_parallel = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         self._sync = True
         self._next_launch = 0
+        self._streams = HookStreams()
         for param in self.params:
             param.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -99,6 +103,7 @@ class GradBuffer:
             bucket.reported.clear()
             bucket.launched = False
         self._next_launch = 0
+        self._streams.clear()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -136,6 +141,7 @@ class GradBuffer:
                 "need no_sync() for all but the last), and zero_grad() must start each step")
         param.main_grad.add_(param.grad)
         param.grad = None
+        self._streams.note(id(bucket), param.main_grad)
         if self._sync:
             bucket.reported.add(id(param))
             self._launch_ready(force=False)
@@ -147,6 +153,7 @@ class GradBuffer:
             if not force and len(bucket.reported) < len(bucket.params):
                 return
             bucket.launched = True
+            self._streams.join(id(bucket))
             if self.dims.dp > 1:
                 bucket.data.div_(self.dims.dp)
                 bucket.handle = dist.all_reduce(bucket.data, group=self.dims.dp_group,

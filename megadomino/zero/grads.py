@@ -25,8 +25,9 @@ Ordering assumptions:
     stage 3 (the two in flight and the one filling). Every DP rank issues the same collectives
     in the same order.
   * A parameter reports at most once per backward (one AccumulateGrad per leaf per graph).
-  * CUDA: as GradBuffer, the hooks run on the stream of the parameter's gradient, collectives
-    are enqueued after the work queued there, and waits make the current stream wait.
+  * CUDA: as GradBuffer, the hooks run on the stream of the parameter's AccumulateGrad node, a
+    unit's reduction is enqueued on the current stream after it waited for every other stream
+    the unit's hooks ran on (`parallel.streams`), and waits make the current stream wait.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from megadomino.parallel.streams import HookStreams
 from megadomino.zero import collectives
 from megadomino.zero.collectives import CommCounter, Pending
 from megadomino.zero.config import REDUCE_DTYPES, ZeroConfig
@@ -73,6 +75,7 @@ class GradReducer:
         self._next = 0
         self._inflight: list[tuple[int, Pending]] = []  # oldest first, at most two
         self._sync = True
+        self._streams = HookStreams()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -121,6 +124,7 @@ class GradReducer:
         start = unit.offsets[position]
         self.buffers[index][start:start + param.numel()].add_(param.grad.reshape(-1))
         param.grad = None
+        self._streams.note(index, self.buffers[index])
         self._reported[index] += 1
         if self._reported[index] == len(unit.params) and self.on_unit_done is not None:
             self.on_unit_done(index)
@@ -147,6 +151,7 @@ class GradReducer:
             self.buffers[index] = torch.zeros(unit.padded_numel, device=self.grad_shards[0].device)
             self.meter.hold(self.buffers[index])
         flat = self.buffers[index]
+        self._streams.join(index)
         if self.dims.dp == 1:
             return Pending(lambda: flat)
         if config.quantized_gradients:
