@@ -17,7 +17,8 @@
 #   domino-ds    the GPT row with DeepSpeed's Domino too (CUDA_DEVICE_MAX_CONNECTIONS=1)
 #   e2e          pretrain_gpt.py gpt3-6.7b, 8 layers, TP = all GPUs: eager vs SP + fused comm +
 #                CUDA graphs
-#   graph-dp     scripts/debug/cuda_graph_dp_drift.py (the open --enable-cuda-graph DP drift)
+#   graph-dp     scripts/debug/cuda_graph_dp_drift.py (--enable-cuda-graph at TP 2 x DP 2: eager,
+#                graphed, graphed without the gradient hooks' stream join)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -63,7 +64,7 @@ for name in "$@"; do
            --variants '--hidden-dropout 0 --attention-dropout 0' \
            '--hidden-dropout 0 --attention-dropout 0 --sequence-parallel --tp-comm-overlap --enable-cuda-graph' \
            --out "$OUT/e2e.json" ;;
-    graph-dp) step graph-dp 200 env MEGADOMINO_CUDA_GRAPH_ALLOW_DP=1 torchrun --standalone \
+    graph-dp) step graph-dp 200 torchrun --standalone \
                 --nproc_per_node 4 scripts/debug/cuda_graph_dp_drift.py ;;
     *) echo "unknown step $name" >&2; exit 2 ;;
   esac

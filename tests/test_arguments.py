@@ -432,13 +432,11 @@ def test_cuda_graph_rules(argv, named):
         parse(*argv)
 
 
-def test_cuda_graph_refuses_data_parallelism():
+def test_cuda_graph_allows_data_parallelism():
+    """TP 2 x DP 2 graphed training equals eager (tests/gpu/test_gpu_cuda_graph.py)."""
     model_config, train_config, _ = parse(*NO_DROPOUT, "--tensor-model-parallel-size", "2",
                                           "--micro-batch-size", "2", "--global-batch-size", "8")
-    validate_world(model_config, train_config, 2)
-    with pytest.raises(ConfigError, match="--enable-cuda-graph is for tensor parallelism alone "
-                                          "for now .* got data-parallel size 2"):
-        validate_world(model_config, train_config, 4)
+    validate_world(model_config, train_config, 4)
 
 
 HPZ = ("--zero-stage", "3", "--zeropp-hpz-partition-size")

@@ -14,12 +14,13 @@ graph's static buffers on each call; the parameters are read in place, so optimi
 seen - as long as nothing re-points a parameter's storage after the capture (the training loop
 captures after the gradient buffer or ZeRO stage 1 engine, which flattens parameters, is built).
 Parameter gradients come out of the backward graph and are accumulated by autograd outside it,
-so gradient hooks (the DP gradient buffer, ZeRO stage 1) run as usual.
+so gradient hooks (the DP gradient buffer, ZeRO stage 1) run as usual - but on the capture's
+side stream (the captured autograd graph keeps the parameters' AccumulateGrad nodes made there),
+while the embedding's run on the main stream: the hooks join the streams a bucket's gradients
+came from before its DP reduction is enqueued (`parallel.streams`; without that join, TP 2 x
+DP 2 drifted from eager training by 1e-4 relative, scripts/debug/cuda_graph_dp_drift.py).
 
 Limits, refused up front by `ModelConfig.validate` / the training arguments with the flag named:
-data-parallel size 1 (at TP 2 x DP 2 the graphed losses drifted from eager ones by 1e-4
-relative after 3 iterations in fp32, while TP alone matches to 1e-5; not yet explained;
-MEGADOMINO_CUDA_GRAPH_ALLOW_DP=1 lifts the refusal for scripts/debug/cuda_graph_dp_drift.py),
 dropout must be 0 (the model-parallel RNG tracker swaps generator states, which a graph cannot
 capture), no activation recompute (it saves and restores RNG states), no Domino slicing (its
 schedule hands parameter gradients to autograd from inside its backward), no ZeRO stage 3 (its
@@ -31,21 +32,10 @@ step holds at its peak.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from megadomino.config import ConfigError
-
-
-def refuse_data_parallel(dp: int) -> None:
-    """ConfigError for --enable-cuda-graph at data-parallel size `dp` > 1 (module docstring)."""
-    raise ConfigError(
-        "--enable-cuda-graph is for tensor parallelism alone for now (data-parallel size 1), "
-        f"got data-parallel size {dp}: at TP 2 x DP 2 graphed training drifted from eager "
-        "training (1e-4 relative by iteration 3, fp32; the cause is not found yet), so it is "
-        "refused. Drop the flag or run one model replica")
 
 
 class _LayerStack(nn.Module):
@@ -110,8 +100,6 @@ def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> 
     tensor-parallel group (warm-up and capture run its collectives): every rank calls it at the
     same point. Gradients the warm-up computed are not kept (autograd.grad, no accumulation)."""
     block, config, dims = model.decoder, model.config, model.dims
-    if dims.dp > 1 and os.environ.get("MEGADOMINO_CUDA_GRAPH_ALLOW_DP") != "1":
-        refuse_data_parallel(dims.dp)
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise ConfigError(f"--enable-cuda-graph needs the model on a CUDA device, got {device}: "

@@ -19,7 +19,6 @@ from typing import Any, NoReturn
 
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.domino.plan import validate_plan
-from megadomino.models.cuda_graph import refuse_data_parallel
 from megadomino.parallel.dims import check_degrees, check_gpus_per_node
 from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, REFUSED, Flag
 from megadomino.zero.config import ZeroConfig
@@ -196,8 +195,6 @@ def validate_world(model_config: ModelConfig, train_config: TrainConfig, world_s
         raise ConfigError(
             f"--global-batch-size={global_batch} is invalid: it must be a positive multiple of "
             f"--micro-batch-size ({micro}) x data-parallel size ({dp}) = {micro * dp}")
-    if model_config.enable_cuda_graph and dp > 1:
-        refuse_data_parallel(dp)
     zero = zero_config(model_config, train_config)
     if zero is not None:
         gpus = train_config.gpus_per_node or local_world_size or world_size

@@ -1,14 +1,14 @@
-"""Localize the --enable-cuda-graph drift seen at TP 2 x DP 2 (GPU machine, 4 GPUs):
+"""The --enable-cuda-graph drift at TP 2 x DP 2, before and after its fix (GPU machine, 4 GPUs):
 
-    MEGADOMINO_CUDA_GRAPH_ALLOW_DP=1 torchrun --standalone --nproc_per_node 4 \
+    torchrun --standalone --nproc_per_node 4 \\
         scripts/debug/cuda_graph_dp_drift.py
 
-Trains a tiny GPT (fp32, TF32 off, dropout 0) for a few iterations, eager and with the layers
-CUDA-graphed, at TP 2 x DP (world / 2) (`--nproc_per_node 2` is the control, TP 2 x DP 1, which
-matched), and prints per iteration the loss and the gradient norm of both runs. The gradient
-norm is taken before clipping, so a difference at iteration 1 is a gradient difference in the
-first backward, not an optimizer effect. (First seen: losses equal for 2 iterations, then
-1e-4..7e-4 relative apart; eager runs agree with each other exactly.)
+Trains a tiny GPT (fp32, TF32 off, dropout 0) for a few iterations at TP 2 x DP (world / 2):
+eager, CUDA-graphed, and CUDA-graphed with the gradient hooks' stream join switched off (the code
+before the fix: `parallel.streams.HookStreams.join` a no-op), and prints per iteration the loss
+and the pre-clip gradient norm of each. The cause: the graphed layers' AccumulateGrad nodes run
+on the capture's side stream, the embedding's on the main one, and the DP bucket's all-reduce was
+enqueued on the stream of its last hook without waiting for the other (parallel/streams.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megadomino.config import ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
+from megadomino.parallel.streams import HookStreams
 from megadomino.training.loop import train
 
 
@@ -38,14 +39,18 @@ def main() -> None:
     dist.init_process_group("nccl")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    iters = 5
+    iters = 8
     dims = ParallelDims(tp=2, dp=dist.get_world_size() // 2)
-    for graph in (False, True):
+    join = HookStreams.join
+    for name, graph, joined in (("eager", False, True), ("graph", True, True),
+                                ("graph, no stream join", True, False)):
+        HookStreams.join = join if joined else (lambda self, key: self._seen.pop(key, None))
         history = run(dims, graph, iters)
         if dist.get_rank() == 0:
-            print(f"TP2 x DP{dims.dp} graph={graph}: loss "
+            print(f"TP2 x DP{dims.dp} {name}: loss "
                   + " ".join(f"{v:.7f}" for v in history["losses"]) + " | grad norm "
                   + " ".join(f"{v:.7f}" for v in history["grad_norms"]), flush=True)
+    HookStreams.join = join
     dist.destroy_process_group()
 
 

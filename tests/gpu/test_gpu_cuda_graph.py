@@ -2,8 +2,9 @@
 small Llama train the same iterations with the layers captured in CUDA graphs and without, fp32
 (TF32 off: same kernels, so the losses agree to rounding) and bf16 (bound: bf16 rounding), at
 TP = 1 (one GPU) and at TP = each power-of-two GPU count from 2 up with sequence parallelism and
-the fused symmetric-memory GEMM + communication (`--tp-comm-overlap`). (DP > 1 is refused: see
-megadomino/models/cuda_graph.py.) `python -m pytest tests/gpu -q`."""
+the fused symmetric-memory GEMM + communication (`--tp-comm-overlap`), and at TP = half the GPUs x
+DP 2 (the DP gradient hooks then run on two streams: megadomino/parallel/streams.py).
+`python -m pytest tests/gpu -q`."""
 
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def gpu_cases(tp_of_world) -> dict[str, str | None]:
 
 
 def _layouts(world: int) -> list[tuple[int, bool]]:
+    """(tp, sequence parallel) per world: TP alone, and TP x DP (DP 2 at TP world/2)."""
     if world == 1:
         return [(1, False)]
-    return [(world, True)]  # TP only: --enable-cuda-graph refuses DP > 1 (cuda_graph.py)
+    return [(world, True), (world // 2, world > 2)]
 
 
 @functools.cache
