@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megadomino.kernels import quantization as quant  # noqa: E402
 
-TILES = [(4096, 4), (8192, 4), (16384, 8), (16384, 16)]  # the default is (8192, 8)
+TILES = [(4096, 2), (4096, 4), (8192, 4), (8192, 16), (16384, 8), (16384, 16),
+         (32768, 16)]  # --sweep's; the default is quantization._default_tile
 
 
 def time_ms(fn, inner: int = 20, repeats: int = 15) -> float:
@@ -93,27 +94,27 @@ class Bench:
         print(json.dumps(row), flush=True)
         self.rows.append(row)
 
-    def ours(self, group: int) -> None:
+    def ours(self, group: int, dtypes=("fp16", "bf16"), impl: str = "ours") -> None:
         n = self.numel
         scale_bytes = 4 * n / group
-        for dtype in ("fp16", "bf16"):
+        for dtype in dtypes:
             xs = self.x[dtype]
             for bits in (8, 4):
                 q_bytes = n * bits / 8
-                self.record(f"quantize int{bits}", "ours", group, dtype,
+                self.record(f"quantize int{bits}", impl, group, dtype,
                             lambda i, xs=xs, b=bits: quant.quantize(xs[i % 2], b, group),
                             2 * n + q_bytes + scale_bytes)
                 qs = [quant.quantize(x, bits, group) for x in xs]
-                self.record(f"dequantize int{bits}", "ours", group, dtype,
+                self.record(f"dequantize int{bits}", impl, group, dtype,
                             lambda i, qs=qs, b=bits, d=xs[0].dtype: quant.dequantize(
                                 *qs[i % 2], n, b, group, d), q_bytes + scale_bytes + 2 * n)
-            self.record("swizzled quantize int4 (2x4)", "ours", group, dtype,
+            self.record("swizzled quantize int4 (2x4)", impl, group, dtype,
                         lambda i, xs=xs: quant.swizzled_quantize(xs[i % 2], 4, group, 2, 4),
                         2 * n + n / 2 + scale_bytes)
         for bits in (4, 8):  # 4 intra-node inputs of 2 partitions: qgZ step 3 on 2 x 4 ranks
             qs = [quant.swizzled_quantize(x, bits, group, 2, 4) for x in self.x["fp16"]]
             read = n * bits / 8 + scale_bytes
-            self.record(f"dequant-reduce-quant int{bits} (4 inputs)", "ours", group, "fp16",
+            self.record(f"dequant-reduce-quant int{bits} (4 inputs)", impl, group, "fp16",
                         lambda i, qs=qs, b=bits: quant.dequantize_reduce_quantize(
                             *qs[i % 2], 4, b, b, group, n // 8), read * 1.25, read)
 
@@ -165,25 +166,15 @@ class Bench:
             self.rows.append(row)
 
     def sweep(self, group: int) -> None:
-        """Our quantize / dequantize (fp16) at other (elements per program, warps) tiles."""
-        n, xs = self.numel, self.x["fp16"]
-        for bits in (8, 4):
-            q_numel, s_numel = quant.quantized_size(n, bits, group)
-            q = torch.empty(q_numel, dtype=torch.int8 if bits == 8 else torch.uint8,
-                            device="cuda")
-            s = torch.empty(s_numel, device="cuda")
-            out = torch.empty(n, dtype=torch.float16, device="cuda")
+        """Every op of ours (fp16) again at other (elements per program, warps) tiles: the
+        launcher's default tile is swapped for each, so the public entry points are timed."""
+        default_tile = quant._default_tile
+        try:
             for tile in TILES:
-                common = dict(num_inputs=1, num_partitions=1, partition_numel=n,
-                              block_size=group, tile=tile)
-                self.record(f"quantize int{bits}", f"ours tile {tile}", group, "fp16",
-                            lambda i, c=common, b=bits, q=q, s=s: quant._launch(
-                                xs[i % 2], None, q, s, bits_in=0, bits_out=b, **c),
-                            2 * n + q_numel + 4 * s_numel)
-                self.record(f"dequantize int{bits}", f"ours tile {tile}", group, "fp16",
-                            lambda i, c=common, b=bits, q=q, s=s, out=out: quant._launch(
-                                q, s, out, None, bits_in=b, bits_out=0, **c),
-                            q_numel + 4 * s_numel + 2 * n)
+                quant._default_tile = lambda *_shape, tile=tile: tile
+                self.ours(group, dtypes=("fp16",), impl=f"ours tile {tile}")
+        finally:
+            quant._default_tile = default_tile
 
 
 def find(rows, op, impl, group, dtype="fp16", key="tbps"):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megadomino.parallel import ParallelDims
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zero_common  # noqa: E402
 from zero_common import CONFIGS, PlainDP, add_model_args, build_engine, train_step  # noqa: E402
 
 
@@ -77,7 +78,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(parser, "gpt3-1.3b", hidden=None, layers=None, seq=2048)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--configs", nargs="+", default=["plain dp", *CONFIGS],
+    parser.add_argument("--configs", nargs="+",
+                        default=["plain dp", *(c for c in CONFIGS if c not in zero_common.DEPTH1)],
                         choices=["plain dp", *CONFIGS])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)

@@ -30,6 +30,11 @@ CONFIGS: dict[str, dict] = {
     "zero++ int8 grads": dict(quantized_weights=True, hpz_partition_size=-1,
                               quantized_gradients=True, gradient_bits=8),
 }
+# Not run by default: the gradient reductions one deep (ZeroConfig.reduce_pipeline_depth=1),
+# to compare with the default two-deep pipeline in the same run.
+DEPTH1 = {f"{name} depth1": dict(CONFIGS[name], reduce_pipeline_depth=1)
+          for name in ("zero3", "qwz", "zero++")}
+CONFIGS.update(DEPTH1)
 ADAM = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
 

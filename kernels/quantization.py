@@ -310,10 +310,13 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
 INTERPRETING = HAS_TRITON and not isinstance(_block_quant_kernel, triton.runtime.JITFunction)
 
 
-def _default_tile(block_pad: int) -> tuple[int, int]:
-    """(elements per program, num_warps): several small blocks per program, 32 per thread."""
-    elements = max(block_pad, 8192)
-    return elements, min(16, elements // 1024)
+def _default_tile(block_pad: int, bits_in: int) -> tuple[int, int]:
+    """(elements per program, num_warps): 4096 elements (several small blocks, or one large
+    block) over 4 warps; quantizing floats in blocks above 4096 elements, 2 warps. Chosen from
+    `benchmarks/bench_quant.py --sweep` on an H200 (BENCHMARKS.md): 5-15% over the former
+    (8192 elements, 8 warps) for quantize and dequantize-reduce-quantize, dequantize equal."""
+    elements = max(block_pad, 4096)
+    return elements, 2 if bits_in == 0 and block_pad > 4096 else 4
 
 
 class _Rows(NamedTuple):
@@ -340,7 +343,7 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
     scales) point at their first partition; `src_rows` / `dst_rows` give their layout (default:
     flat). `tile` overrides (elements per program, num_warps), for benchmarks."""
     block_pad = triton.next_power_of_2(block_size)
-    elements, num_warps = tile or _default_tile(block_pad)
+    elements, num_warps = tile or _default_tile(block_pad, bits_in)
     blocks_per_program = max(1, elements // block_pad)
     blocks_per_partition = math.ceil(partition_numel / block_size)
     src_rows = src_rows or _contiguous_rows(partition_numel, bits_in, block_size)

@@ -44,6 +44,7 @@ ZERO_PP = dict(quantized_weights=True, hpz_partition_size=2, quantized_gradients
     (dict(gradient_bits=2), "--zeropp-gradient-bits"),
     (dict(block_size=7), "--zeropp-block-size"),
     (dict(on_nonfinite="ignore"), "on_nonfinite"),
+    (dict(reduce_pipeline_depth=3), "reduce_pipeline_depth=3 is invalid: it must be 1 or 2"),
 ])
 def test_config_refuses(fields, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -166,12 +167,14 @@ def _plain_dp(dims: ParallelDims, steps: int, num_micro: int, clip: float, **ove
 # ---- distributed cases --------------------------------------------------------------------------
 
 
-def _case_matches_plain_dp(dims: ParallelDims, stage: int, **overrides) -> None:
+def _case_matches_plain_dp(dims: ParallelDims, stage: int, depth: int = 2, **overrides) -> None:
     """Losses, grad norms (clipping active) and final weights equal plain DP to 1e-5 (fp32),
-    with two micro-batches per step; at stage 3 the engine never holds all layers at once."""
+    with two micro-batches per step; at stage 3 the engine never holds all layers at once.
+    `depth`: the gradient reductions' pipeline depth (ZeroConfig.reduce_pipeline_depth)."""
     steps, num_micro = 3, 2
     reference, expected = _plain_dp(dims, steps, num_micro, clip=0.5, **overrides)
-    engine = _engine(dims, clip=0.5, stage=stage, model_overrides=overrides)
+    engine = _engine(dims, clip=0.5, stage=stage, model_overrides=overrides,
+                     reduce_pipeline_depth=depth)
     got = _train(engine, dims, range(steps), num_micro)
     for (loss, result), (want_loss, want) in zip(got, expected):
         assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
@@ -400,6 +403,8 @@ def _cases() -> dict[str, str | None]:
     # hidden 62: a layer's 46934 elements do not divide by DP=4 (its flat buffer is padded)
     runner.run("stage3_matches_dp", _case_matches_plain_dp, nodes, 3, num_layers=4,
                hidden_size=62, num_attention_heads=2)
+    runner.run("stage3_depth1_matches_dp", _case_matches_plain_dp, nodes, 3, depth=1,
+               num_layers=3)
     runner.run("stage3_tp2_sp_matches_dp", _case_matches_plain_dp, tp_dp, 3,
                sequence_parallel=True)
     runner.run("qgz_int4", _case_qgz_matches_reduce_scatter, 4)
@@ -421,7 +426,8 @@ def _results() -> dict[str, str | None]:
 
 
 @pytest.mark.parametrize("case", [
-    "counter", "stage1_matches_dp", "stage3_matches_dp", "stage3_tp2_sp_matches_dp", "qgz_int4",
+    "counter", "stage1_matches_dp", "stage3_matches_dp", "stage3_depth1_matches_dp",
+    "stage3_tp2_sp_matches_dp", "qgz_int4",
     "qgz_int8", "qwz_gather", "stage1_qgz", "qwz_cache", "nonfinite", "bf16_bytes",
     "hpz_checkpoint", "zeropp_100_steps", "zeropp_100_steps_tp2"])
 def test_zero(case):

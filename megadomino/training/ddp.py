@@ -23,8 +23,9 @@ Ordering assumptions:
     the one compute stream; under --enable-cuda-graph the graphed layers' nodes are on the
     capture's side stream). Before a bucket's all-reduce is enqueued on the current stream, that
     stream waits for every other stream the bucket's hooks ran on (`parallel.streams`); NCCL
-    orders the all-reduce after the work queued there. `finish_grad_sync()` waits on the handles, which makes the
-    calling (current) stream wait for NCCL; the optimizer must run on that stream.
+    orders the all-reduce after the work queued there. `finish_grad_sync()` waits on the
+    handles, which makes the calling (current) stream wait for NCCL; the optimizer must run on
+    that stream.
 """
 
 from __future__ import annotations

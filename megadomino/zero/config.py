@@ -39,6 +39,10 @@ class ZeroConfig:
     reduce_dtype: str = "float32"
     """The dtype the plain reduce-scatter sends ('float32', 'bfloat16', 'float16'); gradients are
     accumulated and the result is kept in fp32 either way. qgZ quantizes from fp32."""
+    reduce_pipeline_depth: int = 2
+    """Gradient reductions in flight during backward: 2 (default) finishes unit i-2's and
+    advances unit i-1's (qgZ: its inter-node all-to-all) when unit i launches; 1 finishes unit
+    i-1's first (less memory at stage 3: two units' gradient buffers instead of three)."""
     on_nonfinite: str = "skip"
     """A step whose gradients hold inf/NaN on any rank: 'skip' it (the fp16 loss scaler backs off)
     or 'error' (FloatingPointError on every rank)."""
@@ -55,6 +59,8 @@ class ZeroConfig:
                self.hpz_partition_size, ">= 1")
         _check(self.reduce_dtype in REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype,
                f"one of {sorted(REDUCE_DTYPES)}")
+        _check(self.reduce_pipeline_depth in (1, 2), "reduce_pipeline_depth",
+               self.reduce_pipeline_depth, "1 or 2")
         _check(self.on_nonfinite in ("skip", "error"), "on_nonfinite", self.on_nonfinite,
                "'skip' or 'error'")
         if self.stage == 1:

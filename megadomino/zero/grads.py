@@ -18,7 +18,8 @@ the grad norm (which catches inf/NaN on the plain path) and skips or raises on e
 Ordering assumptions:
   * Reductions are launched in backward unit order (the last layer first, the root last),
     whatever order autograd fires the hooks in: a unit that completes early waits for the units
-    before it. At most two reductions are in flight: launching unit i finishes unit i-2 and
+    before it. At most two reductions are in flight (`ZeroConfig.reduce_pipeline_depth`, 2 by
+    default; 1 finishes unit i-1 instead): launching unit i finishes unit i-2 and
     advances unit i-1 (qgZ: its intra-node sums are requantized and its inter-node all-to-all
     launched), so that no wait on the compute stream follows a collective launch directly (one
     unit's backward runs between them). Memory: up to three units' fp32 gradient buffers at
@@ -73,7 +74,7 @@ class GradReducer:
                 param.register_post_accumulate_grad_hook(self._on_grad)
         self._reported = [0] * len(units)
         self._next = 0
-        self._inflight: list[tuple[int, Pending]] = []  # oldest first, at most two
+        self._inflight: list[tuple[int, Pending]] = []  # oldest first, at most the depth
         self._sync = True
         self._streams = HookStreams()
 
@@ -139,7 +140,8 @@ class GradReducer:
                 return
             # Two-deep pipeline: the unit before the previous one finishes, the previous one
             # advances (qgZ: its inter-node all-to-all goes in flight), then this one launches.
-            self._finish_inflight(keep=1)
+            # (Depth 1: the previous one finishes.)
+            self._finish_inflight(keep=self.config.reduce_pipeline_depth - 1)
             for _, pending in self._inflight:
                 pending.advance()
             self._inflight.append((index, self._launch(index)))
