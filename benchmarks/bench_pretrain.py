@@ -4,7 +4,8 @@ several TP degrees, one after the other, parsed from their log lines.
     python benchmarks/bench_pretrain.py --preset gpt3-1.3b --tp 1 2 4 --iters 20 \
         --micro-batch-size 4 --out bench_pretrain.json [--sequence-parallel] [--num-layers N]
 
-Each run uses TP GPUs (DP=1) so that rows differ only in the TP degree. The reported numbers are
+Each run uses TP x DP GPUs (`--dp`, default 1: rows then differ only in the TP degree; the
+global batch is micro-batch x accumulation x DP). The reported numbers are
 the last log interval's (after warm-up): ms/iter, tokens/s, TFLOP/s per GPU (Megatron's formula),
 MFU against 989 TFLOP/s, and peak allocated memory per GPU.
 """
@@ -27,10 +28,10 @@ LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| loss (\S+) \| lr \S+ \| grad n
 
 def run(args, tp: int, sequence_parallel: bool, variant: str) -> dict:
     script = "pretrain_llama.py" if args.preset.startswith("llama") else "pretrain_gpt.py"
-    cmd = ["torchrun", "--standalone", f"--nproc_per_node={tp}", script,
+    cmd = ["torchrun", "--standalone", f"--nproc_per_node={tp * args.dp}", script,
            "--model-preset", args.preset, "--tensor-model-parallel-size", str(tp),
            "--bf16", "--mock-data", "--micro-batch-size", str(args.micro_batch_size),
-           "--global-batch-size", str(args.micro_batch_size * args.accumulation),
+           "--global-batch-size", str(args.micro_batch_size * args.accumulation * args.dp),
            "--train-iters", str(args.iters), "--lr", "1e-4", "--lr-warmup-iters", "2",
            "--log-interval", str(args.log_interval), "--eval-interval", "100000",
            "--eval-iters", "1", "--seq-length", str(args.seq_length)]
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--log-interval", type=int, default=5)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size of every run")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--sequence-parallel", action="store_true",
@@ -74,8 +76,8 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     rows = []
     for tp in args.tp:
-        if tp > gpus:
-            print(f"skip tp={tp}: only {gpus} GPUs", flush=True)
+        if tp * args.dp > gpus:
+            print(f"skip tp={tp} x dp={args.dp}: only {gpus} GPUs", flush=True)
             continue
         for variant in args.variants:
             rows.append(run(args, tp, False, variant))
@@ -88,8 +90,8 @@ def main() -> None:
               "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\n{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, bf16, "
-          f"{device}")
+    print(f"\n{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
+          f"DP {args.dp}, bf16, {device}")
     print("| TP | SP | variant | ms/iter | tokens/s | TFLOP/s/GPU | MFU | peak GiB | "
           "loss first->last |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
