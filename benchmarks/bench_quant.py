@@ -165,14 +165,14 @@ class Bench:
             print(json.dumps(row), flush=True)
             self.rows.append(row)
 
-    def sweep(self, group: int) -> None:
-        """Every op of ours (fp16) again at other (elements per program, warps) tiles: the
+    def sweep(self, group: int, dtypes=("fp16",)) -> None:
+        """Every op of ours (`dtypes`) again at other (elements per program, warps) tiles: the
         launcher's default tile is swapped for each, so the public entry points are timed."""
         default_tile = quant._default_tile
         try:
             for tile in TILES:
                 quant._default_tile = lambda *_shape, tile=tile: tile
-                self.ours(group, dtypes=("fp16",), impl=f"ours tile {tile}")
+                self.ours(group, dtypes=dtypes, impl=f"ours tile {tile}")
         finally:
             quant._default_tile = default_tile
 
@@ -248,12 +248,12 @@ def table(rows: list[dict], copy_tbps: float, groups: list[int]) -> str:
         if "error" in r:
             lines.append(f"FAILED {r['op']} {r['impl']} g{r['group']} {r['dtype']}: {r['error']}")
     swept = [r for r in timed if r["impl"].startswith("ours tile")]
-    for op, group in sorted({(r["op"], r["group"]) for r in swept}):
-        best = max((r for r in swept if (r["op"], r["group"]) == (op, group)),
+    for op, group, dtype in sorted({(r["op"], r["group"], r["dtype"]) for r in swept}):
+        best = max((r for r in swept if (r["op"], r["group"], r["dtype"]) == (op, group, dtype)),
                    key=lambda r: r["tbps"])
-        default = find(rows, op, "ours", group)
-        lines.append(f"sweep {op} g{group}: best {best['impl'][5:]} {best['tbps']:.2f} TB/s, "
-                     f"default {default if default is None else round(default, 2)} TB/s")
+        default = find(rows, op, "ours", group, dtype)
+        lines.append(f"sweep {op} g{group} {dtype}: best {best['impl'][5:]} {best['tbps']:.2f} "
+                     f"TB/s, default {default if default is None else round(default, 2)} TB/s")
     return "\n".join(lines)
 
 
@@ -263,6 +263,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=[256, 2048, 8192])
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time other tile shapes")
+    parser.add_argument("--sweep-dtypes", nargs="+", default=["fp16"], choices=["fp16", "bf16"])
     parser.add_argument("--out", default="bench_quant.json")
     args = parser.parse_args()
     if args.numel % (8 * max(args.groups)):
@@ -276,7 +277,7 @@ def main() -> None:
             bench.deepspeed(group)
         bench.errors(group)
         if args.sweep:
-            bench.sweep(group)
+            bench.sweep(group, tuple(args.sweep_dtypes))
     import triton
 
     checks = targets(bench.rows, bench.copy_tbps, args.groups)

@@ -310,13 +310,15 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
 INTERPRETING = HAS_TRITON and not isinstance(_block_quant_kernel, triton.runtime.JITFunction)
 
 
-def _default_tile(block_pad: int, bits_in: int) -> tuple[int, int]:
+def _default_tile(block_pad: int, bits_in: int, bits_out: int) -> tuple[int, int]:
     """(elements per program, num_warps): 4096 elements (several small blocks, or one large
-    block) over 4 warps; quantizing floats in blocks above 4096 elements, 2 warps. Chosen from
-    `benchmarks/bench_quant.py --sweep` on an H200 (BENCHMARKS.md): 5-15% over the former
-    (8192 elements, 8 warps) for quantize and dequantize-reduce-quantize, dequantize equal."""
+    block) over 4 warps, but 2 warps to quantize floats in blocks above 4096 elements, or to
+    int4 in blocks of 2048 and more. Chosen from `benchmarks/bench_quant.py --sweep` (fp16 and
+    bf16) on an H200 (BENCHMARKS.md): 5-15% over the former (8192 elements, 8 warps) for
+    quantize and dequantize-reduce-quantize, dequantize equal."""
     elements = max(block_pad, 4096)
-    return elements, 2 if bits_in == 0 and block_pad > 4096 else 4
+    two_warps = bits_in == 0 and (block_pad > 4096 or (bits_out == 4 and block_pad >= 2048))
+    return elements, 2 if two_warps else 4
 
 
 class _Rows(NamedTuple):
@@ -343,7 +345,7 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
     scales) point at their first partition; `src_rows` / `dst_rows` give their layout (default:
     flat). `tile` overrides (elements per program, num_warps), for benchmarks."""
     block_pad = triton.next_power_of_2(block_size)
-    elements, num_warps = tile or _default_tile(block_pad, bits_in)
+    elements, num_warps = tile or _default_tile(block_pad, bits_in, bits_out)
     blocks_per_program = max(1, elements // block_pad)
     blocks_per_partition = math.ceil(partition_numel / block_size)
     src_rows = src_rows or _contiguous_rows(partition_numel, bits_in, block_size)
