@@ -307,3 +307,14 @@ def _results() -> dict[str, str | None]:
                                   "tp_grad_norm_and_clip", "fp16_skip_and_master"])
 def test_distributed_case(case):
     check_result(_results(), case)
+
+
+def test_hook_streams_ignore_cpu_tensors():
+    """parallel.streams.HookStreams: CPU tensors record no stream, so join() is a no-op there
+    (its CUDA behaviour: tests/gpu/test_gpu_streams.py)."""
+    from megadomino.parallel.streams import HookStreams
+    streams = HookStreams()
+    streams.note("bucket", torch.zeros(3))
+    assert streams._seen == {}
+    streams.join("bucket")
+    streams.join("never noted")

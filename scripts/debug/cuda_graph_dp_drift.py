@@ -51,7 +51,11 @@ def main() -> None:
                   + " ".join(f"{v:.7f}" for v in history["losses"]) + " | grad norm "
                   + " ".join(f"{v:.7f}" for v in history["grad_norms"]), flush=True)
     HookStreams.join = join
-    dist.destroy_process_group()
+    # destroy_process_group() hung here on the GPU machine (three runs' graphs, and the NCCL and
+    # symmetric-memory state they captured, alive in one process): leave without it.
+    dist.barrier()
+    torch.cuda.synchronize()
+    os._exit(0)
 
 
 if __name__ == "__main__":
