@@ -148,22 +148,52 @@ def _scale_of(absmax_bits, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _quantize_values(values, scale, nonfinite, QMAX: tl.constexpr):
-    """fp32 (blocks, n) with per-block scale -> int32 whose low byte / nibble is q."""
-    if tl.min(scale) < _FAST_DIVISION_MIN_SCALE:  # rare: the residual below could underflow
-        ratio = tl.math.div_rn(values, scale[:, None])
-        ratio = tl.minimum(tl.maximum(ratio, -QMAX * 1.0), QMAX * 1.0)
-    else:
-        # values / scale from the block's reciprocal and one fma residual, 3 ops per element
-        # instead of a division; equal to the IEEE quotient (checked on 8e7 pairs, near-ties
-        # included, for scales >= 2^-96; the tests compare with the reference's division).
-        inverse = tl.math.div_rn(1.0, scale)[:, None]
-        ratio = values * inverse
-        ratio = tl.fma(tl.fma(-scale[:, None], ratio, values), inverse, ratio)
-    # With a normal scale |ratio| <= qmax (+ an ulp), so no clamp on the fast path. The low
-    # bits of the sum are round_half_to_even(ratio) in two's complement.
+def _ratio_exact(values, scale, QMAX: tl.constexpr):
+    """values / scale, IEEE division, clamped to +-qmax (tiny scales)."""
+    ratio = tl.math.div_rn(values, scale[:, None])
+    return tl.minimum(tl.maximum(ratio, -QMAX * 1.0), QMAX * 1.0)
+
+
+@triton.jit
+def _ratio_fast(values, scale, inverse):
+    """values / scale from the block's reciprocal and one fma residual, 3 ops per element
+    instead of a division; equal to the IEEE quotient (checked on 8e7 pairs, near-ties
+    included, for scales >= 2^-96; the tests compare with the reference's division). With a
+    normal scale |ratio| <= qmax (+ an ulp), so no clamp."""
+    ratio = values * inverse
+    return tl.fma(tl.fma(-scale[:, None], ratio, values), inverse, ratio)
+
+
+@triton.jit
+def _rounded_bits(ratio, nonfinite):
+    """round_half_to_even(ratio) in the low bits of an int32 (two's complement); 0 where the
+    block is non-finite."""
     bits = (ratio + _ROUND_MAGIC).to(tl.int32, bitcast=True)
     return tl.where(nonfinite[:, None], 0, bits)
+
+
+@triton.jit
+def _quantize_values(values, scale, nonfinite, QMAX: tl.constexpr):
+    """fp32 (blocks, n) with per-block scale -> int32 whose low byte / nibble is q."""
+    if tl.min(scale) < _FAST_DIVISION_MIN_SCALE:  # rare: the fast residual could underflow
+        ratio = _ratio_exact(values, scale, QMAX)
+    else:
+        ratio = _ratio_fast(values, scale, tl.math.div_rn(1.0, scale)[:, None])
+    return _rounded_bits(ratio, nonfinite)
+
+
+@triton.jit
+def _quantize_pair(low, high, scale, nonfinite, QMAX: tl.constexpr):
+    """_quantize_values of two tiles sharing the blocks' scales (the even and the odd elements
+    of int4 -> int4), with one fast-path decision and one reciprocal for both."""
+    if tl.min(scale) < _FAST_DIVISION_MIN_SCALE:
+        ratio_low = _ratio_exact(low, scale, QMAX)
+        ratio_high = _ratio_exact(high, scale, QMAX)
+    else:
+        inverse = tl.math.div_rn(1.0, scale)[:, None]
+        ratio_low = _ratio_fast(low, scale, inverse)
+        ratio_high = _ratio_fast(high, scale, inverse)
+    return _rounded_bits(ratio_low, nonfinite), _rounded_bits(ratio_high, nonfinite)
 
 
 @triton.jit
@@ -252,9 +282,11 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                 block_valid)
             low += low_j
             high += high_j
-        scale, nonfinite = _scale_of(tl.maximum(_absmax_bits(low), _absmax_bits(high)), 7)
-        q_low = _quantize_values(low, scale, nonfinite, 7)
-        q_high = _quantize_values(high, scale, nonfinite, 7)
+        # One absmax reduction over both halves (|x| as int32 bits: integer max = float max).
+        both = tl.maximum(low.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                          high.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        scale, nonfinite = _scale_of(tl.max(both, axis=1), 7)
+        q_low, q_high = _quantize_pair(low, high, scale, nonfinite, 7)
         tl.store(dst_scale_ptrs, tl.where(nonfinite, float("nan"), scale), mask=block_valid)
         packed = (q_low & 15) | ((q_high & 15) << 4)
         dst = dst_ptr + (_partition_offset(dst_part, dst_row_parts, dst_row_stride,
@@ -312,12 +344,17 @@ INTERPRETING = HAS_TRITON and not isinstance(_block_quant_kernel, triton.runtime
 
 def _default_tile(block_pad: int, bits_in: int, bits_out: int) -> tuple[int, int]:
     """(elements per program, num_warps): 4096 elements (several small blocks, or one large
-    block) over 4 warps, but 2 warps to quantize floats in blocks above 4096 elements, or to
-    int4 in blocks of 2048 and more. Chosen from `benchmarks/bench_quant.py --sweep` (fp16 and
-    bf16) on an H200 (BENCHMARKS.md): 5-15% over the former (8192 elements, 8 warps) for
-    quantize and dequantize-reduce-quantize, dequantize equal."""
+    block) over 4 warps, but 2 warps to quantize floats in blocks above 4096 elements or to
+    int4 in blocks of 2048 and more, and to dequantize-reduce-quantize in blocks up to 2048
+    (there a warp holds a whole block: its absmax needs no cross-warp reduction). Chosen from
+    `benchmarks/bench_quant.py --sweep` (fp16 and bf16) on an H200 (BENCHMARKS.md): 5-15% over
+    the former (8192 elements, 8 warps) for quantize and dequantize-reduce-quantize,
+    dequantize equal."""
     elements = max(block_pad, 4096)
-    two_warps = bits_in == 0 and (block_pad > 4096 or (bits_out == 4 and block_pad >= 2048))
+    if bits_in == 0:
+        two_warps = block_pad > 4096 or (bits_out == 4 and block_pad >= 2048)
+    else:
+        two_warps = bits_out != 0 and block_pad <= 2048
     return elements, 2 if two_warps else 4
 
 
