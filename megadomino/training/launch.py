@@ -66,6 +66,9 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
             model_init = hf_model_init(train_config.hf_checkpoint)
         train(model_config, train_config, dims, family, functools.partial(print, flush=True),
               train_data, valid_data, model_init)
+        # Every rank done before any tears down: a gloo run whose two ranks finished apart once
+        # aborted at exit ("terminate called without an active exception", CI, not reproduced).
+        dist.barrier()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
