@@ -3,7 +3,8 @@ small Llama train the same iterations with the layers captured in CUDA graphs an
 (TF32 off: same kernels, so the losses agree to rounding) and bf16 (bound: bf16 rounding), at
 TP = 1 (one GPU) and at TP = each power-of-two GPU count from 2 up with sequence parallelism and
 the fused symmetric-memory GEMM + communication (`--tp-comm-overlap`), and at TP = half the GPUs x
-DP 2 (the DP gradient hooks then run on two streams: megadomino/parallel/streams.py).
+DP 2 (the DP gradient hooks then run on two streams: megadomino/parallel/streams.py), there also
+with the distributed optimizer (ZeRO stage 1).
 `python -m pytest tests/gpu -q`."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ DTYPES = {"fp32": ("float32", 1e-5), "bf16": ("bfloat16", 2e-2)}
 pytestmark = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
 
 
-def _losses(family: str, dims: ParallelDims, dtype: str, graph: bool, sp: bool) -> list[float]:
+def _losses(family: str, dims: ParallelDims, dtype: str, graph: bool, sp: bool,
+            zero_stage: int | None = None) -> list[float]:
     preset = "gpt-tiny" if family == "gpt" else "llama-tiny"
     extra = {} if family == "gpt" else {"num_query_groups": 2 if dims.tp <= 2 else dims.tp}
     model_config = ModelConfig.preset(preset, **extra, hidden_dropout=0.0, attention_dropout=0.0,
@@ -35,15 +37,15 @@ def _losses(family: str, dims: ParallelDims, dtype: str, graph: bool, sp: bool) 
     train_config = TrainConfig(tensor_model_parallel_size=dims.tp, micro_batch_size=2,
                                global_batch_size=4 * dims.dp, train_iters=ITERS, lr=3e-3,
                                lr_warmup_iters=2, log_interval=ITERS, mock_data=True,
-                               bf16=dtype == "bfloat16")
+                               bf16=dtype == "bfloat16", zero_stage=zero_stage)
     history = train(model_config, train_config, dims, family, log=lambda _line: None)
     return history["losses"]
 
 
 def check_graphed_equals_eager(family: str, dims: ParallelDims, dtype: str, rel: float,
-                               sp: bool) -> None:
-    eager = _losses(family, dims, dtype, False, sp)
-    graphed = _losses(family, dims, dtype, True, sp)
+                               sp: bool, zero_stage: int | None = None) -> None:
+    eager = _losses(family, dims, dtype, False, sp, zero_stage)
+    graphed = _losses(family, dims, dtype, True, sp, zero_stage)
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=rel, atol=0)
     assert eager[-1] < eager[0], f"did not learn: {eager[0]:.3f} -> {eager[-1]:.3f}"
 
@@ -59,6 +61,9 @@ def gpu_cases(tp_of_world) -> dict[str, str | None]:
             for name, (dtype, rel) in DTYPES.items():
                 runner.run(f"{family}-tp{tp}-sp{sp}-{name}", check_graphed_equals_eager, family,
                            dims, dtype, rel, sp)
+            if dims.dp > 1:  # the distributed optimizer's reducer hooks too (fp32)
+                runner.run(f"{family}-tp{tp}-sp{sp}-fp32-zero1", check_graphed_equals_eager,
+                           family, dims, "float32", DTYPES["fp32"][1], sp, 1)
     return runner.results
 
 
@@ -75,8 +80,13 @@ def results_for(world: int) -> dict[str, str | None]:
 
 
 def _case_names(world: int) -> list[str]:
-    return [f"{family}-tp{tp}-sp{sp}-{name}" for tp, sp in _layouts(world)
-            for family in ("gpt", "llama") for name in DTYPES]
+    names = []
+    for tp, sp in _layouts(world):
+        for family in ("gpt", "llama"):
+            names += [f"{family}-tp{tp}-sp{sp}-{name}" for name in DTYPES]
+            if tp < world:
+                names.append(f"{family}-tp{tp}-sp{sp}-fp32-zero1")
+    return names
 
 
 @pytest.mark.parametrize("world, case", [(w, c) for w in [1, *WORLDS] for c in _case_names(w)])
