@@ -266,13 +266,7 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
         # int4 -> int4 (qgZ's intra-node reduce): the even (low-nibble) and odd (high-nibble)
         # elements are summed and quantized apart, sharing each block's absmax, and packed
         # back; no interleave / split shuffles. The same sums and q as the general path.
-        low, high = _dequantize_nibbles(
-            src_ptrs + _partition_offset(partition, src_row_parts, src_row_stride, src_size),
-            src_mask,
-            scale_ptrs + _partition_offset(partition, src_row_parts, src_scale_row_stride,
-                                           blocks_per_partition),
-            block_valid)
-        for j in tl.static_range(1, NUM_INPUTS):
+        for j in tl.static_range(NUM_INPUTS):
             index = j * num_partitions + partition
             low_j, high_j = _dequantize_nibbles(
                 src_ptrs + _partition_offset(index, src_row_parts, src_row_stride, src_size),
@@ -280,8 +274,11 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                 scale_ptrs + _partition_offset(index, src_row_parts, src_scale_row_stride,
                                                blocks_per_partition),
                 block_valid)
-            low += low_j
-            high += high_j
+            if j == 0:
+                low, high = low_j, high_j
+            else:
+                low += low_j
+                high += high_j
         # One absmax reduction over both halves (|x| as int32 bits: integer max = float max).
         both = tl.maximum(low.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
                           high.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
@@ -299,20 +296,18 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                                                       src_size),
                          mask=mask, other=0.0).to(tl.float32)
     else:
-        values = _dequantize_tile(
-            src_ptrs + _partition_offset(partition, src_row_parts, src_row_stride, src_size),
-            src_mask,
-            scale_ptrs + _partition_offset(partition, src_row_parts, src_scale_row_stride,
-                                           blocks_per_partition),
-            block_valid, BITS_IN)
-        for j in tl.static_range(1, NUM_INPUTS):
+        for j in tl.static_range(NUM_INPUTS):
             index = j * num_partitions + partition
-            values += _dequantize_tile(
+            values_j = _dequantize_tile(
                 src_ptrs + _partition_offset(index, src_row_parts, src_row_stride, src_size),
                 src_mask,
                 scale_ptrs + _partition_offset(index, src_row_parts, src_scale_row_stride,
                                                blocks_per_partition),
                 block_valid, BITS_IN)
+            if j == 0:
+                values = values_j
+            else:
+                values += values_j
 
     if BITS_OUT == 0:
         if SCALE_OUTPUT:
