@@ -6,6 +6,7 @@
 Ops: q8 / q4 (quantize fp16), drq4 / drq8 (dequantize-reduce-quantize, 4 inputs), at the
 group sizes given (default 2048 8192). The kernels run in the order listed, once per op."""
 import argparse
+import functools
 
 import torch
 
@@ -25,14 +26,14 @@ def main() -> None:
         for op in args.ops:
             bits = int(op[-1])
             if op.startswith("q"):
-                run = lambda: quant.quantize(x, bits, group)  # noqa: E731
+                run = functools.partial(quant.quantize, x, bits, group)
             elif op.startswith("dq"):
                 q, s = quant.quantize(x, bits, group)
-                run = lambda: quant.dequantize(q, s, args.numel, bits, group)  # noqa: E731
+                run = functools.partial(quant.dequantize, q, s, args.numel, bits, group)
             else:
                 q, s = quant.swizzled_quantize(x, bits, group, 2, 4)
-                run = lambda: quant.dequantize_reduce_quantize(  # noqa: E731
-                    q, s, 4, bits, bits, group, args.numel // 8)
+                run = functools.partial(quant.dequantize_reduce_quantize, q, s, 4, bits, bits,
+                                        group, args.numel // 8)
             run()
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_push(f"{op} g{group}")

@@ -16,6 +16,8 @@ symmetric memory); elsewhere (CPU tests) the same autograd math runs on plain co
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
@@ -60,6 +62,74 @@ def _weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream() -> torch.cuda.Stream:
+    device = torch.cuda.current_device()
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream()
+    return _side_streams[device]
+
+
+def column_backward_mode() -> str:
+    """How a column linear's backward reduce-scatters its input gradient, from
+    MEGADOMINO_COLUMN_BACKWARD (read at each backward, so at capture time under CUDA graphs):
+
+    - "chunked" (default): torch's fused_matmul_reduce_scatter, the input-gradient GEMM cut into
+      one chunk per rank, each chunk's result pulled by its owner while the next computes;
+    - "whole": one input-gradient GEMM into symmetric memory, then the reduce-scatter pulled by
+      copy engines on a side stream while the weight-gradient GEMM runs (_dgrad_reduce_scatter).
+    """
+    mode = os.environ.get("MEGADOMINO_COLUMN_BACKWARD", "chunked")
+    if mode not in ("chunked", "whole"):
+        raise ValueError(f"MEGADOMINO_COLUMN_BACKWARD={mode!r}: use 'chunked' or 'whole'")
+    return mode
+
+
+def _dgrad_reduce_scatter(grad_out: torch.Tensor, weight: torch.Tensor, x_full: torch.Tensor,
+                          group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reduce_scatter_s(grad_out @ weight), grad_out^T @ x_full): the column linear's input
+    and weight gradients, with the reduce-scatter hidden behind the weight-gradient GEMM.
+
+    Streams and ordering (every rank runs the same sequence):
+    1. current stream: barrier 0 (every rank is done reading the group's symmetric workspace,
+       the protocol of torch's fused ops, which share it), the whole input-gradient GEMM into
+       this rank's workspace, barrier 1 (every rank's GEMM is written);
+    2. side stream, after the current one: copy engines pull this rank's rows from each rank's
+       workspace (its own included) into `stacked`, then one kernel sums them (fp32
+       accumulation, one rounding), what a reduce-scatter gives;
+    3. current stream, beside 2: the weight-gradient GEMM; then it waits for the side stream.
+    `stacked` and the result are allocated on the current stream, which waits for the side
+    stream before it can reuse them; the next op's barrier 0 keeps peers from overwriting a
+    workspace before these pulls are done."""
+    group = _groups[group_name]
+    world = group.size()
+    grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+    rows, hidden = grad_2d.shape[0], weight.shape[1]
+    shard_rows = rows // world
+    workspace = symm_mem.get_symm_mem_workspace(
+        group_name, min_size=rows * hidden * grad_out.element_size())
+    rank = workspace.rank
+    current, side = torch.cuda.current_stream(), _side_stream()
+    stacked = grad_out.new_empty(world, shard_rows, hidden)
+    grad_x = grad_out.new_empty(shard_rows, hidden)
+    workspace.barrier(channel=0)
+    torch.mm(grad_2d, weight, out=workspace.get_buffer(rank, (rows, hidden), grad_out.dtype))
+    workspace.barrier(channel=1)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for step in range(world):
+            source = (rank + step) % world
+            stacked[source].copy_(workspace.get_buffer(
+                source, (shard_rows, hidden), grad_out.dtype,
+                storage_offset=rank * shard_rows * hidden))
+        torch.sum(stacked, dim=0, out=grad_x)
+    grad_weight = _weight_grad(grad_out, x_full)
+    current.wait_stream(side)
+    return grad_x.view(-1, *grad_out.shape[1:-1], hidden), grad_weight
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_shard, weight, bias, group_name):
@@ -72,8 +142,12 @@ class _AllGatherMatmul(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_full, weight = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        grad_x = _matmul_reduce_scatter(grad_out, weight, ctx.group_name)
-        grad_weight = _weight_grad(grad_out, x_full)
+        if available(_groups[ctx.group_name]) and column_backward_mode() == "whole":
+            grad_x, grad_weight = _dgrad_reduce_scatter(grad_out, weight, x_full,
+                                                        ctx.group_name)
+        else:
+            grad_x = _matmul_reduce_scatter(grad_out, weight, ctx.group_name)
+            grad_weight = _weight_grad(grad_out, x_full)
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None
 

@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from test_gpu_tp import with_column_backward
 
 from dist_utils import CaseRunner, check_result, run_cases
 from megadomino.config import ModelConfig, TrainConfig
@@ -61,6 +62,10 @@ def gpu_cases(tp_of_world) -> dict[str, str | None]:
             for name, (dtype, rel) in DTYPES.items():
                 runner.run(f"{family}-tp{tp}-sp{sp}-{name}", check_graphed_equals_eager, family,
                            dims, dtype, rel, sp)
+            if sp and dims.dp == 1:  # the copy-engine column backward under capture too
+                runner.run(f"{family}-tp{tp}-sp{sp}-fp32-whole", with_column_backward, "whole",
+                           check_graphed_equals_eager, family, dims, "float32",
+                           DTYPES["fp32"][1], sp)
             if dims.dp > 1:  # the distributed optimizer's reducer hooks too (fp32)
                 runner.run(f"{family}-tp{tp}-sp{sp}-fp32-zero1", check_graphed_equals_eager,
                            family, dims, "float32", DTYPES["fp32"][1], sp, 1)
@@ -84,6 +89,8 @@ def _case_names(world: int) -> list[str]:
     for tp, sp in _layouts(world):
         for family in ("gpt", "llama"):
             names += [f"{family}-tp{tp}-sp{sp}-{name}" for name in DTYPES]
+            if sp and tp == world:
+                names.append(f"{family}-tp{tp}-sp{sp}-fp32-whole")
             if tp < world:
                 names.append(f"{family}-tp{tp}-sp{sp}-fp32-zero1")
     return names
