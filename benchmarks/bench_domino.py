@@ -177,18 +177,19 @@ def bench_row(row: str, args, dims) -> dict:
     if args.comm_overlap and not args.sequence_parallel:
         sp_inputs = (x.detach()[: seq // dims.tp].clone().requires_grad_(),
                      grad_out[: seq // dims.tp].contiguous())
-        # (f) with each column-linear backward of parallel/async_tp.py (env, read at capture)
-        for name, overlap, column_backward in (("b_plain_tp_sp", False, "chunked"),
-                                               ("f_sp_comm_overlap", True, "chunked"),
-                                               ("f_sp_comm_overlap_whole_dgrad", True, "whole")):
-            os.environ["MEGADOMINO_COLUMN_BACKWARD"] = column_backward
+        # (f) with each symmetric-memory protocol of parallel/async_tp.py (env, read at capture)
+        for name, overlap, protocol in (("b_plain_tp_sp", False, "torch"),
+                                        ("f_sp_comm_overlap", True, "torch"),
+                                        ("f_sp_comm_overlap_whole_dgrad", True, "whole-dgrad"),
+                                        ("f_sp_comm_overlap_ours", True, "ours")):
+            os.environ["MEGADOMINO_FUSED_COMM"] = protocol
             sp_config = config.replace(sequence_parallel=True, tp_comm_overlap=overlap)
             block, forward = ours(sp_config, dims, rotary)
             if not overlap:  # the limit of the SP layout: all-gather -> repeat, RS -> slice
                 measure("a_sp_no_comm", block, forward, comm=False, inputs=sp_inputs)
             measure(name, block, forward, profile=args.profile, inputs=sp_inputs)
             del block, forward
-        os.environ.pop("MEGADOMINO_COLUMN_BACKWARD")
+        os.environ.pop("MEGADOMINO_FUSED_COMM")
     ffn_local = config.ffn_hidden_size // dims.tp
     for (n, k), ctas in itertools.product(CANDIDATES, args.overlap_ctas):
         if n > micro_batch or ffn_local % k:

@@ -262,3 +262,14 @@ def results_for(world: int) -> dict[str, str | None]:
 @pytest.mark.parametrize("case", CASES)
 def test_tensor_parallel_matches_dense(world: int, case: str):
     check_result(results_for(world), case)
+
+
+def test_fused_comm_mode_names_the_variable_and_the_choices(monkeypatch):
+    """A wrong MEGADOMINO_FUSED_COMM is a clear error naming what works (it is read on the GPU
+    path only, where parallel/async_tp's symmetric-memory protocols run)."""
+    from megadomino.parallel import async_tp
+    monkeypatch.setenv("MEGADOMINO_FUSED_COMM", "fastest")
+    with pytest.raises(ValueError, match="MEGADOMINO_FUSED_COMM='fastest'.*torch.*ours"):
+        async_tp.fused_comm_mode()
+    monkeypatch.delenv("MEGADOMINO_FUSED_COMM")
+    assert async_tp.fused_comm_mode() == "torch"

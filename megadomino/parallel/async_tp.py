@@ -42,6 +42,8 @@ def _all_gather_matmul(x_shard, weight_t, group_name):
     """(all_gather_s(x_shard), all_gather_s(x_shard) @ weight_t)."""
     group = _groups[group_name]
     if available(group):
+        if fused_comm_mode() == "ours":
+            return _local_first_all_gather_matmul(x_shard, weight_t, group_name)
         x_full, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(
             x_shard, [weight_t], gather_dim=0, group_name=group_name)
         return x_full, y
@@ -72,19 +74,80 @@ def _side_stream() -> torch.cuda.Stream:
     return _side_streams[device]
 
 
-def column_backward_mode() -> str:
-    """How a column linear's backward reduce-scatters its input gradient, from
-    MEGADOMINO_COLUMN_BACKWARD (read at each backward, so at capture time under CUDA graphs):
+FUSED_COMM_MODES = ("torch", "whole-dgrad", "ours")
 
-    - "chunked" (default): torch's fused_matmul_reduce_scatter, the input-gradient GEMM cut into
-      one chunk per rank, each chunk's result pulled by its owner while the next computes;
-    - "whole": one input-gradient GEMM into symmetric memory, then the reduce-scatter pulled by
-      copy engines on a side stream while the weight-gradient GEMM runs (_dgrad_reduce_scatter).
-    """
-    mode = os.environ.get("MEGADOMINO_COLUMN_BACKWARD", "chunked")
-    if mode not in ("chunked", "whole"):
-        raise ValueError(f"MEGADOMINO_COLUMN_BACKWARD={mode!r}: use 'chunked' or 'whole'")
+
+def fused_comm_mode() -> str:
+    """Which symmetric-memory protocol the fused ops use, from MEGADOMINO_FUSED_COMM (read at
+    each call, so at capture time under CUDA graphs):
+
+    - "torch" (default): torch's fused_all_gather_matmul / fused_matmul_reduce_scatter
+      everywhere. Each all-gather-matmul passes 3 barriers on the compute stream (before and
+      after its copy-in, and at its end), each matmul-reduce-scatter 2 + 2 per peer.
+    - "whole-dgrad": a column linear's backward as one input-gradient GEMM, its reduce-scatter
+      pulled by copy engines while the weight-gradient GEMM runs (_dgrad_reduce_scatter: 2
+      barriers).
+    - "ours": "whole-dgrad", and every all-gather-matmul local-first
+      (_local_first_all_gather_matmul): its barriers and copies go on a side stream, hidden
+      behind the GEMM of the local rows, with no barrier at its end.
+
+    Every op of every mode starts its use of the group's workspace with barrier 0 (all ranks are
+    done reading it), so the modes interoperate and no op needs a barrier at its end."""
+    mode = os.environ.get("MEGADOMINO_FUSED_COMM", "torch")
+    if mode not in FUSED_COMM_MODES:
+        raise ValueError(f"MEGADOMINO_FUSED_COMM={mode!r}: use one of {FUSED_COMM_MODES}")
     return mode
+
+
+def _local_first_all_gather_matmul(x_shard: torch.Tensor, weight_t: torch.Tensor,
+                                   group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all_gather_s(x_shard), all_gather_s(x_shard) @ weight_t), with no barrier on the
+    compute stream.
+
+    Streams and ordering (every rank runs the same sequence):
+    - side stream, after the current one: barrier 0 (every rank is done reading the group's
+      workspace), copy x_shard into this rank's workspace, barrier 1 (every shard is in place),
+      then copy engines pull the other ranks' shards into x_full, the next rank's first, one
+      event per shard, and last this rank's own rows;
+    - current stream, beside it: the GEMM of the local rows (needs nothing from the peers:
+      it hides the barriers, the copy-in and the first pull), then each remote rank's rows as
+      soon as its event fires; finally it waits for the side stream.
+    x_full and y are allocated on the current stream, which waits for the side stream before
+    either can be reused; the next op's barrier 0 keeps peers from overwriting their workspace
+    before these pulls are done."""
+    group = _groups[group_name]
+    world = group.size()
+    shard = x_shard.reshape(-1, x_shard.shape[-1])
+    if not shard.is_contiguous():
+        shard = shard.contiguous()
+    rows, k = shard.shape
+    workspace = symm_mem.get_symm_mem_workspace(group_name, min_size=shard.numel() *
+                                                shard.element_size())
+    rank = workspace.rank
+    current, side = torch.cuda.current_stream(), _side_stream()
+    x_full = shard.new_empty(world * rows, k)
+    y = shard.new_empty(world * rows, weight_t.shape[1])
+    order = [(rank + step) % world for step in range(1, world)]
+    arrived = {}
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        workspace.barrier(channel=0)
+        workspace.get_buffer(rank, (rows, k), shard.dtype).copy_(shard)
+        workspace.barrier(channel=1)
+        for source in order:
+            x_full[source * rows:(source + 1) * rows].copy_(
+                workspace.get_buffer(source, (rows, k), shard.dtype))
+            arrived[source] = torch.cuda.Event()
+            arrived[source].record(side)
+        x_full[rank * rows:(rank + 1) * rows].copy_(shard)
+    torch.mm(shard, weight_t, out=y[rank * rows:(rank + 1) * rows])
+    for source in order:
+        current.wait_event(arrived[source])
+        torch.mm(x_full[source * rows:(source + 1) * rows], weight_t,
+                 out=y[source * rows:(source + 1) * rows])
+    current.wait_stream(side)
+    lead = (world * x_shard.shape[0], *x_shard.shape[1:-1])
+    return x_full.view(*lead, k), y.view(*lead, weight_t.shape[1])
 
 
 def _dgrad_reduce_scatter(grad_out: torch.Tensor, weight: torch.Tensor, x_full: torch.Tensor,
@@ -142,7 +205,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_full, weight = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        if available(_groups[ctx.group_name]) and column_backward_mode() == "whole":
+        if available(_groups[ctx.group_name]) and fused_comm_mode() != "torch":
             grad_x, grad_weight = _dgrad_reduce_scatter(grad_out, weight, x_full,
                                                         ctx.group_name)
         else:

@@ -13,7 +13,7 @@ import functools
 
 import pytest
 import torch
-from test_gpu_tp import with_column_backward
+from test_gpu_tp import with_fused_comm
 
 from dist_utils import CaseRunner, check_result, run_cases
 from megadomino.config import ModelConfig, TrainConfig
@@ -62,10 +62,11 @@ def gpu_cases(tp_of_world) -> dict[str, str | None]:
             for name, (dtype, rel) in DTYPES.items():
                 runner.run(f"{family}-tp{tp}-sp{sp}-{name}", check_graphed_equals_eager, family,
                            dims, dtype, rel, sp)
-            if sp and dims.dp == 1:  # the copy-engine column backward under capture too
-                runner.run(f"{family}-tp{tp}-sp{sp}-fp32-whole", with_column_backward, "whole",
-                           check_graphed_equals_eager, family, dims, "float32",
-                           DTYPES["fp32"][1], sp)
+            if sp and dims.dp == 1:  # our symmetric-memory protocols under capture too
+                for mode in ("whole-dgrad", "ours"):
+                    runner.run(f"{family}-tp{tp}-sp{sp}-fp32-{mode}", with_fused_comm, mode,
+                               check_graphed_equals_eager, family, dims, "float32",
+                               DTYPES["fp32"][1], sp)
             if dims.dp > 1:  # the distributed optimizer's reducer hooks too (fp32)
                 runner.run(f"{family}-tp{tp}-sp{sp}-fp32-zero1", check_graphed_equals_eager,
                            family, dims, "float32", DTYPES["fp32"][1], sp, 1)
@@ -90,7 +91,8 @@ def _case_names(world: int) -> list[str]:
         for family in ("gpt", "llama"):
             names += [f"{family}-tp{tp}-sp{sp}-{name}" for name in DTYPES]
             if sp and tp == world:
-                names.append(f"{family}-tp{tp}-sp{sp}-fp32-whole")
+                names += [f"{family}-tp{tp}-sp{sp}-fp32-{mode}"
+                          for mode in ("whole-dgrad", "ours")]
             if tp < world:
                 names.append(f"{family}-tp{tp}-sp{sp}-fp32-zero1")
     return names

@@ -39,33 +39,34 @@ def gpu_cases() -> dict[str, str | None]:
         runner.run(f"{family}-comm-overlap-bf16", check_model, family, True, dims_ref, dims_tp,
                    False, device="cuda", params_dtype="bfloat16", rel=BF16_REL,
                    tp_comm_overlap=True)
-        # The column linears' backward as one GEMM + copy-engine reduce-scatter (async_tp).
-        runner.run(f"{family}-comm-overlap-whole-fp32", with_column_backward, "whole",
-                   check_model, family, True, dims_ref, dims_tp, False, device="cuda",
-                   rel=(1e-4, 1e-4), tp_comm_overlap=True)
-        runner.run(f"{family}-comm-overlap-whole-bf16", with_column_backward, "whole",
-                   check_model, family, True, dims_ref, dims_tp, False, device="cuda",
-                   params_dtype="bfloat16", rel=BF16_REL, tp_comm_overlap=True)
+        # Our symmetric-memory protocols (parallel/async_tp.fused_comm_mode).
+        for mode in ("whole-dgrad", "ours"):
+            runner.run(f"{family}-comm-overlap-{mode}-fp32", with_fused_comm, mode, check_model,
+                       family, True, dims_ref, dims_tp, False, device="cuda", rel=(1e-4, 1e-4),
+                       tp_comm_overlap=True)
+            runner.run(f"{family}-comm-overlap-{mode}-bf16", with_fused_comm, mode, check_model,
+                       family, True, dims_ref, dims_tp, False, device="cuda",
+                       params_dtype="bfloat16", rel=BF16_REL, tp_comm_overlap=True)
     return runner.results
 
 
-def with_column_backward(mode: str, check, *args, **kwargs) -> None:
-    """`check` with MEGADOMINO_COLUMN_BACKWARD=mode (parallel/async_tp.column_backward_mode)."""
-    before = os.environ.get("MEGADOMINO_COLUMN_BACKWARD")
-    os.environ["MEGADOMINO_COLUMN_BACKWARD"] = mode
+def with_fused_comm(mode: str, check, *args, **kwargs) -> None:
+    """`check` with MEGADOMINO_FUSED_COMM=mode (parallel/async_tp.fused_comm_mode)."""
+    before = os.environ.get("MEGADOMINO_FUSED_COMM")
+    os.environ["MEGADOMINO_FUSED_COMM"] = mode
     try:
         check(*args, **kwargs)
     finally:
         if before is None:
-            del os.environ["MEGADOMINO_COLUMN_BACKWARD"]
+            del os.environ["MEGADOMINO_FUSED_COMM"]
         else:
-            os.environ["MEGADOMINO_COLUMN_BACKWARD"] = before
+            os.environ["MEGADOMINO_FUSED_COMM"] = before
 
 
 CASES = [f"{family}-sp{sp}-{dtype}" for family in FAMILIES for sp in (False, True)
          for dtype in ("fp32", "bf16")] + [
              f"{family}-comm-overlap{mode}-{dtype}" for family in FAMILIES
-             for mode in ("", "-whole") for dtype in ("fp32", "bf16")]
+             for mode in ("", "-whole-dgrad", "-ours") for dtype in ("fp32", "bf16")]
 
 
 @functools.cache
