@@ -91,12 +91,41 @@ def fused_comm_mode() -> str:
       (_local_first_all_gather_matmul): its barriers and copies go on a side stream, hidden
       behind the GEMM of the local rows, with no barrier at its end.
 
-    Every op of every mode starts its use of the group's workspace with barrier 0 (all ranks are
-    done reading it), so the modes interoperate and no op needs a barrier at its end."""
+    Our ops use their own symmetric workspace per group (_workspace), apart from torch's, and
+    each starts with its barrier 0 (all ranks are done reading it), so none needs a barrier at
+    its end; torch's ops keep theirs. Either kind can follow the other."""
     mode = os.environ.get("MEGADOMINO_FUSED_COMM", "torch")
     if mode not in FUSED_COMM_MODES:
         raise ValueError(f"MEGADOMINO_FUSED_COMM={mode!r}: use one of {FUSED_COMM_MODES}")
     return mode
+
+
+_workspaces: dict[str, object] = {}
+_workspace_buffers: dict[str, torch.Tensor] = {}
+
+
+def _workspace(group_name: str, nbytes: int):
+    """Our symmetric workspace of the group (a rendezvous handle: get_buffer, barrier), at least
+    `nbytes`. Growing it frees the old buffer, which peers may still be reading (our ops end
+    without a barrier): every rank first drains its GPU work and meets the others (a host
+    barrier), so growth costs a sync, once per new size, in the first steps. Not possible under
+    CUDA graph capture: the eager warm-up steps before capture size it."""
+    handle = _workspaces.get(group_name)
+    if handle is not None and handle.buffer_size >= nbytes:
+        return handle
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"megadomino's symmetric workspace of group {group_name} must grow to {nbytes} "
+            "bytes during CUDA graph capture; run the step eagerly once before capturing")
+    if handle is not None:
+        torch.cuda.synchronize()
+        dist.barrier(group=_groups[group_name])
+    size = max(nbytes, 2 * (handle.buffer_size if handle is not None else 0))
+    buffer = symm_mem.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
+    handle = symm_mem.rendezvous(buffer, group_name)
+    _workspaces[group_name] = handle
+    _workspace_buffers[group_name] = buffer  # the handle does not own the allocation
+    return handle
 
 
 def _local_first_all_gather_matmul(x_shard: torch.Tensor, weight_t: torch.Tensor,
@@ -105,7 +134,7 @@ def _local_first_all_gather_matmul(x_shard: torch.Tensor, weight_t: torch.Tensor
     compute stream.
 
     Streams and ordering (every rank runs the same sequence):
-    - side stream, after the current one: barrier 0 (every rank is done reading the group's
+    - side stream, after the current one: barrier 0 (every rank is done reading our group
       workspace), copy x_shard into this rank's workspace, barrier 1 (every shard is in place),
       then copy engines pull the other ranks' shards into x_full, the next rank's first, one
       event per shard, and last this rank's own rows;
@@ -121,8 +150,7 @@ def _local_first_all_gather_matmul(x_shard: torch.Tensor, weight_t: torch.Tensor
     if not shard.is_contiguous():
         shard = shard.contiguous()
     rows, k = shard.shape
-    workspace = symm_mem.get_symm_mem_workspace(group_name, min_size=shard.numel() *
-                                                shard.element_size())
+    workspace = _workspace(group_name, shard.numel() * shard.element_size())
     rank = workspace.rank
     current, side = torch.cuda.current_stream(), _side_stream()
     x_full = shard.new_empty(world * rows, k)
@@ -156,9 +184,8 @@ def _dgrad_reduce_scatter(grad_out: torch.Tensor, weight: torch.Tensor, x_full: 
     and weight gradients, with the reduce-scatter hidden behind the weight-gradient GEMM.
 
     Streams and ordering (every rank runs the same sequence):
-    1. current stream: barrier 0 (every rank is done reading the group's symmetric workspace,
-       the protocol of torch's fused ops, which share it), the whole input-gradient GEMM into
-       this rank's workspace, barrier 1 (every rank's GEMM is written);
+    1. current stream: barrier 0 (every rank is done reading our group workspace), the whole
+       input-gradient GEMM into this rank's workspace, barrier 1 (every rank's GEMM is written);
     2. side stream, after the current one: copy engines pull this rank's rows from each rank's
        workspace (its own included) into `stacked`, then one kernel sums them (fp32
        accumulation, one rounding), what a reduce-scatter gives;
@@ -171,8 +198,7 @@ def _dgrad_reduce_scatter(grad_out: torch.Tensor, weight: torch.Tensor, x_full: 
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
     rows, hidden = grad_2d.shape[0], weight.shape[1]
     shard_rows = rows // world
-    workspace = symm_mem.get_symm_mem_workspace(
-        group_name, min_size=rows * hidden * grad_out.element_size())
+    workspace = _workspace(group_name, rows * hidden * grad_out.element_size())
     rank = workspace.rank
     current, side = torch.cuda.current_stream(), _side_stream()
     stacked = grad_out.new_empty(world, shard_rows, hidden)
