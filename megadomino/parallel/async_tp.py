@@ -12,6 +12,10 @@ Activations are [s, b, h] with the sequence (dim 0) sharded. The gathered input 
 linear is kept for its weight gradient (memory for one all-gather per linear, as without
 recompute). On NCCL + CUDA the fused kernels run (`enable(group)` registers the TP group for
 symmetric memory); elsewhere (CPU tests) the same autograd math runs on plain collectives.
+
+On the GPU, MEGADOMINO_FUSED_COMM picks the symmetric-memory protocol (`fused_comm_mode`):
+torch's fused ops (default), or ours, which take most barriers off the compute stream (the TP=4
+timeline put (f)'s gap to its no-communication limit in its barrier waits: BENCHMARKS.md).
 """
 
 from __future__ import annotations
