@@ -88,3 +88,16 @@ def check_result(results: dict[str, str | None], case: str) -> None:
         raise AssertionError(f"case {case!r} did not run; ran: {sorted(results)}")
     if results[case] is not None:
         raise AssertionError(results[case])
+
+
+def with_fused_comm(mode: str, check, *args, **kwargs) -> None:
+    """`check` with MEGADOMINO_FUSED_COMM=mode (parallel/async_tp.fused_comm_mode)."""
+    before = os.environ.get("MEGADOMINO_FUSED_COMM")
+    os.environ["MEGADOMINO_FUSED_COMM"] = mode
+    try:
+        check(*args, **kwargs)
+    finally:
+        if before is None:
+            del os.environ["MEGADOMINO_FUSED_COMM"]
+        else:
+            os.environ["MEGADOMINO_FUSED_COMM"] = before

@@ -13,9 +13,8 @@ import functools
 
 import pytest
 import torch
-from test_gpu_tp import with_fused_comm
 
-from dist_utils import CaseRunner, check_result, run_cases
+from dist_utils import CaseRunner, check_result, run_cases, with_fused_comm
 from megadomino.config import ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.loop import train

@@ -5,13 +5,12 @@ Skipped without CUDA; `python -m pytest tests/gpu -q` runs it."""
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
 from test_tp_equivalence import FAMILIES, check_model
 
-from dist_utils import CaseRunner, check_result, run_cases
+from dist_utils import CaseRunner, check_result, run_cases, with_fused_comm
 from megadomino.parallel import ParallelDims
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -48,19 +47,6 @@ def gpu_cases() -> dict[str, str | None]:
                        family, True, dims_ref, dims_tp, False, device="cuda",
                        params_dtype="bfloat16", rel=BF16_REL, tp_comm_overlap=True)
     return runner.results
-
-
-def with_fused_comm(mode: str, check, *args, **kwargs) -> None:
-    """`check` with MEGADOMINO_FUSED_COMM=mode (parallel/async_tp.fused_comm_mode)."""
-    before = os.environ.get("MEGADOMINO_FUSED_COMM")
-    os.environ["MEGADOMINO_FUSED_COMM"] = mode
-    try:
-        check(*args, **kwargs)
-    finally:
-        if before is None:
-            del os.environ["MEGADOMINO_FUSED_COMM"]
-        else:
-            os.environ["MEGADOMINO_FUSED_COMM"] = before
 
 
 CASES = [f"{family}-sp{sp}-{dtype}" for family in FAMILIES for sp in (False, True)
