@@ -388,12 +388,14 @@ def check_zero_blocks(device: str, force_triton: bool, bits: int) -> None:
     assert (deq[:16] == 0).all() and (deq[24:] == 0).all()
 
 
-def check_nonfinite(device: str, force_triton: bool, bits: int) -> None:
+def check_nonfinite(device: str, force_triton: bool, bits: int, dtype: str = "fp32") -> None:
     """A block holding NaN, +Inf or -Inf gets scale NaN and q 0 and dequantizes to NaN; finite
-    blocks beside it are untouched; a reduce whose sum overflows marks the block the same way."""
+    blocks beside it are untouched; a reduce whose sum overflows marks the block the same way.
+    (16-bit inputs: the kernel finds them from the 16-bit patterns.)"""
     block_size = 4
     x = torch.tensor([1.0, float("nan"), 2.0, 3.0, 1.0, 2.0, 3.0, 4.0,
-                      float("inf"), 1.0, 1.0, 1.0, -1.0, 1.0, float("-inf"), 1.0])
+                      float("inf"), 1.0, 1.0, 1.0, -1.0, 1.0, float("-inf"), 1.0],
+                     dtype=DTYPES[dtype])
     q, scales = quantize(x.to(device), bits, block_size, force_triton=force_triton)
     assert torch.isnan(scales.cpu()).tolist() == [True, False, True, True]
     values = unpack(q.cpu(), bits, len(x)).view(4, block_size)
@@ -415,6 +417,8 @@ EXPLICIT_CHECKS = {
     "zero-blocks-int4": (check_zero_blocks, {"bits": 4}),
     "nonfinite-int8": (check_nonfinite, {"bits": 8}),
     "nonfinite-int4": (check_nonfinite, {"bits": 4}),
+    "nonfinite-bf16-int8": (check_nonfinite, {"bits": 8, "dtype": "bf16"}),
+    "nonfinite-fp16-int4": (check_nonfinite, {"bits": 4, "dtype": "fp16"}),
 }
 
 
