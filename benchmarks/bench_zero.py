@@ -1,5 +1,6 @@
 """Step time and peak memory per GPU: plain DP vs ZeRO-3 vs ZeRO++ (and its parts), 4 GPUs as
-2 nodes x 2 (gpus_per_node=2 on one host: the "inter-node" groups ride NVLink too).
+2 nodes x 2 (gpus_per_node=2 on one host: the "inter-node" groups ride NVLink too; any even
+rank count runs as 2 nodes x world/2, e.g. 2 GPUs as 2 x 1 when only two are lent).
 
     torchrun --standalone --nproc_per_node 4 benchmarks/bench_zero.py \
         [--preset gpt3-1.3b --seq-length 2048 --micro-batch-size 1 --steps 10 --out zero.json]
@@ -95,9 +96,11 @@ def main() -> None:
         torch.set_num_threads(1)
         device = torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    if dist.get_world_size() != 4:
-        raise SystemExit("run on 4 ranks: torchrun --nproc_per_node 4 ...")
-    dims = ParallelDims(tp=1, gpus_per_node=2)
+    world = dist.get_world_size()
+    if world < 2 or world % 2:
+        raise SystemExit(f"run on an even number of ranks (2 nodes x world/2), got {world}: "
+                         "torchrun --nproc_per_node 4 ...")
+    dims = ParallelDims(tp=1, gpus_per_node=world // 2)
     rows = [measure(name, dims, args, device) for name in args.configs]
     if dims.rank == 0:
         report(rows, args)
@@ -106,9 +109,10 @@ def main() -> None:
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
     base = {r["config"]: r["s_per_step"] for r in rows}
-    tokens = 4 * args.micro_batch_size * args.seq_length
+    world = dist.get_world_size()
+    tokens = world * args.micro_batch_size * args.seq_length
     print(f"{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size} per GPU, "
-          f"{args.dtype}, 4 GPUs as 2 nodes x 2; median of {args.steps} steps")
+          f"{args.dtype}, {world} GPUs as 2 nodes x {world // 2}; median of {args.steps} steps")
     header = (f"{'config':<18} {'s/step':>8} {'tokens/s':>10} {'vs ZeRO-3':>10} {'peak GiB':>9} "
               f"{'inter MB':>9} {'intra MB':>9}")
     print(header + "\n" + "-" * len(header))

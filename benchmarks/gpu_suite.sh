@@ -12,7 +12,8 @@
 #   tests-gpu    python3 -m pytest tests/gpu -q -x
 #   kernels      tests/gpu/test_gpu_kernels.py only (1 GPU)
 #   quant        benchmarks/bench_quant.py: our kernels vs DeepSpeed's quantizer, one GPU
-#   zero         benchmarks/bench_zero.py: ZeRO-3 vs ZeRO++ (and its parts) on 4 GPUs as 2 x 2,
+#   zero         benchmarks/bench_zero.py: ZeRO-3 vs ZeRO++ (and its parts) on 4 GPUs as 2 x 2
+#                (2 GPUs: 2 x 1),
 #                GPT-3 1.3B at micro-batch 4 (GPU-bound), with the one-deep reducer beside
 #   zero-mb1     the same at micro-batch 1 (host-bound: BENCHMARKS.md)
 #   domino       benchmarks/bench_domino.py core rows, CUDA-graphed, with megatron-core
@@ -52,10 +53,10 @@ for name in "$@"; do
     kernels) step kernels 200 python3 -m pytest tests/gpu/test_gpu_kernels.py -q -x ;;
     quant) step quant 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_quant.py \
              --out "$OUT/quant.json" ;;
-    zero) step zero 200 torchrun --standalone --nproc_per_node 4 benchmarks/bench_zero.py \
+    zero) step zero 200 torchrun --standalone --nproc_per_node "$GPUS" benchmarks/bench_zero.py \
             --steps 8 --warmup 3 --micro-batch-size 4 --configs "plain dp" zero3 qwz qwz+hpz \
             zero++ "zero++ depth1" --out "$OUT/zero.json" ;;
-    zero-mb1) step zero-mb1 200 torchrun --standalone --nproc_per_node 4 \
+    zero-mb1) step zero-mb1 200 torchrun --standalone --nproc_per_node "$GPUS" \
                 benchmarks/bench_zero.py --steps 12 --warmup 3 --out "$OUT/zero_mb1.json" ;;
     domino) step domino 300 torchrun --standalone --nproc_per_node "$GPUS" \
               benchmarks/bench_domino.py --rows core --peers megatron --plans 1x1,2x1 \
