@@ -15,7 +15,8 @@ symmetric memory); elsewhere (CPU tests) the same autograd math runs on plain co
 
 On the GPU, MEGADOMINO_FUSED_COMM picks the symmetric-memory protocol (`fused_comm_mode`):
 torch's fused ops (default), or ours, which take most barriers off the compute stream (the TP=4
-timeline put (f)'s gap to its no-communication limit in its barrier waits: BENCHMARKS.md).
+timeline suggests barrier waits are most of (f)'s gap to its no-communication limit; at TP=2
+the protocols measured within noise: BENCHMARKS.md).
 """
 
 from __future__ import annotations
