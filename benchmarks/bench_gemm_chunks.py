@@ -16,6 +16,7 @@ import functools
 import json
 
 import torch
+from timeline import graphed
 
 SHAPES = {  # name: (K, N) at TP=tp for GPT-3 6.7B (hidden 4096, ffn 16384)
     "qkv fwd": lambda tp: (4096, 3 * 4096 // tp),
@@ -44,21 +45,13 @@ def split(a, b, out, streams, sizes, two_streams=False):
 
 
 def graphed_ms(fn, iters: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
+    """Median ms of fn over `iters` replays of a graph of 10 calls."""
+    replay = graphed(lambda: [fn() for _ in range(10)])
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 10)
