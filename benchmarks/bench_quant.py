@@ -13,8 +13,9 @@ counts the bytes an op must read and write (data and scales); dequantize-reduce-
 input bytes read, as GPU.md reports DeepSpeed's. Each time is the median over repeats of the mean
 of back-to-back calls queued behind a GPU sleep (so launch overhead is not timed), inputs
 rotating between two random buffers. Every number is also a fraction of the copy bandwidth
-(x.clone) measured in the same run. --sweep also times other tile shapes for our quantize and
-dequantize (fp16), to tune the default.
+(x.clone) measured in the same run. --sweep also times other tile shapes (--tiles) for our ops,
+to tune the default; --ops limits the run to some ops; --word-path-ab compares the two int4
+decodes of dequantize-reduce-quantize (int32 words vs bytes) alternately in one process.
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ def load_deepspeed():
 
 
 class Bench:
-    def __init__(self, numel: int, ds):
+    def __init__(self, numel: int, ds, ops: list[str] | None = None):
         self.numel = numel
         self.ds = ds
+        self.ops = ops  # record only ops starting with one of these (None: all)
         gen = torch.Generator(device="cuda").manual_seed(0)
         base = [torch.randn(numel, device="cuda", generator=gen) for _ in range(2)]
         self.x = {"fp16": [b.half() for b in base], "bf16": [b.bfloat16() for b in base]}
@@ -82,6 +84,8 @@ class Bench:
 
     def record(self, op: str, impl: str, group: int, dtype: str, fn, nbytes: float,
                input_bytes: float | None = None, **extra) -> None:
+        if self.ops and not any(op.startswith(prefix) for prefix in self.ops):
+            return
         row = {"op": op, "impl": impl, "group": group, "dtype": dtype, **extra}
         try:
             ms = time_ms(fn)
@@ -165,16 +169,35 @@ class Bench:
             print(json.dumps(row), flush=True)
             self.rows.append(row)
 
-    def sweep(self, group: int, dtypes=("fp16",)) -> None:
+    def sweep(self, group: int, dtypes=("fp16",), tiles=TILES) -> None:
         """Every op of ours (`dtypes`) again at other (elements per program, warps) tiles: the
         launcher's default tile is swapped for each, so the public entry points are timed."""
         default_tile = quant._default_tile
         try:
-            for tile in TILES:
+            for tile in tiles:
                 quant._default_tile = lambda *_shape, tile=tile: tile
                 self.ours(group, dtypes=dtypes, impl=f"ours tile {tile}")
         finally:
             quant._default_tile = default_tile
+
+
+    def word_path_ab(self, group: int, rounds: int) -> None:
+        """int4 dequantize-reduce-quantize on int32 words vs on bytes (quant.WORD_PATH), timed
+        alternately `rounds` times each in this process (impl "ours words" / "ours bytes")."""
+        default = quant.WORD_PATH
+        try:
+            for _ in range(rounds):
+                for words in (True, False):
+                    quant.WORD_PATH = words
+                    qs = [quant.swizzled_quantize(x, 4, group, 2, 4) for x in self.x["fp16"]]
+                    read = self.numel / 2 + 4 * self.numel / group
+                    self.record("dequant-reduce-quant int4 (4 inputs)",
+                                "ours words" if words else "ours bytes", group, "fp16",
+                                lambda i, qs=qs: quant.dequantize_reduce_quantize(
+                                    *qs[i % 2], 4, 4, 4, group, self.numel // 8),
+                                read * 1.25, read)
+        finally:
+            quant.WORD_PATH = default
 
 
 def find(rows, op, impl, group, dtype="fp16", key="tbps"):
@@ -264,20 +287,32 @@ def main() -> None:
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time other tile shapes")
     parser.add_argument("--sweep-dtypes", nargs="+", default=["fp16"], choices=["fp16", "bf16"])
+    parser.add_argument("--tiles", nargs="+", metavar="ELEMENTSxWARPS",
+                        help="--sweep's tiles, e.g. 8192x8 (default: %s)"
+                        % " ".join(f"{e}x{w}" for e, w in TILES))
+    parser.add_argument("--ops", nargs="+", metavar="PREFIX",
+                        help="time only ops starting with one of these, e.g. 'quantize int4'")
+    parser.add_argument("--word-path-ab", type=int, default=0, metavar="ROUNDS",
+                        help="also time int4 dequantize-reduce-quantize on int32 words vs "
+                             "bytes, alternately, ROUNDS times each")
     parser.add_argument("--out", default="bench_quant.json")
     args = parser.parse_args()
     if args.numel % (8 * max(args.groups)):
         parser.error("--numel must be a multiple of 8 x the largest group")
     ds, ds_note = (None, "skipped (--no-deepspeed)") if args.no_deepspeed else load_deepspeed()
     print(f"DeepSpeed: {ds_note if ds is None else ds_note + ' loaded'}", flush=True)
-    bench = Bench(args.numel, ds)
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles] if args.tiles else TILES
+    bench = Bench(args.numel, ds, args.ops)
     for group in args.groups:
         bench.ours(group)
         if ds is not None:
             bench.deepspeed(group)
-        bench.errors(group)
+        if not args.ops:
+            bench.errors(group)
         if args.sweep:
-            bench.sweep(group, tuple(args.sweep_dtypes))
+            bench.sweep(group, tuple(args.sweep_dtypes), tiles)
+        if args.word_path_ab:
+            bench.word_path_ab(group, args.word_path_ab)
     import triton
 
     checks = targets(bench.rows, bench.copy_tbps, args.groups)

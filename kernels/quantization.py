@@ -132,6 +132,37 @@ def _dequantize_nibbles(q_ptrs, q_mask, scale_ptrs, scale_mask):
 
 
 @triton.jit
+def _nibble_value(half, K: tl.constexpr):
+    """fp32 q of nibble K (< 4) of a _dequantize_words half, without a conversion instruction:
+    the half holds 2^23's exponent bits above its 4 nibbles, each nibble as q + 8, so one AND
+    leaves the fp32 2^23 + 16^K (q + 8), and one exact fma takes it back to q."""
+    bits = half & (0x4B000000 | (15 << (4 * K)))
+    return tl.fma(bits.to(tl.float32, bitcast=True), 0.0625 ** K,
+                  -(8388608.0 * 0.0625 ** K + 8.0))
+
+
+@triton.jit
+def _dequantize_words(words, scale):
+    """int4 words (8 nibbles, elements 8i .. 8i+7 of the block, element 8i in the low nibble)
+    -> those 8 elements as fp32 q * scale, 8 tensors shaped like `words`. Per word: one XOR
+    turns every two's-complement nibble q into q + 8, and each 16-bit half gets 2^23's exponent
+    bits; then each element costs an AND, an fma and the scale's multiply."""
+    offset = words ^ -2004318072  # 0x88888888
+    low = (offset & 0xFFFF) | 0x4B000000
+    high = ((offset >> 16) & 0xFFFF) | 0x4B000000
+    return (_nibble_value(low, 0) * scale, _nibble_value(low, 1) * scale,
+            _nibble_value(low, 2) * scale, _nibble_value(low, 3) * scale,
+            _nibble_value(high, 0) * scale, _nibble_value(high, 1) * scale,
+            _nibble_value(high, 2) * scale, _nibble_value(high, 3) * scale)
+
+
+@triton.jit
+def _abs_bits(values):
+    """|values| as int32 bits (integer order is float order there, NaN above Inf)."""
+    return values.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
 def _absmax_bits(values):
     """Per row, max over |values| as int32 bits: integer order is float order there, with NaN
     above Inf above every finite value, so one integer max also finds NaN / Inf."""
@@ -228,7 +259,8 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                         nodes, devices_per_node, multiplier, NUM_INPUTS: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr,
                         BLOCKS_PER_PROGRAM: tl.constexpr, BITS_IN: tl.constexpr,
-                        BITS_OUT: tl.constexpr, SCALE_OUTPUT: tl.constexpr):
+                        BITS_OUT: tl.constexpr, SCALE_OUTPUT: tl.constexpr,
+                        WORDS: tl.constexpr):
     """One program: BLOCKS_PER_PROGRAM consecutive blocks of partition p = program_id(1).
 
     Input: BITS_IN == 0 reads floats (partition p); otherwise it sums NUM_INPUTS quantized inputs
@@ -271,6 +303,56 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
     dst_part = (partition % devices_per_node) * nodes + partition // devices_per_node
     dst_scale_ptrs = dst_scale_ptr + first_block + rows + _partition_offset(
         dst_part, dst_row_parts, dst_scale_row_stride, blocks_per_partition)
+    if BITS_IN == 4 and BITS_OUT == 4 and WORDS:
+        # int4 -> int4 on int32 words (8 elements each; every partition and row 4-byte
+        # aligned): 8 sums per word, element 8i + k in sums[k], decoded without conversion
+        # instructions (_nibble_value) and packed back into words. Same sums and q as below.
+        word_cols = tl.arange(0, BLOCK_PAD // 8)
+        word_local = rows[:, None] * (BLOCK_SIZE // 8) + word_cols[None, :]
+        word_base = first_block.to(tl.int64) * (BLOCK_SIZE // 8)
+        words_left = tl.minimum(partition_bytes // 4 - word_base,
+                                BLOCKS_PER_PROGRAM * (BLOCK_SIZE // 8))
+        word_mask = (word_cols[None, :] < BLOCK_SIZE // 8) & (word_local < words_left.to(tl.int32))
+        src_words = src_ptr.to(tl.pointer_type(tl.int32)) + word_base + word_local
+        for j in tl.static_range(NUM_INPUTS):
+            index = j * num_partitions + partition
+            words = tl.load(src_words + _partition_offset(index, src_row_parts, src_row_stride,
+                                                          partition_bytes) // 4,
+                            mask=word_mask, other=0)
+            scale = tl.load(scale_ptrs + _partition_offset(index, src_row_parts,
+                                                           src_scale_row_stride,
+                                                           blocks_per_partition),
+                            mask=block_valid, other=0.0)[:, None]
+            v0, v1, v2, v3, v4, v5, v6, v7 = _dequantize_words(words, scale)
+            if j == 0:
+                s0, s1, s2, s3, s4, s5, s6, s7 = v0, v1, v2, v3, v4, v5, v6, v7
+            else:
+                s0 += v0
+                s1 += v1
+                s2 += v2
+                s3 += v3
+                s4 += v4
+                s5 += v5
+                s6 += v6
+                s7 += v7
+        both = tl.maximum(tl.maximum(tl.maximum(_abs_bits(s0), _abs_bits(s1)),
+                                     tl.maximum(_abs_bits(s2), _abs_bits(s3))),
+                          tl.maximum(tl.maximum(_abs_bits(s4), _abs_bits(s5)),
+                                     tl.maximum(_abs_bits(s6), _abs_bits(s7))))
+        scale, nonfinite = _scale_of(tl.max(both, axis=1), 7)
+        q0, q1 = _quantize_pair(s0, s1, scale, nonfinite, 7)
+        q2, q3 = _quantize_pair(s2, s3, scale, nonfinite, 7)
+        q4, q5 = _quantize_pair(s4, s5, scale, nonfinite, 7)
+        q6, q7 = _quantize_pair(s6, s7, scale, nonfinite, 7)
+        tl.store(dst_scale_ptrs, tl.where(nonfinite, float("nan"), scale), mask=block_valid)
+        packed = ((q0 & 15) | ((q1 & 15) << 4) | ((q2 & 15) << 8) | ((q3 & 15) << 12)
+                  | ((q4 & 15) << 16) | ((q5 & 15) << 20) | ((q6 & 15) << 24) | (q7 << 28))
+        dst = dst_ptr.to(tl.pointer_type(tl.int32)) + (
+            _partition_offset(dst_part, dst_row_parts, dst_row_stride, partition_bytes)
+            + byte_base) // 4
+        tl.store(dst + word_local, packed, mask=word_mask)
+        return
+
     if BITS_IN == 4 and BITS_OUT == 4:
         # int4 -> int4 (qgZ's intra-node reduce): the even (low-nibble) and odd (high-nibble)
         # elements are summed and quantized apart, sharing each block's absmax, and packed
@@ -346,18 +428,31 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
 INTERPRETING = HAS_TRITON and not isinstance(_block_quant_kernel, triton.runtime.JITFunction)
 
 
+# int4 -> int4 dequantize-reduce-quantize decodes int32 words where every partition and row is
+# 4-byte aligned: 12% faster than the byte decode on an H200 (BENCHMARKS.md, fifth session).
+# MEGADOMINO_QUANT_WORDS=0 (or WORD_PATH = False) forces the byte decode, for comparisons.
+WORD_PATH = os.environ.get("MEGADOMINO_QUANT_WORDS", "1") == "1"
+
+
 def _default_tile(block_pad: int, bits_in: int, bits_out: int) -> tuple[int, int]:
-    """(elements per program, num_warps): 4096 elements (several small blocks, or one large
-    block) over 4 warps, but 2 warps to quantize floats in blocks above 4096 elements or to
-    int4 in blocks of 2048 and more, and to dequantize-reduce-quantize in blocks up to 2048
-    (there a warp holds a whole block: its absmax needs no cross-warp reduction). Chosen from
-    `benchmarks/bench_quant.py --sweep` (fp16 and bf16) on an H200 (BENCHMARKS.md): 5-15% over
-    the former (8192 elements, 8 warps) for quantize and dequantize-reduce-quantize,
-    dequantize equal."""
+    """(elements per program, num_warps), chosen from `benchmarks/bench_quant.py --sweep`
+    (fp16 and bf16) on an H200 (BENCHMARKS.md): 4096 elements (several small blocks, or one
+    large block) over 4 warps, except
+    - quantize floats in blocks above 4096 elements, or to int4 in blocks of 2048 and more:
+      2 warps (to int4 at 2048: one block per program, 2% over two);
+    - dequantize-reduce-quantize in blocks up to 2048: a warp holds a whole block, so its
+      absmax needs no cross-warp reduction; 2 warps, but 1 warp and one block per program at
+      2048 (int4 +3%).
+    Fewer warps with more elements each kept winning: 8 warps per 2048-element block were
+    25-30% slower than 2."""
     elements = max(block_pad, 4096)
     if bits_in == 0:
+        if bits_out == 4 and block_pad == 2048:
+            return 2048, 2
         two_warps = block_pad > 4096 or (bits_out == 4 and block_pad >= 2048)
     else:
+        if bits_out != 0 and block_pad == 2048:
+            return 2048, 1
         two_warps = bits_out != 0 and block_pad <= 2048
     return elements, 2 if two_warps else 4
 
@@ -392,6 +487,10 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
     src_rows = src_rows or _contiguous_rows(partition_numel, bits_in, block_size)
     dst_rows = dst_rows or _contiguous_rows(partition_numel, bits_out, block_size)
     grid = (triton.cdiv(blocks_per_partition, blocks_per_program), num_partitions)
+    words = (WORD_PATH and bits_in == 4 and bits_out == 4 and block_size % 8 == 0
+             and partition_numel % 8 == 0 and src_rows.stride % 4 == 0
+             and dst_rows.stride % 4 == 0 and src.data_ptr() % 4 == 0
+             and dst.data_ptr() % 4 == 0)
     with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
         _block_quant_kernel[grid](src, src if src_scales is None else src_scales,
                                   dst, dst if dst_scales is None else dst_scales,
@@ -402,6 +501,7 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
                                   BLOCK_PAD=block_pad,
                                   BLOCKS_PER_PROGRAM=blocks_per_program, BITS_IN=bits_in,
                                   BITS_OUT=bits_out, SCALE_OUTPUT=multiplier != 1.0,
+                                  WORDS=words,
                                   num_warps=num_warps,
                                   enable_fp_fusion=False)  # no FMA: bit-identical to the reference
 

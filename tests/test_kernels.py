@@ -410,7 +410,35 @@ def check_nonfinite(device: str, force_triton: bool, bits: int, dtype: str = "fp
     assert torch.isnan(s_sum.cpu()).all() and (unpack(q_sum.cpu(), bits, block_size) == 0).all()
 
 
+def check_int4_words(device: str, force_triton: bool) -> None:
+    """int4 -> int4 dequantize-reduce-quantize over aligned partitions (multiples of 8
+    elements) takes the int32-word decode (quant.WORD_PATH); the byte decode is forced for the
+    same inputs: both equal the reference, with a zero block, a NaN block, scales down to
+    2^-130 (subnormal) and every nibble value -8..7 (including -8, which the scheme never
+    writes but a payload may hold) among the inputs."""
+    num_inputs, parts, numel, block_size = 3, 2, 1048, 8
+    blocks = num_inputs * parts * (numel // block_size)
+    q = torch.randint(0, 256, (num_inputs * parts * numel // 2,), dtype=torch.uint8)
+    q[:4] = 0  # a zero block
+    q[4:8] = torch.tensor([0x10, 0x32, 0x54, 0x76], dtype=torch.uint8)  # nibbles 0..7
+    q[8:12] = torch.tensor([0x98, 0xBA, 0xDC, 0xFE], dtype=torch.uint8)  # -8..-1
+    scales = torch.rand(blocks) * 2.0 ** torch.randint(-130, 10, (blocks,)).float()
+    scales[5] = float("nan")
+    want = dequantize_reduce_quantize_reference(q, scales, num_inputs, 4, 4, block_size, numel)
+    default = quant.WORD_PATH
+    try:
+        for words in (True, False):
+            quant.WORD_PATH = words
+            got = dequantize_reduce_quantize(q.to(device), scales.to(device), num_inputs, 4, 4,
+                                             block_size, numel, force_triton=force_triton)
+            assert_same(got[0].cpu(), want[0], f"q (words={words})")
+            assert_same(got[1].cpu(), want[1], f"scales (words={words})")
+    finally:
+        quant.WORD_PATH = default
+
+
 EXPLICIT_CHECKS = {
+    "int4-words": (check_int4_words, {}),
     "ties-int8": (check_ties, {"bits": 8}), "ties-int4": (check_ties, {"bits": 4}),
     "int4-layout": (check_int4_layout, {}),
     "zero-blocks-int8": (check_zero_blocks, {"bits": 8}),
