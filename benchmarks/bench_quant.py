@@ -14,8 +14,9 @@ input bytes read, as GPU.md reports DeepSpeed's. Each time is the median over re
 of back-to-back calls queued behind a GPU sleep (so launch overhead is not timed), inputs
 rotating between two random buffers. Every number is also a fraction of the copy bandwidth
 (x.clone) measured in the same run. --sweep also times other tile shapes (--tiles) for our ops,
-to tune the default; --ops limits the run to some ops; --word-path-ab compares the two int4
-decodes of dequantize-reduce-quantize (int32 words vs bytes) alternately in one process.
+to tune the default; --ops limits the run to some ops; --ab compares a kernel switch on and off (e.g. the int4
+decode of dequantize-reduce-quantize on int32 words vs bytes) alternately in one process, and
+--stream-ab the looping quantize programs for large blocks.
 """
 
 from __future__ import annotations
@@ -181,23 +182,42 @@ class Bench:
             quant._default_tile = default_tile
 
 
-    def word_path_ab(self, group: int, rounds: int) -> None:
-        """int4 dequantize-reduce-quantize on int32 words vs on bytes (quant.WORD_PATH), timed
-        alternately `rounds` times each in this process (impl "ours words" / "ours bytes")."""
-        default = quant.WORD_PATH
+    def ab(self, group: int, attr: str, rounds: int) -> None:
+        """Every op of ours (fp16; --ops) with the kernel module's boolean switch `attr`
+        (e.g. WORD_PATH, NARROW_STORE) on and off, alternately, `rounds` times each (impl
+        "ours ATTR=True" / "ours ATTR=False")."""
+        default = getattr(quant, attr)
         try:
             for _ in range(rounds):
-                for words in (True, False):
-                    quant.WORD_PATH = words
-                    qs = [quant.swizzled_quantize(x, 4, group, 2, 4) for x in self.x["fp16"]]
-                    read = self.numel / 2 + 4 * self.numel / group
-                    self.record("dequant-reduce-quant int4 (4 inputs)",
-                                "ours words" if words else "ours bytes", group, "fp16",
-                                lambda i, qs=qs: quant.dequantize_reduce_quantize(
-                                    *qs[i % 2], 4, 4, 4, group, self.numel // 8),
-                                read * 1.25, read)
+                for value in (True, False):
+                    setattr(quant, attr, value)
+                    self.ours(group, dtypes=("fp16",), impl=f"ours {attr}={value}")
         finally:
-            quant.WORD_PATH = default
+            setattr(quant, attr, default)
+
+    def stream_ab(self, group: int, rounds: int) -> None:
+        """Quantize (fp16) in blocks >= 8192 by programs that loop over blocks, prefetching
+        (quant.STREAM_PATH), at 4 / 8 / 16 warps and 1 / 2 / 3 programs per SM, against one
+        block per program; alternately, `rounds` times."""
+        saved = quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM, quant._default_tile
+        configs = [("one block per program", False, 0, None)] + [
+            (f"stream {warps} warps {per_sm}/SM", True, per_sm, (group, warps))
+            for warps in (4, 8, 16) for per_sm in (1, 2, 3)]
+        n, xs = self.numel, self.x["fp16"]
+        try:
+            for _ in range(rounds):
+                for impl, stream, per_sm, tile in configs:
+                    quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM = stream, per_sm
+                    quant._default_tile = (lambda *_a, t=tile: t) if tile else saved[2]
+                    for bits in (8, 4):
+                        self.record(f"quantize int{bits}", impl, group, "fp16",
+                                    lambda i, b=bits: quant.quantize(xs[i % 2], b, group),
+                                    2 * n + n * bits / 8 + 4 * n / group)
+                    self.record("swizzled quantize int4 (2x4)", impl, group, "fp16",
+                                lambda i: quant.swizzled_quantize(xs[i % 2], 4, group, 2, 4),
+                                2 * n + n / 2 + 4 * n / group)
+        finally:
+            quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM, quant._default_tile = saved
 
 
 def find(rows, op, impl, group, dtype="fp16", key="tbps"):
@@ -292,9 +312,14 @@ def main() -> None:
                         % " ".join(f"{e}x{w}" for e, w in TILES))
     parser.add_argument("--ops", nargs="+", metavar="PREFIX",
                         help="time only ops starting with one of these, e.g. 'quantize int4'")
-    parser.add_argument("--word-path-ab", type=int, default=0, metavar="ROUNDS",
-                        help="also time int4 dequantize-reduce-quantize on int32 words vs "
-                             "bytes, alternately, ROUNDS times each")
+    parser.add_argument("--ab", nargs=2, metavar=("SWITCH", "ROUNDS"),
+                        help="also time our ops with the kernel module's boolean SWITCH "
+                             "(WORD_PATH, NARROW_STORE, STREAM_PATH) on and off, "
+                             "alternately, ROUNDS times each")
+    parser.add_argument("--stream-ab", type=int, default=0, metavar="ROUNDS",
+                        help="also time quantize in blocks >= 8192 by looping, prefetching "
+                             "programs (several warps and programs per SM) vs one block per "
+                             "program, alternately, ROUNDS times each")
     parser.add_argument("--out", default="bench_quant.json")
     args = parser.parse_args()
     if args.numel % (8 * max(args.groups)):
@@ -311,8 +336,10 @@ def main() -> None:
             bench.errors(group)
         if args.sweep:
             bench.sweep(group, tuple(args.sweep_dtypes), tiles)
-        if args.word_path_ab:
-            bench.word_path_ab(group, args.word_path_ab)
+        if args.ab:
+            bench.ab(group, args.ab[0], int(args.ab[1]))
+        if args.stream_ab and group >= 8192:
+            bench.stream_ab(group, args.stream_ab)
     import triton
 
     checks = targets(bench.rows, bench.copy_tbps, args.groups)

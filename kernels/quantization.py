@@ -252,6 +252,54 @@ def _partition_offset(index, row_parts, row_stride, partition_size):
 
 
 @triton.jit
+def _store_quantized(q, scale, dst, dst_scale_ptrs, block_valid, local, mask, byte_local,
+                     byte_mask, BITS_OUT: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+                     BLOCK_PAD: tl.constexpr, NARROW_STORE: tl.constexpr):
+    """Store _quantize_tile's (q, scale) of (BLOCKS_PER_PROGRAM, BLOCK_PAD) elements: scales
+    at dst_scale_ptrs, q at `dst` (the program's first element, int8; or byte, int4) plus
+    `local` (int8) / `byte_local` (int4, two elements a byte)."""
+    tl.store(dst_scale_ptrs, scale, mask=block_valid)
+    if BITS_OUT == 8:
+        if NARROW_STORE:  # offsets provably contiguous in runs of 8 only: 8-byte stores
+            local = (local // 8) * 8 + local % 8
+        tl.store(dst + local, q.to(tl.int8), mask=mask)  # keeps the low byte
+    else:
+        low, high = tl.split(tl.reshape(q, [BLOCKS_PER_PROGRAM, BLOCK_PAD // 2, 2]))
+        packed = (low & 15) | ((high & 15) << 4)
+        if NARROW_STORE:
+            byte_local = (byte_local // 4) * 4 + byte_local % 4
+        tl.store(dst + byte_local, packed.to(tl.uint8), mask=byte_mask)
+
+
+@triton.jit
+def _quantize_stream(src, dst, dst_scale_ptr, partition_numel, partition_bytes,
+                     BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr, BITS_OUT: tl.constexpr,
+                     NARROW_STORE: tl.constexpr):
+    """Quantize blocks program_id(0), + num_programs(0), ... of one partition (src, dst and
+    dst_scale_ptr at its start), one block per iteration, loading the next block before
+    quantizing this one: large blocks fit few programs on an SM, and this keeps their loads in
+    flight across each block's absmax."""
+    step = tl.num_programs(0).to(tl.int64) * BLOCK_SIZE
+    cols = tl.arange(0, BLOCK_PAD)[None, :]
+    byte_cols = tl.arange(0, BLOCK_PAD // 2)[None, :]
+    first = tl.program_id(0).to(tl.int64) * BLOCK_SIZE
+    x = tl.load(src + first + cols, mask=(cols < BLOCK_SIZE) & (cols < partition_numel - first),
+                other=0.0)
+    for base in range(first, partition_numel.to(tl.int64), step):  # 64-bit element offsets
+        block = base // BLOCK_SIZE
+        ahead = base + step
+        x_next = tl.load(src + ahead + cols,
+                         mask=(cols < BLOCK_SIZE) & (cols < partition_numel - ahead), other=0.0)
+        q, scale = _quantize_tile(x, (1 << (BITS_OUT - 1)) - 1)
+        mask = (cols < BLOCK_SIZE) & (cols < partition_numel - base)
+        byte_mask = (byte_cols < BLOCK_SIZE // 2) & (byte_cols < partition_bytes - base // 2)
+        _store_quantized(q, scale, dst + (base if BITS_OUT == 8 else base // 2),
+                         dst_scale_ptr + block + tl.arange(0, 1), tl.arange(0, 1) < 1, cols,
+                         mask, byte_cols, byte_mask, BITS_OUT, 1, BLOCK_PAD, NARROW_STORE)
+        x = x_next
+
+
+@triton.jit
 def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                         partition_numel, partition_bytes, blocks_per_partition,
                         src_row_parts, src_row_stride, src_scale_row_stride,
@@ -260,7 +308,8 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr,
                         BLOCKS_PER_PROGRAM: tl.constexpr, BITS_IN: tl.constexpr,
                         BITS_OUT: tl.constexpr, SCALE_OUTPUT: tl.constexpr,
-                        WORDS: tl.constexpr):
+                        WORDS: tl.constexpr, STREAM: tl.constexpr,
+                        NARROW_STORE: tl.constexpr):
     """One program: BLOCKS_PER_PROGRAM consecutive blocks of partition p = program_id(1).
 
     Input: BITS_IN == 0 reads floats (partition p); otherwise it sums NUM_INPUTS quantized inputs
@@ -273,6 +322,17 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
     pid_block = tl.program_id(0)
     partition = tl.program_id(1).to(tl.int64)
     num_partitions = tl.num_programs(1).to(tl.int64)
+    if STREAM:  # floats in blocks of BLOCK_PAD >= 8192, one block per program
+        dst_part = (partition % devices_per_node) * nodes + partition // devices_per_node
+        _quantize_stream(
+            src_ptr + _partition_offset(partition, src_row_parts, src_row_stride,
+                                        partition_numel),
+            dst_ptr + _partition_offset(dst_part, dst_row_parts, dst_row_stride,
+                                        partition_numel if BITS_OUT == 8 else partition_bytes),
+            dst_scale_ptr + _partition_offset(dst_part, dst_row_parts, dst_scale_row_stride,
+                                              blocks_per_partition),
+            partition_numel, partition_bytes, BLOCK_SIZE, BLOCK_PAD, BITS_OUT, NARROW_STORE)
+        return
     rows = tl.arange(0, BLOCKS_PER_PROGRAM)
     first_block = pid_block * BLOCKS_PER_PROGRAM
     block_valid = first_block + rows < blocks_per_partition
@@ -408,17 +468,14 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
         tl.store(dst + local, values.to(dst_ptr.dtype.element_ty), mask=mask)
     else:
         q, scale = _quantize_tile(values, (1 << (BITS_OUT - 1)) - 1)
-        tl.store(dst_scale_ptrs, scale, mask=block_valid)
         if BITS_OUT == 8:
             dst = dst_ptr + (_partition_offset(dst_part, dst_row_parts, dst_row_stride,
                                                partition_numel) + elem_base)
-            tl.store(dst + local, q.to(tl.int8), mask=mask)  # keeps the low byte
         else:
-            low, high = tl.split(tl.reshape(q, [BLOCKS_PER_PROGRAM, BLOCK_PAD // 2, 2]))
-            packed = (low & 15) | ((high & 15) << 4)
             dst = dst_ptr + (_partition_offset(dst_part, dst_row_parts, dst_row_stride,
                                                partition_bytes) + byte_base)
-            tl.store(dst + byte_local, packed.to(tl.uint8), mask=byte_mask)
+        _store_quantized(q, scale, dst, dst_scale_ptrs, block_valid, local, mask, byte_local,
+                         byte_mask, BITS_OUT, BLOCKS_PER_PROGRAM, BLOCK_PAD, NARROW_STORE)
 
 
 # --- launcher -----------------------------------------------------------------------------------
@@ -434,6 +491,18 @@ INTERPRETING = HAS_TRITON and not isinstance(_block_quant_kernel, triton.runtime
 WORD_PATH = os.environ.get("MEGADOMINO_QUANT_WORDS", "1") == "1"
 
 
+NARROW_STORE = os.environ.get("MEGADOMINO_QUANT_NARROW_STORE", "1") == "1"
+STREAM_PATH = os.environ.get("MEGADOMINO_QUANT_STREAM", "1") == "1"
+STREAM_PROGRAMS_PER_SM = 2
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: a few programs, so that they loop
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _default_tile(block_pad: int, bits_in: int, bits_out: int) -> tuple[int, int]:
     """(elements per program, num_warps), chosen from `benchmarks/bench_quant.py --sweep`
     (fp16 and bf16) on an H200 (BENCHMARKS.md): 4096 elements (several small blocks, or one
@@ -447,6 +516,8 @@ def _default_tile(block_pad: int, bits_in: int, bits_out: int) -> tuple[int, int
     25-30% slower than 2."""
     elements = max(block_pad, 4096)
     if bits_in == 0:
+        if bits_out != 0 and block_pad >= 8192 and STREAM_PATH:
+            return block_pad, 8  # _quantize_stream's programs
         if bits_out == 4 and block_pad == 2048:
             return 2048, 2
         two_warps = block_pad > 4096 or (bits_out == 4 and block_pad >= 2048)
@@ -487,6 +558,10 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
     src_rows = src_rows or _contiguous_rows(partition_numel, bits_in, block_size)
     dst_rows = dst_rows or _contiguous_rows(partition_numel, bits_out, block_size)
     grid = (triton.cdiv(blocks_per_partition, blocks_per_program), num_partitions)
+    stream = STREAM_PATH and bits_in == 0 and bits_out != 0 and block_pad >= 8192
+    if stream:  # a few programs per SM, each looping over the blocks
+        grid = (min(grid[0], max(1, STREAM_PROGRAMS_PER_SM * _sm_count(src.device)
+                                 // num_partitions)), num_partitions)
     words = (WORD_PATH and bits_in == 4 and bits_out == 4 and block_size % 8 == 0
              and partition_numel % 8 == 0 and src_rows.stride % 4 == 0
              and dst_rows.stride % 4 == 0 and src.data_ptr() % 4 == 0
@@ -501,7 +576,9 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
                                   BLOCK_PAD=block_pad,
                                   BLOCKS_PER_PROGRAM=blocks_per_program, BITS_IN=bits_in,
                                   BITS_OUT=bits_out, SCALE_OUTPUT=multiplier != 1.0,
-                                  WORDS=words,
+                                  WORDS=words, STREAM=stream,
+                                  NARROW_STORE=NARROW_STORE and bits_out == 4
+                                  and block_pad >= 2048,
                                   num_warps=num_warps,
                                   enable_fp_fusion=False)  # no FMA: bit-identical to the reference
 

@@ -464,7 +464,8 @@ def kernel_cases() -> dict[str, tuple]:
                 if numel in (7, 2049, 5000):
                     cases[f"dequantize-{numel}-{block_size}-{dtype}-int{bits}"] = (
                         check_dequantize, params)
-    for numel, block_size in [(65536, 16384), (65535, 256)]:
+    # 65535 / 8192: 8 blocks (the last partial) over 4 programs that loop (_quantize_stream)
+    for numel, block_size in [(65536, 16384), (65535, 256), (65535, 8192)]:
         for dtype in DTYPES:
             for bits in (8, 4):
                 params = {"numel": numel, "dtype": dtype, "bits": bits, "block_size": block_size}
@@ -475,7 +476,7 @@ def kernel_cases() -> dict[str, tuple]:
         cases[f"near-ties-int{bits}"] = (check_near_ties, {"bits": bits})
         for nodes, dpn, numel, block_size, dtype in [
                 (2, 4, 6, 4, "fp32"), (2, 2, 1000, 256, "bf16"), (3, 1, 515, 512, "fp16"),
-                (1, 4, 2048, 2048, "fp32")]:
+                (1, 4, 2048, 2048, "fp32"), (2, 2, 3 * 8192 + 5, 8192, "bf16")]:
             cases[f"swizzle-{nodes}x{dpn}-{numel}-{block_size}-{dtype}-int{bits}"] = (
                 check_swizzled_quantize, {"nodes": nodes, "devices_per_node": dpn,
                                           "partition_numel": numel, "bits": bits,
