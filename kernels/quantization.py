@@ -491,7 +491,13 @@ INTERPRETING = HAS_TRITON and not isinstance(_block_quant_kernel, triton.runtime
 WORD_PATH = os.environ.get("MEGADOMINO_QUANT_WORDS", "1") == "1"
 
 
+# int4 output in blocks >= 2048 is stored in 4-byte runs, the layout it is computed in, instead
+# of 16-byte runs after a shared-memory layout conversion: +2% at 2048, +0.5% at 8192, but -4%
+# at 256 and -0.5% for int8, so only there (BENCHMARKS.md, fifth session).
 NARROW_STORE = os.environ.get("MEGADOMINO_QUANT_NARROW_STORE", "1") == "1"
+# Quantize in blocks >= 8192 by _quantize_stream: 8 warps, as many programs as fit at once
+# (2 per SM at its 90 registers: 3 per SM queue a third program behind the others, 15% slower).
+# int8 0.94x -> 0.97x DeepSpeed's rate, int4 0.90x -> 0.945x (H200).
 STREAM_PATH = os.environ.get("MEGADOMINO_QUANT_STREAM", "1") == "1"
 STREAM_PROGRAMS_PER_SM = 2
 
@@ -507,8 +513,9 @@ def _default_tile(block_pad: int, bits_in: int, bits_out: int) -> tuple[int, int
     """(elements per program, num_warps), chosen from `benchmarks/bench_quant.py --sweep`
     (fp16 and bf16) on an H200 (BENCHMARKS.md): 4096 elements (several small blocks, or one
     large block) over 4 warps, except
-    - quantize floats in blocks above 4096 elements, or to int4 in blocks of 2048 and more:
-      2 warps (to int4 at 2048: one block per program, 2% over two);
+    - quantize floats in blocks of 8192 and more: 8 warps, looping (STREAM_PATH);
+    - quantize floats in blocks above 4096 elements (without the loop), or to int4 in blocks of
+      2048 and more: 2 warps (to int4 at 2048: one block per program, 2% over two);
     - dequantize-reduce-quantize in blocks up to 2048: a warp holds a whole block, so its
       absmax needs no cross-warp reduction; 2 warps, but 1 warp and one block per program at
       2048 (int4 +3%).
