@@ -26,6 +26,8 @@ from megadomino.training.data import MockDataset
 from megadomino.training.ddp import GradBuffer
 from megadomino.training.optimizer import DynamicLossScaler, MixedPrecisionAdamW
 from megadomino.zero import CommCounter, ZeroConfig, ZeroPlusPlus, collectives
+from megadomino.zero.grads import GradReducer
+from megadomino.zero.params import MemoryMeter
 from megadomino.zero.partition import FlatUnit, find_units
 
 SEQ = 16
@@ -72,6 +74,50 @@ def test_flat_unit_layout_pads_and_pieces_cover_the_shard():
             assert unit.shard(flat)[piece.shard_start] == flat[piece.start]
     assert covered == list(range(11))  # every element once, padding in no piece
     assert [(p.index, p.start, p.end) for p in units[2].pieces] == [(1, 6, 9)]
+
+
+def test_flat_unit_views_in_parameter_shapes():
+    """views() covers the flat buffer but its padding, in the parameters' shapes, every one a
+    view of it (a zero-element parameter's too)."""
+    params = [nn.Parameter(torch.ones(2, 3)), nn.Parameter(torch.ones(0, 4)),
+              nn.Parameter(torch.ones(()))]
+    unit = FlatUnit("u", params, dp=4, dp_rank=0)
+    flat = torch.arange(float(unit.padded_numel))
+    views = unit.views(flat)
+    assert [v.shape for v in views] == [p.shape for p in params]
+    assert all(v._base is flat for v in views)
+    for view in views:
+        view.add_(100)
+    assert flat.tolist() == [100, 101, 102, 103, 104, 105, 106, 7]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_grad_reducer_sums_backwards_of_incomplete_units(stage):
+    """One process (DP=1, no collective): three backwards, the first two under no_sync(), give
+    the shards their exact sum, for a complete unit, one with a parameter that gets no gradient
+    and one that gets none (both reduced at finish()). `on_unit_done` comes once per backward
+    for the complete unit only; stage 3 drops every buffer after each backward."""
+    w1, b1, w2, spare, w3 = (nn.Parameter(torch.zeros(shape))
+                             for shape in ((2, 3), (3,), (4,), (5,), (2,)))
+    units = [FlatUnit(name, params, dp=1, dp_rank=0)
+             for name, params in (("a", [w1, b1]), ("b", [w2, spare]), ("c", [w3]))]
+    done, meter = [], MemoryMeter()
+    dims = type("Dims", (), dict(dp=1))()
+    reducer = GradReducer(units, dims, ZeroConfig(stage=stage), None, meter,  # no comm at DP=1
+                          done.append)
+    expected = [torch.zeros(u.padded_numel) for u in units]
+    for micro in range(3):
+        x = torch.arange(6.0).view(2, 3) + micro
+        with reducer.no_sync() if micro < 2 else contextlib.nullcontext():
+            ((w1 * x).sum() + (b1 * (micro + 1)).sum() + (w2 * x[0, 0]).sum()).backward()
+            reducer.finish()
+        assert all(p.grad is None for u in units for p in u.params)
+        expected[0] += torch.cat([x.reshape(-1), torch.full((3,), micro + 1.0)])
+        expected[1][:4] += x[0, 0]
+        assert done == [0] * (micro + 1)
+        assert meter.current == (0 if stage == 3 else sum(4 * u.padded_numel for u in units))
+    for shard, want in zip(reducer.grad_shards, expected):
+        assert torch.equal(shard, want)
 
 
 def test_find_units_layers_and_shared_params_to_root():

@@ -1,7 +1,11 @@
 """Gradients: per-unit fp32 flat buffers, reduce-scattered (plain or qgZ) into fp32 shards.
 
-A post-accumulate-grad hook moves each parameter's `.grad` (any dtype) into its unit's fp32 flat
-buffer and frees `.grad`. Stage 1 keeps one flat buffer per unit for the whole step, accumulating
+A post-accumulate-grad hook adds each parameter's `.grad` (any dtype) into its view of its unit's
+fp32 flat buffer (views made once per buffer) and frees `.grad`. The hook is one tensor op and a
+few statements: with hundreds of small parameters its host time is what a small-micro-batch step
+waits on (benchmarks/zero_host_overhead.py). Holding a unit's gradients for one
+`torch._foreach_add_` measured no faster (bf16 into fp32 takes foreach's per-tensor path) and
+kept them alive longer. Stage 1 keeps one flat buffer per unit for the whole step, accumulating
 micro-batches in fp32 (`no_sync()` defers the reduction to the last micro-batch, as with
 `training.ddp.GradBuffer`; a synced backward reduces what accumulated since the last reduction).
 Stage 3 has no whole-gradient storage: a unit's buffer exists from its first gradient until its
@@ -34,6 +38,7 @@ Ordering assumptions:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -56,22 +61,21 @@ class GradReducer:
         self.units, self.dims, self.config, self.comm, self.meter = units, dims, config, comm, \
             meter
         self.on_unit_done = on_unit_done
-        device = units[0].params[0].device
-        self.grad_shards = [torch.zeros(u.shard_numel, device=device) for u in units]
-        self.found_nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        self.device = units[0].params[0].device
+        self.grad_shards = [torch.zeros(u.shard_numel, device=self.device) for u in units]
+        self.found_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         self.persistent = config.stage == 1
         self.buffers: list[torch.Tensor | None] = [None] * len(units)
+        self._views: list[list[torch.Tensor] | None] = [None] * len(units)  # into buffers[i]
         if self.persistent:
-            self.buffers = [torch.zeros(u.padded_numel, device=device) for u in units]
-            for buffer in self.buffers:
-                meter.hold(buffer)
+            for index in range(len(units)):
+                self._allocate(index)
         self.order = list(range(len(units)))[::-1]
-        self._position_in_order = {index: n for n, index in enumerate(self.order)}
-        self._where: dict[int, tuple[int, int]] = {}
+        self._position_in_order = [self.order.index(index) for index in range(len(units))]
         for index, unit in enumerate(units):
             for position, param in enumerate(unit.params):
-                self._where[id(param)] = (index, position)
-                param.register_post_accumulate_grad_hook(self._on_grad)
+                param.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_grad, index, position))
         self._reported = [0] * len(units)
         self._next = 0
         self._inflight: list[tuple[int, Pending]] = []  # oldest first, at most the depth
@@ -112,25 +116,31 @@ class GradReducer:
         self._next = 0
         self._reported = [0] * len(self.units)
 
-    def _on_grad(self, param: nn.Parameter) -> None:
-        index, position = self._where[id(param)]
-        unit = self.units[index]
-        if self.syncing and self._position_in_order[index] < self._next:
+    def _on_grad(self, index: int, position: int, param: nn.Parameter) -> None:
+        """The hook of parameter `position` of unit `index`."""
+        syncing = self._sync or not self.persistent
+        if syncing and self._position_in_order[index] < self._next:
             raise RuntimeError(
-                f"a gradient for {unit.name} arrived after its reduction was launched: a "
-                "parameter must receive its gradient once per backward")
+                f"a gradient for {self.units[index].name} arrived after its reduction was "
+                "launched: a parameter must receive its gradient once per backward")
         if self.buffers[index] is None:
-            self.buffers[index] = torch.zeros(unit.padded_numel, device=param.grad.device)
-            self.meter.hold(self.buffers[index])
-        start = unit.offsets[position]
-        self.buffers[index][start:start + param.numel()].add_(param.grad.reshape(-1))
+            self._allocate(index)
+        self._views[index][position].add_(param.grad)
         param.grad = None
         self._streams.note(index, self.buffers[index])
         self._reported[index] += 1
-        if self._reported[index] == len(unit.params) and self.on_unit_done is not None:
+        if self._reported[index] != len(self._views[index]):
+            return  # only a unit's completion can make a launch ready
+        if self.on_unit_done is not None:
             self.on_unit_done(index)
-        if self.syncing:
+        if syncing:
             self._launch_ready(force=False)
+
+    def _allocate(self, index: int) -> None:
+        unit = self.units[index]
+        self.buffers[index] = torch.zeros(unit.padded_numel, device=self.device)
+        self._views[index] = unit.views(self.buffers[index])
+        self.meter.hold(self.buffers[index])
 
     def _launch_ready(self, force: bool) -> None:
         """Launch units in backward order while the next one is complete (any, if `force`)."""
@@ -148,10 +158,9 @@ class GradReducer:
             self._next += 1
 
     def _launch(self, index: int) -> Pending:
-        unit, config = self.units[index], self.config
+        config = self.config
         if self.buffers[index] is None:
-            self.buffers[index] = torch.zeros(unit.padded_numel, device=self.grad_shards[0].device)
-            self.meter.hold(self.buffers[index])
+            self._allocate(index)
         flat = self.buffers[index]
         self._streams.join(index)
         if self.dims.dp == 1:
@@ -175,4 +184,4 @@ class GradReducer:
             self.buffers[index].zero_()  # reduced: a further synced backward starts afresh
         else:
             self.meter.drop(self.buffers[index])
-            self.buffers[index] = None
+            self.buffers[index] = self._views[index] = None

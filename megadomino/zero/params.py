@@ -116,11 +116,13 @@ class PartitionedParams:
         self.units, self.dims, self.config, self.comm, self.meter = units, dims, config, comm, \
             meter
         self.shards: list[torch.Tensor] = []
-        for unit in units:
+        # What a released parameter's `.data` is: made once, as releases come per parameter.
+        self._empties = [[_empty_like(p) for p in unit.params] for unit in units]
+        for unit, empties in zip(units, self._empties):
             flat = unit.flatten([p.detach() for p in unit.params], _dtype_of(unit))
             self.shards.append(unit.shard(flat).clone())
-            for param in unit.params:
-                param.data = _empty_like(param)
+            for param, empty in zip(unit.params, empties):
+                param.data = empty
         count = len(units)
         self.full: list[torch.Tensor | None] = [None] * count
         self.pending: list[Pending | None] = [None] * count
@@ -182,8 +184,8 @@ class PartitionedParams:
             self.pending[index] = None
         if self.full[index] is None:
             return
-        for param in self.units[index].params:
-            param.data = _empty_like(param)
+        for param, empty in zip(self.units[index].params, self._empties[index]):
+            param.data = empty
         self.meter.drop(self.full[index])
         self.full[index] = None
 
