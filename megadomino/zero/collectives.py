@@ -216,8 +216,8 @@ def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: 
     and 3 quantize straight into the rows of the next all-to-all's send buffer (PayloadLayout,
     one row per destination), and steps 3 and 5 read the received rows in place. inf/NaN: the
     quantizer gives a block holding one a NaN scale (and the sums keep it NaN, never finite
-    garbage); step 1's scales are checked here, before anything is sent, and
-anything is sent, and `found_nonfinite` is set (no host sync)."""
+    garbage); step 1's scales are checked here, before anything is sent, and `found_nonfinite`
+    is set (no host sync)."""
     quant = _quantization()
     nodes, local, chunk = dims.num_nodes_dp, dims.dp_per_node, flat.numel() // dims.dp
     # The first all-to-all: inside the node, or across nodes with one rank per node. Row d of
