@@ -85,9 +85,10 @@ def test_dequantize_reduce(dtype: str, bits: int) -> None:
     check_dequantize_reduce("cuda", False, 4, 2, 100_001, bits, 2048, dtype, 1 / 8)
 
 
-def test_offsets_past_2_31() -> None:
+@pytest.mark.parametrize("block_size", [2048, 8192])  # 8192: the looping quantize
+def test_offsets_past_2_31(block_size: int) -> None:
     """2^31 + 2^21 fp16 elements: the last blocks (bytes past 2^31) match the reference."""
-    numel, block_size, tail = 2**31 + 2**21, 2048, 2**22
+    numel, tail = 2**31 + 2**21, 2**22
     free, _ = torch.cuda.mem_get_info()
     if free < 12 * 2**30:
         pytest.skip("needs 12 GiB of free GPU memory")
