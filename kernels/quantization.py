@@ -558,13 +558,13 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
     """One launch over all partitions; grid (program blocks, partitions). src / dst (and their
     scales) point at their first partition; `src_rows` / `dst_rows` give their layout (default:
     flat). `tile` overrides (elements per program, num_warps), for benchmarks."""
-    block_pad = triton.next_power_of_2(block_size)
+    block_pad = 1 << (block_size - 1).bit_length()  # next power of two (plain Python: cheaper)
     elements, num_warps = tile or _default_tile(block_pad, bits_in, bits_out)
     blocks_per_program = max(1, elements // block_pad)
     blocks_per_partition = math.ceil(partition_numel / block_size)
     src_rows = src_rows or _contiguous_rows(partition_numel, bits_in, block_size)
     dst_rows = dst_rows or _contiguous_rows(partition_numel, bits_out, block_size)
-    grid = (triton.cdiv(blocks_per_partition, blocks_per_program), num_partitions)
+    grid = (-(-blocks_per_partition // blocks_per_program), num_partitions)
     stream = STREAM_PATH and bits_in == 0 and bits_out != 0 and block_pad >= 8192
     if stream:  # a few programs per SM, each looping over the blocks
         grid = (min(grid[0], max(1, STREAM_PROGRAMS_PER_SM * _sm_count(src.device)
@@ -620,22 +620,22 @@ class PayloadLayout:
             raise ValueError(f"a payload row needs parts >= 1 and partition_numel >= 1, got "
                              f"{self.parts}, {self.partition_numel}")
 
-    @property
+    @functools.cached_property  # layouts are made per collective: compute once
     def q_numel(self) -> int:
         """q elements (= bytes) of a row's partitions."""
         return self.parts * quantized_size(self.partition_numel, self.bits, self.block_size)[0]
 
-    @property
+    @functools.cached_property
     def scales_numel(self) -> int:
         """fp32 scales of a row's partitions."""
         return self.parts * quantized_size(self.partition_numel, self.bits, self.block_size)[1]
 
-    @property
+    @functools.cached_property
     def scales_offset(self) -> int:
         """Byte offset of the scales in a row."""
         return _round_up(self.q_numel)
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         return self.scales_offset + _round_up(4 * self.scales_numel)
 

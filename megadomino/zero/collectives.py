@@ -36,6 +36,7 @@ the work already queued on the current stream; `wait()` makes the current stream
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -128,6 +129,13 @@ def _quantization():
     return quantization
 
 
+@functools.lru_cache(maxsize=1024)
+def _layout(parts: int, partition_numel: int, bits: int, block_size: int):
+    """quantization.PayloadLayout, made once per shape: the same few shapes recur every step,
+    and a small-micro-batch step waits on this host work."""
+    return _quantization().PayloadLayout(parts, partition_numel, bits, block_size)
+
+
 # ---- plain ---------------------------------------------------------------------------------------
 
 
@@ -162,7 +170,7 @@ def quantize_shard(shard: torch.Tensor, bits: int, block_size: int) -> torch.Ten
     """qwZ's send buffer for `shard` [S]: uint8 [1, row_bytes], `PayloadLayout(1, S, bits,
     block_size)`, the quantized shard written straight into it (no packing copy)."""
     quant = _quantization()
-    layout = quant.PayloadLayout(1, shard.numel(), bits, block_size)
+    layout = _layout(1, shard.numel(), bits, block_size)
     payload = layout.empty(1, shard.device)
     quant.quantize(shard, bits, block_size, out=layout.views(payload))
     return payload
@@ -177,7 +185,7 @@ def all_gather_quantized(comm: CommCounter, shard: torch.Tensor, group, bits: in
     earlier, sent instead of quantizing again."""
     quant = _quantization()
     size, numel = dist.get_world_size(group), shard.numel()
-    layout = quant.PayloadLayout(1, numel, bits, block_size)
+    layout = _layout(1, numel, bits, block_size)
     if payload is None:
         payload = quantize_shard(shard, bits, block_size)
     elif payload.shape != (1, layout.row_bytes):
@@ -224,7 +232,7 @@ def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: 
     # its send buffer holds the chunks for group rank d (swizzled_quantize's order).
     first_group, first_size = ((dims.inter_node_group, nodes) if local == 1
                                else (dims.intra_node_group, local))
-    sent = quant.PayloadLayout(dims.dp // first_size, chunk, bits, block_size)
+    sent = _layout(dims.dp // first_size, chunk, bits, block_size)
     payload = sent.empty(first_size, flat.device)
     _, scales = quant.swizzled_quantize(flat, bits, block_size, nodes, local,
                                         out=sent.views(payload))
@@ -238,7 +246,7 @@ def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: 
     if local == 1 or nodes == 1:
         return Pending(lambda: reduce(first(), sent, dims.dp))
 
-    sums = quant.PayloadLayout(1, chunk, bits, block_size)  # row n: the node's sum for node n
+    sums = _layout(1, chunk, bits, block_size)  # row n: the node's sum for node n
     second: list[Callable[[], torch.Tensor]] = []
 
     def advance() -> None:  # steps 3-4: the inter-node all-to-all left in flight
