@@ -104,6 +104,7 @@ _FLT_MAX_BITS = tl.constexpr(0x7F7FFFFF)
 _ROUND_MAGIC = tl.constexpr(12582912.0)
 # Below this scale the kernel's fma residual may underflow; it divides instead (rare tiles).
 _FAST_DIVISION_MIN_SCALE = tl.constexpr(2.0**-96)
+_TINY_SCALE_FACTOR = tl.constexpr(2.0**64)  # brings every positive fp32 scale above 2^-96
 
 
 @triton.jit
@@ -196,6 +197,21 @@ def _ratio_fast(values, scale, inverse):
 
 
 @triton.jit
+def _ratio_branchless(values, scale, QMAX: tl.constexpr):
+    """values / scale (the IEEE quotient) as _quantize_values gives it, without its branch on
+    tiny scales: a block whose scale is below 2^-96 (where _ratio_fast's residual could
+    underflow) has its values and scale multiplied by 2^64 first (exact: its values are below
+    7 * 2^-96; the quotient is unchanged), and every ratio is clamped to +-qmax (a subnormal
+    scale is absmax / qmax rounded to few bits, so the quotient may pass qmax). 3 more ops an
+    element, but no elementwise IEEE division in the code: 64 registers instead of 90 in the
+    looping quantize, so that 3 of its programs fit on an SM (BENCHMARKS.md, fifth session)."""
+    factor = tl.where(scale < _FAST_DIVISION_MIN_SCALE, _TINY_SCALE_FACTOR, 1.0)
+    scaled = scale * factor
+    ratio = _ratio_fast(values * factor[:, None], scaled, tl.math.div_rn(1.0, scaled)[:, None])
+    return tl.minimum(tl.maximum(ratio, -QMAX * 1.0), QMAX * 1.0)
+
+
+@triton.jit
 def _rounded_bits(ratio, nonfinite):
     """round_half_to_even(ratio) in the low bits of an int32 (two's complement); 0 where the
     block is non-finite."""
@@ -204,9 +220,13 @@ def _rounded_bits(ratio, nonfinite):
 
 
 @triton.jit
-def _quantize_values(values, scale, nonfinite, QMAX: tl.constexpr):
-    """fp32 (blocks, n) with per-block scale -> int32 whose low byte / nibble is q."""
-    if tl.min(scale) < _FAST_DIVISION_MIN_SCALE:  # rare: the fast residual could underflow
+def _quantize_values(values, scale, nonfinite, QMAX: tl.constexpr,
+                     BRANCHLESS: tl.constexpr = False):
+    """fp32 (blocks, n) with per-block scale -> int32 whose low byte / nibble is q.
+    BRANCHLESS: _ratio_branchless (fewer registers, more instructions)."""
+    if BRANCHLESS:
+        ratio = _ratio_branchless(values, scale, QMAX)
+    elif tl.min(scale) < _FAST_DIVISION_MIN_SCALE:  # rare: the fast residual could underflow
         ratio = _ratio_exact(values, scale, QMAX)
     else:
         ratio = _ratio_fast(values, scale, tl.math.div_rn(1.0, scale)[:, None])
@@ -228,7 +248,7 @@ def _quantize_pair(low, high, scale, nonfinite, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _quantize_tile(values, QMAX: tl.constexpr):
+def _quantize_tile(values, QMAX: tl.constexpr, BRANCHLESS: tl.constexpr = False):
     """(blocks, BLOCK_PAD) floats -> (int32 whose low byte / nibble is q, the blocks' scales).
     16-bit inputs stay in their dtype for the absmax, taken over their bit patterns (|x| as
     int16: integer order is float order there, NaN above Inf), and become fp32 only to be
@@ -240,7 +260,7 @@ def _quantize_tile(values, QMAX: tl.constexpr):
     else:
         absmax_bits = _absmax_bits(values)
     scale, nonfinite = _scale_of(absmax_bits, QMAX)
-    return (_quantize_values(values.to(tl.float32), scale, nonfinite, QMAX),
+    return (_quantize_values(values.to(tl.float32), scale, nonfinite, QMAX, BRANCHLESS),
             tl.where(nonfinite, float("nan"), scale))
 
 
@@ -274,7 +294,7 @@ def _store_quantized(q, scale, dst, dst_scale_ptrs, block_valid, local, mask, by
 @triton.jit
 def _quantize_stream(src, dst, dst_scale_ptr, partition_numel, partition_bytes,
                      BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr, BITS_OUT: tl.constexpr,
-                     NARROW_STORE: tl.constexpr):
+                     NARROW_STORE: tl.constexpr, BRANCHLESS: tl.constexpr):
     """Quantize blocks program_id(0), + num_programs(0), ... of one partition (src, dst and
     dst_scale_ptr at its start), one block per iteration, loading the next block before
     quantizing this one: large blocks fit few programs on an SM, and this keeps their loads in
@@ -290,7 +310,7 @@ def _quantize_stream(src, dst, dst_scale_ptr, partition_numel, partition_bytes,
         ahead = base + step
         x_next = tl.load(src + ahead + cols,
                          mask=(cols < BLOCK_SIZE) & (cols < partition_numel - ahead), other=0.0)
-        q, scale = _quantize_tile(x, (1 << (BITS_OUT - 1)) - 1)
+        q, scale = _quantize_tile(x, (1 << (BITS_OUT - 1)) - 1, BRANCHLESS)
         mask = (cols < BLOCK_SIZE) & (cols < partition_numel - base)
         byte_mask = (byte_cols < BLOCK_SIZE // 2) & (byte_cols < partition_bytes - base // 2)
         _store_quantized(q, scale, dst + (base if BITS_OUT == 8 else base // 2),
@@ -309,7 +329,7 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                         BLOCKS_PER_PROGRAM: tl.constexpr, BITS_IN: tl.constexpr,
                         BITS_OUT: tl.constexpr, SCALE_OUTPUT: tl.constexpr,
                         WORDS: tl.constexpr, STREAM: tl.constexpr,
-                        NARROW_STORE: tl.constexpr):
+                        NARROW_STORE: tl.constexpr, BRANCHLESS: tl.constexpr):
     """One program: BLOCKS_PER_PROGRAM consecutive blocks of partition p = program_id(1).
 
     Input: BITS_IN == 0 reads floats (partition p); otherwise it sums NUM_INPUTS quantized inputs
@@ -331,7 +351,8 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                                         partition_numel if BITS_OUT == 8 else partition_bytes),
             dst_scale_ptr + _partition_offset(dst_part, dst_row_parts, dst_scale_row_stride,
                                               blocks_per_partition),
-            partition_numel, partition_bytes, BLOCK_SIZE, BLOCK_PAD, BITS_OUT, NARROW_STORE)
+            partition_numel, partition_bytes, BLOCK_SIZE, BLOCK_PAD, BITS_OUT, NARROW_STORE,
+            BRANCHLESS)
         return
     rows = tl.arange(0, BLOCKS_PER_PROGRAM)
     first_block = pid_block * BLOCKS_PER_PROGRAM
@@ -500,6 +521,10 @@ NARROW_STORE = os.environ.get("MEGADOMINO_QUANT_NARROW_STORE", "1") == "1"
 # int8 0.94x -> 0.97x DeepSpeed's rate, int4 0.90x -> 0.945x (H200).
 STREAM_PATH = os.environ.get("MEGADOMINO_QUANT_STREAM", "1") == "1"
 STREAM_PROGRAMS_PER_SM = 2
+# Opt-in until the GPU tests have run on it: int4 quantize in the looping programs without the
+# tiny-scale branch (_ratio_branchless: 64 registers), 3 programs per SM. Measured 4.01 TB/s at
+# g8192 where the default gives 3.92 (0.96x DeepSpeed's rate instead of 0.945x; BENCHMARKS.md).
+STREAM_INT4_BRANCHLESS = os.environ.get("MEGADOMINO_QUANT_STREAM_INT4_BRANCHLESS", "0") == "1"
 
 
 @functools.cache
@@ -567,8 +592,9 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
     grid = (-(-blocks_per_partition // blocks_per_program), num_partitions)
     stream = STREAM_PATH and bits_in == 0 and bits_out != 0 and block_pad >= 8192
     if stream:  # a few programs per SM, each looping over the blocks
-        grid = (min(grid[0], max(1, STREAM_PROGRAMS_PER_SM * _sm_count(src.device)
-                                 // num_partitions)), num_partitions)
+        per_sm = 3 if bits_out == 4 and STREAM_INT4_BRANCHLESS else STREAM_PROGRAMS_PER_SM
+        grid = (min(grid[0], max(1, per_sm * _sm_count(src.device) // num_partitions)),
+                num_partitions)
     words = (WORD_PATH and bits_in == 4 and bits_out == 4 and block_size % 8 == 0
              and partition_numel % 8 == 0 and src_rows.stride % 4 == 0
              and dst_rows.stride % 4 == 0 and src.data_ptr() % 4 == 0
@@ -586,6 +612,7 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
                                   WORDS=words, STREAM=stream,
                                   NARROW_STORE=NARROW_STORE and bits_out == 4
                                   and block_pad >= 2048,
+                                  BRANCHLESS=stream and bits_out == 4 and STREAM_INT4_BRANCHLESS,
                                   num_warps=num_warps,
                                   enable_fp_fusion=False)  # no FMA: bit-identical to the reference
 

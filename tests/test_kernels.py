@@ -311,13 +311,28 @@ def row_cases() -> dict[str, tuple]:
     return cases
 
 
-def check_tiny_scales(device: str, force_triton: bool, bits: int) -> None:
+def check_tiny_scales(device: str, force_triton: bool, bits: int,
+                      block_size: int = 64) -> None:
     """Blocks whose scale is tiny or subnormal (the kernel divides instead of using its fma
-    residual there), beside ordinary blocks in the same program; ties included."""
-    block_size = 64
+    residual there, or rescales: _ratio_branchless), beside ordinary blocks in the same
+    program; ties included. block_size 8192: the looping quantize (and its swizzled form)."""
     absmax = [1e-30, 1e-37, 1e-40, 1e-44, 1.4e-45, 3.0, 1e-28, 5e-39]
     x = torch.cat([torch.linspace(-a, a, block_size) for a in absmax])
     check_against_reference(x, bits, block_size, device, force_triton)
+    if block_size < 8192:
+        return
+    default = quant.STREAM_INT4_BRANCHLESS
+    try:
+        for branchless in (False, True):  # int4: both forms of the looping quantize
+            quant.STREAM_INT4_BRANCHLESS = branchless
+            check_against_reference(x, bits, block_size, device, force_triton)
+            q, scales = swizzled_quantize(x.to(device), bits, block_size, 2, 2,
+                                          force_triton=force_triton)
+            q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, 2, 2)
+            assert_same(q.cpu(), q_ref, "swizzled q")
+            assert_same(scales.cpu(), s_ref, "swizzled scales")
+    finally:
+        quant.STREAM_INT4_BRANCHLESS = default
 
 
 def check_near_ties(device: str, force_triton: bool, bits: int) -> None:
@@ -473,6 +488,8 @@ def kernel_cases() -> dict[str, tuple]:
                     cases[f"{op}-{numel}-{block_size}-{dtype}-int{bits}"] = (check, params)
     for bits in (8, 4):
         cases[f"tiny-scales-int{bits}"] = (check_tiny_scales, {"bits": bits})
+        cases[f"tiny-scales-8192-int{bits}"] = (check_tiny_scales,
+                                                {"bits": bits, "block_size": 8192})
         cases[f"near-ties-int{bits}"] = (check_near_ties, {"bits": bits})
         for nodes, dpn, numel, block_size, dtype in [
                 (2, 4, 6, 4, "fp32"), (2, 2, 1000, 256, "bf16"), (3, 1, 515, 512, "fp16"),

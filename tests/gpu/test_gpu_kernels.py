@@ -57,6 +57,7 @@ def test_row_layouts(case: str) -> None:
 @pytest.mark.parametrize("bits", [8, 4])
 def test_division_paths(bits: int) -> None:
     check_tiny_scales("cuda", False, bits)
+    check_tiny_scales("cuda", False, bits, block_size=8192)  # the looping quantize
     check_near_ties("cuda", False, bits)
 
 
