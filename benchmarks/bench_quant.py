@@ -14,9 +14,9 @@ input bytes read, as GPU.md reports DeepSpeed's. Each time is the median over re
 of back-to-back calls queued behind a GPU sleep (so launch overhead is not timed), inputs
 rotating between two random buffers. Every number is also a fraction of the copy bandwidth
 (x.clone) measured in the same run. --sweep also times other tile shapes (--tiles) for our ops,
-to tune the default; --ops limits the run to some ops; --ab compares a kernel switch on and off (e.g. the int4
-decode of dequantize-reduce-quantize on int32 words vs bytes) alternately in one process, and
---stream-ab the looping quantize programs for large blocks.
+to tune the default; --ops limits the run to some ops; --ab compares a kernel switch on and off
+(e.g. the int4 decode of dequantize-reduce-quantize on int32 words vs bytes) alternately in one
+process, and --stream-ab the looping quantize programs for large blocks.
 """
 
 from __future__ import annotations
@@ -308,13 +308,13 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile shapes")
     parser.add_argument("--sweep-dtypes", nargs="+", default=["fp16"], choices=["fp16", "bf16"])
     parser.add_argument("--tiles", nargs="+", metavar="ELEMENTSxWARPS",
-                        help="--sweep's tiles, e.g. 8192x8 (default: %s)"
-                        % " ".join(f"{e}x{w}" for e, w in TILES))
+                        help="--sweep's tiles, e.g. 8192x8 (default: "
+                        + " ".join(f"{e}x{w}" for e, w in TILES) + ")")
     parser.add_argument("--ops", nargs="+", metavar="PREFIX",
                         help="time only ops starting with one of these, e.g. 'quantize int4'")
     parser.add_argument("--ab", nargs=2, metavar=("SWITCH", "ROUNDS"),
                         help="also time our ops with the kernel module's boolean SWITCH "
-                             "(WORD_PATH, NARROW_STORE, STREAM_PATH) on and off, "
+                             "(WORD_PATH, NARROW_STORE, STREAM_PATH, STREAM_INT4_BRANCHLESS) on and off, "
                              "alternately, ROUNDS times each")
     parser.add_argument("--stream-ab", type=int, default=0, metavar="ROUNDS",
                         help="also time quantize in blocks >= 8192 by looping, prefetching "
