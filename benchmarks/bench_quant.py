@@ -314,8 +314,8 @@ def main() -> None:
                         help="time only ops starting with one of these, e.g. 'quantize int4'")
     parser.add_argument("--ab", nargs=2, metavar=("SWITCH", "ROUNDS"),
                         help="also time our ops with the kernel module's boolean SWITCH "
-                             "(WORD_PATH, NARROW_STORE, STREAM_PATH, STREAM_INT4_BRANCHLESS) on and off, "
-                             "alternately, ROUNDS times each")
+                             "(WORD_PATH, NARROW_STORE, STREAM_PATH, STREAM_INT4_BRANCHLESS) "
+                             "on and off, alternately, ROUNDS times each")
     parser.add_argument("--stream-ab", type=int, default=0, metavar="ROUNDS",
                         help="also time quantize in blocks >= 8192 by looping, prefetching "
                              "programs (several warps and programs per SM) vs one block per "
