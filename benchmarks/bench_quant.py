@@ -196,28 +196,28 @@ class Bench:
             setattr(quant, attr, default)
 
     def stream_ab(self, group: int, rounds: int) -> None:
-        """Quantize (fp16) in blocks >= 8192 by programs that loop over blocks, prefetching
+        """Quantize ops (fp16) in blocks >= 8192 by programs that loop over blocks, prefetching
         (quant.STREAM_PATH), at 4 / 8 / 16 warps and 1 / 2 / 3 programs per SM, against one
         block per program; alternately, `rounds` times."""
-        saved = quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM, quant._default_tile
+        saved = (quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM, quant._default_tile,
+                 self.ops)
         configs = [("one block per program", False, 0, None)] + [
             (f"stream {warps} warps {per_sm}/SM", True, per_sm, (group, warps))
             for warps in (4, 8, 16) for per_sm in (1, 2, 3)]
-        n, xs = self.numel, self.x["fp16"]
+        self.ops = [op for op in self.ops or ["quantize", "swizzled"]
+                    if op.startswith(("quantize", "swizzled"))]
+        if not self.ops:  # --ops names none of the quantize ops
+            self.ops = saved[3]
+            return
         try:
             for _ in range(rounds):
                 for impl, stream, per_sm, tile in configs:
                     quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM = stream, per_sm
                     quant._default_tile = (lambda *_a, t=tile: t) if tile else saved[2]
-                    for bits in (8, 4):
-                        self.record(f"quantize int{bits}", impl, group, "fp16",
-                                    lambda i, b=bits: quant.quantize(xs[i % 2], b, group),
-                                    2 * n + n * bits / 8 + 4 * n / group)
-                    self.record("swizzled quantize int4 (2x4)", impl, group, "fp16",
-                                lambda i: quant.swizzled_quantize(xs[i % 2], 4, group, 2, 4),
-                                2 * n + n / 2 + 4 * n / group)
+                    self.ours(group, dtypes=("fp16",), impl=impl)
         finally:
-            quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM, quant._default_tile = saved
+            (quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM, quant._default_tile,
+             self.ops) = saved
 
 
 def find(rows, op, impl, group, dtype="fp16", key="tbps"):

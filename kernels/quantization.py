@@ -167,7 +167,7 @@ def _abs_bits(values):
 def _absmax_bits(values):
     """Per row, max over |values| as int32 bits: integer order is float order there, with NaN
     above Inf above every finite value, so one integer max also finds NaN / Inf."""
-    return tl.max(values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    return tl.max(_abs_bits(values), axis=1)
 
 
 @triton.jit
@@ -452,8 +452,7 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                 low += low_j
                 high += high_j
         # One absmax reduction over both halves (|x| as int32 bits: integer max = float max).
-        both = tl.maximum(low.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
-                          high.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        both = tl.maximum(_abs_bits(low), _abs_bits(high))
         scale, nonfinite = _scale_of(tl.max(both, axis=1), 7)
         q_low, q_high = _quantize_pair(low, high, scale, nonfinite, 7)
         tl.store(dst_scale_ptrs, tl.where(nonfinite, float("nan"), scale), mask=block_valid)
@@ -534,6 +533,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _looping(block_pad: int, bits_in: int, bits_out: int) -> bool:
+    """Whether a launch quantizes floats by _quantize_stream's looping programs."""
+    return STREAM_PATH and bits_in == 0 and bits_out != 0 and block_pad >= 8192
+
+
 def _default_tile(block_pad: int, bits_in: int, bits_out: int) -> tuple[int, int]:
     """(elements per program, num_warps), chosen from `benchmarks/bench_quant.py --sweep`
     (fp16 and bf16) on an H200 (BENCHMARKS.md): 4096 elements (several small blocks, or one
@@ -547,9 +551,9 @@ def _default_tile(block_pad: int, bits_in: int, bits_out: int) -> tuple[int, int
     Fewer warps with more elements each kept winning: 8 warps per 2048-element block were
     25-30% slower than 2."""
     elements = max(block_pad, 4096)
+    if _looping(block_pad, bits_in, bits_out):
+        return block_pad, 8  # _quantize_stream's programs
     if bits_in == 0:
-        if bits_out != 0 and block_pad >= 8192 and STREAM_PATH:
-            return block_pad, 8  # _quantize_stream's programs
         if bits_out == 4 and block_pad == 2048:
             return 2048, 2
         two_warps = block_pad > 4096 or (bits_out == 4 and block_pad >= 2048)
@@ -590,9 +594,10 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
     src_rows = src_rows or _contiguous_rows(partition_numel, bits_in, block_size)
     dst_rows = dst_rows or _contiguous_rows(partition_numel, bits_out, block_size)
     grid = (-(-blocks_per_partition // blocks_per_program), num_partitions)
-    stream = STREAM_PATH and bits_in == 0 and bits_out != 0 and block_pad >= 8192
+    stream = _looping(block_pad, bits_in, bits_out)
+    branchless = stream and bits_out == 4 and STREAM_INT4_BRANCHLESS
     if stream:  # a few programs per SM, each looping over the blocks
-        per_sm = 3 if bits_out == 4 and STREAM_INT4_BRANCHLESS else STREAM_PROGRAMS_PER_SM
+        per_sm = 3 if branchless else STREAM_PROGRAMS_PER_SM
         grid = (min(grid[0], max(1, per_sm * _sm_count(src.device) // num_partitions)),
                 num_partitions)
     words = (WORD_PATH and bits_in == 4 and bits_out == 4 and block_size % 8 == 0
@@ -612,7 +617,7 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
                                   WORDS=words, STREAM=stream,
                                   NARROW_STORE=NARROW_STORE and bits_out == 4
                                   and block_pad >= 2048,
-                                  BRANCHLESS=stream and bits_out == 4 and STREAM_INT4_BRANCHLESS,
+                                  BRANCHLESS=branchless,
                                   num_warps=num_warps,
                                   enable_fp_fusion=False)  # no FMA: bit-identical to the reference
 

@@ -118,7 +118,7 @@ class GradReducer:
 
     def _on_grad(self, index: int, position: int, param: nn.Parameter) -> None:
         """The hook of parameter `position` of unit `index`."""
-        syncing = self._sync or not self.persistent
+        syncing = self.syncing
         if syncing and self._position_in_order[index] < self._next:
             raise RuntimeError(
                 f"a gradient for {self.units[index].name} arrived after its reduction was "
