@@ -520,10 +520,11 @@ NARROW_STORE = os.environ.get("MEGADOMINO_QUANT_NARROW_STORE", "1") == "1"
 # int8 0.94x -> 0.97x DeepSpeed's rate, int4 0.90x -> 0.945x (H200).
 STREAM_PATH = os.environ.get("MEGADOMINO_QUANT_STREAM", "1") == "1"
 STREAM_PROGRAMS_PER_SM = 2
-# Opt-in until the GPU tests have run on it: int4 quantize in the looping programs without the
-# tiny-scale branch (_ratio_branchless: 64 registers), 3 programs per SM. Measured 4.01 TB/s at
-# g8192 where the default gives 3.92 (0.96x DeepSpeed's rate instead of 0.945x; BENCHMARKS.md).
-STREAM_INT4_BRANCHLESS = os.environ.get("MEGADOMINO_QUANT_STREAM_INT4_BRANCHLESS", "0") == "1"
+# int4 quantize in the looping programs without the tiny-scale branch (_ratio_branchless: 64
+# registers), 3 programs per SM: 3.93 -> 4.01 TB/s at g8192, 0.957x DeepSpeed's rate in the same
+# run (H200, sixth session, BENCHMARKS.md). MEGADOMINO_QUANT_STREAM_INT4_BRANCHLESS=0 restores the
+# branch form (2 programs per SM).
+STREAM_INT4_BRANCHLESS = os.environ.get("MEGADOMINO_QUANT_STREAM_INT4_BRANCHLESS", "1") == "1"
 
 
 @functools.cache
