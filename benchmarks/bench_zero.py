@@ -60,8 +60,9 @@ def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
         profile = profile_summary(functools.partial(train_step, engine, dims, args,
                                                     args.warmup + args.steps, device), top=15,
                                   host=True)
+    py_profile = python_profile(engine, dims, args, device) if args.py_profile else None
     row = {"config": name, "s_per_step": statistics.median(times[args.warmup:]),
-           "profile": profile,
+           "profile": profile, "py_profile": py_profile,
            "loss": loss, "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30
            if cuda else None}
     if name != "plain dp":
@@ -73,6 +74,38 @@ def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def python_profile(engine, dims: ParallelDims, args: argparse.Namespace,
+                   device: torch.device) -> dict:
+    """`--py-profile N`: N more steps under cProfile (every rank profiles, so that the ranks stay
+    in step; rank 0's numbers are kept). Where the host's Python time goes: the top functions by
+    own time and, for this repo's functions, by cumulative time, ms per step (cProfile's own
+    overhead inflates both, so compare within one run)."""
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    first = args.warmup + args.steps + (1 if args.profile else 0)
+    profiler.enable()
+    for step in range(first, first + args.py_profile):
+        train_step(engine, dims, args, step, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, _)
+    per_step = 1e3 / args.py_profile
+
+    def label(key):
+        path, line, func = key
+        return f"{os.path.relpath(path) if path.startswith('/') else path}:{line}:{func}"
+
+    def top(entries, index):
+        ranked = sorted(entries, key=lambda item: -item[1][index])[:25]
+        return {label(key): [round(v[index] * per_step, 3), v[1] // args.py_profile]
+                for key, v in ranked}
+    ours = [(k, v) for k, v in stats.items() if "megadomino" in k[0] or "kernels" in k[0]]
+    return {"self_ms_per_step": top(stats.items(), 2), "our_cum_ms_per_step": top(ours, 3),
+            "total_ms_per_step": round(sum(v[2] for v in stats.values()) * per_step, 3)}
 
 
 def main() -> None:
@@ -87,6 +120,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true",
                         help="add one profiled step per config: kernel timeline summary")
+    parser.add_argument("--py-profile", type=int, default=0, metavar="N",
+                        help="add N steps per config under cProfile: the host's Python time by "
+                             "function (rank 0)")
     parser.set_defaults(micro_batch_size=1)
     args = parser.parse_args()
     if args.device == "cuda":
@@ -135,6 +171,15 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
                 print(f"    {ms:8.2f} ms {count:5d}x {kernel}")
             for op, (ms, count) in p.get("top_host_ops", {}).items():
                 print(f"    host {ms:8.2f} ms {count:5d}x {op}")
+    for r in rows:
+        if r.get("py_profile"):
+            p = r["py_profile"]
+            print(f"\n{r['config']}: Python (cProfile), {p['total_ms_per_step']:.1f} ms a step "
+                  "of own time in all; ms a step, calls a step")
+            for title, key in (("own", "self_ms_per_step"), ("ours, cumulative",
+                                                             "our_cum_ms_per_step")):
+                for func, (ms, count) in list(p[key].items())[:15]:
+                    print(f"    {title:>16} {ms:8.2f} {count:6d}x {func}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
