@@ -113,7 +113,8 @@ def main() -> None:
     add_model_args(parser, "gpt3-1.3b", hidden=None, layers=None, seq=2048)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--configs", nargs="+",
-                        default=["plain dp", *(c for c in CONFIGS if c not in zero_common.DEPTH1)],
+                        default=["plain dp",
+                                 *(c for c in CONFIGS if c not in zero_common.NOT_DEFAULT)],
                         choices=["plain dp", *CONFIGS])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from megadomino.parallel import ParallelDims
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import CONFIGS, DEPTH1, add_model_args, build_engine, train_step  # noqa: E402
+from zero_common import CONFIGS, NOT_DEFAULT, add_model_args, build_engine, train_step  # noqa: E402
 
 TAGS = ("weights forward", "weights backward", "gradients", "scalars")
 
@@ -41,7 +41,7 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=4)
     dims = ParallelDims(tp=1, gpus_per_node=2)
     rows = {}
-    for name in (c for c in CONFIGS if c not in DEPTH1):  # depth moves no bytes
+    for name in (c for c in CONFIGS if c not in NOT_DEFAULT):  # variants of the bytes shown
         engine = build_engine(name, dims, args, device="cpu")
         train_step(engine, dims, args, 0)
         engine.comm.reset()

@@ -35,6 +35,12 @@ CONFIGS: dict[str, dict] = {
 DEPTH1 = {f"{name} depth1": dict(CONFIGS[name], reduce_pipeline_depth=1)
           for name in ("zero3", "qwz", "zero++")}
 CONFIGS.update(DEPTH1)
+# Not run by default either: K layers a unit (ZeroConfig.layers_per_unit, --zero-layers-per-unit),
+# fewer and larger collectives and launches, for host-bound small micro-batches.
+GROUPED = {f"{name} x{k}": dict(CONFIGS[name], layers_per_unit=k)
+           for name in ("zero3", "qwz", "qwz+hpz", "zero++") for k in (2, 4)}
+CONFIGS.update(GROUPED)
+NOT_DEFAULT = {**DEPTH1, **GROUPED}
 ADAM = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
 

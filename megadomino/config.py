@@ -394,3 +394,5 @@ class TrainConfig:
     """None: ZeroConfig's default (4)."""
     zeropp_block_size: int | None = None
     """None: ZeroConfig's default (2048)."""
+    zero_layers_per_unit: int | None = None
+    """None: ZeroConfig's default (1 layer a unit)."""

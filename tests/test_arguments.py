@@ -129,6 +129,7 @@ MAPPED = [
      "train.zeropp_gradient_bits", 8),
     (("--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-block-size", "256"),
      "train.zeropp_block_size", 256),
+    (("--zero-stage", "3", "--zero-layers-per-unit", "4"), "train.zero_layers_per_unit", 4),
 ]
 
 DATA = ["--model-preset", "gpt-tiny", "--train-iters", "10", "--tokenizer-type",
@@ -376,6 +377,8 @@ def test_zero_flags_make_the_engine_config():
         stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
         gradient_bits=8, block_size=256)
     assert zero_config(*parse("--zero-stage", "3")[:2]) == ZeroConfig(stage=3)
+    assert zero_config(*parse("--zero-stage", "1", "--zero-layers-per-unit", "3")[:2]) == \
+        ZeroConfig(stage=1, layers_per_unit=3)
     assert zero_config(*parse("--use-distributed-optimizer")[:2]) == ZeroConfig(stage=1)
     assert zero_config(*parse()[:2]) is None
     # Domino runs with stage 1
@@ -384,8 +387,8 @@ def test_zero_flags_make_the_engine_config():
 
 @pytest.mark.parametrize("argv, named", [
     (("--zeropp-quantized-weights",),
-     "--zeropp-quantized-weights is a ZeRO\\+\\+ option: add --zero-stage 3"),
-    (("--zeropp-block-size", "256"), "--zeropp-block-size is a ZeRO\\+\\+ option"),
+     "--zeropp-quantized-weights is a ZeRO option: add --zero-stage 3"),
+    (("--zeropp-block-size", "256"), "--zeropp-block-size is a ZeRO option"),
     (("--zero-stage", "1", "--zeropp-quantized-weights"),
      "--zeropp-quantized-weights=True is invalid: it must be off at --zero-stage 1"),
     (("--zero-stage", "1", "--zeropp-hpz-partition-size", "2"),
@@ -398,6 +401,9 @@ def test_zero_flags_make_the_engine_config():
     (("--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-gradient-bits", "2"),
      "argument --zeropp-gradient-bits: invalid choice"),
     (("--zero-stage", "2"), "argument --zero-stage: invalid choice"),
+    (("--zero-layers-per-unit", "2"), "--zero-layers-per-unit is a ZeRO option: add --zero-stage"),
+    (("--zero-stage", "1", "--zero-layers-per-unit", "0"),
+     "--zero-layers-per-unit=0 is invalid: it must be an integer >= 1"),
     (("--use-distributed-optimizer", "--zero-stage", "3"),
      "--use-distributed-optimizer is ZeRO stage 1 and contradicts --zero-stage 3"),
     (("--zero-stage", "1", "--ddp-bucket-size", "1000"), "--ddp-bucket-size sizes plain"),

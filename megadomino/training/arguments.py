@@ -138,12 +138,13 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
              "--zeropp-hpz-partition-size": config.zeropp_hpz_partition_size is not None,
              "--zeropp-quantized-gradients": config.zeropp_quantized_gradients,
              "--zeropp-gradient-bits": config.zeropp_gradient_bits is not None,
-             "--zeropp-block-size": config.zeropp_block_size is not None}
+             "--zeropp-block-size": config.zeropp_block_size is not None,
+             "--zero-layers-per-unit": config.zero_layers_per_unit is not None}
     if config.zero_stage is None:
         flag = next((flag for flag, on in given.items() if on), None)
         if flag is not None:
-            raise ConfigError(f"{flag} is a ZeRO++ option: add --zero-stage 3 (or --zero-stage 1 "
-                              "for --zeropp-quantized-gradients)")
+            raise ConfigError(f"{flag} is a ZeRO option: add --zero-stage 3 (or --zero-stage 1 "
+                              "for --zeropp-quantized-gradients and --zero-layers-per-unit)")
         return None
     if given["--zeropp-gradient-bits"] and not config.zeropp_quantized_gradients:
         raise ConfigError("--zeropp-gradient-bits sets qgZ's precision: add "
@@ -163,7 +164,8 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
                           f"the Domino schedule bypasses: {domino} runs with --zero-stage 1 only")
     optional = {"hpz_partition_size": config.zeropp_hpz_partition_size,
                 "gradient_bits": config.zeropp_gradient_bits,
-                "block_size": config.zeropp_block_size}
+                "block_size": config.zeropp_block_size,
+                "layers_per_unit": config.zero_layers_per_unit}
     return ZeroConfig(stage=config.zero_stage, quantized_weights=config.zeropp_quantized_weights,
                       quantized_gradients=config.zeropp_quantized_gradients,
                       **{name: value for name, value in optional.items() if value is not None})

@@ -313,6 +313,11 @@ FLAGS: tuple[Flag, ...] = (
     _ours("--zeropp-block-size", "train.zeropp_block_size", int,
           "Elements per quantization block, one fp32 scale each, for qwZ and qgZ (default "
           "2048, even); needs one of them."),
+    _ours("--zero-layers-per-unit", "train.zero_layers_per_unit", int,
+          "Consecutive layers the ZeRO engine gathers and reduces as one unit (default 1): "
+          "fewer, larger collectives and kernel launches, so less host time a step (what a "
+          "small micro-batch waits on; BENCHMARKS.md), for more memory (stage 3 holds about two "
+          "units' gathered weights). Needs --zero-stage."),
     # Accepted with a notice.
     _notice("--use-flash-attn", _SDPA),
     _notice("--attention-backend", _SDPA, str),

@@ -43,6 +43,12 @@ class ZeroConfig:
     """Gradient reductions in flight during backward: 2 (default) finishes unit i-2's and
     advances unit i-1's (qgZ: its inter-node all-to-all) when unit i launches; 1 finishes unit
     i-1's first (less memory at stage 3: two units' gradient buffers instead of three)."""
+    layers_per_unit: int = 1
+    """Consecutive transformer layers gathered, freed and reduced together as one unit (one flat
+    buffer, one collective each way). More per unit: fewer, larger collectives and kernel
+    launches, less host time a step (what a small micro-batch waits on), for more memory: stage 3
+    holds about two units' gathered parameters at once (the one running and the prefetched one)
+    and up to three units' fp32 gradient buffers."""
     on_nonfinite: str = "skip"
     """A step whose gradients hold inf/NaN on any rank: 'skip' it (the fp16 loss scaler backs off)
     or 'error' (FloatingPointError on every rank)."""
@@ -61,6 +67,8 @@ class ZeroConfig:
                f"one of {sorted(REDUCE_DTYPES)}")
         _check(self.reduce_pipeline_depth in (1, 2), "reduce_pipeline_depth",
                self.reduce_pipeline_depth, "1 or 2")
+        _check(isinstance(self.layers_per_unit, int) and self.layers_per_unit >= 1,
+               "--zero-layers-per-unit", self.layers_per_unit, "an integer >= 1")
         _check(self.on_nonfinite in ("skip", "error"), "on_nonfinite", self.on_nonfinite,
                "'skip' or 'error'")
         if self.stage == 1:

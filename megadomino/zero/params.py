@@ -7,12 +7,13 @@ Both holders keep, per unit, this rank's chunk of the flat parameters in the mod
 drop every gathered copy and hpZ secondary, so that the next gather fetches the new shards).
 
 Stage 3 mechanics. Outside a unit's use its parameters' `.data` is an empty tensor. A forward
-pre-hook on the unit's module waits for (or issues) the gather, points every parameter at its view
-of the gathered flat buffer and launches the next unit's gather asynchronously (prefetch), so that
-it overlaps this unit's compute. A forward hook frees the unit again (the root unit, holding the
-embeddings and the output layer, is kept while grad is enabled: backward needs it first) and, when
-grad is enabled, threads the unit's outputs through `_BeforeBackward`, whose backward gathers the
-unit again (and prefetches the unit before it) before autograd reaches the unit's own backward.
+pre-hook on the unit's module (on each of them, for a unit of several layers) waits for (or
+issues) the gather, points every parameter at its view of the gathered flat buffer and launches
+the next unit's gather asynchronously (prefetch), so that it overlaps this unit's compute. A
+forward hook (on its last module) frees the unit again (the root unit, holding the embeddings and
+the output layer, is kept while grad is enabled: backward needs it first) and, when grad is
+enabled, threads the unit's outputs through `_BeforeBackward`, whose backward gathers the unit
+again (and prefetches the unit before it) before autograd reaches the unit's own backward.
 The gradient reducer frees a unit once all its gradients have arrived; `release_all()` after
 backward frees the rest. Autograd keeps the *parameter* (not its data) for backward, so it reads
 whatever `.data` holds when backward runs: the re-gathered values.
@@ -111,8 +112,12 @@ class _BeforeBackward(torch.autograd.Function):
 class PartitionedParams:
     """Stage 3: units gathered on demand by module hooks (see the module docstring)."""
 
-    def __init__(self, units: list[FlatUnit], modules: list[nn.Module], root: nn.Module, dims,
-                 config: ZeroConfig, comm: CommCounter, meter: MemoryMeter):
+    def __init__(self, units: list[FlatUnit], modules: list[tuple[nn.Module, ...]],
+                 root: nn.Module, dims, config: ZeroConfig, comm: CommCounter,
+                 meter: MemoryMeter):
+        """`modules[i]`: unit i's modules in run order (find_units). Each one's forward pre-hook
+        gathers the unit (a no-op while it is gathered: activation recompute may re-run a unit
+        from any of its layers), the last one's forward hook releases it."""
         self.units, self.dims, self.config, self.comm, self.meter = units, dims, config, comm, \
             meter
         self.shards: list[torch.Tensor] = []
@@ -129,10 +134,11 @@ class PartitionedParams:
         self.from_primary = [False] * count
         self.secondary: list[torch.Tensor | None] = [None] * count
         self.quantized: list[torch.Tensor | None] = [None] * count  # qwZ without hpZ
-        self.is_root = [module is root for module in modules]
-        for index, module in enumerate(modules):
-            module.register_forward_pre_hook(lambda _m, _a, i=index: self._before_forward(i))
-            module.register_forward_hook(
+        self.is_root = [run[0] is root for run in modules]
+        for index, run in enumerate(modules):
+            for module in run:
+                module.register_forward_pre_hook(lambda _m, _a, i=index: self._before_forward(i))
+            run[-1].register_forward_hook(
                 lambda _m, _a, output, i=index: self._after_forward(i, output))
 
     @property

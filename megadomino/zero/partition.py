@@ -1,7 +1,8 @@
 """Units and their flat layout: what is gathered, reduced and sharded together.
 
-A unit is one layer (each child of an `nn.ModuleList`, e.g. `decoder.layers[i]`) or the root: every
-parameter that is not used by exactly one layer (embeddings, the tied output weight, final norm).
+A unit is one layer (each child of an `nn.ModuleList`, e.g. `decoder.layers[i]`; or
+`ZeroConfig.layers_per_unit` consecutive layers) or the root: every parameter that is not used by
+exactly one layer (embeddings, the tied output weight, final norm).
 Stage 3 gathers a unit just before it runs; both stages reduce-scatter a unit's gradients as one
 flat buffer once all of them have arrived.
 
@@ -81,11 +82,15 @@ class FlatUnit:
         return flat[self.shard_start:self.shard_start + self.shard_numel]
 
 
-def find_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
-    """[(name, module, trainable params)]: the root first, then every layer (a child of an
-    outermost nn.ModuleList) in registration order, which is the order the models run them.
+def find_units(model: nn.Module, layers_per_unit: int = 1
+               ) -> list[tuple[str, tuple[nn.Module, ...], list[nn.Parameter]]]:
+    """[(name, modules, trainable params)]: the root first, (model,), then every layer (a child of
+    an outermost nn.ModuleList) in registration order, which is the order the models run them.
     A parameter belongs to a layer only if every use of it registered in the model is inside
-    that layer; shared ones go to the root, which stays gathered through forward and backward."""
+    that layer; shared ones go to the root, which stays gathered through forward and backward.
+    `layers_per_unit` > 1 makes each unit that many consecutive layers of one ModuleList (the
+    last one of a list may have fewer), named 'list.first-last': their modules in run order, their
+    parameters back to back (ZeroConfig.layers_per_unit)."""
     layers: list[tuple[str, nn.Module]] = []
     inside: set[str] = set()
     for name, module in model.named_modules():
@@ -108,5 +113,27 @@ def find_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter
                 seen.add(id(param))
                 params.append(param)
         if params:
-            units.append((prefix or "<root>", module, params))
-    return units
+            units.append((prefix or "<root>", (module,), params))
+    return units[:1] + _group_layers(units[1:], layers_per_unit) if units else units
+
+
+def _group_layers(units: list, layers_per_unit: int) -> list:
+    """Consecutive layer units of one ModuleList merged `layers_per_unit` at a time."""
+    if layers_per_unit == 1:
+        return units
+    grouped, run = [], []
+
+    def close() -> None:
+        if run:
+            first, last = run[0][0], run[-1][0]
+            name = first if len(run) == 1 else f"{first}-{last.rsplit('.', 1)[-1]}"
+            grouped.append((name, tuple(m for _, ms, _ in run for m in ms),
+                            [p for _, _, params in run for p in params]))
+            run.clear()
+    for unit in units:
+        if run and (len(run) == layers_per_unit
+                    or unit[0].rsplit(".", 1)[0] != run[0][0].rsplit(".", 1)[0]):
+            close()
+        run.append(unit)
+    close()
+    return grouped
