@@ -26,13 +26,19 @@ class HookStreams:
     """Per-key record of the CUDA streams gradient hooks ran on (no-op for CPU tensors)."""
 
     def __init__(self):
+        # key -> {raw cudaStream_t: torch.cuda.Stream}
         self._seen: dict[Hashable, dict[int, torch.cuda.Stream]] = {}
 
     def note(self, key: Hashable, tensor: torch.Tensor) -> None:
-        """Call in a hook, after its work on `tensor`'s device was enqueued."""
+        """Call in a hook, after its work on `tensor`'s device was enqueued. Cheap: it runs in
+        every gradient hook (hundreds a step), so it reads the raw stream handle (as Triton's
+        launcher does) and makes a Stream object only for a stream not seen under `key` yet."""
         if tensor.is_cuda:
-            stream = torch.cuda.current_stream(tensor.device)
-            self._seen.setdefault(key, {})[stream.stream_id] = stream
+            device = tensor.get_device()
+            seen = self._seen.setdefault(key, {})
+            raw = torch._C._cuda_getCurrentRawStream(device)
+            if raw not in seen:
+                seen[raw] = torch.cuda.current_stream(device)
 
     def join(self, key: Hashable) -> None:
         """Make the current stream wait for every other stream noted under `key`; forget them."""

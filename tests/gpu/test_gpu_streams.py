@@ -30,3 +30,14 @@ def test_join_waits_for_the_side_stream(joined):
         assert seen.min().item() == 1.0
     else:  # the race the join removes (the side stream is still sleeping)
         assert seen.max().item() == 0.0
+
+
+def test_note_keeps_one_entry_per_stream():
+    x, side, streams = torch.zeros(4, device="cuda"), torch.cuda.Stream(), HookStreams()
+    for _ in range(3):
+        streams.note("bucket", x)
+    with torch.cuda.stream(side):
+        streams.note("bucket", x)
+    seen = streams._seen["bucket"]
+    assert sorted(seen) == sorted(s.cuda_stream for s in seen.values())
+    assert sorted(seen) == sorted([torch.cuda.current_stream().cuda_stream, side.cuda_stream])
