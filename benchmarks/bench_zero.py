@@ -9,8 +9,10 @@ rank count runs as 2 nodes x world/2, e.g. 2 GPUs as 2 x 1 when only two are len
 
 Each configuration builds the bf16 model afresh, runs `--warmup` steps, then times `--steps`
 (median of per-step wall clock, synchronized); peak memory is torch.cuda.max_memory_allocated
-over its steps (reset once the model is built and sharded). `--profile` adds one profiled step
-per configuration (busy/idle times and the top kernels, benchmarks/timeline.py). Over NVLink the
+over its steps (reset once the model is built and sharded), less what was allocated before the
+configuration was built (`leftover_gib`: the configurations run before it left memory allocated,
+more with each one). `--profile` adds one profiled step per configuration (busy/idle times and
+the top kernels, benchmarks/timeline.py). Over NVLink the
 links are not the bottleneck, so ZeRO++'s step time over ZeRO-3's is its quantization overhead
 (issue 4: under 5%); the bytes each configuration sends are printed beside it (the engine's
 CommCounter, per rank, per step).
@@ -40,6 +42,9 @@ from zero_common import CONFIGS, PlainDP, add_model_args, build_engine, train_st
 def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
             device: torch.device) -> dict:
     cuda = device.type == "cuda"
+    # What earlier configurations left allocated (it grows with each one run before) is not this
+    # one's: peaks are counted above it.
+    leftover = torch.cuda.memory_allocated(device) if cuda else 0
     engine = PlainDP(dims, args) if name == "plain dp" else build_engine(name, dims, args)
     if cuda:  # after construction: a ZeRO engine shards a model that was built whole
         torch.cuda.reset_peak_memory_stats(device)
@@ -63,7 +68,8 @@ def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
     py_profile = python_profile(engine, dims, args, device) if args.py_profile else None
     row = {"config": name, "s_per_step": statistics.median(times[args.warmup:]),
            "profile": profile, "py_profile": py_profile,
-           "loss": loss, "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30
+           "loss": loss, "leftover_gib": leftover / 2**30,
+           "peak_memory_gib": (torch.cuda.max_memory_allocated(device) - leftover) / 2**30
            if cuda else None}
     if name != "plain dp":
         totals = engine.comm.totals()
@@ -151,7 +157,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size} per GPU, "
           f"{args.dtype}, {world} GPUs as 2 nodes x {world // 2}; median of {args.steps} steps")
     header = (f"{'config':<18} {'s/step':>8} {'tokens/s':>10} {'vs ZeRO-3':>10} {'peak GiB':>9} "
-              f"{'inter MB':>9} {'intra MB':>9}")
+              f"{'inter MB':>9} {'intra MB':>9} {'left GiB':>9}")
     print(header + "\n" + "-" * len(header))
     for r in rows:
         ratio = r["s_per_step"] / base["zero3"] if "zero3" in base else float("nan")
@@ -159,8 +165,10 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         inter = r.get("inter_bytes_per_step", 0) / 1e6
         intra = r.get("intra_bytes_per_step", 0) / 1e6
         print(f"{r['config']:<18} {r['s_per_step']:>8.4f} {tokens / r['s_per_step']:>10.0f} "
-              f"{ratio:>10.3f} {peak:>9} {inter:>9.1f} {intra:>9.1f}")
-    print("(plain DP's all-reduce is not counted: inter/intra MB are the ZeRO engine's)")
+              f"{ratio:>10.3f} {peak:>9} {inter:>9.1f} {intra:>9.1f} "
+              f"{r.get('leftover_gib', 0):>9.2f}")
+    print("(plain DP's all-reduce is not counted: inter/intra MB are the ZeRO engine's; peak "
+          "GiB is above 'left GiB', what the configurations before left allocated)")
     for r in rows:
         if r.get("profile"):
             p = r["profile"]
