@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import io
 import math
+import weakref
 
 import pytest
 import torch
@@ -118,6 +120,27 @@ def test_grad_reducer_sums_backwards_of_incomplete_units(stage):
         assert meter.current == (0 if stage == 3 else sum(4 * u.padded_numel for u in units))
     for shard, want in zip(reducer.grad_shards, expected):
         assert torch.equal(shard, want)
+
+
+def test_dropped_reducers_free_their_buffers():
+    """Gradient hooks hold their reducer weakly (parallel.streams.weak_grad_hook): dropping a
+    GradReducer or a GradBuffer frees it and its buffers, although the parameters, which keep
+    the hooks, live on; the orphaned hooks do nothing."""
+    w, v = nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(5))
+    dims = type("Dims", (), dict(dp=1, tp=1))()
+    reducer = GradReducer([FlatUnit("a", [w], dp=1, dp_rank=0)], dims, ZeroConfig(stage=1), None,
+                          MemoryMeter())
+    buffer = GradBuffer([v], dims)
+    w.sum().backward()
+    reducer.finish()
+    assert torch.equal(reducer.grad_shards[0], torch.ones(6))
+    # (buffer.data lives on as v.main_grad, by design)
+    refs = [weakref.ref(x) for x in (reducer, reducer.grad_shards[0], buffer)]
+    del reducer, buffer
+    gc.collect()
+    assert [r() for r in refs] == [None] * 3
+    (w.sum() + v.sum()).backward()
+    assert torch.equal(w.grad, torch.ones(3, 2)) and torch.equal(v.grad, torch.ones(5))
 
 
 def test_find_units_layers_and_shared_params_to_root():

@@ -13,13 +13,32 @@ same bucket are done: the stream of the last hook knows nothing of the others. (
 
 `HookStreams` remembers, per bucket, the streams its hooks ran on; `join(key)` makes the current
 stream wait for the others before the collective is enqueued on it.
+
+`weak_grad_hook` is how the gradient reducers register their per-parameter hooks: a
+post-accumulate-grad hook is held by the parameter's C++ side, out of the garbage collector's
+sight, so a hook holding its reducer strongly kept the reducer, and through it the parameters,
+gradient buffers and shards, alive for good after the engine was dropped (1.8 GiB a ZeRO engine of
+GPT-3 1.3B on 4 GPUs; all of a plain-DP model and its gradient buffer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import weakref
+from collections.abc import Callable, Hashable
 
 import torch
+
+
+def weak_grad_hook(method: Callable, *leading) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook calling the bound `method(*leading, param)` while its object
+    lives, and nothing once it is gone (see the module docstring)."""
+    owner, function = weakref.ref(method.__self__), method.__func__
+
+    def hook(param: torch.Tensor) -> None:
+        obj = owner()
+        if obj is not None:
+            function(obj, *leading, param)
+    return hook
 
 
 class HookStreams:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megadomino.parallel import ParallelDims
-from megadomino.parallel.streams import HookStreams
+from megadomino.parallel.streams import HookStreams, weak_grad_hook
 
 DEFAULT_BUCKET_NUMEL = 25_000_000
 
@@ -90,7 +90,7 @@ class GradBuffer:
         self._next_launch = 0
         self._streams = HookStreams()
         for param in self.params:
-            param.register_post_accumulate_grad_hook(self._on_grad)
+            param.register_post_accumulate_grad_hook(weak_grad_hook(self._on_grad))
 
     def zero_grad(self) -> None:
         """Zero every main_grad and drop `.grad`; call before the first micro-batch of a step."""

@@ -38,13 +38,12 @@ Ordering assumptions:
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from megadomino.parallel.streams import HookStreams
+from megadomino.parallel.streams import HookStreams, weak_grad_hook
 from megadomino.zero import collectives
 from megadomino.zero.collectives import CommCounter, Pending
 from megadomino.zero.config import REDUCE_DTYPES, ZeroConfig
@@ -75,7 +74,7 @@ class GradReducer:
         for index, unit in enumerate(units):
             for position, param in enumerate(unit.params):
                 param.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_grad, index, position))
+                    weak_grad_hook(self._on_grad, index, position))
         self._reported = [0] * len(units)
         self._next = 0
         self._inflight: list[tuple[int, Pending]] = []  # oldest first, at most the depth
