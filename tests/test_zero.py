@@ -411,6 +411,9 @@ def _case_hpz_checkpoint_resumes(dims: ParallelDims) -> None:
     resumed = [loss for loss, _ in _train(engine, dims, range(3, 6))]
     for got, want in zip(resumed, uninterrupted[3:]):
         assert abs(got - want) <= 1e-6 * want, (resumed, uninterrupted[3:])
+    # another unit layout is refused by name, before any collective
+    with pytest.raises(ValueError, match="--zero-layers-per-unit"):
+        _engine(dims, layers_per_unit=2, **ZERO_PP).load_state_dict(saved)
 
 
 def _case_qwz_quantizes_once_per_step(dims: ParallelDims) -> None:

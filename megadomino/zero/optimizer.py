@@ -126,7 +126,8 @@ class ZeroPlusPlus:
         if state["layout"] != self._layout():
             raise ValueError(f"checkpoint layout {state['layout']} does not match this engine's "
                              f"{self._layout()}: sharded state loads only at the same stage, "
-                             "degrees and rank (use full_state_dict to change them)")
+                             "degrees, rank and --zero-layers-per-unit (use full_state_dict to "
+                             "change them)")
         self.params.release_all()
         self.optimizer.load_state_dict(state)
         self.params.refresh()
