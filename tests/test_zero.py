@@ -177,6 +177,9 @@ def test_find_units_groups_consecutive_layers_of_one_list():
     assert found[2][2] == [*toy.layers[2].parameters(), *toy.layers[3].parameters()]
     assert [name for name, _, _ in find_units(toy, 9)] == ["<root>", "layers.0-4", "heads.0-1"]
     assert [len(params) for _, _, params in find_units(toy, 1)] == [2] * 8
+    bare = nn.Module()  # no parameter outside the layers: no root unit
+    bare.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    assert [name for name, _, _ in find_units(bare, 2)] == ["layers.0-1", "layers.2"]
 
 
 # ---- helpers for the distributed cases ----------------------------------------------------------

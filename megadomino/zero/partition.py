@@ -14,6 +14,7 @@ Layouts are identical on every DP rank and, the local shapes being equal, on eve
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -103,7 +104,7 @@ def find_units(model: nn.Module, layers_per_unit: int = 1
         if id(param) in owner and owner[id(param)] != layer:
             layer = None
         owner[id(param)] = layer
-    units = []
+    root, units = [], []
     for prefix, module in [("", model)] + layers:
         seen: set[int] = set()
         params = []
@@ -113,27 +114,20 @@ def find_units(model: nn.Module, layers_per_unit: int = 1
                 seen.add(id(param))
                 params.append(param)
         if params:
-            units.append((prefix or "<root>", (module,), params))
-    return units[:1] + _group_layers(units[1:], layers_per_unit) if units else units
+            (units if prefix else root).append((prefix or "<root>", (module,), params))
+    return root + _group_layers(units, layers_per_unit)
 
 
 def _group_layers(units: list, layers_per_unit: int) -> list:
     """Consecutive layer units of one ModuleList merged `layers_per_unit` at a time."""
     if layers_per_unit == 1:
         return units
-    grouped, run = [], []
-
-    def close() -> None:
-        if run:
-            first, last = run[0][0], run[-1][0]
-            name = first if len(run) == 1 else f"{first}-{last.rsplit('.', 1)[-1]}"
-            grouped.append((name, tuple(m for _, ms, _ in run for m in ms),
+    grouped = []
+    for _, same_list in itertools.groupby(units, key=lambda unit: unit[0].rsplit(".", 1)[0]):
+        same_list = list(same_list)
+        for start in range(0, len(same_list), layers_per_unit):
+            run = same_list[start:start + layers_per_unit]
+            name = run[0][0] if len(run) == 1 else f"{run[0][0]}-{run[-1][0].rsplit('.', 1)[-1]}"
+            grouped.append((name, tuple(m for _, modules, _ in run for m in modules),
                             [p for _, _, params in run for p in params]))
-            run.clear()
-    for unit in units:
-        if run and (len(run) == layers_per_unit
-                    or unit[0].rsplit(".", 1)[0] != run[0][0].rsplit(".", 1)[0]):
-            close()
-        run.append(unit)
-    close()
     return grouped
