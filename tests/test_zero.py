@@ -161,14 +161,10 @@ def test_find_units_layers_and_shared_params_to_root():
 
 
 def test_find_units_groups_consecutive_layers_of_one_list():
-    class Toy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Linear(3, 3)
-            self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(5))
-            self.heads = nn.ModuleList(nn.Linear(3, 3) for _ in range(2))
-
-    toy = Toy()
+    toy = nn.Module()
+    toy.embed = nn.Linear(3, 3)
+    toy.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(5))
+    toy.heads = nn.ModuleList(nn.Linear(3, 3) for _ in range(2))
     found = find_units(toy, layers_per_unit=2)
     assert [name for name, _, _ in found] == ["<root>", "layers.0-1", "layers.2-3", "layers.4",
                                               "heads.0-1"]
