@@ -124,6 +124,10 @@ def main() -> None:
                         choices=["plain dp", *CONFIGS])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="pass over the configurations this many times (each built afresh): "
+                             "medians over passes, since one pass to the next drifts by 10%% at "
+                             "micro-batch 1 (BENCHMARKS.md)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true",
                         help="add one profiled step per config: kernel timeline summary")
@@ -144,14 +148,33 @@ def main() -> None:
         raise SystemExit(f"run on an even number of ranks (2 nodes x world/2), got {world}: "
                          "torchrun --nproc_per_node 4 ...")
     dims = ParallelDims(tp=1, gpus_per_node=world // 2)
-    rows = [measure(name, dims, args, device) for name in args.configs]
+    rounds = [[measure(name, dims, args, device) for name in args.configs]
+              for _ in range(args.rounds)]
+    rows = merge_rounds(rounds)
     if dims.rank == 0:
         report(rows, args)
     dist.destroy_process_group()
 
 
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per configuration from `--rounds` passes over the list: the last pass's row with
+    s_per_step the median over the passes (each pass's in `s_per_step_rounds`) and, beside
+    ZeRO-3, the median of the passes' ratios to it (`vs_zero3`: the ratio of two configurations
+    measured minutes apart in one pass, so the machine's drift between passes cancels)."""
+    rows = []
+    for index, last in enumerate(rounds[-1]):
+        row = dict(last)
+        times = [passed[index]["s_per_step"] for passed in rounds]
+        row["s_per_step"], row["s_per_step_rounds"] = statistics.median(times), times
+        base = [next((r["s_per_step"] for r in passed if r["config"] == "zero3"), None)
+                for passed in rounds]
+        if None not in base:
+            row["vs_zero3"] = statistics.median(t / b for t, b in zip(times, base))
+        rows.append(row)
+    return rows
+
+
 def report(rows: list[dict], args: argparse.Namespace) -> None:
-    base = {r["config"]: r["s_per_step"] for r in rows}
     world = dist.get_world_size()
     tokens = world * args.micro_batch_size * args.seq_length
     print(f"{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size} per GPU, "
@@ -160,7 +183,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
               f"{'inter MB':>9} {'intra MB':>9} {'left GiB':>9}")
     print(header + "\n" + "-" * len(header))
     for r in rows:
-        ratio = r["s_per_step"] / base["zero3"] if "zero3" in base else float("nan")
+        ratio = r.get("vs_zero3", float("nan"))
         peak = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
         inter = r.get("inter_bytes_per_step", 0) / 1e6
         intra = r.get("intra_bytes_per_step", 0) / 1e6
@@ -169,6 +192,11 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
               f"{r.get('leftover_gib', 0):>9.2f}")
     print("(plain DP's all-reduce is not counted: inter/intra MB are the ZeRO engine's; peak "
           "GiB is above 'left GiB', what the configurations before left allocated)")
+    if args.rounds > 1:
+        print(f"(s/step: median over {args.rounds} passes of the list; vs ZeRO-3: median of the "
+              "passes' ratios; per pass:)")
+        for r in rows:
+            print(f"    {r['config']:<18} " + " ".join(f"{t:.4f}" for t in r["s_per_step_rounds"]))
     for r in rows:
         if r.get("profile"):
             p = r["profile"]

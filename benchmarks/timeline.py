@@ -36,7 +36,8 @@ def _overlap(a: list[list[float]], b: list[list[float]]) -> float:
     return total
 
 
-def profile_summary(step: Callable[[], object], top: int = 12, host: bool = False) -> dict:
+def profile_summary(step: Callable[[], object], top: int = 12, host: bool = False,
+                    trace: str | None = None) -> dict:
     """One profiled step: busy ms of compute kernels, NCCL kernels and memcpy, NCCL under
     compute, GPU idle inside the span, and the `top` kernels by total ms ([ms, count]).
     host=True also records the CPU side and adds the `top` host ops by self time
@@ -48,6 +49,8 @@ def profile_summary(step: Callable[[], object], top: int = 12, host: bool = Fals
     with profile(activities=activities) as prof:
         step()
         torch.cuda.synchronize()
+    if trace:
+        compact_trace(prof, trace)
     host_ops = {}
     if host:
         for event in prof.key_averages():
@@ -79,6 +82,42 @@ def profile_summary(step: Callable[[], object], top: int = 12, host: bool = Fals
             "gpu_idle_ms": (span - _busy(everything)) / 1e3,
             "top_kernels": {name: [round(ms, 3), n] for name, (ms, n) in ranked},
             **({"top_host_ops": host_ops} if host else {})}
+
+
+def compact_trace(prof, path: str) -> None:
+    """Write `prof`'s timeline, small enough to carry back from the GPU machine, as gzipped JSON:
+    every GPU kernel / memcpy / memset (`gpu`: [name, stream, start us, duration us,
+    correlation]), the launches of NCCL kernels, stream waits and synchronizations (`launch`:
+    [runtime call, start us, duration us, correlation]) and the collectives' host ops (`ops`:
+    [name, start us, duration us]). Times are the profiler's host clock, comparable across the
+    processes of one machine; ranks' files side by side show who waits for whom."""
+    import gzip
+    import json
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw) as f:
+            events = json.load(f).get("traceEvents", [])
+    gpu, launch, ops, nccl_correlations = [], [], [], set()
+    for event in events:
+        category, name = event.get("cat", ""), event.get("name", "")
+        correlation = event.get("args", {}).get("correlation")
+        if category in ("kernel", "gpu_memcpy", "gpu_memset"):
+            gpu.append([name[:60], event.get("tid"), event["ts"], event.get("dur", 0),
+                        correlation])
+            if "nccl" in name.lower():
+                nccl_correlations.add(correlation)
+        elif category == "cpu_op" and (name.startswith("nccl:") or "c10d" in name
+                                       or name.startswith("_BeforeBackward")):
+            ops.append([name[:60], event["ts"], event.get("dur", 0)])
+        elif category == "cuda_runtime":
+            launch.append([name, event["ts"], event.get("dur", 0), correlation])
+    launch = [row for row in launch if row[3] in nccl_correlations
+              or "Wait" in row[0] or "Synchronize" in row[0]]
+    with gzip.open(path, "wt") as f:
+        json.dump({"gpu": gpu, "launch": launch, "ops": ops}, f)
 
 
 def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
