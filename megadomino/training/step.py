@@ -21,10 +21,10 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megadomino.parallel import ParallelDims
+from megadomino.parallel.compat import all_gather_single
 from megadomino.training.ddp import GradBuffer
 from megadomino.training.optimizer import DynamicLossScaler, MixedPrecisionAdamW, StepResult
 from megadomino.training.timers import Timers
@@ -144,9 +144,17 @@ class Stepper:
 
 
 def dp_mean(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """The mean of `values` over the DP group (a copy; identity at DP 1)."""
-    if dims.dp > 1:
-        values = values.clone()
-        dist.all_reduce(values, group=dims.dp_group)
-        values /= dims.dp
-    return values
+    """The mean of `values` over the DP group (a copy; identity at DP 1). Each element is summed
+    in DP-rank order, whatever the tensor's length: an all-reduce's summation order depends on
+    the message size (gloo and NCCL pick algorithms by it), and a resumed run, whose first log
+    interval is shorter, then reported its first loss one ulp off the uninterrupted run's."""
+    if dims.dp == 1:
+        return values
+    flat = values.reshape(-1)
+    gathered = flat.new_empty(dims.dp * flat.numel())
+    all_gather_single(gathered, flat.contiguous(), group=dims.dp_group)
+    rows = gathered.view(dims.dp, -1)
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total += row
+    return (total / dims.dp).view_as(values)
