@@ -15,9 +15,10 @@
 #   zero         benchmarks/bench_zero.py: ZeRO-3 vs ZeRO++ (and its parts) on 4 GPUs as 2 x 2
 #                (2 GPUs: 2 x 1),
 #                GPT-3 1.3B at micro-batch 4 (GPU-bound), with the one-deep reducer beside
-#   zero-mb1     the same at micro-batch 1 (host-bound: BENCHMARKS.md), with K=4 layers a unit
-#   zero-6.7b    GPT-3 6.7B at micro-batch 1, K = 1, 2, 4 layers a unit (--zero-layers-per-unit):
-#                is K > 1 worth its memory at a larger layer size too?
+#                (rows named "... xK": K layers a unit; the others units of 2e8 parameters, the
+#                default: 4 layers at 1.3B)
+#   zero-mb1     the same at micro-batch 1 (host-bound: BENCHMARKS.md)
+#   zero-6.7b    GPT-3 6.7B at micro-batch 1 (the default makes one layer a unit there), K = 2
 #   domino       benchmarks/bench_domino.py core rows, CUDA-graphed, with megatron-core
 #   domino-ds    the GPT row with DeepSpeed's Domino too (CUDA_DEVICE_MAX_CONNECTIONS=1)
 #   e2e          pretrain_gpt.py gpt3-6.7b, 8 layers, TP = all GPUs: eager vs SP + fused comm +
@@ -57,14 +58,14 @@ for name in "$@"; do
              --out "$OUT/quant.json" ;;
     zero) step zero 200 torchrun --standalone --nproc_per_node "$GPUS" benchmarks/bench_zero.py \
             --steps 8 --warmup 3 --micro-batch-size 4 --configs "plain dp" zero3 qwz qwz+hpz \
-            zero++ "zero++ depth1" "zero3 x4" "zero++ x4" --out "$OUT/zero.json" ;;
+            zero++ "zero++ depth1" "zero3 x1" "zero++ x1" --out "$OUT/zero.json" ;;
     zero-mb1) step zero-mb1 200 torchrun --standalone --nproc_per_node "$GPUS" \
                 benchmarks/bench_zero.py --steps 12 --warmup 3 --configs "plain dp" zero3 qwz \
-                qwz+hpz zero++ "zero++ int8 grads" "zero3 x4" "zero++ x4" \
+                qwz+hpz zero++ "zero++ int8 grads" "zero3 x1" "zero++ x1" \
                 --out "$OUT/zero_mb1.json" ;;
     zero-6.7b) step zero-6.7b 300 torchrun --standalone --nproc_per_node "$GPUS" \
                  benchmarks/bench_zero.py --preset gpt3-6.7b --steps 8 --warmup 2 --configs \
-                 zero3 "zero3 x2" "zero3 x4" zero++ "zero++ x2" "zero++ x4" \
+                 zero3 "zero3 x2" zero++ "zero++ x2" \
                  --out "$OUT/zero_6.7b.json" ;;
     domino) step domino 300 torchrun --standalone --nproc_per_node "$GPUS" \
               benchmarks/bench_domino.py --rows core --peers megatron --plans 1x1,2x1 \

@@ -35,10 +35,11 @@ CONFIGS: dict[str, dict] = {
 DEPTH1 = {f"{name} depth1": dict(CONFIGS[name], reduce_pipeline_depth=1)
           for name in ("zero3", "qwz", "zero++")}
 CONFIGS.update(DEPTH1)
-# Not run by default either: K layers a unit (ZeroConfig.layers_per_unit, --zero-layers-per-unit),
-# fewer and larger collectives and launches, for host-bound small micro-batches.
+# The rows above size units by parameters (ZeroConfig.unit_params, the default: 4 layers a unit
+# at GPT-3 1.3B, 1 from 6.7B up). Not run by default: K layers a unit (ZeroConfig.layers_per_unit,
+# --zero-layers-per-unit); x1 is the engine's layout before units of unit_params (one layer each).
 GROUPED = {f"{name} x{k}": dict(CONFIGS[name], layers_per_unit=k)
-           for name in ("zero3", "qwz", "qwz+hpz", "zero++") for k in (2, 4)}
+           for name in ("zero3", "qwz", "qwz+hpz", "zero++") for k in (1, 2, 4, 8)}
 CONFIGS.update(GROUPED)
 NOT_DEFAULT = {**DEPTH1, **GROUPED}
 ADAM = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)

@@ -99,7 +99,7 @@ def measure_engine(args: argparse.Namespace, dims: ParallelDims, stage: int) -> 
     try:
         engine = ZeroPlusPlus(build(args, dims), dims,
                               functools.partial(torch.optim.AdamW, lr=1e-4),
-                              ZeroConfig(stage=stage))
+                              ZeroConfig(stage=stage, layers_per_unit=1))
         rows = []
         for step in range(args.warmup + args.backwards // args.micro_batches + 1):
             for micro in range(args.micro_batches):

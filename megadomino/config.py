@@ -395,4 +395,6 @@ class TrainConfig:
     zeropp_block_size: int | None = None
     """None: ZeroConfig's default (2048)."""
     zero_layers_per_unit: int | None = None
-    """None: ZeroConfig's default (1 layer a unit)."""
+    """None: ZeroConfig's default (as many layers a unit as hold zero_unit_params)."""
+    zero_unit_params: int | None = None
+    """None: ZeroConfig's default (2e8 parameters)."""

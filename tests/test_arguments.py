@@ -130,6 +130,8 @@ MAPPED = [
     (("--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-block-size", "256"),
      "train.zeropp_block_size", 256),
     (("--zero-stage", "3", "--zero-layers-per-unit", "4"), "train.zero_layers_per_unit", 4),
+    (("--zero-stage", "3", "--zero-unit-params", "5e7"), "train.zero_unit_params", 50_000_000),
+    (("--zero-stage", "1", "--zero-unit-params", "123456"), "train.zero_unit_params", 123456),
 ]
 
 DATA = ["--model-preset", "gpt-tiny", "--train-iters", "10", "--tokenizer-type",
@@ -380,6 +382,9 @@ def test_zero_flags_make_the_engine_config():
     assert zero_config(*parse("--zero-stage", "1", "--zero-layers-per-unit", "3")[:2]) == \
         ZeroConfig(stage=1, layers_per_unit=3)
     assert zero_config(*parse("--use-distributed-optimizer")[:2]) == ZeroConfig(stage=1)
+    assert zero_config(*parse("--zero-stage", "3", "--zero-unit-params", "1e6")[:2]) == \
+        ZeroConfig(stage=3, unit_params=1_000_000)
+    assert ZeroConfig().layers_per_unit is None and ZeroConfig().unit_params == 200_000_000
     assert zero_config(*parse()[:2]) is None
     # Domino runs with stage 1
     parse("--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--domino")
@@ -389,6 +394,12 @@ def test_zero_flags_make_the_engine_config():
     (("--zeropp-quantized-weights",),
      "--zeropp-quantized-weights is a ZeRO option: add --zero-stage 3"),
     (("--zeropp-block-size", "256"), "--zeropp-block-size is a ZeRO option"),
+    (("--zero-unit-params", "1e8"), "--zero-unit-params is a ZeRO option"),
+    (("--zero-stage", "3", "--zero-unit-params", "1e8", "--zero-layers-per-unit", "2"),
+     "--zero-layers-per-unit 2 fixes the layers a unit, --zero-unit-params 100000000 sizes "
+     "units by parameters: give one of them"),
+    (("--zero-stage", "3", "--zero-unit-params", "0"),
+     "--zero-unit-params=0 is invalid: it must be an integer >= 1"),
     (("--zero-stage", "1", "--zeropp-quantized-weights"),
      "--zeropp-quantized-weights=True is invalid: it must be off at --zero-stage 1"),
     (("--zero-stage", "1", "--zeropp-hpz-partition-size", "2"),

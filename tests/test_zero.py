@@ -178,6 +178,25 @@ def test_find_units_groups_consecutive_layers_of_one_list():
     assert [name for name, _, _ in find_units(bare, 2)] == ["layers.0-1", "layers.2"]
 
 
+def test_find_units_by_parameter_count():
+    """layers_per_unit None (ZeroConfig's default): a unit takes layers of one list until it
+    holds unit_params parameters; odd layer sizes, the last run of a list may hold fewer."""
+    toy = nn.Module()
+    toy.embed = nn.Linear(3, 3)
+    toy.layers = nn.ModuleList(nn.Linear(3, width) for width in (5, 1, 2, 7, 3))  # 20 4 8 28 12
+    toy.heads = nn.ModuleList(nn.Linear(3, 3) for _ in range(2))  # 12 each
+
+    def names(unit_params):
+        return [name for name, _, _ in find_units(toy, None, unit_params)]
+    assert names(1) == names(4) == [name for name, _, _ in find_units(toy, 1)]
+    assert names(16) == ["<root>", "layers.0", "layers.1-3", "layers.4", "heads.0-1"]
+    assert names(30) == ["<root>", "layers.0-2", "layers.3-4", "heads.0-1"]
+    assert names(10**9) == ["<root>", "layers.0-4", "heads.0-1"]
+    found = find_units(toy, None, 30)
+    assert found[1][1] == tuple(toy.layers[:3])
+    assert found[1][2] == [p for layer in toy.layers[:3] for p in layer.parameters()]
+
+
 # ---- helpers for the distributed cases ----------------------------------------------------------
 
 DATA = MockDataset(SEQ, 512, seed=7)
@@ -203,6 +222,9 @@ def _factory(groups: list[dict]) -> torch.optim.Optimizer:
 
 def _engine(dims: ParallelDims, clip: float = 1.0, model_overrides: dict | None = None,
             loss_scaler=None, **zero) -> ZeroPlusPlus:
+    # One layer a unit unless a case says otherwise: the tiny models would otherwise be one unit
+    # (ZeroConfig.unit_params), and the cases exercise the pipeline across units.
+    zero.setdefault("layers_per_unit", 1)
     return ZeroPlusPlus(_build(dims, **(model_overrides or {})), dims, _factory,
                         ZeroConfig(**zero), clip_grad=clip, loss_scaler=loss_scaler)
 
@@ -255,17 +277,22 @@ def _plain_dp(dims: ParallelDims, steps: int, num_micro: int, clip: float, **ove
 
 
 def _case_matches_plain_dp(dims: ParallelDims, stage: int, depth: int = 2,
-                           layers_per_unit: int = 1, **overrides) -> None:
+                           layers_per_unit: int | None = 1, unit_layers: int | None = None,
+                           units: int | None = None, **overrides) -> None:
     """Losses, grad norms (clipping active) and final weights equal plain DP to 1e-5 (fp32),
     with two micro-batches per step; at stage 3 the engine never holds all layers at once.
     `depth`: the gradient reductions' pipeline depth (ZeroConfig.reduce_pipeline_depth);
-    `layers_per_unit`: ZeroConfig's."""
+    `layers_per_unit`: ZeroConfig's; `unit_layers`: with layers_per_unit None, unit_params is
+    that many layers' parameters (`units`: how many units that makes, root included)."""
     steps, num_micro = 3, 2
     reference, expected = _plain_dp(dims, steps, num_micro, clip=0.5, **overrides)
+    layer = reference.decoder.layers[0]
+    sizing = {} if unit_layers is None else {
+        "unit_params": unit_layers * sum(p.numel() for p in layer.parameters())}
     engine = _engine(dims, clip=0.5, stage=stage, model_overrides=overrides,
-                     reduce_pipeline_depth=depth, layers_per_unit=layers_per_unit)
+                     reduce_pipeline_depth=depth, layers_per_unit=layers_per_unit, **sizing)
     layers = overrides.get("num_layers", 2)
-    assert len(engine.units) == 1 + -(-layers // layers_per_unit)
+    assert len(engine.units) == (units or 1 + -(-layers // layers_per_unit))
     got = _train(engine, dims, range(steps), num_micro)
     for (loss, result), (want_loss, want) in zip(got, expected):
         assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
@@ -529,6 +556,9 @@ def _cases() -> dict[str, str | None]:
                recompute_method="uniform", recompute_num_layers=3)
     runner.run("stage1_grouped_matches_dp", _case_matches_plain_dp, nodes, 1, layers_per_unit=3,
                num_layers=4)
+    # units by parameter count (the default sizing): 2 + 2 + 1 layers of 5
+    runner.run("stage3_unit_params_matches_dp", _case_matches_plain_dp, nodes, 3,
+               layers_per_unit=None, unit_layers=2, units=4, num_layers=5)
     runner.run("zeropp_grouped", _case_zeropp_grouped, nodes)
     runner.run("qgz_int4", _case_qgz_matches_reduce_scatter, 4)
     runner.run("qgz_int8", _case_qgz_matches_reduce_scatter, 8)
@@ -552,7 +582,7 @@ def _results() -> dict[str, str | None]:
     "counter", "stage1_matches_dp", "stage3_matches_dp", "stage3_depth1_matches_dp",
     "stage3_tp2_sp_matches_dp", "stage3_recompute_matches_dp",
     "stage3_grouped_recompute_matches_dp",
-    "stage1_grouped_matches_dp", "zeropp_grouped", "qgz_int4",
+    "stage1_grouped_matches_dp", "stage3_unit_params_matches_dp", "zeropp_grouped", "qgz_int4",
     "qgz_int8", "qwz_gather", "stage1_qgz", "qwz_cache", "nonfinite", "bf16_bytes",
     "hpz_checkpoint", "zeropp_100_steps", "zeropp_100_steps_tp2"])
 def test_zero(case):

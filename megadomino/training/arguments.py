@@ -139,12 +139,14 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
              "--zeropp-quantized-gradients": config.zeropp_quantized_gradients,
              "--zeropp-gradient-bits": config.zeropp_gradient_bits is not None,
              "--zeropp-block-size": config.zeropp_block_size is not None,
-             "--zero-layers-per-unit": config.zero_layers_per_unit is not None}
+             "--zero-layers-per-unit": config.zero_layers_per_unit is not None,
+             "--zero-unit-params": config.zero_unit_params is not None}
     if config.zero_stage is None:
         flag = next((flag for flag, on in given.items() if on), None)
         if flag is not None:
             raise ConfigError(f"{flag} is a ZeRO option: add --zero-stage 3 (or --zero-stage 1 "
-                              "for --zeropp-quantized-gradients and --zero-layers-per-unit)")
+                              "for --zeropp-quantized-gradients, --zero-layers-per-unit and "
+                              "--zero-unit-params)")
         return None
     if given["--zeropp-gradient-bits"] and not config.zeropp_quantized_gradients:
         raise ConfigError("--zeropp-gradient-bits sets qgZ's precision: add "
@@ -153,6 +155,10 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
                                              or config.zeropp_quantized_gradients):
         raise ConfigError("--zeropp-block-size sets the blocks of qwZ and qgZ: add "
                           "--zeropp-quantized-weights or --zeropp-quantized-gradients")
+    if given["--zero-layers-per-unit"] and given["--zero-unit-params"]:
+        raise ConfigError(f"--zero-layers-per-unit {config.zero_layers_per_unit} fixes the layers "
+                          f"a unit, --zero-unit-params {config.zero_unit_params} sizes units by "
+                          "parameters: give one of them")
     if config.zero_stage == 3 and model_config.enable_cuda_graph:
         raise ConfigError("--enable-cuda-graph captures the layers, but --zero-stage 3 gathers "
                           "each layer's parameters from host-side hooks: use --zero-stage 1 "
@@ -165,7 +171,8 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
     optional = {"hpz_partition_size": config.zeropp_hpz_partition_size,
                 "gradient_bits": config.zeropp_gradient_bits,
                 "block_size": config.zeropp_block_size,
-                "layers_per_unit": config.zero_layers_per_unit}
+                "layers_per_unit": config.zero_layers_per_unit,
+                "unit_params": config.zero_unit_params}
     return ZeroConfig(stage=config.zero_stage, quantized_weights=config.zeropp_quantized_weights,
                       quantized_gradients=config.zeropp_quantized_gradients,
                       **{name: value for name, value in optional.items() if value is not None})

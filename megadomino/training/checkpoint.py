@@ -62,6 +62,7 @@ from megadomino.training.checkpoint_files import (
 from megadomino.training.optimizer import MixedPrecisionAdamW
 from megadomino.training.rng_state import capture_rng_state, restore_rng_state
 from megadomino.zero import ZeroPlusPlus
+from megadomino.zero.optimizer import layout_mismatch
 
 SHARD = "model_optim_rng.pt"
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -273,7 +274,8 @@ def load_zero_state(directory: str | os.PathLike, iteration: int, engine: ZeroPl
         except Exception as err:
             raise CheckpointError(f"{path} is unreadable (truncated or corrupt?): {err}") from None
         if state["layout"] != engine.state_dict()["layout"]:
-            raise CheckpointError(f"{path}: layout {state['layout']} differs from this engine's")
+            raise CheckpointError(f"{path}: "
+                                  + layout_mismatch(state["layout"], engine.state_dict()["layout"]))
     except CheckpointError as err:
         error = str(err)
     agree(error)  # before the load, whose parameter refresh is collective

@@ -67,6 +67,14 @@ def _slices_or_auto(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
+def _count(value: str) -> int:
+    """A whole count, also written as a float: '2e8' -> 200000000 (argparse's error otherwise)."""
+    number = float(value)
+    if number != int(number):
+        raise ValueError(f"{value} is not a whole number")
+    return int(number)
+
+
 def _impl(name: str, field: str | None, type_: Callable | None, text: str, **kw) -> Flag:
     return Flag(name, IMPLEMENTED, text, field, type_, **kw)
 
@@ -314,10 +322,15 @@ FLAGS: tuple[Flag, ...] = (
           "Elements per quantization block, one fp32 scale each, for qwZ and qgZ (default "
           "2048, even); needs one of them."),
     _ours("--zero-layers-per-unit", "train.zero_layers_per_unit", int,
-          "Consecutive layers the ZeRO engine gathers and reduces as one unit (default 1): "
-          "fewer, larger collectives and kernel launches, so less host time a step (what a "
-          "small micro-batch waits on; BENCHMARKS.md), for more memory (stage 3 holds about two "
-          "units' gathered weights). Needs --zero-stage."),
+          "Consecutive layers the ZeRO engine gathers and reduces as one unit (default: as many "
+          "as hold --zero-unit-params parameters). More: fewer, larger collectives and kernel "
+          "launches, so less host time a step (what a small micro-batch waits on; "
+          "BENCHMARKS.md), for more memory (stage 3 holds about two units' gathered weights). "
+          "Needs --zero-stage."),
+    _ours("--zero-unit-params", "train.zero_unit_params", _count,
+          "Without --zero-layers-per-unit: a ZeRO unit takes consecutive layers until it holds "
+          "this many parameters per GPU (default 2e8, like DeepSpeed's bucket sizes; one layer a "
+          "unit from GPT-3 6.7B up). Needs --zero-stage."),
     # Accepted with a notice.
     _notice("--use-flash-attn", _SDPA),
     _notice("--attention-backend", _SDPA, str),

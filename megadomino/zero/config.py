@@ -43,12 +43,19 @@ class ZeroConfig:
     """Gradient reductions in flight during backward: 2 (default) finishes unit i-2's and
     advances unit i-1's (qgZ: its inter-node all-to-all) when unit i launches; 1 finishes unit
     i-1's first (less memory at stage 3: two units' gradient buffers instead of three)."""
-    layers_per_unit: int = 1
+    layers_per_unit: int | None = None
     """Consecutive transformer layers gathered, freed and reduced together as one unit (one flat
-    buffer, one collective each way). More per unit: fewer, larger collectives and kernel
-    launches, less host time a step (what a small micro-batch waits on), for more memory: stage 3
-    holds about two units' gathered parameters at once (the one running and the prefetched one)
-    and up to three units' fp32 gradient buffers."""
+    buffer, one collective each way). None (the default): as many as it takes for a unit to hold
+    `unit_params` parameters. More per unit: fewer, larger collectives and kernel launches, less
+    host time a step (what a small micro-batch waits on), for more memory: stage 3 holds about
+    two units' gathered parameters at once (the one running and the prefetched one) and up to
+    three units' fp32 gradient buffers."""
+    unit_params: int = 200_000_000
+    """With `layers_per_unit` None: a unit takes consecutive layers of one list until it holds at
+    least this many parameters (this rank's, after tensor parallelism), like DeepSpeed's bucket
+    sizes. 2e8 is measured (BENCHMARKS.md): GPT-3 1.3B's 50M-parameter layers go four to a
+    unit (0.65-0.8x the step time at micro-batch 1), 6.7B's 201M-parameter layers stay one to a
+    unit, so that the transient memory stays what a layer of 2e8 parameters needs."""
     on_nonfinite: str = "skip"
     """A step whose gradients hold inf/NaN on any rank: 'skip' it (the fp16 loss scaler backs off)
     or 'error' (FloatingPointError on every rank)."""
@@ -67,8 +74,12 @@ class ZeroConfig:
                f"one of {sorted(REDUCE_DTYPES)}")
         _check(self.reduce_pipeline_depth in (1, 2), "reduce_pipeline_depth",
                self.reduce_pipeline_depth, "1 or 2")
-        _check(isinstance(self.layers_per_unit, int) and self.layers_per_unit >= 1,
-               "--zero-layers-per-unit", self.layers_per_unit, "an integer >= 1")
+        _check(self.layers_per_unit is None
+               or (isinstance(self.layers_per_unit, int) and self.layers_per_unit >= 1),
+               "--zero-layers-per-unit", self.layers_per_unit, "an integer >= 1 (or none: "
+               "units of --zero-unit-params parameters)")
+        _check(isinstance(self.unit_params, int) and self.unit_params >= 1, "--zero-unit-params",
+               self.unit_params, "an integer >= 1")
         _check(self.on_nonfinite in ("skip", "error"), "on_nonfinite", self.on_nonfinite,
                "'skip' or 'error'")
         if self.stage == 1:

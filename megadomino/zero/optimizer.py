@@ -61,7 +61,7 @@ class ZeroPlusPlus:
         self.loss_scaler = loss_scaler
         self.comm = CommCounter(dims.gpus_per_node)
         self.meter = MemoryMeter()
-        found = find_units(model, config.layers_per_unit)
+        found = find_units(model, config.layers_per_unit, config.unit_params)
         self.units = [FlatUnit(name, params, dims.dp, dims.dp_rank) for name, _, params in found]
         if config.stage == 1:
             self.params: FullParams | PartitionedParams = FullParams(self.units, dims, self.comm)
@@ -123,11 +123,9 @@ class ZeroPlusPlus:
     def load_state_dict(self, state: dict) -> None:
         """Load this rank's shard (saved by the same DP rank of the same layout), then refresh the
         parameters: stage 1 all-gathers, stage 3 drops gathered and hpZ secondary copies."""
-        if state["layout"] != self._layout():
-            raise ValueError(f"checkpoint layout {state['layout']} does not match this engine's "
-                             f"{self._layout()}: sharded state loads only at the same stage, "
-                             "degrees, rank and --zero-layers-per-unit (use full_state_dict to "
-                             "change them)")
+        saved, mine = state["layout"], self._layout()
+        if saved != mine:
+            raise ValueError(layout_mismatch(saved, mine))
         self.params.release_all()
         self.optimizer.load_state_dict(state)
         self.params.refresh()
@@ -162,3 +160,20 @@ class ZeroPlusPlus:
                 "device_peak": torch.cuda.max_memory_allocated(device)
                 if device.type == "cuda" else None}
 
+
+def layout_mismatch(saved: dict, mine: dict) -> str:
+    """Why a sharded checkpoint does not fit this engine, naming what to pass."""
+    if {k: v for k, v in saved.items() if k != "units"} != \
+            {k: v for k, v in mine.items() if k != "units"}:
+        return (f"checkpoint layout {saved} does not match this engine's {mine}: sharded state "
+                "loads only at the same stage, degrees, rank and units (use full_state_dict to "
+                "change them)")
+
+    def names(units: list) -> str:
+        return ", ".join(str(unit[0]) for unit in units[:3]) + (", ..." if len(units) > 3 else "")
+    return (f"the checkpoint's ZeRO units are not this engine's: saved {len(saved['units'])} "
+            f"({names(saved['units'])}), here {len(mine['units'])} ({names(mine['units'])}). "
+            "Sharded state loads only into the same units: pass the --zero-layers-per-unit (or "
+            "--zero-unit-params) it was saved with (checkpoints from before units of "
+            "--zero-unit-params became the default were saved one layer a unit: "
+            "--zero-layers-per-unit 1)")

@@ -1,7 +1,8 @@
 """Units and their flat layout: what is gathered, reduced and sharded together.
 
-A unit is one layer (each child of an `nn.ModuleList`, e.g. `decoder.layers[i]`; or
-`ZeroConfig.layers_per_unit` consecutive layers) or the root: every parameter that is not used by
+A unit is consecutive layers (children of an `nn.ModuleList`, e.g. `decoder.layers[i]`): as many
+as hold `ZeroConfig.unit_params` parameters by default, or `ZeroConfig.layers_per_unit`; or the
+root: every parameter that is not used by
 exactly one layer (embeddings, the tied output weight, final norm).
 Stage 3 gathers a unit just before it runs; both stages reduce-scatter a unit's gradients as one
 flat buffer once all of them have arrived.
@@ -83,7 +84,7 @@ class FlatUnit:
         return flat[self.shard_start:self.shard_start + self.shard_numel]
 
 
-def find_units(model: nn.Module, layers_per_unit: int = 1
+def find_units(model: nn.Module, layers_per_unit: int | None = 1, unit_params: int = 0
                ) -> list[tuple[str, tuple[nn.Module, ...], list[nn.Parameter]]]:
     """[(name, modules, trainable params)]: the root first, (model,), then every layer (a child of
     an outermost nn.ModuleList) in registration order, which is the order the models run them.
@@ -91,7 +92,9 @@ def find_units(model: nn.Module, layers_per_unit: int = 1
     that layer; shared ones go to the root, which stays gathered through forward and backward.
     `layers_per_unit` > 1 makes each unit that many consecutive layers of one ModuleList (the
     last one of a list may have fewer), named 'list.first-last': their modules in run order, their
-    parameters back to back (ZeroConfig.layers_per_unit)."""
+    parameters back to back (ZeroConfig.layers_per_unit). `layers_per_unit` None: each unit takes
+    consecutive layers of one list until it holds at least `unit_params` parameters (the last
+    one of a list may hold fewer; ZeroConfig.unit_params)."""
     layers: list[tuple[str, nn.Module]] = []
     inside: set[str] = set()
     for name, module in model.named_modules():
@@ -115,18 +118,26 @@ def find_units(model: nn.Module, layers_per_unit: int = 1
                 params.append(param)
         if params:
             (units if prefix else root).append((prefix or "<root>", (module,), params))
-    return root + _group_layers(units, layers_per_unit)
+    return root + _group_layers(units, layers_per_unit, unit_params)
 
 
-def _group_layers(units: list, layers_per_unit: int) -> list:
-    """Consecutive layer units of one ModuleList merged `layers_per_unit` at a time."""
+def _group_layers(units: list, layers_per_unit: int | None, unit_params: int) -> list:
+    """Consecutive layer units of one ModuleList merged `layers_per_unit` at a time, or (None)
+    until a run holds `unit_params` parameters."""
     if layers_per_unit == 1:
         return units
     grouped = []
     for _, same_list in itertools.groupby(units, key=lambda unit: unit[0].rsplit(".", 1)[0]):
-        same_list = list(same_list)
-        for start in range(0, len(same_list), layers_per_unit):
-            run = same_list[start:start + layers_per_unit]
+        runs, run, count = [], [], 0
+        for unit in same_list:
+            run.append(unit)
+            count += sum(p.numel() for p in unit[2])
+            if (len(run) == layers_per_unit if layers_per_unit is not None
+                    else count >= unit_params):
+                runs.append(run)
+                run, count = [], 0
+        runs += [run] if run else []
+        for run in runs:
             name = run[0][0] if len(run) == 1 else f"{run[0][0]}-{run[-1][0].rsplit('.', 1)[-1]}"
             grouped.append((name, tuple(m for _, modules, _ in run for m in modules),
                             [p for _, _, params in run for p in params]))
