@@ -54,7 +54,7 @@ class ZeroConfig:
     """With `layers_per_unit` None: a unit takes consecutive layers of one list until it holds at
     least this many parameters (this rank's, after tensor parallelism), like DeepSpeed's bucket
     sizes. 2e8 is measured (BENCHMARKS.md): GPT-3 1.3B's 50M-parameter layers go four to a
-    unit (0.65-0.8x the step time at micro-batch 1), 6.7B's 201M-parameter layers stay one to a
+    unit (0.65-0.85x the step time at micro-batch 1), 6.7B's 201M-parameter layers stay one to a
     unit, so that the transient memory stays what a layer of 2e8 parameters needs."""
     on_nonfinite: str = "skip"
     """A step whose gradients hold inf/NaN on any rank: 'skip' it (the fp16 loss scaler backs off)

@@ -1,9 +1,9 @@
 """Units and their flat layout: what is gathered, reduced and sharded together.
 
 A unit is consecutive layers (children of an `nn.ModuleList`, e.g. `decoder.layers[i]`): as many
-as hold `ZeroConfig.unit_params` parameters by default, or `ZeroConfig.layers_per_unit`; or the
-root: every parameter that is not used by
-exactly one layer (embeddings, the tied output weight, final norm).
+as hold `ZeroConfig.unit_params` parameters by default, or `ZeroConfig.layers_per_unit`. Or it is
+the root: every parameter that is not used by exactly one layer (embeddings, the tied output
+weight, final norm).
 Stage 3 gathers a unit just before it runs; both stages reduce-scatter a unit's gradients as one
 flat buffer once all of them have arrived.
 
