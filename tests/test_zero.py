@@ -180,7 +180,8 @@ def test_find_units_groups_consecutive_layers_of_one_list():
 
 def test_find_units_by_parameter_count():
     """layers_per_unit None (ZeroConfig's default): a unit takes layers of one list until it
-    holds unit_params parameters; odd layer sizes, the last run of a list may hold fewer."""
+    holds unit_params parameters or 1 / min_units of the list's layers; odd layer sizes, the
+    last run of a list may hold fewer."""
     toy = nn.Module()
     toy.embed = nn.Linear(3, 3)
     toy.layers = nn.ModuleList(nn.Linear(3, width) for width in (5, 1, 2, 7, 3))  # 20 4 8 28 12
@@ -192,6 +193,11 @@ def test_find_units_by_parameter_count():
     assert names(16) == ["<root>", "layers.0", "layers.1-3", "layers.4", "heads.0-1"]
     assert names(30) == ["<root>", "layers.0-2", "layers.3-4", "heads.0-1"]
     assert names(10**9) == ["<root>", "layers.0-4", "heads.0-1"]
+    # at most 1 / min_units of a list's layers a unit
+    assert [name for name, _, _ in find_units(toy, None, 10**9, 2)] == [
+        "<root>", "layers.0-1", "layers.2-3", "layers.4", "heads.0", "heads.1"]
+    assert [name for name, _, _ in find_units(toy, None, 16, 3)] == [
+        "<root>", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "heads.0", "heads.1"]
     found = find_units(toy, None, 30)
     assert found[1][1] == tuple(toy.layers[:3])
     assert found[1][2] == [p for layer in toy.layers[:3] for p in layer.parameters()]
@@ -288,7 +294,7 @@ def _case_matches_plain_dp(dims: ParallelDims, stage: int, depth: int = 2,
     reference, expected = _plain_dp(dims, steps, num_micro, clip=0.5, **overrides)
     layer = reference.decoder.layers[0]
     sizing = {} if unit_layers is None else {
-        "unit_params": unit_layers * sum(p.numel() for p in layer.parameters())}
+        "unit_params": unit_layers * sum(p.numel() for p in layer.parameters()), "min_units": 1}
     engine = _engine(dims, clip=0.5, stage=stage, model_overrides=overrides,
                      reduce_pipeline_depth=depth, layers_per_unit=layers_per_unit, **sizing)
     layers = overrides.get("num_layers", 2)

@@ -329,8 +329,9 @@ FLAGS: tuple[Flag, ...] = (
           "Needs --zero-stage."),
     _ours("--zero-unit-params", "train.zero_unit_params", _count,
           "Without --zero-layers-per-unit: a ZeRO unit takes consecutive layers until it holds "
-          "this many parameters per GPU (default 2e8, like DeepSpeed's bucket sizes; one layer a "
-          "unit from GPT-3 6.7B up). Needs --zero-stage."),
+          "this many parameters per GPU (default 2e8, like DeepSpeed's bucket sizes) or a sixth "
+          "of the layers, so that at least six units pipeline (four layers of GPT-3 1.3B, one "
+          "from 6.7B up). Needs --zero-stage."),
     # Accepted with a notice.
     _notice("--use-flash-attn", _SDPA),
     _notice("--attention-backend", _SDPA, str),

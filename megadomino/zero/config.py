@@ -56,6 +56,12 @@ class ZeroConfig:
     sizes. 2e8 is measured (BENCHMARKS.md): GPT-3 1.3B's 50M-parameter layers go four to a
     unit (0.65-0.85x the step time at micro-batch 1), 6.7B's 201M-parameter layers stay one to a
     unit, so that the transient memory stays what a layer of 2e8 parameters needs."""
+    min_units: int = 6
+    """With `layers_per_unit` None: a unit takes at most 1/min_units of its list's layers (at
+    least one), so that a list of small layers still makes min_units units. Gathers are
+    prefetched a unit ahead and gradient reductions run two units deep, so only several units
+    overlap communication with compute: a small model made one unit ran 1.3-1.4x slower over a
+    100 Mbit/s link than one layer a unit (BENCHMARKS.md). GPT-3 1.3B's 24 layers: at most 4."""
     on_nonfinite: str = "skip"
     """A step whose gradients hold inf/NaN on any rank: 'skip' it (the fp16 loss scaler backs off)
     or 'error' (FloatingPointError on every rank)."""
@@ -80,6 +86,8 @@ class ZeroConfig:
                "units of --zero-unit-params parameters)")
         _check(isinstance(self.unit_params, int) and self.unit_params >= 1, "--zero-unit-params",
                self.unit_params, "an integer >= 1")
+        _check(isinstance(self.min_units, int) and self.min_units >= 1, "min_units",
+               self.min_units, "an integer >= 1")
         _check(self.on_nonfinite in ("skip", "error"), "on_nonfinite", self.on_nonfinite,
                "'skip' or 'error'")
         if self.stage == 1:

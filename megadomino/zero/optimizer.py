@@ -61,7 +61,7 @@ class ZeroPlusPlus:
         self.loss_scaler = loss_scaler
         self.comm = CommCounter(dims.gpus_per_node)
         self.meter = MemoryMeter()
-        found = find_units(model, config.layers_per_unit, config.unit_params)
+        found = find_units(model, config.layers_per_unit, config.unit_params, config.min_units)
         self.units = [FlatUnit(name, params, dims.dp, dims.dp_rank) for name, _, params in found]
         if config.stage == 1:
             self.params: FullParams | PartitionedParams = FullParams(self.units, dims, self.comm)

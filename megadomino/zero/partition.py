@@ -84,8 +84,8 @@ class FlatUnit:
         return flat[self.shard_start:self.shard_start + self.shard_numel]
 
 
-def find_units(model: nn.Module, layers_per_unit: int | None = 1, unit_params: int = 0
-               ) -> list[tuple[str, tuple[nn.Module, ...], list[nn.Parameter]]]:
+def find_units(model: nn.Module, layers_per_unit: int | None = 1, unit_params: int = 0,
+               min_units: int = 1) -> list[tuple[str, tuple[nn.Module, ...], list[nn.Parameter]]]:
     """[(name, modules, trainable params)]: the root first, (model,), then every layer (a child of
     an outermost nn.ModuleList) in registration order, which is the order the models run them.
     A parameter belongs to a layer only if every use of it registered in the model is inside
@@ -93,8 +93,9 @@ def find_units(model: nn.Module, layers_per_unit: int | None = 1, unit_params: i
     `layers_per_unit` > 1 makes each unit that many consecutive layers of one ModuleList (the
     last one of a list may have fewer), named 'list.first-last': their modules in run order, their
     parameters back to back (ZeroConfig.layers_per_unit). `layers_per_unit` None: each unit takes
-    consecutive layers of one list until it holds at least `unit_params` parameters (the last
-    one of a list may hold fewer; ZeroConfig.unit_params)."""
+    consecutive layers of one list until it holds at least `unit_params` parameters or 1 /
+    `min_units` of the list's layers (at least one), whichever comes first; the last one of a
+    list may hold fewer (ZeroConfig.unit_params, ZeroConfig.min_units)."""
     layers: list[tuple[str, nn.Module]] = []
     inside: set[str] = set()
     for name, module in model.named_modules():
@@ -118,22 +119,24 @@ def find_units(model: nn.Module, layers_per_unit: int | None = 1, unit_params: i
                 params.append(param)
         if params:
             (units if prefix else root).append((prefix or "<root>", (module,), params))
-    return root + _group_layers(units, layers_per_unit, unit_params)
+    return root + _group_layers(units, layers_per_unit, unit_params, min_units)
 
 
-def _group_layers(units: list, layers_per_unit: int | None, unit_params: int) -> list:
+def _group_layers(units: list, layers_per_unit: int | None, unit_params: int,
+                  min_units: int) -> list:
     """Consecutive layer units of one ModuleList merged `layers_per_unit` at a time, or (None)
-    until a run holds `unit_params` parameters."""
+    until a run holds `unit_params` parameters or 1 / `min_units` of the list's layers."""
     if layers_per_unit == 1:
         return units
     grouped = []
     for _, same_list in itertools.groupby(units, key=lambda unit: unit[0].rsplit(".", 1)[0]):
+        same_list = list(same_list)
+        most = layers_per_unit or max(1, len(same_list) // min_units)
         runs, run, count = [], [], 0
         for unit in same_list:
             run.append(unit)
             count += sum(p.numel() for p in unit[2])
-            if (len(run) == layers_per_unit if layers_per_unit is not None
-                    else count >= unit_params):
+            if len(run) == most or (layers_per_unit is None and count >= unit_params):
                 runs.append(run)
                 run, count = [], 0
         runs += [run] if run else []
