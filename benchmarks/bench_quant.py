@@ -22,6 +22,7 @@ process, and --stream-ab the looping quantize programs for large blocks.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -99,28 +100,35 @@ class Bench:
         print(json.dumps(row), flush=True)
         self.rows.append(row)
 
-    def ours(self, group: int, dtypes=("fp16", "bf16"), impl: str = "ours") -> None:
+    def ours(self, group: int, dtypes=("fp16", "bf16"), impl: str = "ours",
+             full_range: bool = False) -> None:
+        """Our ops; `full_range`: quantizing with DeepSpeed's levels (kernels'
+        full_range=True; the dequantize rows are then the same kernel as without)."""
         n = self.numel
+        quantize, swizzled_quantize, dequantize_reduce_quantize = (
+            functools.partial(quant.quantize, full_range=full_range),
+            functools.partial(quant.swizzled_quantize, full_range=full_range),
+            functools.partial(quant.dequantize_reduce_quantize, full_range=full_range))
         scale_bytes = 4 * n / group
         for dtype in dtypes:
             xs = self.x[dtype]
             for bits in (8, 4):
                 q_bytes = n * bits / 8
                 self.record(f"quantize int{bits}", impl, group, dtype,
-                            lambda i, xs=xs, b=bits: quant.quantize(xs[i % 2], b, group),
+                            lambda i, xs=xs, b=bits: quantize(xs[i % 2], b, group),
                             2 * n + q_bytes + scale_bytes)
-                qs = [quant.quantize(x, bits, group) for x in xs]
+                qs = [quantize(x, bits, group) for x in xs]
                 self.record(f"dequantize int{bits}", impl, group, dtype,
                             lambda i, qs=qs, b=bits, d=xs[0].dtype: quant.dequantize(
                                 *qs[i % 2], n, b, group, d), q_bytes + scale_bytes + 2 * n)
             self.record("swizzled quantize int4 (2x4)", impl, group, dtype,
-                        lambda i, xs=xs: quant.swizzled_quantize(xs[i % 2], 4, group, 2, 4),
+                        lambda i, xs=xs: swizzled_quantize(xs[i % 2], 4, group, 2, 4),
                         2 * n + n / 2 + scale_bytes)
         for bits in (4, 8):  # 4 intra-node inputs of 2 partitions: qgZ step 3 on 2 x 4 ranks
-            qs = [quant.swizzled_quantize(x, bits, group, 2, 4) for x in self.x["fp16"]]
+            qs = [swizzled_quantize(x, bits, group, 2, 4) for x in self.x["fp16"]]
             read = n * bits / 8 + scale_bytes
             self.record(f"dequant-reduce-quant int{bits} (4 inputs)", impl, group, "fp16",
-                        lambda i, qs=qs, b=bits: quant.dequantize_reduce_quantize(
+                        lambda i, qs=qs, b=bits: dequantize_reduce_quantize(
                             *qs[i % 2], 4, b, b, group, n // 8), read * 1.25, read)
 
     def deepspeed(self, group: int) -> None:
@@ -162,6 +170,13 @@ class Bench:
                    "ours": (ours / x64.norm()).item(),
                    "ours_equals_reference": torch.equal(q_head, q_ref)
                    and torch.equal(s[: head // group].cpu(), s_ref)}
+            q, s = quant.quantize(x, bits, group, full_range=True)  # DeepSpeed's levels
+            full = (quant.dequantize(q, s, self.numel, bits, group).double() - x64).norm()
+            q_ref, s_ref = quant.quantize_reference(x[:head].cpu(), bits, group, True)
+            row["ours_full_range"] = (full / x64.norm()).item()
+            row["full_range_equals_reference"] = (
+                torch.equal(q[: head if bits == 8 else head // 2].cpu(), q_ref)
+                and torch.equal(s[: head // group].cpu(), s_ref))
             if self.ds is not None:
                 groups = self.numel // group
                 q_ds, s_ds = self.ds.quantize(x, groups, bits, self.ds.Symmetric)
@@ -261,6 +276,10 @@ def targets(rows: list[dict], copy_tbps: float, groups: list[int]) -> list[dict]
             check(f"{row['op']} g{row['group']} <= DeepSpeed's",
                   row["ours"] <= row["deepspeed"] * 1.0001, ours=row["ours"],
                   deepspeed=row["deepspeed"])
+            if "ours_full_range" in row:
+                check(f"{row['op']} g{row['group']} full range <= DeepSpeed's",
+                      row["ours_full_range"] <= row["deepspeed"] * 1.0001,
+                      ours=row["ours_full_range"], deepspeed=row["deepspeed"])
     return checks
 
 
@@ -286,7 +305,9 @@ def table(rows: list[dict], copy_tbps: float, groups: list[int]) -> str:
         if r.get("op", "").startswith("relative error"):
             lines.append(f"{r['op']} g{r['group']}: ours {r['ours']:.5f}, DeepSpeed "
                          f"{r.get('deepspeed', float('nan')):.5f}, ours == torch reference: "
-                         f"{r['ours_equals_reference']}")
+                         f"{r['ours_equals_reference']}; full range "
+                         f"{r.get('ours_full_range', float('nan')):.5f} (== reference: "
+                         f"{r.get('full_range_equals_reference')})")
     for r in rows:
         if "error" in r:
             lines.append(f"FAILED {r['op']} {r['impl']} g{r['group']} {r['dtype']}: {r['error']}")
@@ -320,6 +341,9 @@ def main() -> None:
                         help="also time quantize in blocks >= 8192 by looping, prefetching "
                              "programs (several warps and programs per SM) vs one block per "
                              "program, alternately, ROUNDS times each")
+    parser.add_argument("--full-range", action="store_true",
+                        help="also time our quantizing ops with full_range=True (DeepSpeed's "
+                             "levels), rows 'ours full range'")
     parser.add_argument("--out", default="bench_quant.json")
     args = parser.parse_args()
     if args.numel % (8 * max(args.groups)):
@@ -330,6 +354,8 @@ def main() -> None:
     bench = Bench(args.numel, ds, args.ops)
     for group in args.groups:
         bench.ours(group)
+        if args.full_range:
+            bench.ours(group, impl="ours full range", full_range=True)
         if ds is not None:
             bench.deepspeed(group)
         if not args.ops:

@@ -9,6 +9,11 @@ The scheme (fixed; every op here, kernel or reference, gives bit-identical resul
 - q = round_half_to_even(x / scale), the division in fp32 (IEEE), clamped to [-qmax, qmax].
   dequantize gives q * scale (fp32, one rounding), cast to the requested dtype; so
   |dequantize(quantize(x)) - x| <= scale / 2 per element (plus the output dtype's rounding).
+- `full_range=True` (opt-in; quantize, swizzled_quantize, dequantize_reduce_quantize): every
+  two's-complement level, as DeepSpeed's symmetric quantizer: scale = absmax / (qmax + 1) and
+  q clamped to [-qmax - 1, qmax] (so a block's positive maximum is clipped to qmax: error up to
+  one scale there, a half elsewhere). A step 0.8% (int8) or 14% (int4) finer than the default
+  scheme; dequantize is the same q * scale.
 - Storage: int8 data as torch.int8, one per element. int4 data as torch.uint8, two per byte:
   element 2i in the low nibble, element 2i+1 in the high nibble, each a two's-complement nibble;
   an odd element count pads the last high nibble with 0. Scales: torch.float32, one per block.
@@ -171,19 +176,26 @@ def _absmax_bits(values):
 
 
 @triton.jit
-def _scale_of(absmax_bits, QMAX: tl.constexpr):
-    """(scale, nonfinite) per block from _absmax_bits: absmax / qmax, 1 for a zero scale."""
+def _scale_of(absmax_bits, QMAX: tl.constexpr, FULL_RANGE: tl.constexpr = False):
+    """(scale, nonfinite) per block from _absmax_bits: absmax / qmax (FULL_RANGE: absmax /
+    (qmax + 1), DeepSpeed's step), 1 for a zero scale."""
     nonfinite = absmax_bits > _FLT_MAX_BITS
     absmax = absmax_bits.to(tl.float32, bitcast=True)
-    scale = tl.math.div_rn(absmax, QMAX * 1.0)
+    scale = tl.math.div_rn(absmax, (QMAX + FULL_RANGE) * 1.0)
     return tl.where(scale == 0.0, 1.0, scale), nonfinite
 
 
 @triton.jit
-def _ratio_exact(values, scale, QMAX: tl.constexpr):
-    """values / scale, IEEE division, clamped to +-qmax (tiny scales)."""
+def _clamp(ratio, QMAX: tl.constexpr, FULL_RANGE: tl.constexpr):
+    """ratio clamped to [-qmax, qmax] (FULL_RANGE: [-qmax - 1, qmax])."""
+    return tl.minimum(tl.maximum(ratio, -(QMAX + FULL_RANGE) * 1.0), QMAX * 1.0)
+
+
+@triton.jit
+def _ratio_exact(values, scale, QMAX: tl.constexpr, FULL_RANGE: tl.constexpr = False):
+    """values / scale, IEEE division, clamped (tiny scales; _clamp)."""
     ratio = tl.math.div_rn(values, scale[:, None])
-    return tl.minimum(tl.maximum(ratio, -QMAX * 1.0), QMAX * 1.0)
+    return _clamp(ratio, QMAX, FULL_RANGE)
 
 
 @triton.jit
@@ -197,7 +209,7 @@ def _ratio_fast(values, scale, inverse):
 
 
 @triton.jit
-def _ratio_branchless(values, scale, QMAX: tl.constexpr):
+def _ratio_branchless(values, scale, QMAX: tl.constexpr, FULL_RANGE: tl.constexpr = False):
     """values / scale (the IEEE quotient) as _quantize_values gives it, without its branch on
     tiny scales: a block whose scale is below 2^-96 (where _ratio_fast's residual could
     underflow) has its values and scale multiplied by 2^64 first (exact: its values are below
@@ -208,7 +220,7 @@ def _ratio_branchless(values, scale, QMAX: tl.constexpr):
     factor = tl.where(scale < _FAST_DIVISION_MIN_SCALE, _TINY_SCALE_FACTOR, 1.0)
     scaled = scale * factor
     ratio = _ratio_fast(values * factor[:, None], scaled, tl.math.div_rn(1.0, scaled)[:, None])
-    return tl.minimum(tl.maximum(ratio, -QMAX * 1.0), QMAX * 1.0)
+    return _clamp(ratio, QMAX, FULL_RANGE)
 
 
 @triton.jit
@@ -221,34 +233,42 @@ def _rounded_bits(ratio, nonfinite):
 
 @triton.jit
 def _quantize_values(values, scale, nonfinite, QMAX: tl.constexpr,
-                     BRANCHLESS: tl.constexpr = False):
+                     BRANCHLESS: tl.constexpr = False, FULL_RANGE: tl.constexpr = False):
     """fp32 (blocks, n) with per-block scale -> int32 whose low byte / nibble is q.
-    BRANCHLESS: _ratio_branchless (fewer registers, more instructions)."""
+    BRANCHLESS: _ratio_branchless (fewer registers, more instructions). FULL_RANGE: the scale
+    is absmax / (qmax + 1), so the block's positive maximum is clamped to qmax."""
     if BRANCHLESS:
-        ratio = _ratio_branchless(values, scale, QMAX)
+        ratio = _ratio_branchless(values, scale, QMAX, FULL_RANGE)
     elif tl.min(scale) < _FAST_DIVISION_MIN_SCALE:  # rare: the fast residual could underflow
-        ratio = _ratio_exact(values, scale, QMAX)
+        ratio = _ratio_exact(values, scale, QMAX, FULL_RANGE)
     else:
         ratio = _ratio_fast(values, scale, tl.math.div_rn(1.0, scale)[:, None])
+        if FULL_RANGE:
+            ratio = tl.minimum(ratio, QMAX * 1.0)
     return _rounded_bits(ratio, nonfinite)
 
 
 @triton.jit
-def _quantize_pair(low, high, scale, nonfinite, QMAX: tl.constexpr):
+def _quantize_pair(low, high, scale, nonfinite, QMAX: tl.constexpr,
+                   FULL_RANGE: tl.constexpr = False):
     """_quantize_values of two tiles sharing the blocks' scales (the even and the odd elements
     of int4 -> int4), with one fast-path decision and one reciprocal for both."""
     if tl.min(scale) < _FAST_DIVISION_MIN_SCALE:
-        ratio_low = _ratio_exact(low, scale, QMAX)
-        ratio_high = _ratio_exact(high, scale, QMAX)
+        ratio_low = _ratio_exact(low, scale, QMAX, FULL_RANGE)
+        ratio_high = _ratio_exact(high, scale, QMAX, FULL_RANGE)
     else:
         inverse = tl.math.div_rn(1.0, scale)[:, None]
         ratio_low = _ratio_fast(low, scale, inverse)
         ratio_high = _ratio_fast(high, scale, inverse)
+        if FULL_RANGE:
+            ratio_low = tl.minimum(ratio_low, QMAX * 1.0)
+            ratio_high = tl.minimum(ratio_high, QMAX * 1.0)
     return _rounded_bits(ratio_low, nonfinite), _rounded_bits(ratio_high, nonfinite)
 
 
 @triton.jit
-def _quantize_tile(values, QMAX: tl.constexpr, BRANCHLESS: tl.constexpr = False):
+def _quantize_tile(values, QMAX: tl.constexpr, BRANCHLESS: tl.constexpr = False,
+                   FULL_RANGE: tl.constexpr = False):
     """(blocks, BLOCK_PAD) floats -> (int32 whose low byte / nibble is q, the blocks' scales).
     16-bit inputs stay in their dtype for the absmax, taken over their bit patterns (|x| as
     int16: integer order is float order there, NaN above Inf), and become fp32 only to be
@@ -259,8 +279,9 @@ def _quantize_tile(values, QMAX: tl.constexpr, BRANCHLESS: tl.constexpr = False)
         absmax_bits = absmax.to(tl.float32).to(tl.int32, bitcast=True)
     else:
         absmax_bits = _absmax_bits(values)
-    scale, nonfinite = _scale_of(absmax_bits, QMAX)
-    return (_quantize_values(values.to(tl.float32), scale, nonfinite, QMAX, BRANCHLESS),
+    scale, nonfinite = _scale_of(absmax_bits, QMAX, FULL_RANGE)
+    return (_quantize_values(values.to(tl.float32), scale, nonfinite, QMAX, BRANCHLESS,
+                             FULL_RANGE),
             tl.where(nonfinite, float("nan"), scale))
 
 
@@ -294,7 +315,8 @@ def _store_quantized(q, scale, dst, dst_scale_ptrs, block_valid, local, mask, by
 @triton.jit
 def _quantize_stream(src, dst, dst_scale_ptr, partition_numel, partition_bytes,
                      BLOCK_SIZE: tl.constexpr, BLOCK_PAD: tl.constexpr, BITS_OUT: tl.constexpr,
-                     NARROW_STORE: tl.constexpr, BRANCHLESS: tl.constexpr):
+                     NARROW_STORE: tl.constexpr, BRANCHLESS: tl.constexpr,
+                     FULL_RANGE: tl.constexpr):
     """Quantize blocks program_id(0), + num_programs(0), ... of one partition (src, dst and
     dst_scale_ptr at its start), one block per iteration, loading the next block before
     quantizing this one: large blocks fit few programs on an SM, and this keeps their loads in
@@ -310,7 +332,7 @@ def _quantize_stream(src, dst, dst_scale_ptr, partition_numel, partition_bytes,
         ahead = base + step
         x_next = tl.load(src + ahead + cols,
                          mask=(cols < BLOCK_SIZE) & (cols < partition_numel - ahead), other=0.0)
-        q, scale = _quantize_tile(x, (1 << (BITS_OUT - 1)) - 1, BRANCHLESS)
+        q, scale = _quantize_tile(x, (1 << (BITS_OUT - 1)) - 1, BRANCHLESS, FULL_RANGE)
         mask = (cols < BLOCK_SIZE) & (cols < partition_numel - base)
         byte_mask = (byte_cols < BLOCK_SIZE // 2) & (byte_cols < partition_bytes - base // 2)
         _store_quantized(q, scale, dst + (base if BITS_OUT == 8 else base // 2),
@@ -329,7 +351,8 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                         BLOCKS_PER_PROGRAM: tl.constexpr, BITS_IN: tl.constexpr,
                         BITS_OUT: tl.constexpr, SCALE_OUTPUT: tl.constexpr,
                         WORDS: tl.constexpr, STREAM: tl.constexpr,
-                        NARROW_STORE: tl.constexpr, BRANCHLESS: tl.constexpr):
+                        NARROW_STORE: tl.constexpr, BRANCHLESS: tl.constexpr,
+                        FULL_RANGE: tl.constexpr):
     """One program: BLOCKS_PER_PROGRAM consecutive blocks of partition p = program_id(1).
 
     Input: BITS_IN == 0 reads floats (partition p); otherwise it sums NUM_INPUTS quantized inputs
@@ -352,7 +375,7 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
             dst_scale_ptr + _partition_offset(dst_part, dst_row_parts, dst_scale_row_stride,
                                               blocks_per_partition),
             partition_numel, partition_bytes, BLOCK_SIZE, BLOCK_PAD, BITS_OUT, NARROW_STORE,
-            BRANCHLESS)
+            BRANCHLESS, FULL_RANGE)
         return
     rows = tl.arange(0, BLOCKS_PER_PROGRAM)
     first_block = pid_block * BLOCKS_PER_PROGRAM
@@ -420,11 +443,11 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                                      tl.maximum(_abs_bits(s2), _abs_bits(s3))),
                           tl.maximum(tl.maximum(_abs_bits(s4), _abs_bits(s5)),
                                      tl.maximum(_abs_bits(s6), _abs_bits(s7))))
-        scale, nonfinite = _scale_of(tl.max(both, axis=1), 7)
-        q0, q1 = _quantize_pair(s0, s1, scale, nonfinite, 7)
-        q2, q3 = _quantize_pair(s2, s3, scale, nonfinite, 7)
-        q4, q5 = _quantize_pair(s4, s5, scale, nonfinite, 7)
-        q6, q7 = _quantize_pair(s6, s7, scale, nonfinite, 7)
+        scale, nonfinite = _scale_of(tl.max(both, axis=1), 7, FULL_RANGE)
+        q0, q1 = _quantize_pair(s0, s1, scale, nonfinite, 7, FULL_RANGE)
+        q2, q3 = _quantize_pair(s2, s3, scale, nonfinite, 7, FULL_RANGE)
+        q4, q5 = _quantize_pair(s4, s5, scale, nonfinite, 7, FULL_RANGE)
+        q6, q7 = _quantize_pair(s6, s7, scale, nonfinite, 7, FULL_RANGE)
         tl.store(dst_scale_ptrs, tl.where(nonfinite, float("nan"), scale), mask=block_valid)
         packed = ((q0 & 15) | ((q1 & 15) << 4) | ((q2 & 15) << 8) | ((q3 & 15) << 12)
                   | ((q4 & 15) << 16) | ((q5 & 15) << 20) | ((q6 & 15) << 24) | (q7 << 28))
@@ -453,8 +476,8 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                 high += high_j
         # One absmax reduction over both halves (|x| as int32 bits: integer max = float max).
         both = tl.maximum(_abs_bits(low), _abs_bits(high))
-        scale, nonfinite = _scale_of(tl.max(both, axis=1), 7)
-        q_low, q_high = _quantize_pair(low, high, scale, nonfinite, 7)
+        scale, nonfinite = _scale_of(tl.max(both, axis=1), 7, FULL_RANGE)
+        q_low, q_high = _quantize_pair(low, high, scale, nonfinite, 7, FULL_RANGE)
         tl.store(dst_scale_ptrs, tl.where(nonfinite, float("nan"), scale), mask=block_valid)
         packed = (q_low & 15) | ((q_high & 15) << 4)
         dst = dst_ptr + (_partition_offset(dst_part, dst_row_parts, dst_row_stride,
@@ -487,7 +510,7 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
                                            partition_numel) + elem_base)
         tl.store(dst + local, values.to(dst_ptr.dtype.element_ty), mask=mask)
     else:
-        q, scale = _quantize_tile(values, (1 << (BITS_OUT - 1)) - 1)
+        q, scale = _quantize_tile(values, (1 << (BITS_OUT - 1)) - 1, False, FULL_RANGE)
         if BITS_OUT == 8:
             dst = dst_ptr + (_partition_offset(dst_part, dst_row_parts, dst_row_stride,
                                                partition_numel) + elem_base)
@@ -584,7 +607,8 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
             num_inputs: int, num_partitions: int, partition_numel: int, block_size: int,
             bits_in: int, bits_out: int, src_rows: _Rows | None = None,
             dst_rows: _Rows | None = None, nodes: int = 1, devices_per_node: int | None = None,
-            multiplier: float = 1.0, tile: tuple[int, int] | None = None) -> None:
+            multiplier: float = 1.0, tile: tuple[int, int] | None = None,
+            full_range: bool = False) -> None:
     """One launch over all partitions; grid (program blocks, partitions). src / dst (and their
     scales) point at their first partition; `src_rows` / `dst_rows` give their layout (default:
     flat). `tile` overrides (elements per program, num_warps), for benchmarks."""
@@ -618,7 +642,7 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
                                   WORDS=words, STREAM=stream,
                                   NARROW_STORE=NARROW_STORE and bits_out == 4
                                   and block_pad >= 2048,
-                                  BRANCHLESS=branchless,
+                                  BRANCHLESS=branchless, FULL_RANGE=full_range,
                                   num_warps=num_warps,
                                   enable_fp_fusion=False)  # no FMA: bit-identical to the reference
 
@@ -781,10 +805,10 @@ def _fill(out: Tensor, values: Tensor) -> Tensor:
 
 @torch.no_grad()
 def quantize(x: Tensor, bits: int = 8, block_size: int = 2048, *,
-             out: tuple[Tensor, Tensor] | None = None,
-             force_triton: bool = False) -> tuple[Tensor, Tensor]:
+             out: tuple[Tensor, Tensor] | None = None, force_triton: bool = False,
+             full_range: bool = False) -> tuple[Tensor, Tensor]:
     """Quantize the flattened `x` (float32/bfloat16/float16, read as is; copied only if not
-    contiguous) block-wise.
+    contiguous) block-wise (`full_range`: see the module docstring).
 
     Returns (q, scales): q is int8 [numel] (bits=8) or uint8 [ceil(numel / 2)] (bits=4),
     scales float32 [ceil(numel / block_size)]. `out` = (q, scales) buffers to fill instead
@@ -796,10 +820,11 @@ def quantize(x: Tensor, bits: int = 8, block_size: int = 2048, *,
     if x.numel() == 0:
         return q, scales
     if not _use_triton(x, force_triton):
-        q_ref, s_ref = quantize_reference(x, bits, block_size)
+        q_ref, s_ref = quantize_reference(x, bits, block_size, full_range)
         return _fill(q, q_ref), _fill(scales, s_ref)
     _launch(x, None, q, scales, num_inputs=1, num_partitions=1, partition_numel=x.numel(),
-            block_size=block_size, bits_in=0, bits_out=bits, dst_rows=rows)
+            block_size=block_size, bits_in=0, bits_out=bits, dst_rows=rows,
+            full_range=full_range)
     return q, scales
 
 
@@ -819,7 +844,8 @@ def dequantize(q: Tensor, scales: Tensor, numel: int, bits: int = 8, block_size:
 @torch.no_grad()
 def swizzled_quantize(x: Tensor, bits: int, block_size: int, num_nodes: int,
                       devices_per_node: int, *, out: tuple[Tensor, Tensor] | None = None,
-                      force_triton: bool = False) -> tuple[Tensor, Tensor]:
+                      force_triton: bool = False,
+                      full_range: bool = False) -> tuple[Tensor, Tensor]:
     """qgZ step 1: quantize the world = num_nodes * devices_per_node partitions of the flat `x`
     (x.numel() % world == 0, P = numel / world), partition p written at position
     (p % devices_per_node) * num_nodes + p // devices_per_node (see the module docstring).
@@ -840,11 +866,12 @@ def swizzled_quantize(x: Tensor, bits: int, block_size: int, num_nodes: int,
         return q, scales
     if not _use_triton(x, force_triton):
         q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, num_nodes,
-                                                   devices_per_node)
+                                                   devices_per_node, full_range)
         return _fill(q, q_ref), _fill(scales, s_ref)
     _launch(x, None, q, scales, num_inputs=1, num_partitions=world,
             partition_numel=partition_numel, block_size=block_size, bits_in=0, bits_out=bits,
-            dst_rows=rows, nodes=num_nodes, devices_per_node=devices_per_node)
+            dst_rows=rows, nodes=num_nodes, devices_per_node=devices_per_node,
+            full_range=full_range)
     return q, scales
 
 
@@ -868,7 +895,8 @@ def _reduce_shape(q: Tensor, scales: Tensor, num_inputs: int, partition_numel: i
 def dequantize_reduce_quantize(q: Tensor, scales: Tensor, num_inputs: int, bits_in: int,
                                bits_out: int, block_size: int, partition_numel: int, *,
                                out: tuple[Tensor, Tensor] | None = None,
-                               force_triton: bool = False) -> tuple[Tensor, Tensor]:
+                               force_triton: bool = False,
+                               full_range: bool = False) -> tuple[Tensor, Tensor]:
     """qgZ step 3, one fused launch: q holds num_inputs stacked inputs, each of the same number
     S of quantized `partition_numel`-element partitions. Partition s of the result is
     quantize(sum over inputs j of dequantize(input j, partition s)), the sum in fp32 in input
@@ -884,11 +912,12 @@ def dequantize_reduce_quantize(q: Tensor, scales: Tensor, num_inputs: int, bits_
     q_out, s_out, dst_rows = _outputs(out, per_input, partition_numel, bits_out, block_size, q)
     if not _use_triton(q, force_triton):
         q_ref, s_ref = dequantize_reduce_quantize_reference(q, scales, num_inputs, bits_in,
-                                                            bits_out, block_size, partition_numel)
+                                                            bits_out, block_size, partition_numel,
+                                                            full_range)
         return _fill(q_out, q_ref), _fill(s_out, s_ref)
     _launch(q, scales, q_out, s_out, num_inputs=num_inputs, num_partitions=per_input,
             partition_numel=partition_numel, block_size=block_size, bits_in=bits_in,
-            bits_out=bits_out, src_rows=src_rows, dst_rows=dst_rows)
+            bits_out=bits_out, src_rows=src_rows, dst_rows=dst_rows, full_range=full_range)
     return q_out, s_out
 
 

@@ -41,20 +41,23 @@ def _unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack((low, high), dim=-1).flatten(1).to(torch.int8)
 
 
-def _quantize_partitions(values: Tensor, bits: int, block_size: int) -> tuple[Tensor, Tensor]:
-    """fp32 (parts, n) -> q (parts, q_numel), scales (parts, blocks), each row on its own."""
+def _quantize_partitions(values: Tensor, bits: int, block_size: int,
+                         full_range: bool = False) -> tuple[Tensor, Tensor]:
+    """fp32 (parts, n) -> q (parts, q_numel), scales (parts, blocks), each row on its own.
+    full_range: scale absmax / 2^(bits-1), q in [-2^(bits-1), 2^(bits-1) - 1]."""
     parts, numel = values.shape
     qmax = 2 ** (bits - 1) - 1
+    qmin = -qmax - 1 if full_range else -qmax
     blocks = math.ceil(numel / block_size)
     padded = torch.nn.functional.pad(values, (0, blocks * block_size - numel))
     padded = padded.view(parts, blocks, block_size)
     magnitude = padded.abs()
     finite = magnitude <= FLT_MAX
     absmax = torch.where(finite, magnitude, math.inf).amax(dim=-1)
-    scale = absmax / qmax
+    scale = absmax / (qmax + 1 if full_range else qmax)
     scale = torch.where(scale == 0, 1.0, scale)
     ratio = torch.where(finite, padded, 0.0) / scale[..., None]
-    q = torch.round(ratio).clamp_(-qmax, qmax).to(torch.int8).view(parts, -1)[:, :numel]
+    q = torch.round(ratio.clamp(qmin, qmax)).to(torch.int8).view(parts, -1)[:, :numel]
     scales = torch.where(torch.isinf(absmax), math.nan, scale)
     return (q if bits == 8 else _pack_int4(q)), scales
 
@@ -69,10 +72,11 @@ def _dequantize_partitions(q: Tensor, scales: Tensor, numel: int, bits: int,
     return values.view(parts, -1)[:, :numel]
 
 
-def quantize_reference(x: Tensor, bits: int = 8, block_size: int = 2048) -> tuple[Tensor, Tensor]:
+def quantize_reference(x: Tensor, bits: int = 8, block_size: int = 2048,
+                       full_range: bool = False) -> tuple[Tensor, Tensor]:
     """quantize() in torch ops."""
     check_scheme(bits, block_size)
-    q, scales = _quantize_partitions(x.reshape(1, -1).float(), bits, block_size)
+    q, scales = _quantize_partitions(x.reshape(1, -1).float(), bits, block_size, full_range)
     return q.view(-1), scales.view(-1)
 
 
@@ -85,14 +89,15 @@ def dequantize_reference(q: Tensor, scales: Tensor, numel: int, bits: int = 8,
 
 
 def swizzled_quantize_reference(x: Tensor, bits: int, block_size: int, num_nodes: int,
-                                devices_per_node: int) -> tuple[Tensor, Tensor]:
+                                devices_per_node: int,
+                                full_range: bool = False) -> tuple[Tensor, Tensor]:
     """swizzled_quantize() in torch ops: output position o holds partition
     (o % num_nodes) * devices_per_node + o // num_nodes."""
     check_scheme(bits, block_size)
     world = num_nodes * devices_per_node
     order = [(o % num_nodes) * devices_per_node + o // num_nodes for o in range(world)]
     parts = x.reshape(world, -1).float()[order]
-    q, scales = _quantize_partitions(parts, bits, block_size)
+    q, scales = _quantize_partitions(parts, bits, block_size, full_range)
     return q.reshape(-1), scales.reshape(-1)
 
 
@@ -111,12 +116,13 @@ def _sum_inputs(q: Tensor, scales: Tensor, num_inputs: int, bits: int, block_siz
 
 def dequantize_reduce_quantize_reference(q: Tensor, scales: Tensor, num_inputs: int,
                                          bits_in: int, bits_out: int, block_size: int,
-                                         partition_numel: int) -> tuple[Tensor, Tensor]:
+                                         partition_numel: int,
+                                         full_range: bool = False) -> tuple[Tensor, Tensor]:
     """dequantize_reduce_quantize() in torch ops."""
     check_scheme(bits_in, block_size)
     check_scheme(bits_out, block_size)
     total = _sum_inputs(q, scales, num_inputs, bits_in, block_size, partition_numel)
-    q_out, s_out = _quantize_partitions(total, bits_out, block_size)
+    q_out, s_out = _quantize_partitions(total, bits_out, block_size, full_range)
     return q_out.reshape(-1), s_out.reshape(-1)
 
 

@@ -394,6 +394,7 @@ class TrainConfig:
     """None: ZeroConfig's default (4)."""
     zeropp_block_size: int | None = None
     """None: ZeroConfig's default (2048)."""
+    zeropp_quantize_full_range: bool = False
     zero_layers_per_unit: int | None = None
     """None: ZeroConfig's default (as many layers a unit as hold zero_unit_params)."""
     zero_unit_params: int | None = None

@@ -131,6 +131,8 @@ MAPPED = [
      "train.zeropp_block_size", 256),
     (("--zero-stage", "3", "--zero-layers-per-unit", "4"), "train.zero_layers_per_unit", 4),
     (("--zero-stage", "3", "--zero-unit-params", "5e7"), "train.zero_unit_params", 50_000_000),
+    (("--zero-stage", "1", "--zeropp-quantized-gradients", "--zeropp-quantize-full-range"),
+     "train.zeropp_quantize_full_range", True),
     (("--zero-stage", "1", "--zero-unit-params", "123456"), "train.zero_unit_params", 123456),
 ]
 
@@ -385,6 +387,9 @@ def test_zero_flags_make_the_engine_config():
     assert zero_config(*parse("--zero-stage", "3", "--zero-unit-params", "1e6")[:2]) == \
         ZeroConfig(stage=3, unit_params=1_000_000)
     assert ZeroConfig().layers_per_unit is None and ZeroConfig().unit_params == 200_000_000
+    assert zero_config(*parse("--zero-stage", "3", "--zeropp-quantized-weights",
+                              "--zeropp-quantize-full-range")[:2]) == \
+        ZeroConfig(stage=3, quantized_weights=True, quantize_full_range=True)
     assert zero_config(*parse()[:2]) is None
     # Domino runs with stage 1
     parse("--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--domino")
@@ -395,6 +400,8 @@ def test_zero_flags_make_the_engine_config():
      "--zeropp-quantized-weights is a ZeRO option: add --zero-stage 3"),
     (("--zeropp-block-size", "256"), "--zeropp-block-size is a ZeRO option"),
     (("--zero-unit-params", "1e8"), "--zero-unit-params is a ZeRO option"),
+    (("--zero-stage", "3", "--zeropp-quantize-full-range"),
+     "--zeropp-quantize-full-range sets how qwZ and qgZ quantize: add"),
     (("--zero-stage", "3", "--zero-unit-params", "1e8", "--zero-layers-per-unit", "2"),
      "--zero-layers-per-unit 2 fixes the layers a unit, --zero-unit-params 100000000 sizes "
      "units by parameters: give one of them"),

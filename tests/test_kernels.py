@@ -40,6 +40,10 @@ from megadomino.kernels.quantization import (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Poison: values no op can produce (q is in [-qmax, qmax]; nibble -8 never appears; scales >= 0).
 POISON_INT8, POISON_UINT8, POISON_FLOAT = -128, 0x88, -1.0
+# full_range may write any q, so its checks run twice, the second time poisoned with these: an
+# element left unwritten equals one of the two poisons, which no single result can.
+POISON_INT8_FULL, POISON_UINT8_FULL = 127, 0x77
+POISONS = {False: [False], True: [False, True]}
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -55,9 +59,12 @@ def make_input(numel: int, block_size: int, seed: int = 0) -> torch.Tensor:
     return x[:numel].contiguous()
 
 
-def poisoned_quantized(parts: int, numel: int, bits: int, block_size: int, device):
+def poisoned_quantized(parts: int, numel: int, bits: int, block_size: int, device,
+                       alternate: bool = False):
     q_numel, s_numel = quantized_size(numel, bits, block_size)
-    q = torch.full((parts * q_numel,), POISON_INT8 if bits == 8 else POISON_UINT8,
+    poison = ((POISON_INT8_FULL if bits == 8 else POISON_UINT8_FULL) if alternate
+              else (POISON_INT8 if bits == 8 else POISON_UINT8))
+    q = torch.full((parts * q_numel,), poison,
                    dtype=torch.int8 if bits == 8 else torch.uint8, device=device)
     return q, torch.full((parts * s_numel,), POISON_FLOAT, device=device)
 
@@ -86,14 +93,16 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 # --- kernel == reference checks (every output element written: buffers are poisoned) ----------
 
 def check_quantize(device: str, force_triton: bool, numel: int, dtype: str, bits: int,
-                   block_size: int) -> None:
+                   block_size: int, full_range: bool = False) -> None:
     x = make_input(numel, block_size).to(DTYPES[dtype])
-    out = poisoned_quantized(1, numel, bits, block_size, device)
-    q, scales = quantize(x.to(device), bits, block_size, out=out, force_triton=force_triton)
-    assert q.data_ptr() == out[0].data_ptr() and scales.data_ptr() == out[1].data_ptr()
-    q_ref, s_ref = quantize_reference(x, bits, block_size)
-    assert_same(q, q_ref, "q")
-    assert_same(scales, s_ref, "scales")
+    q_ref, s_ref = quantize_reference(x, bits, block_size, full_range)
+    for alternate in POISONS[full_range]:
+        out = poisoned_quantized(1, numel, bits, block_size, device, alternate)
+        q, scales = quantize(x.to(device), bits, block_size, out=out, force_triton=force_triton,
+                             full_range=full_range)
+        assert q.data_ptr() == out[0].data_ptr() and scales.data_ptr() == out[1].data_ptr()
+        assert_same(q, q_ref, "q")
+        assert_same(scales, s_ref, "scales")
 
 
 def check_dequantize(device: str, force_triton: bool, numel: int, dtype: str, bits: int,
@@ -108,24 +117,27 @@ def check_dequantize(device: str, force_triton: bool, numel: int, dtype: str, bi
 
 def check_swizzled_quantize(device: str, force_triton: bool, nodes: int, devices_per_node: int,
                             partition_numel: int, bits: int, block_size: int,
-                            dtype: str = "fp32") -> None:
+                            dtype: str = "fp32", full_range: bool = False) -> None:
     world = nodes * devices_per_node
     x = make_input(world * partition_numel, block_size, seed=2).to(DTYPES[dtype])
-    out = poisoned_quantized(world, partition_numel, bits, block_size, device)
-    q, scales = swizzled_quantize(x.to(device), bits, block_size, nodes, devices_per_node,
-                                  out=out, force_triton=force_triton)
-    q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, nodes, devices_per_node)
-    assert_same(q, q_ref, "q")
-    assert_same(scales, s_ref, "scales")
+    q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, nodes, devices_per_node,
+                                               full_range)
+    for alternate in POISONS[full_range]:
+        out = poisoned_quantized(world, partition_numel, bits, block_size, device, alternate)
+        q, scales = swizzled_quantize(x.to(device), bits, block_size, nodes, devices_per_node,
+                                      out=out, force_triton=force_triton, full_range=full_range)
+        assert_same(q, q_ref, "q")
+        assert_same(scales, s_ref, "scales")
 
 
 def quantized_inputs(num_inputs: int, parts: int, partition_numel: int, bits: int,
-                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_size: int, full_range: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """num_inputs stacked inputs of `parts` partitions each, quantized by the reference."""
     qs, ss = [], []
     for i in range(num_inputs * parts):
         q, s = quantize_reference(make_input(partition_numel, block_size, seed=10 + i), bits,
-                                  block_size)
+                                  block_size, full_range)
         qs.append(q)
         ss.append(s)
     return torch.cat(qs), torch.cat(ss)
@@ -133,16 +145,19 @@ def quantized_inputs(num_inputs: int, parts: int, partition_numel: int, bits: in
 
 def check_dequantize_reduce_quantize(device: str, force_triton: bool, num_inputs: int,
                                      parts: int, partition_numel: int, bits_in: int,
-                                     bits_out: int, block_size: int) -> None:
-    q, s = quantized_inputs(num_inputs, parts, partition_numel, bits_in, block_size)
-    out = poisoned_quantized(parts, partition_numel, bits_out, block_size, device)
-    q_out, s_out = dequantize_reduce_quantize(q.to(device), s.to(device), num_inputs, bits_in,
-                                              bits_out, block_size, partition_numel, out=out,
-                                              force_triton=force_triton)
+                                     bits_out: int, block_size: int,
+                                     full_range: bool = False) -> None:
+    q, s = quantized_inputs(num_inputs, parts, partition_numel, bits_in, block_size, full_range)
     q_ref, s_ref = dequantize_reduce_quantize_reference(q, s, num_inputs, bits_in, bits_out,
-                                                        block_size, partition_numel)
-    assert_same(q_out, q_ref, "q")
-    assert_same(s_out, s_ref, "scales")
+                                                        block_size, partition_numel, full_range)
+    for alternate in POISONS[full_range]:
+        out = poisoned_quantized(parts, partition_numel, bits_out, block_size, device, alternate)
+        q_out, s_out = dequantize_reduce_quantize(q.to(device), s.to(device), num_inputs,
+                                                  bits_in, bits_out, block_size, partition_numel,
+                                                  out=out, force_triton=force_triton,
+                                                  full_range=full_range)
+        assert_same(q_out, q_ref, "q")
+        assert_same(s_out, s_ref, "scales")
 
 
 def check_dequantize_reduce(device: str, force_triton: bool, num_inputs: int, parts: int,
@@ -312,30 +327,31 @@ def row_cases() -> dict[str, tuple]:
 
 
 def check_tiny_scales(device: str, force_triton: bool, bits: int,
-                      block_size: int = 64) -> None:
+                      block_size: int = 64, full_range: bool = False) -> None:
     """Blocks whose scale is tiny or subnormal (the kernel divides instead of using its fma
     residual there, or rescales: _ratio_branchless), beside ordinary blocks in the same
     program; ties included. block_size 8192: the looping quantize (and its swizzled form)."""
     absmax = [1e-30, 1e-37, 1e-40, 1e-44, 1.4e-45, 3.0, 1e-28, 5e-39]
     x = torch.cat([torch.linspace(-a, a, block_size) for a in absmax])
-    check_against_reference(x, bits, block_size, device, force_triton)
+    check_against_reference(x, bits, block_size, device, force_triton, full_range)
     if block_size < 8192:
         return
     default = quant.STREAM_INT4_BRANCHLESS
     try:
         for branchless in (False, True):  # int4: both forms of the looping quantize
             quant.STREAM_INT4_BRANCHLESS = branchless
-            check_against_reference(x, bits, block_size, device, force_triton)
+            check_against_reference(x, bits, block_size, device, force_triton, full_range)
             q, scales = swizzled_quantize(x.to(device), bits, block_size, 2, 2,
-                                          force_triton=force_triton)
-            q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, 2, 2)
+                                          force_triton=force_triton, full_range=full_range)
+            q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, 2, 2, full_range)
             assert_same(q.cpu(), q_ref, "swizzled q")
             assert_same(scales.cpu(), s_ref, "swizzled scales")
     finally:
         quant.STREAM_INT4_BRANCHLESS = default
 
 
-def check_near_ties(device: str, force_triton: bool, bits: int) -> None:
+def check_near_ties(device: str, force_triton: bool, bits: int,
+                    full_range: bool = False) -> None:
     """x / scale at and within a few ulps of k + 0.5 for scales with full mantissas, where a
     reciprocal multiply alone would round the wrong way."""
     gen = torch.Generator().manual_seed(3)
@@ -347,13 +363,14 @@ def check_near_ties(device: str, force_triton: bool, bits: int) -> None:
     x = (k * scale[:, None]).view(torch.int32)
     x = (x + torch.randint(-2, 3, x.shape, generator=gen, dtype=torch.int32)).view(torch.float32)
     x = torch.cat([absmax[:, None], x[:, 1:].clamp(-absmax[:, None], absmax[:, None])], dim=1)
-    check_against_reference(x.flatten(), bits, block_size, device, force_triton)
+    check_against_reference(x.flatten(), bits, block_size, device, force_triton, full_range)
 
 
 def check_against_reference(x: torch.Tensor, bits: int, block_size: int, device: str,
-                            force_triton: bool) -> None:
-    q, scales = quantize(x.to(device), bits, block_size, force_triton=force_triton)
-    q_ref, s_ref = quantize_reference(x, bits, block_size)
+                            force_triton: bool, full_range: bool = False) -> None:
+    q, scales = quantize(x.to(device), bits, block_size, force_triton=force_triton,
+                         full_range=full_range)
+    q_ref, s_ref = quantize_reference(x, bits, block_size, full_range)
     assert_same(scales, s_ref, "scales")
     assert_same(q, q_ref, "q")
 
@@ -512,7 +529,57 @@ def kernel_cases() -> dict[str, tuple]:
                 {"num_inputs": 2, "parts": 2, "partition_numel": 999, "bits": bits,
                  "block_size": 256, "dtype": dtype, "multiplier": multiplier})
     cases.update(row_cases())
+    cases.update(full_range_cases())
     return cases
+
+
+def full_range_cases() -> dict[str, tuple]:
+    """full_range=True (DeepSpeed's levels) on every kernel path: odd sizes and partial blocks,
+    several blocks a program, one block a program and the looping quantize, the swizzle, the
+    reduce (int4 -> int4 on words and bytes, int8), tiny scales, near-ties."""
+    cases: dict[str, tuple] = {}
+    for numel, block_size in [(7, 4), (2049, 2048), (5000, 256), (3001, 300), (65536, 16384),
+                              (65535, 8192)]:
+        for dtype in DTYPES:
+            for bits in (8, 4):
+                cases[f"full-range-quantize-{numel}-{block_size}-{dtype}-int{bits}"] = (
+                    check_quantize, {"numel": numel, "dtype": dtype, "bits": bits,
+                                     "block_size": block_size, "full_range": True})
+    for bits in (8, 4):
+        for nodes, dpn, numel, block_size, dtype in [(2, 2, 1000, 256, "bf16"),
+                                                     (2, 2, 3 * 8192 + 5, 8192, "fp16")]:
+            cases[f"full-range-swizzle-{nodes}x{dpn}-{numel}-{block_size}-int{bits}"] = (
+                check_swizzled_quantize, {"nodes": nodes, "devices_per_node": dpn,
+                                          "partition_numel": numel, "bits": bits,
+                                          "block_size": block_size, "dtype": dtype,
+                                          "full_range": True})
+        for num_inputs, parts, numel, block_size in [(4, 2, 1000, 256), (2, 1, 4097, 2048),
+                                                     (2, 2, 1001, 256)]:
+            cases[f"full-range-dequant-reduce-quant-{num_inputs}x{parts}-{numel}-int{bits}"] = (
+                check_dequantize_reduce_quantize,
+                {"num_inputs": num_inputs, "parts": parts, "partition_numel": numel,
+                 "bits_in": bits, "bits_out": bits, "block_size": block_size,
+                 "full_range": True})
+        cases[f"full-range-tiny-scales-int{bits}"] = (check_tiny_scales,
+                                                      {"bits": bits, "full_range": True})
+        cases[f"full-range-tiny-scales-8192-int{bits}"] = (
+            check_tiny_scales, {"bits": bits, "block_size": 8192, "full_range": True})
+        cases[f"full-range-near-ties-int{bits}"] = (check_near_ties,
+                                                    {"bits": bits, "full_range": True})
+        cases[f"full-range-levels-int{bits}"] = (check_full_range_levels, {"bits": bits})
+    return cases
+
+
+def check_full_range_levels(device: str, force_triton: bool, bits: int) -> None:
+    """full_range: scale absmax / 2^(bits-1); -absmax takes the extra level -2^(bits-1) and
+    +absmax is clipped to 2^(bits-1) - 1; ties round half to even."""
+    levels = 2 ** (bits - 1)
+    scale = 2.0**-3
+    x = torch.tensor([-levels * scale, levels * scale, 2.5 * scale, -0.5 * scale, 1.5 * scale,
+                      0.0])
+    q, scales = quantize(x.to(device), bits, 6, force_triton=force_triton, full_range=True)
+    assert scales.cpu().tolist() == [scale]
+    assert unpack(q.cpu(), bits, len(x)).tolist() == [-levels, levels - 1, 2, 0, 2, 0]
 
 
 def run_cases(device: str, force_triton: bool, cases: dict[str, tuple],
@@ -565,30 +632,38 @@ def test_reference_explicit(case: str) -> None:
     check("cpu", False, **params)
 
 
-def float64_oracle(x: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
-    """The scheme written independently in float64: absmax scaling, round half even."""
+def float64_oracle(x: torch.Tensor, bits: int, block_size: int,
+                   full_range: bool = False) -> torch.Tensor:
+    """The scheme written independently in float64: absmax scaling, round half even
+    (full_range: DeepSpeed's levels, absmax / 2^(bits-1), [-2^(bits-1), 2^(bits-1) - 1])."""
     qmax = 2 ** (bits - 1) - 1
     x64 = torch.nn.functional.pad(x.double(), (0, -len(x) % block_size)).view(-1, block_size)
-    scale = x64.abs().amax(dim=1, keepdim=True) / qmax
+    scale = x64.abs().amax(dim=1, keepdim=True) / (qmax + full_range)
     scale[scale == 0] = 1.0
-    return ((x64 / scale).round().clamp(-qmax, qmax) * scale).flatten()[:len(x)]
+    return ((x64 / scale).round().clamp(-qmax - full_range, qmax) * scale).flatten()[:len(x)]
 
 
+@pytest.mark.parametrize("full_range", [False, True])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("block_size", [256, 2048])
-def test_reference_error_and_round_trip(bits: int, dtype: str, block_size: int) -> None:
+def test_reference_error_and_round_trip(bits: int, dtype: str, block_size: int,
+                                        full_range: bool) -> None:
     """Error no worse than 1.05x the float64 oracle's; |dequantize(quantize(x)) - x| <= scale/2
-    per element (and half an ulp of the output dtype more)."""
+    per element (and half an ulp of the output dtype more); full_range: one scale where a
+    block's positive maximum is clipped."""
     x = make_input(3 * block_size + 17, block_size).to(DTYPES[dtype])
-    q, scales = quantize(x, bits, block_size)
+    q, scales = quantize(x, bits, block_size, full_range=full_range)
     deq = dequantize(q, scales, x.numel(), bits, block_size).double()
     x64 = x.double()
     error = (deq - x64).norm() / x64.norm()
-    oracle_error = (float64_oracle(x, bits, block_size) - x64).norm() / x64.norm()
+    oracle_error = (float64_oracle(x, bits, block_size, full_range) - x64).norm() / x64.norm()
     assert error <= 1.05 * oracle_error + 1e-12, (error, oracle_error)
     # scale / 2, plus the fp32 rounding of x / scale and of q * scale
-    bound = scales.double().repeat_interleave(block_size)[: x.numel()] / 2 + x64.abs() * 2**-22
+    per_element = scales.double().repeat_interleave(block_size)[: x.numel()]
+    clipped = x64 > per_element * (2 ** (bits - 1) - 0.5) if full_range else \
+        torch.zeros_like(x64, dtype=torch.bool)
+    bound = torch.where(clipped, per_element, per_element / 2) + x64.abs() * 2**-22
     assert ((deq - x64).abs() <= bound).all()
     low = dequantize(q, scales, x.numel(), bits, block_size, DTYPES[dtype]).double()
     assert ((low - x64).abs() <= bound + torch.finfo(DTYPES[dtype]).eps * x64.abs()).all()

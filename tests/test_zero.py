@@ -323,9 +323,10 @@ def _case_matches_plain_dp(dims: ParallelDims, stage: int, depth: int = 2,
         assert engine.memory_stats()["params"] * dims.dp == sum(unit_bytes)
 
 
-def _case_qgz_matches_reduce_scatter(bits: int) -> None:
+def _case_qgz_matches_reduce_scatter(bits: int, full_range: bool = False) -> None:
     """qgZ's result is reduce-scatter's average within the quantization bound, on 2 x 2, 1 x 4
-    and 4 x 1 nodes, for a chunk that is not a whole number of blocks."""
+    and 4 x 1 nodes, for a chunk that is not a whole number of blocks. full_range (DeepSpeed's
+    levels): a clipped block maximum errs by a whole step, so twice the bound."""
     qmax, block, chunk = 2 ** (bits - 1) - 1, 64, 301
     for gpus_per_node in (2, 4, 1):
         dims = ParallelDims(tp=1, gpus_per_node=gpus_per_node)
@@ -339,13 +340,14 @@ def _case_qgz_matches_reduce_scatter(bits: int) -> None:
                                               torch.float32).wait()
         found = torch.zeros((), dtype=torch.bool)
         comm = CommCounter(gpus_per_node)
-        got = collectives.reduce_scatter_quantized(comm, flat, dims, bits, block, found).wait()
+        got = collectives.reduce_scatter_quantized(comm, flat, dims, bits, block, found,
+                                                   full_range).wait()
         # Each input's block error <= absmax / (2 qmax); the node sums' requantization adds
         # <= (their absmax, itself <= (1 + 1 / (2 qmax)) x the inputs') / (2 qmax); all / dp.
         mine = everyone[:, dims.dp_rank * chunk:(dims.dp_rank + 1) * chunk]
         padded = torch.nn.functional.pad(mine, (0, -chunk % block)).view(dims.dp, -1, block)
         bound = padded.abs().amax(dim=2).sum(dim=0) / qmax / dims.dp * (1 + 1 / (4 * qmax))
-        bound = bound.repeat_interleave(block)[:chunk] * 1.001 + 1e-6
+        bound = bound.repeat_interleave(block)[:chunk] * 1.001 * (2 if full_range else 1) + 1e-6
         error = (got - expected).abs()
         assert not found and got.shape == (chunk,)
         assert bool((error <= bound).all()), f"P={gpus_per_node}: {(error / bound).max():.3f}"
@@ -406,6 +408,22 @@ def _case_zeropp_grouped(dims: ParallelDims) -> None:
     assert calls[2] < 0.7 * calls[1], calls
 
 
+def _case_zeropp_full_range(dims: ParallelDims) -> None:
+    """Full ZeRO++ quantizing with DeepSpeed's levels (quantize_full_range) trains like ZeRO-3
+    (within 3% over 6 steps) and moves the same bytes as the default scheme."""
+    steps = range(6)
+    zero3 = [loss for loss, _ in _train(_engine(dims, stage=3), dims, steps)]
+    calls = {}
+    for full_range in (False, True):
+        engine = _engine(dims, stage=3, block_size=256, quantize_full_range=full_range,
+                         **ZERO_PP)
+        losses = [loss for loss, _ in _train(engine, dims, steps)]
+        for got, want in zip(losses, zero3):
+            assert abs(got - want) <= 0.03 * want, (full_range, got, want)
+        calls[full_range] = dict(engine.comm.bytes)
+    assert calls[True] == calls[False]
+
+
 def _case_stage1_qgz(dims: ParallelDims) -> None:
     """Stage 1 with qgZ (int8) tracks stage 1 within 1% over 6 steps of 2 micro-batches, on a
     model whose layers do not divide by DP (padded flat buffers)."""
@@ -456,9 +474,9 @@ def _case_qwz_quantizes_once_per_step(dims: ParallelDims) -> None:
     calls = []
     quantize_shard = collectives.quantize_shard
 
-    def counting(shard, bits, block_size):
+    def counting(shard, bits, block_size, full_range=False):
         calls.append(shard.numel())
-        return quantize_shard(shard, bits, block_size)
+        return quantize_shard(shard, bits, block_size, full_range)
 
     collectives.quantize_shard = counting
     try:
@@ -568,6 +586,8 @@ def _cases() -> dict[str, str | None]:
     runner.run("zeropp_grouped", _case_zeropp_grouped, nodes)
     runner.run("qgz_int4", _case_qgz_matches_reduce_scatter, 4)
     runner.run("qgz_int8", _case_qgz_matches_reduce_scatter, 8)
+    runner.run("qgz_int4_full_range", _case_qgz_matches_reduce_scatter, 4, True)
+    runner.run("zeropp_full_range", _case_zeropp_full_range, nodes)
     runner.run("qwz_gather", _case_qwz_gather_within_bound)
     runner.run("stage1_qgz", _case_stage1_qgz, nodes)
     runner.run("qwz_cache", _case_qwz_quantizes_once_per_step, nodes)
@@ -589,7 +609,8 @@ def _results() -> dict[str, str | None]:
     "stage3_tp2_sp_matches_dp", "stage3_recompute_matches_dp",
     "stage3_grouped_recompute_matches_dp",
     "stage1_grouped_matches_dp", "stage3_unit_params_matches_dp", "zeropp_grouped", "qgz_int4",
-    "qgz_int8", "qwz_gather", "stage1_qgz", "qwz_cache", "nonfinite", "bf16_bytes",
+    "qgz_int8", "qgz_int4_full_range", "zeropp_full_range", "qwz_gather", "stage1_qgz",
+    "qwz_cache", "nonfinite", "bf16_bytes",
     "hpz_checkpoint", "zeropp_100_steps", "zeropp_100_steps_tp2"])
 def test_zero(case):
     check_result(_results(), case)

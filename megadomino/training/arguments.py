@@ -139,6 +139,7 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
              "--zeropp-quantized-gradients": config.zeropp_quantized_gradients,
              "--zeropp-gradient-bits": config.zeropp_gradient_bits is not None,
              "--zeropp-block-size": config.zeropp_block_size is not None,
+             "--zeropp-quantize-full-range": config.zeropp_quantize_full_range,
              "--zero-layers-per-unit": config.zero_layers_per_unit is not None,
              "--zero-unit-params": config.zero_unit_params is not None}
     if config.zero_stage is None:
@@ -154,6 +155,10 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
     if given["--zeropp-block-size"] and not (config.zeropp_quantized_weights
                                              or config.zeropp_quantized_gradients):
         raise ConfigError("--zeropp-block-size sets the blocks of qwZ and qgZ: add "
+                          "--zeropp-quantized-weights or --zeropp-quantized-gradients")
+    if given["--zeropp-quantize-full-range"] and not (config.zeropp_quantized_weights
+                                                      or config.zeropp_quantized_gradients):
+        raise ConfigError("--zeropp-quantize-full-range sets how qwZ and qgZ quantize: add "
                           "--zeropp-quantized-weights or --zeropp-quantized-gradients")
     if given["--zero-layers-per-unit"] and given["--zero-unit-params"]:
         raise ConfigError(f"--zero-layers-per-unit {config.zero_layers_per_unit} fixes the layers "
@@ -175,6 +180,7 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
                 "unit_params": config.zero_unit_params}
     return ZeroConfig(stage=config.zero_stage, quantized_weights=config.zeropp_quantized_weights,
                       quantized_gradients=config.zeropp_quantized_gradients,
+                      quantize_full_range=config.zeropp_quantize_full_range,
                       **{name: value for name, value in optional.items() if value is not None})
 
 

@@ -321,6 +321,11 @@ FLAGS: tuple[Flag, ...] = (
     _ours("--zeropp-block-size", "train.zeropp_block_size", int,
           "Elements per quantization block, one fp32 scale each, for qwZ and qgZ (default "
           "2048, even); needs one of them."),
+    _ours("--zeropp-quantize-full-range", "train.zeropp_quantize_full_range", None,
+          "qwZ and qgZ quantize as DeepSpeed's quantizer does, with every two's-complement "
+          "level (scale absmax / 2^(bits-1), q in [-2^(bits-1), 2^(bits-1) - 1]) instead of the "
+          "default symmetric +-(2^(bits-1) - 1): int4's error about 12% lower (BENCHMARKS.md); "
+          "needs one of them."),
     _ours("--zero-layers-per-unit", "train.zero_layers_per_unit", int,
           "Consecutive layers the ZeRO engine gathers and reduces as one unit (default: as many "
           "as hold --zero-unit-params parameters). More: fewer, larger collectives and kernel "

@@ -19,7 +19,8 @@ buffer whose row per peer is [q | fp32 scales], each section padded to 16 bytes,
 `benchmarks/bench_zero_netns.sh` sets the two side by side.
 
 The quantization scheme is the kernels' (`megadomino.kernels.quantization`, issue 4 item 5):
-symmetric, one fp32 scale per block of `block_size` elements, int4 packed two per byte, and each
+symmetric (or, with `full_range`, every two's-complement level as DeepSpeed's quantizer), one
+fp32 scale per block of `block_size` elements, int4 packed two per byte, and each
 rank's chunk quantized on its own (its blocks restart at the chunk; a trailing partial block has
 its own scale), so a chunk of any size works: sizes that do not divide by dp are padded with
 zeros by the engine's flat layout (`partition.FlatUnit`), nothing falls back.
@@ -166,18 +167,20 @@ def reduce_scatter(comm: CommCounter, flat: torch.Tensor, group, dtype: torch.dt
 # ---- qwZ -----------------------------------------------------------------------------------------
 
 
-def quantize_shard(shard: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+def quantize_shard(shard: torch.Tensor, bits: int, block_size: int,
+                   full_range: bool = False) -> torch.Tensor:
     """qwZ's send buffer for `shard` [S]: uint8 [1, row_bytes], `PayloadLayout(1, S, bits,
     block_size)`, the quantized shard written straight into it (no packing copy)."""
     quant = _quantization()
     layout = _layout(1, shard.numel(), bits, block_size)
     payload = layout.empty(1, shard.device)
-    quant.quantize(shard, bits, block_size, out=layout.views(payload))
+    quant.quantize(shard, bits, block_size, out=layout.views(payload), full_range=full_range)
     return payload
 
 
 def all_gather_quantized(comm: CommCounter, shard: torch.Tensor, group, bits: int,
-                         block_size: int, tag: str, payload: torch.Tensor | None = None) -> Pending:
+                         block_size: int, tag: str, payload: torch.Tensor | None = None,
+                         full_range: bool = False) -> Pending:
     """qwZ: quantize `shard` [S] (bf16/fp16/fp32 read as is) and all-gather every rank's payload
     row (q and fp32 scales, PayloadLayout) in one collective; wait() -> the dequantized [g * S]
     in `shard.dtype`, group-rank order (each rank's S elements quantized on their own), read
@@ -187,7 +190,7 @@ def all_gather_quantized(comm: CommCounter, shard: torch.Tensor, group, bits: in
     size, numel = dist.get_world_size(group), shard.numel()
     layout = _layout(1, numel, bits, block_size)
     if payload is None:
-        payload = quantize_shard(shard, bits, block_size)
+        payload = quantize_shard(shard, bits, block_size, full_range)
     elif payload.shape != (1, layout.row_bytes):
         raise ValueError(f"payload must be quantize_shard's [1, {layout.row_bytes}], got "
                          f"{list(payload.shape)}")
@@ -206,7 +209,8 @@ def all_gather_quantized(comm: CommCounter, shard: torch.Tensor, group, bits: in
 
 
 def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: int,
-                             block_size: int, found_nonfinite: torch.Tensor) -> Pending:
+                             block_size: int, found_nonfinite: torch.Tensor,
+                             full_range: bool = False) -> Pending:
     """qgZ: the average over the DP group of `flat` [dp * S] (any float dtype), this rank's chunk
     [S] in fp32 (chunk d for DP rank d: what reduce-scatter gives, divided by dp), by the
     hierarchical all-to-all of `megadomino.kernels.quantization` (its docstring has the steps):
@@ -235,7 +239,7 @@ def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: 
     sent = _layout(dims.dp // first_size, chunk, bits, block_size)
     payload = sent.empty(first_size, flat.device)
     _, scales = quant.swizzled_quantize(flat, bits, block_size, nodes, local,
-                                        out=sent.views(payload))
+                                        out=sent.views(payload), full_range=full_range)
     found_nonfinite.logical_or_(torch.isnan(scales).any())
 
     def reduce(received: torch.Tensor, layout, inputs: int) -> torch.Tensor:
@@ -252,7 +256,7 @@ def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: 
     def advance() -> None:  # steps 3-4: the inter-node all-to-all left in flight
         node_sums = sums.empty(nodes, flat.device)
         quant.dequantize_reduce_quantize(*sent.views(first()), local, bits, bits, block_size,
-                                         chunk, out=sums.views(node_sums))
+                                         chunk, out=sums.views(node_sums), full_range=full_range)
         second.append(_exchange(comm, node_sums, dims.inter_node_group))
 
     return Pending(lambda: reduce(second[0](), sums, nodes), advance)

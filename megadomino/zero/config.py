@@ -34,6 +34,11 @@ class ZeroConfig:
     gradient_bits: int = 4
     block_size: int = 2048
     """Elements per quantization block (one fp32 scale each), for weights and gradients."""
+    quantize_full_range: bool = False
+    """qwZ and qgZ quantize with every two's-complement level, as DeepSpeed's quantizer: scale
+    absmax / 2^(bits-1), q in [-2^(bits-1), 2^(bits-1) - 1] (the block's positive maximum
+    clipped one step). Off: the issue's fixed scheme, absmax / (2^(bits-1) - 1), q within
+    +-(2^(bits-1) - 1). int4's error is about 12% lower with it (BENCHMARKS.md)."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit (layer) while this one computes."""
     reduce_dtype: str = "float32"
@@ -90,6 +95,9 @@ class ZeroConfig:
                self.min_units, "an integer >= 1")
         _check(self.on_nonfinite in ("skip", "error"), "on_nonfinite", self.on_nonfinite,
                "'skip' or 'error'")
+        _check(not self.quantize_full_range or self.quantized_weights
+               or self.quantized_gradients, "--zeropp-quantize-full-range", True,
+               "used with --zeropp-quantized-weights or --zeropp-quantized-gradients")
         if self.stage == 1:
             _check(not self.quantized_weights, "--zeropp-quantized-weights", True,
                    "off at --zero-stage 1 (parameters are not partitioned, nothing is gathered "

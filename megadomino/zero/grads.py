@@ -167,7 +167,7 @@ class GradReducer:
         if config.quantized_gradients:
             return collectives.reduce_scatter_quantized(
                 self.comm, flat, self.dims, config.gradient_bits, config.block_size,
-                self.found_nonfinite)
+                self.found_nonfinite, config.quantize_full_range)
         flat.div_(self.dims.dp)
         return collectives.reduce_scatter(self.comm, flat, self.dims.dp_group,
                                           REDUCE_DTYPES[config.reduce_dtype])

@@ -162,7 +162,7 @@ class PartitionedParams:
         elif config.quantized_weights:
             self.pending[index] = collectives.all_gather_quantized(
                 self.comm, shard, dims.dp_group, config.weight_bits, config.block_size, tag,
-                payload=self._quantized_shard(index))
+                payload=self._quantized_shard(index), full_range=config.quantize_full_range)
         else:
             self.pending[index] = collectives.all_gather(self.comm, shard, dims.dp_group, tag)
 
@@ -216,7 +216,8 @@ class PartitionedParams:
             return None
         if self.quantized[index] is None:
             self.quantized[index] = collectives.quantize_shard(
-                self.shards[index], self.config.weight_bits, self.config.block_size)
+                self.shards[index], self.config.weight_bits, self.config.block_size,
+                self.config.quantize_full_range)
             self.meter.hold(self.quantized[index])
         return self.quantized[index]
 

@@ -115,3 +115,21 @@ def test_tensor_on_another_gpu() -> None:
     q_ref, s_ref = quantize_reference(x, 4, 256)
     assert_same(q, q_ref, "q")
     assert_same(scales, s_ref, "scales")
+
+
+@pytest.mark.parametrize("numel,block_size", [(1_000_003, 256), (1_000_003, 2048),
+                                              (4_194_305, 8192), (999_999, 3000)])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bits", [8, 4])
+def test_full_range(numel: int, block_size: int, dtype: str, bits: int) -> None:
+    """full_range=True (DeepSpeed's levels) on the compiled kernels: quantize (every path), the
+    swizzle, the reduce (int4 words and bytes, int8), tiny scales and near-ties."""
+    check_quantize("cuda", False, numel, dtype, bits, block_size, full_range=True)
+    if dtype == "fp32" and numel == 1_000_003:
+        check_swizzled_quantize("cuda", False, 2, 4, 100_001, bits, block_size, "bf16",
+                                full_range=True)
+        check_dequantize_reduce_quantize("cuda", False, 4, 2, 262_144, bits, bits, block_size,
+                                         full_range=True)
+        check_tiny_scales("cuda", False, bits, full_range=True)
+        check_tiny_scales("cuda", False, bits, block_size=8192, full_range=True)
+        check_near_ties("cuda", False, bits, full_range=True)
