@@ -12,7 +12,7 @@ The scheme (fixed; every op here, kernel or reference, gives bit-identical resul
 - `full_range=True` (opt-in; quantize, swizzled_quantize, dequantize_reduce_quantize): every
   two's-complement level, as DeepSpeed's symmetric quantizer: scale = absmax / (qmax + 1) and
   q clamped to [-qmax - 1, qmax] (so a block's positive maximum is clipped to qmax: error up to
-  one scale there, a half elsewhere). A step 0.8% (int8) or 14% (int4) finer than the default
+  one scale there, a half elsewhere). A step 0.8% (int8) or 12.5% (int4) finer than the default
   scheme; dequantize is the same q * scale.
 - Storage: int8 data as torch.int8, one per element. int4 data as torch.uint8, two per byte:
   element 2i in the low nibble, element 2i+1 in the high nibble, each a two's-complement nibble;
