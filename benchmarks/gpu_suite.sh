@@ -19,8 +19,9 @@
 #                default: 4 layers at 1.3B)
 #   zero-mb1     the same at micro-batch 1 (host-bound: BENCHMARKS.md)
 #   zero-6.7b    GPT-3 6.7B at micro-batch 1 (the default makes one layer a unit there), K = 2
-#   zero-rounds  default units vs one layer a unit, ZeRO-3 and ZeRO++, micro-batch 1 (3 passes)
-#                and 4 (2 passes): medians that the run-to-run drift (10%) does not decide
+#   zero-rounds  default units vs one layer a unit, ZeRO-3 and ZeRO++ (and ZeRO++ with
+#                DeepSpeed's levels), micro-batch 1 (3 passes) and 4 (2 passes): medians that
+#                the run-to-run drift (10%) does not decide
 #   domino       benchmarks/bench_domino.py core rows, CUDA-graphed, with megatron-core
 #   domino-ds    the GPT row with DeepSpeed's Domino too (CUDA_DEVICE_MAX_CONNECTIONS=1)
 #   e2e          pretrain_gpt.py gpt3-6.7b, 8 layers, TP = all GPUs: eager vs SP + fused comm +
@@ -71,10 +72,12 @@ for name in "$@"; do
                  --out "$OUT/zero_6.7b.json" ;;
     zero-rounds) step zero-rounds-mb1 300 torchrun --standalone --nproc_per_node "$GPUS" \
                    benchmarks/bench_zero.py --steps 12 --warmup 3 --rounds 3 --configs \
-                   "plain dp" zero3 "zero3 x1" zero++ "zero++ x1" --out "$OUT/zero_rounds_mb1.json"
+                   "plain dp" zero3 "zero3 x1" zero++ "zero++ x1" "zero++ full range" \
+                   --out "$OUT/zero_rounds_mb1.json"
                  step zero-rounds-mb4 300 torchrun --standalone --nproc_per_node "$GPUS" \
                    benchmarks/bench_zero.py --steps 8 --warmup 3 --rounds 2 --micro-batch-size 4 \
-                   --configs zero3 "zero3 x1" zero++ "zero++ x1" --out "$OUT/zero_rounds_mb4.json" ;;
+                   --configs zero3 "zero3 x1" zero++ "zero++ x1" "zero++ full range" \
+                   --out "$OUT/zero_rounds_mb4.json" ;;
     domino) step domino 300 torchrun --standalone --nproc_per_node "$GPUS" \
               benchmarks/bench_domino.py --rows core --peers megatron --plans 1x1,2x1 \
               --comm-overlap --cuda-graph --iters 10 --out "$OUT/domino.json" ;;

@@ -41,7 +41,10 @@ CONFIGS.update(DEPTH1)
 GROUPED = {f"{name} x{k}": dict(CONFIGS[name], layers_per_unit=k)
            for name in ("zero3", "qwz", "qwz+hpz", "zero++") for k in (1, 2, 4, 8)}
 CONFIGS.update(GROUPED)
-NOT_DEFAULT = {**DEPTH1, **GROUPED}
+# Not run by default: ZeRO++ quantizing with DeepSpeed's levels (--zeropp-quantize-full-range).
+FULL_RANGE = {"zero++ full range": dict(CONFIGS["zero++"], quantize_full_range=True)}
+CONFIGS.update(FULL_RANGE)
+NOT_DEFAULT = {**DEPTH1, **GROUPED, **FULL_RANGE}
 ADAM = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
 
