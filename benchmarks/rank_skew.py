@@ -18,6 +18,10 @@ import gzip
 import json
 import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timeline import _busy, _union  # noqa: E402
 
 
 def load(directory: str, config: str) -> list[dict]:
@@ -31,14 +35,8 @@ def load(directory: str, config: str) -> list[dict]:
 
 
 def busy(intervals: list[tuple[float, float]]) -> float:
-    total, current = 0.0, None
-    for start, end in sorted(intervals):
-        if current is None or start > current[1]:
-            total += current[1] - current[0] if current else 0.0
-            current = [start, end]
-        else:
-            current[1] = max(current[1], end)
-    return total + (current[1] - current[0] if current else 0.0)
+    """Time covered by the union of `intervals`."""
+    return _busy(_union(intervals))
 
 
 def median_gap(times: list[float]) -> float:

@@ -273,9 +273,9 @@ def load_zero_state(directory: str | os.PathLike, iteration: int, engine: ZeroPl
             state = torch.load(path, map_location="cpu", weights_only=True)["zero"]
         except Exception as err:
             raise CheckpointError(f"{path} is unreadable (truncated or corrupt?): {err}") from None
-        if state["layout"] != engine.state_dict()["layout"]:
-            raise CheckpointError(f"{path}: "
-                                  + layout_mismatch(state["layout"], engine.state_dict()["layout"]))
+        mine = engine.state_dict()["layout"]
+        if state["layout"] != mine:
+            raise CheckpointError(f"{path}: " + layout_mismatch(state["layout"], mine))
     except CheckpointError as err:
         error = str(err)
     agree(error)  # before the load, whose parameter refresh is collective
