@@ -1,5 +1,91 @@
+"""Test tiers, and the collection-time check of the distributed cases.
+
+Every test belongs to one tier, named by its marker (none: `default`):
+  default  CPU CI: `bash scripts/test.sh` (pytest's time under 10 minutes on 2 idle cores)
+  slow     network namespaces, long fault tests, 8-rank worlds, the oldest dependencies
+  gpu      CUDA: tests/gpu and every NCCL suite, on the GPU machine
+  peers    parity with megatron-core and DeepSpeed, where they are installed
+`--tier` picks the tiers a run takes (default: `default`); a test of another tier is skipped with
+its tier named, and a summary before pytest's closing line gives each skipped tier's count and the
+command that runs it.
+"""
+
 import os
 import sys
+from collections import Counter
+
+import pytest
 
 # tests/gpu imports the CPU test modules and dist_utils by name.
 sys.path.insert(0, os.path.dirname(__file__))
+
+TIERS = {
+    "default": "bash scripts/test.sh",
+    "slow": "bash scripts/test.sh --tier slow",
+    "gpu": "bash scripts/test.sh --tier gpu   (on a CUDA machine)",
+    "peers": "bash scripts/test.sh --tier peers   (with megatron-core / deepspeed installed)",
+}
+TIER_OF: dict[str, str] = {}  # nodeid -> tier, filled at collection; read by the summary
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", default="default",
+                     help="comma-separated tiers to run: " + ", ".join(TIERS) + ", or all")
+
+
+def pytest_configure(config):
+    for tier in TIERS:
+        if tier != "default":
+            config.addinivalue_line("markers", f"{tier}: the {tier} tier (see tests/conftest.py)")
+    chosen = config.getoption("--tier").split(",")
+    unknown = sorted(set(chosen) - set(TIERS) - {"all"})
+    if unknown:
+        raise pytest.UsageError(f"--tier {','.join(unknown)}: choose from "
+                                f"{', '.join(TIERS)} or all")
+    config.chosen_tiers = set(TIERS) if "all" in chosen else set(chosen)
+
+
+def tier_of(item) -> str:
+    if item.get_closest_marker("gpu") or os.sep + "gpu" + os.sep in str(item.path):
+        return "gpu"
+    for tier in ("peers", "slow"):
+        if item.get_closest_marker(tier):
+            return tier
+    return "default"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    check_suites_are_asserted(items)
+    for item in items:
+        tier = TIER_OF[item.nodeid] = tier_of(item)
+        if tier not in config.chosen_tiers:
+            item.add_marker(pytest.mark.skip(reason=f"tier {tier}: run it with {TIERS[tier]}"))
+
+
+def check_suites_are_asserted(items) -> None:
+    """Every DistSuite defined in a collected module must be turned into a collected test (its
+    `test()` assigned to a `test_*` name), so that no registered case runs without an assert."""
+    from dist_utils import DistSuite
+
+    modules = {item.module for item in items if getattr(item, "module", None) is not None}
+    asserted = {id(getattr(item.function, "dist_suite", None)) for item in items
+                if hasattr(item, "function")}
+    for module in modules:
+        for name, value in vars(module).items():
+            if (isinstance(value, DistSuite) and value.home == module.__name__ and value.cases
+                    and id(value) not in asserted):
+                raise pytest.UsageError(
+                    f"{module.__name__}.{name}: a DistSuite whose cases no test asserts; "
+                    f"assign `test_<what> = {name}.test()` after its last case")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    skipped = Counter(TIER_OF.get(report.nodeid, "default")
+                      for report in terminalreporter.stats.get("skipped", []))
+    if not skipped:
+        return
+    terminalreporter.section("skipped by tier")
+    for tier in TIERS:
+        if skipped[tier]:
+            terminalreporter.write_line(f"tier {tier}: {skipped[tier]} skipped; run: {TIERS[tier]}")

@@ -1,20 +1,51 @@
-"""Run many test cases inside one gloo process group per world size.
+"""Multi-process test cases: each case is registered once, every spawned world is bounded in time.
 
-Spawning ranks costs seconds, so a test module collects its cases into one function that runs in
-every rank and returns {case name: None or an error string}; `run_cases` spawns once and pytest
-tests then assert per case (see `case_results`).
+Spawning ranks costs seconds, so a module registers its cases on one `DistSuite`, which spawns
+one process group per world size and runs every case of that world in every rank, in
+registration order (so the ranks' collectives stay matched). Each case's name is written once:
+
+    SUITE = DistSuite(worlds=(2, 4))
+
+    @SUITE.setup
+    def _setup(world: int) -> dict:            # runs in every rank, once per world
+        return {"dims": ParallelDims(tp=world)}
+
+    for sp in (False, True):
+        SUITE.case(f"model-sp{sp}", check_model, C.dims, sp)   # C.dims: setup's "dims"
+
+    test_model = SUITE.test()                  # one pytest test per (world, case)
+
+`C.<name>` in a case's arguments stands for the setup's value of that name in the rank (`C.rank`
+and `C.world` always exist). `SUITE.test()` freezes the suite; `tests/conftest.py` refuses, at
+collection, a module whose suite was never turned into a test, so no case runs unasserted.
+
+Bounded in time: every case has a budget (`timeout`, seconds). A rank arms `faulthandler` for
+it, so a deadlocked case dumps every rank's stack and ends the world; the pytest process also
+kills a world that outlives the sum of its budgets. The failure names the case, the rank and the
+stacks. A crash in setup (an exception, or a rank that dies) fails every case with the traceback
+or the rank's last output.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import json
+import multiprocessing
 import os
 import socket
+import sys
 import tempfile
+import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+DEFAULT_CASE_TIMEOUT = 180.0  # seconds; the slowest CPU case today takes about 40 s
+SPAWN_GRACE = 60.0  # seconds a world may spend importing torch and forming its group
+LOG_TAIL = 4000  # characters of a dead rank's output shown in a failure
 
 
 def free_port() -> int:
@@ -23,54 +54,278 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str, fn, args, out_dir: str) -> None:
+@dataclass(frozen=True)
+class _Ref:
+    """A placeholder for the rank's setup value `name` (None: the whole setup object)."""
+
+    name: str | None
+
+    def resolve(self, context, rank: int, world: int):
+        if self.name is None:
+            return context
+        if self.name == "rank":
+            return rank
+        if self.name == "world":
+            return world
+        if isinstance(context, dict):
+            return context[self.name]
+        return getattr(context, self.name)
+
+
+class _Context:
+    """`C.name` -> a placeholder for the setup's `name`; `C.all` -> the whole setup object."""
+
+    def __getattr__(self, name: str) -> _Ref:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Ref(None if name == "all" else name)
+
+
+C = _Context()
+
+
+def _resolve(value, context, rank: int, world: int):
+    if isinstance(value, _Ref):
+        return value.resolve(context, rank, world)
+    if isinstance(value, tuple):
+        return tuple(_resolve(v, context, rank, world) for v in value)
+    if isinstance(value, list):
+        return [_resolve(v, context, rank, world) for v in value]
+    if isinstance(value, dict):
+        return {k: _resolve(v, context, rank, world) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class _Case:
+    name: str
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    worlds: tuple[int, ...]
+    timeout: float
+
+
+@dataclass
+class DistSuite:
+    """The distributed cases of one test module (see the module docstring).
+
+    worlds: the world sizes every case runs at unless it names its own; backend: "gloo" (CPU)
+    or "nccl" (one GPU a rank; such suites are the `gpu` tier and skip without enough GPUs)."""
+
+    worlds: tuple[int, ...] = (2,)
+    backend: str = "gloo"
+    timeout: float = DEFAULT_CASE_TIMEOUT
+    cases: dict[str, _Case] = field(default_factory=dict)
+    frozen: bool = False
+    _setup: Callable | None = None
+    _results: dict = field(default_factory=dict)
+    home: str = ""  # the module that made the suite (conftest checks it is asserted there)
+
+    def __post_init__(self) -> None:
+        self.home = self.home or sys._getframe(2).f_globals.get("__name__", "")
+
+    def __getstate__(self) -> dict:
+        # what a spawned rank needs: the cases and setup, not the results remembered here
+        return {**self.__dict__, "_results": {}}
+
+    def setup(self, fn: Callable) -> Callable:
+        """Decorator: fn(world, *args) runs once per rank before the cases; its return value is
+        what `C.<name>` refers to (a dict or an object with attributes)."""
+        self._setup = fn
+        return fn
+
+    def case(self, name: str, fn: Callable, *args, worlds: tuple[int, ...] | None = None,
+             timeout: float | None = None, **kwargs) -> None:
+        """Register fn(*args, **kwargs) as case `name` (C.<name> arguments resolved in the rank).
+        It passes in a rank when it returns, and fails when it raises on any rank."""
+        if self.frozen:
+            raise RuntimeError(f"case {name!r} registered after the suite's test() was made")
+        if name in self.cases:
+            raise ValueError(f"case {name!r} is registered twice")
+        case_worlds = tuple(worlds or self.worlds)
+        self.cases[name] = _Case(name, fn, args, kwargs, case_worlds, timeout or self.timeout)
+
+    def names(self, world: int) -> list[str]:
+        return [case.name for case in self.cases.values() if world in case.worlds]
+
+    def test(self, args_fixture: str | None = None) -> Callable:
+        """The pytest test for every registered (world, case): assign it to a `test_*` name.
+        args_fixture: a fixture whose value (a tuple) is passed to setup after the world."""
+        self.frozen = True
+        params = [(world, name) for world in sorted({w for c in self.cases.values()
+                                                     for w in c.worlds})
+                  for name in self.names(world)]
+        suite = self
+
+        def test(request, world: int, case: str) -> None:
+            suite.skip_without_devices(world)
+            args = request.getfixturevalue(args_fixture) if args_fixture else ()
+            check_result(suite.results(world, *args), case)
+
+        test.dist_suite = self  # what conftest's collection check looks for
+        marks = [pytest.mark.gpu] if self.backend == "nccl" else []
+        decorated = pytest.mark.parametrize(
+            "world, case", params, ids=[f"w{world}-{name}" for world, name in params])(test)
+        for mark in marks:
+            decorated = mark(decorated)
+        return decorated
+
+    def skip_without_devices(self, world: int) -> None:
+        if self.backend == "nccl" and torch.cuda.device_count() < world:
+            pytest.skip(f"tier gpu: needs {world} CUDA GPUs, "
+                        f"{torch.cuda.device_count()} here")
+
+    def results(self, world: int, *args) -> dict[str, str | None]:
+        """{case: None or the error} for every case of `world`, spawned once per (world, args)
+        and remembered, failures included."""
+        key = (world, *(id(arg) for arg in args))
+        if key not in self._results:
+            self._results[key] = run_world(self, world, args)
+        return self._results[key]
+
+
+def _rank_main(rank: int, world: int, port: int, suite: DistSuite, args: tuple,
+               out_dir: str) -> None:
+    """One rank: run setup, then each case of this world under its faulthandler budget,
+    appending {"case", "error"} lines to rank<r>.jsonl as it goes (so a crash loses nothing)."""
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w", buffering=1)  # noqa: SIM115
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    if backend == "nccl":
+    import torch.distributed as dist
+
+    if suite.backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    results = open(os.path.join(out_dir, f"rank{rank}.jsonl"), "w", buffering=1)  # noqa: SIM115
+
+    def record(case: str, error: str | None) -> None:
+        results.write(json.dumps({"case": case, "error": error}) + "\n")
+
+    def under_budget(name: str, budget: float, fn: Callable, *fn_args, **fn_kwargs):
+        print(f"--- {name}: started (budget {budget:g} s)", flush=True)
+        faulthandler.dump_traceback_later(budget, exit=True, file=log)
+        try:
+            return fn(*fn_args, **fn_kwargs)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    context = None
     try:
-        result = fn(*args)
+        under_budget("<setup>", SPAWN_GRACE, dist.init_process_group, suite.backend,
+                     rank=rank, world_size=world)
+        if suite._setup is not None:
+            context = under_budget("<setup>", suite.timeout, suite._setup, world, *args)
     except Exception:
-        result = {"<setup>": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        record("<setup>", traceback.format_exc())
+        os._exit(3)  # a non-zero exit tells the parent to stop the ranks waiting on this one
+    for case in suite.cases.values():
+        if world not in case.worlds:
+            continue
+        try:
+            under_budget(case.name, case.timeout, case.fn,
+                         *_resolve(case.args, context, rank, world),
+                         **_resolve(case.kwargs, context, rank, world))
+            record(case.name, None)
+        except Exception:
+            record(case.name, traceback.format_exc())
     # A barrier is queued behind any collective a case left in flight (gloo runs them in order),
     # so the group is not torn down under a background thread still using it.
-    dist.barrier()
+    under_budget("<teardown>", suite.timeout, dist.barrier)
     dist.destroy_process_group()
 
 
-def run_cases(world: int, fn, *args, backend: str = "gloo") -> dict[str, str | None]:
-    """Spawn `world` ranks (gloo on CPU, or nccl with one GPU each) running fn(*args) ->
-    {case: error or None}; merge the ranks' results (a case fails if it failed on any rank)."""
+def _read_rank(out_dir: str, rank: int) -> tuple[dict[str, str | None], str]:
+    results: dict[str, str | None] = {}
+    path = os.path.join(out_dir, f"rank{rank}.jsonl")
+    if os.path.exists(path):
+        with open(path) as file:
+            for line in file:
+                if line.endswith("\n"):
+                    entry = json.loads(line)
+                    results[entry["case"]] = entry["error"]
+    log_path = os.path.join(out_dir, f"rank{rank}.log")
+    log = open(log_path).read() if os.path.exists(log_path) else ""  # noqa: SIM115
+    return results, log
+
+
+def _running_case(log: str) -> str | None:
+    started = [line for line in log.splitlines() if line.startswith("--- ")]
+    return started[-1][4:].split(":")[0] if started else None
+
+
+def run_world(suite: DistSuite, world: int, args: tuple = ()) -> dict[str, str | None]:
+    """Spawn `world` ranks of `suite`, wait at most the sum of the budgets, and merge the ranks'
+    results: a case fails if it failed on any rank, or did not finish on one (named, with why)."""
+    names = suite.names(world)
+    deadline = SPAWN_GRACE + suite.timeout + sum(suite.cases[n].timeout for n in names)
+    spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, free_port(), backend, fn, args, out_dir),
-                           nprocs=world,
-                           join=True, start_method="spawn")
-        merged: dict[str, str | None] = {}
-        for rank in range(world):
-            for case, error in torch.load(os.path.join(out_dir, f"rank{rank}.pt")).items():
-                if error is not None and merged.get(case) is None:
-                    merged[case] = f"rank {rank}: {error}"
-                else:
-                    merged.setdefault(case, None)
-        return merged
+        port = free_port()
+        procs = [spawn.Process(target=_rank_main, args=(rank, world, port, suite, args, out_dir),
+                               ) for rank in range(world)]
+        for proc in procs:
+            proc.start()
+        watchdog = _wait(procs, time.monotonic() + deadline)
+        ranks = [_read_rank(out_dir, rank) for rank in range(world)]
+    errors: dict[str, list[str]] = {name: [] for name in names}
+    for rank, (results, log) in enumerate(ranks):
+        why_unfinished = _why_unfinished(rank, procs[rank].exitcode, log, watchdog, deadline)
+        if "<setup>" in results:
+            why_unfinished = f"setup failed on rank {rank}:\n{results['<setup>']}"
+        for name in names:
+            error = results[name] if name in results else why_unfinished
+            if error is not None:
+                errors[name].append(f"rank {rank}: {error}")
+    # every rank's error: the one that stopped first is often not the one that failed first
+    return {name: "\n".join(found) or None for name, found in errors.items()}
 
 
-class CaseRunner:
-    """Collects named cases in a rank; each runs under try/except so one failure is reported
-    without stopping the others (every rank runs every case, so collectives stay matched)."""
+def _wait(procs: list, deadline: float) -> bool:
+    """Join the ranks; once one dies with an error, the others get 10 s (they are likely blocked
+    in a collective with it) before being killed. True if the world ran past its deadline."""
+    failed_at = None
+    while any(proc.is_alive() for proc in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + 10):
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in procs:
+                proc.join()
+            return now > deadline
+        for proc in procs:
+            proc.join(timeout=0.2)
+    return False
 
-    def __init__(self):
-        self.results: dict[str, str | None] = {}
 
-    def run(self, name: str, fn, *args, **kwargs) -> None:
-        try:
-            fn(*args, **kwargs)
-            self.results[name] = None
-        except Exception:
-            self.results[name] = traceback.format_exc()
+def _why_unfinished(rank: int, exitcode: int | None, log: str, watchdog: bool,
+                    deadline: float) -> str:
+    running = _running_case(log)
+    tail = log[-LOG_TAIL:]
+    if "Timeout (" in log:  # faulthandler's dump_traceback_later header
+        return (f"case {running!r} timed out on rank {rank} (its budget ran out); "
+                f"the ranks' stacks:\n{tail}")
+    if watchdog:
+        return (f"the world ran past its {deadline:.0f} s deadline during {running!r}; killed. "
+                f"rank {rank}'s output:\n{tail}")
+    return (f"did not finish: rank {rank} exited with {exitcode} during {running!r}; "
+            f"its output:\n{tail}")
+
+
+def check_result(results: dict[str, str | None], case: str) -> None:
+    if case not in results and results.get("<setup>"):
+        raise AssertionError(f"case {case!r} did not run: setup failed:\n{results['<setup>']}")
+    if case not in results:
+        raise AssertionError(f"case {case!r} is not registered for this world; "
+                             f"registered: {sorted(results)}")
+    if results[case] is not None:
+        raise AssertionError(results[case])
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
@@ -81,13 +336,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what:
     error = (actual.double() - expected.double()).abs().max().item()
     if not error <= rel * max(scale, 1e-30):
         raise AssertionError(f"{what}: max abs error {error:.3e} > {rel:g} x max |ref| {scale:.3e}")
-
-
-def check_result(results: dict[str, str | None], case: str) -> None:
-    if case not in results:
-        raise AssertionError(f"case {case!r} did not run; ran: {sorted(results)}")
-    if results[case] is not None:
-        raise AssertionError(results[case])
 
 
 def with_fused_comm(mode: str, check, *args, **kwargs) -> None:
@@ -101,3 +349,50 @@ def with_fused_comm(mode: str, check, *args, **kwargs) -> None:
             del os.environ["MEGADOMINO_FUSED_COMM"]
         else:
             os.environ["MEGADOMINO_FUSED_COMM"] = before
+
+
+# The harness before DistSuite, kept only until every module is moved onto DistSuite.
+def _worker(rank: int, world: int, port: int, backend: str, fn, args, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        result = fn(*args)
+    except Exception:
+        result = {"<setup>": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_cases(world: int, fn, *args, backend: str = "gloo") -> dict[str, str | None]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world, free_port(), backend, fn, args, out_dir),
+                           nprocs=world, join=True, start_method="spawn")
+        merged: dict[str, str | None] = {}
+        for rank in range(world):
+            for case, error in torch.load(os.path.join(out_dir, f"rank{rank}.pt")).items():
+                if error is not None and merged.get(case) is None:
+                    merged[case] = f"rank {rank}: {error}"
+                else:
+                    merged.setdefault(case, None)
+        return merged
+
+
+class CaseRunner:
+    def __init__(self):
+        self.results: dict[str, str | None] = {}
+
+    def run(self, name: str, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+            self.results[name] = None
+        except Exception:
+            self.results[name] = traceback.format_exc()

@@ -343,7 +343,9 @@ def test_parse_data_path_and_split():
     assert parse_data_path(["A", "B"]) == (["A", "B"], None)
     assert parse_data_path(["0.3", "A", "0.7", "B"]) == (["A", "B"], [0.3, 0.7])
     assert parse_data_path(["A", "B", "C"]) == (["A", "B", "C"], None)
-    assert parse_split("969,30,1") == pytest.approx([(0, 0.969), (0.969, 0.999), (0.999, 1)])
+    bounds = parse_split("969,30,1")
+    assert [len(pair) for pair in bounds] == [2, 2, 2]
+    assert [x for pair in bounds for x in pair] == pytest.approx([0, 0.969, 0.969, 0.999, 0.999, 1])
     assert parse_split("98/2")[2] is None
     for bad in ("", "1,2,3,4", "0,0", "1.2.3"):
         with pytest.raises(ConfigError, match="--split"):

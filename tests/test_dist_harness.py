@@ -1,0 +1,100 @@
+"""The multi-process harness itself: a hang ends in bounded time naming the case, a crash in setup
+or in a rank shows why, a case is registered once, and a suite no test asserts is refused at
+collection."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import C, DistSuite, run_world
+
+HERE = os.path.dirname(__file__)
+
+
+def passes() -> None:
+    dist.barrier()
+
+
+def deadlocks(rank: int) -> None:
+    """Each rank waits for a message the other never sends."""
+    dist.recv(torch.zeros(1), src=1 - rank)
+
+
+def broken_setup(world: int) -> dict:
+    raise ZeroDivisionError("setup broke on purpose")
+
+
+def rank_dies(rank: int) -> None:
+    if rank == 1:
+        os._exit(7)
+    dist.barrier()
+
+
+def test_a_deadlocked_case_times_out_naming_itself_and_its_stack():
+    suite = DistSuite(worlds=(2,), timeout=30)
+    suite.case("before", passes)
+    suite.case("hangs", deadlocks, C.rank, timeout=3)
+    suite.case("after", passes)
+    start = time.monotonic()
+    results = run_world(suite, 2)
+    assert time.monotonic() - start < 60, "the hanging world was not ended in bounded time"
+    assert results["before"] is None
+    assert "case 'hangs' timed out" in results["hangs"], results["hangs"]
+    assert "deadlocks" in results["hangs"], "the stack of the stuck rank is not shown"
+    assert "timed out" in results["after"], results["after"]
+
+
+def test_a_crash_in_setup_shows_its_traceback_in_every_case():
+    suite = DistSuite(worlds=(2,))
+    suite.setup(broken_setup)
+    suite.case("first", passes)
+    suite.case("second", passes)
+    results = run_world(suite, 2)
+    for case in ("first", "second"):
+        assert "setup failed" in results[case], results[case]
+        assert "ZeroDivisionError: setup broke on purpose" in results[case], results[case]
+
+
+def test_a_rank_that_dies_is_named_with_its_exit_code():
+    suite = DistSuite(worlds=(2,), timeout=30)
+    suite.case("dies", rank_dies, C.rank)
+    results = run_world(suite, 2)
+    assert "rank 1 exited with 7 during 'dies'" in results["dies"], results["dies"]
+
+
+def test_a_case_is_registered_once_and_only_before_its_test():
+    suite = DistSuite()
+    suite.case("one", passes)
+    with pytest.raises(ValueError, match="'one' is registered twice"):
+        suite.case("one", passes)
+    suite.test()
+    with pytest.raises(RuntimeError, match="'two' registered after"):
+        suite.case("two", passes)
+
+
+def test_a_suite_no_test_asserts_is_refused_at_collection(tmp_path):
+    for name in ("conftest.py", "dist_utils.py"):
+        (tmp_path / name).write_text(open(os.path.join(HERE, name)).read())
+    (tmp_path / "test_forgotten.py").write_text(textwrap.dedent("""
+        from dist_utils import DistSuite
+
+        SUITE = DistSuite()
+        SUITE.case("never_asserted", print)
+
+        def test_something_else():
+            pass
+    """))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(tmp_path)], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120)
+    assert run.returncode == 4, run.stdout + run.stderr
+    assert "test_forgotten.SUITE: a DistSuite whose cases no test asserts" in run.stderr, (
+        run.stdout + run.stderr)
