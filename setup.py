@@ -2,6 +2,11 @@
 
 `kernels/` is installed as `megadomino.kernels` (Triton kernels, one file per op family).
 On the offline GPU machine: pip install --no-build-isolation --no-deps -e .
+
+Dependency ranges: lower bounds are what the oldest-dependencies job (scripts/test_oldest.sh)
+runs the suite on; upper bounds only where a release is known to break us (none today).
+torch's CUDA wheels pin their own triton (torch 2.11: 3.6.0); its CPU wheel brings none, so the
+`test` extra adds triton, whose interpreter runs every kernel on CPU (TRITON_INTERPRET=1).
 """
 
 from setuptools import setup
@@ -26,15 +31,17 @@ setup(
     install_requires=[
         "torch>=2.11",
         "numpy",
-        # torch's CUDA wheels bring triton; the CPU wheel runs the torch reference paths instead.
-        "triton; platform_system == 'Linux' and platform_machine == 'x86_64' and extra == 'triton'",
         "sentencepiece",
         "safetensors",
         "tokenizers",
     ],
     extras_require={
-        "test": ["pytest", "transformers"],
+        "test": [
+            "pytest>=8.0",
+            "transformers>=4.46.1",
+            # Linux wheels only; elsewhere the kernel tests skip, naming triton.
+            "triton>=3.6; platform_system == 'Linux' and platform_machine in 'x86_64 aarch64'",
+        ],
         "tb": ["tensorboard"],
-        "triton": ["triton"],
     },
 )

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up and run the test suite (CPU: gloo ranks on localhost; tests/gpu is skipped without CUDA).
-# Usage: bash scripts/test.sh [pytest args]   (slow tier: bash scripts/test.sh -m slow)
+# Set up and run the test suite: the default tier (CPU, gloo ranks on localhost, the Triton
+# kernels under the interpreter). Other tiers: --tier slow | gpu | peers | all (tests/conftest.py).
+# Usage: bash scripts/test.sh [pytest args], e.g. bash scripts/test.sh --tier slow
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test

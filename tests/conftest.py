@@ -45,6 +45,18 @@ def pytest_configure(config):
     config.chosen_tiers = set(TIERS) if "all" in chosen else set(chosen)
 
 
+def versions() -> str:
+    import importlib.metadata as metadata
+
+    found = []
+    for package in ("torch", "triton", "pytest", "transformers", "numpy"):
+        try:
+            found.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{package} not installed")
+    return ", ".join(found)
+
+
 def tier_of(item) -> str:
     if item.get_closest_marker("gpu") or os.sep + "gpu" + os.sep in str(item.path):
         return "gpu"
@@ -60,7 +72,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = TIER_OF[item.nodeid] = tier_of(item)
         if tier not in config.chosen_tiers:
-            item.add_marker(pytest.mark.skip(reason=f"tier {tier}: run it with {TIERS[tier]}"))
+            # first of the item's marks, so that this reason wins over the test's own skipif
+            item.add_marker(pytest.mark.skipif(True, reason=f"tier {tier}: run it with "
+                                               f"{TIERS[tier]}"), append=False)
 
 
 def check_suites_are_asserted(items) -> None:
@@ -83,9 +97,12 @@ def check_suites_are_asserted(items) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     skipped = Counter(TIER_OF.get(report.nodeid, "default")
                       for report in terminalreporter.stats.get("skipped", []))
-    if not skipped:
-        return
-    terminalreporter.section("skipped by tier")
+    terminalreporter.section("tiers")
+    terminalreporter.write_line(f"ran tiers {','.join(sorted(config.chosen_tiers))} with "
+                                f"{versions()}")
     for tier in TIERS:
         if skipped[tier]:
             terminalreporter.write_line(f"tier {tier}: {skipped[tier]} skipped; run: {TIERS[tier]}")
+    load = " / ".join(f"{value:.2f}" for value in os.getloadavg())
+    terminalreporter.write_line(f"load average (1 / 5 / 15 min) at the end: {load} "
+                                f"on {os.cpu_count()} cores")
