@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-oldest
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q "setuptools>=64" -r tests/oldest-requirements.txt
+"$venv/bin/python" -m pip install -q "setuptools>=70.1" -r tests/oldest-requirements.txt
 "$venv/bin/python" -m pip install -q --no-build-isolation -e ".[test]" -c tests/oldest-requirements.txt
 "$venv/bin/python" -m pytest -q "$@" tests
