@@ -9,7 +9,9 @@
 # Steps:
 #   setup        editable install (python3's pip: plain `pip` there is another Python) and, when
 #                .peerwhl/ holds megatron-core / DeepSpeed wheels (carry it), the peers in /tmp/site
-#   tests-gpu    python3 -m pytest tests/gpu -q -x
+#   tests-gpu    the gpu tier: python3 -m pytest tests --tier gpu -q (tests/gpu and every NCCL
+#                suite; cases needing more GPUs than here skip, naming the count)
+#   tests-cpu    the default tier on this machine's torch (2.11, the oldest declared) and CPUs
 #   kernels      tests/gpu/test_gpu_kernels.py only (1 GPU)
 #   quant        benchmarks/bench_quant.py: our kernels vs DeepSpeed's quantizer, one GPU
 #   zero         benchmarks/bench_zero.py: ZeRO-3 vs ZeRO++ (and its parts) on 4 GPUs as 2 x 2
@@ -55,8 +57,9 @@ for name in "$@"; do
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       fi
       nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/setup.txt" ;;
-    tests-gpu) step tests-gpu 500 python3 -m pytest tests/gpu -q -x ;;
-    kernels) step kernels 200 python3 -m pytest tests/gpu/test_gpu_kernels.py -q -x ;;
+    tests-gpu) step tests-gpu 500 python3 -m pytest tests --tier gpu -q ;;
+    tests-cpu) step tests-cpu 500 env CUDA_VISIBLE_DEVICES= python3 -m pytest tests -q ;;
+    kernels) step kernels 200 python3 -m pytest tests/gpu/test_gpu_kernels.py --tier gpu -q -x ;;
     quant) step quant 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_quant.py \
              --out "$OUT/quant.json" ;;
     zero) step zero 200 torchrun --standalone --nproc_per_node "$GPUS" benchmarks/bench_zero.py \
