@@ -7,7 +7,12 @@ LlamaModel (llama.py) is the same model with the Llama-2 architecture required.
 Call: `model(tokens, labels=None, loss_mask=None, position_ids=None)` with tokens `[b, s]`:
 - without labels: logits `[b, s, vocab_size]`, gathered over TP, padding columns dropped;
 - with labels: per-token loss `[b, s]` in fp32 (times loss_mask if given), computed
-  vocab-parallel without gathering the logits.
+  vocab-parallel without gathering the logits; it is the cross-entropy of the logits returned
+  without labels (padding columns take no part), the same at every TP degree.
+
+The vocabulary is padded to a multiple of make_vocab_size_divisible_by x TP rows; the padding
+rows of the embedding / output weight start at zero and get no gradient (token ids are below
+vocab_size: the data checks it), so they stay zero and `full_state_dict()` drops nothing.
 """
 
 from __future__ import annotations
@@ -121,7 +126,8 @@ class GPTModel(nn.Module):
             full = mappings.gather_from_tensor_parallel_region(logits, self.dims.tp_group)
             return full[..., : self.config.vocab_size].transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims.tp_group,
-                                            self.word_embeddings.vocab_start).t()
+                                            self.word_embeddings.vocab_start,
+                                            self.config.vocab_size).t()
         return loss if loss_mask is None else loss * loss_mask
 
     # ---- full (unsharded) state ------------------------------------------------------------

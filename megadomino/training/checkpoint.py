@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megadomino.models.gpt import shard_full
@@ -55,11 +56,13 @@ from megadomino.training.checkpoint_files import (
     atomic_save,
     compact,
     compact_all,
+    gather_all,
     gather_over_dp,
     open_shard,
     write_tracker,
 )
 from megadomino.training.optimizer import MixedPrecisionAdamW
+from megadomino.training.pad_rows import without_pad_rows, zero_pad_rows_in_zero_state_
 from megadomino.training.rng_state import capture_rng_state, restore_rng_state
 from megadomino.zero import ZeroPlusPlus
 from megadomino.zero.optimizer import layout_mismatch
@@ -236,6 +239,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module,
     except CheckpointError as err:
         error = str(err)
     agree(error)
+    _notice_zeroed_pad_rows(reader.zeroed_pad_rows, source, log)
     if dims.rank == 0:
         log(f" loaded checkpoint {source} (iteration {iteration})"
             + (" as weights only" if only_weights else "") + (f"; {rng_note}" if rng_note else ""))
@@ -243,7 +247,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module,
 
 
 def load_zero_state(directory: str | os.PathLike, iteration: int, engine: ZeroPlusPlus,
-                    dims: ParallelDims) -> None:
+                    dims: ParallelDims, log: Callable[[str], None] = print) -> None:
     """Load this rank's optim_dp_rank file of checkpoint `iteration` into `engine` (built on the
     model load_checkpoint put the weights into). Collective over the world; every rank raises the
     same CheckpointError for a checkpoint saved without ZeRO (or its optimizer), at another
@@ -279,6 +283,9 @@ def load_zero_state(directory: str | os.PathLike, iteration: int, engine: ZeroPl
     except CheckpointError as err:
         error = str(err)
     agree(error)  # before the load, whose parameter refresh is collective
+    zeroed = ["ZeRO optimizer state"] if zero_pad_rows_in_zero_state_(engine, state,
+                                                                       dims.tp_rank) else []
+    _notice_zeroed_pad_rows(zeroed, source, log)
     engine.load_state_dict(state)
 
 
@@ -303,6 +310,8 @@ class _ShardReader:
         self.same_layout = self.saved_tp == dims.tp
         self.paths = [paths[dims.tp_rank]] if self.same_layout else paths
         self.shards = [head if p == first else open_shard(p) for p in self.paths]
+        self.zeroed_pad_rows: list[str] = []
+        """Names of saved tensors whose vocabulary padding rows were not zero (and are now)."""
 
     def load(self, model: nn.Module, optimizer: MixedPrecisionAdamW | None,
              load_optim: bool) -> TrainingState:
@@ -357,14 +366,18 @@ class _ShardReader:
             return shard["model"][name] if key is None else shard["optimizer"]["params"][name][key]
 
         sharding = self.shards[0]["sharding"][name]
+        nonzero_pad = False
         if self.same_layout or sharding is None or key == "step":
-            local = saved(self.shards[0])
+            local, nonzero_pad = without_pad_rows(saved(self.shards[0]), param, self.dims.tp_rank)
         else:
             full = unshard_rows([saved(s) for s in self.shards], sharding["dim"],
                                 sharding["stripes"])
             if sharding["vocab_size"] is not None:
+                nonzero_pad = bool(full[sharding["vocab_size"]:].count_nonzero())
                 full = full[:sharding["vocab_size"]]
             local = shard_full(full, param, self.dims)
+        if nonzero_pad:
+            self.zeroed_pad_rows.append(name if key is None else f"{name} {key}")
         if local.ndim and tuple(local.shape) != tuple(param.shape):
             raise CheckpointError(f"{self.paths[0]}: {name}{'' if key is None else ' ' + key} has "
                                   f"shape {tuple(local.shape)}, the model's shard "
@@ -390,6 +403,14 @@ class _ShardReader:
         optimizer.adamw.load_state_dict(torch_state)
         if optimizer.loss_scaler is not None and saved["loss_scaler"] is not None:
             optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])
+
+
+def _notice_zeroed_pad_rows(zeroed: list[str], source: Path, log: Callable[[str], None]) -> None:
+    """One line on rank 0 if any rank zeroed padding rows (collective over the world)."""
+    names = sorted({name for names in gather_all(zeroed) for name in names})
+    if names and dist.get_rank() == 0:
+        log(f" notice: {source}: the padded vocabulary rows of {', '.join(names)} were not zero "
+            "(saved before the loss left padding out): loaded as zero")
 
 
 def _check_config(path: Path, saved: dict, current: dict) -> None:

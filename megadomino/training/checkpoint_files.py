@@ -79,6 +79,13 @@ def gather_over_dp(obj: dict, dims: ParallelDims) -> list[dict]:
     return gathered
 
 
+def gather_all(obj) -> list:
+    """Every rank's `obj`, in rank order (collective over the world)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def agree(error: str | None) -> None:
     """Raise on every rank the first rank's error, if any rank has one (a barrier otherwise)."""
     errors: list = [None] * dist.get_world_size()

@@ -136,7 +136,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
         state = _resume(train_config, model, None, dims, log)  # the weights, before sharding
         optimizer = engine = _zero_engine(model, dims, train_config, zero)
         if state.iteration > 0 and not train_config.no_load_optim:  # resumed a training run
-            load_zero_state(train_config.load, state.iteration, engine, dims)
+            load_zero_state(train_config.load, state.iteration, engine, dims, log)
     if model_config.enable_cuda_graph:
         # After the engine: ZeRO stage 1 re-points the parameters into its flat buffer, and the
         # graphs read the parameters' storage as it is at capture.
