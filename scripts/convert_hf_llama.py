@@ -31,6 +31,7 @@ from megadomino.models.llama import LlamaModel
 from megadomino.parallel import ParallelDims
 from megadomino.training import checkpoint
 from megadomino.training.checkpoint import TrainingState
+from megadomino.training.checkpoint_files import Manifest
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -49,9 +50,13 @@ def saved_model_config(load_dir: str) -> ModelConfig:
     if iteration is None:
         raise checkpoint.CheckpointError(f"{load_dir} has no {checkpoint.TRACKER}: not a "
                                          "megadomino checkpoint directory")
-    path = checkpoint.shard_path(checkpoint.checkpoint_dir(load_dir, iteration), 0, 0, 1)
+    source = checkpoint.checkpoint_dir(load_dir, iteration)
+    path = checkpoint.shard_path(source, 0, 0, 1)
     if not path.exists():
         raise checkpoint.CheckpointError(f"checkpoint shard missing: {path}")
+    manifest = Manifest.read(source)
+    if manifest is not None:
+        manifest.verify(path)
     saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["model_config"]
     # Fields this version does not know (a newer writer's run options) are left out: the
     # architecture is what conversion needs, and load_checkpoint checks it against the shards.

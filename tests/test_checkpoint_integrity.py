@@ -1,21 +1,37 @@
 """Checkpoints that load as saved, or not at all: the committed format-1 fixture loads and
-resumes bit-exactly at every format change."""
+resumes bit-exactly at every format change; every file a save writes is in its manifest with its
+CRC-32, and a flipped byte is an error naming the file on every load path (resume, --finetune,
+another TP degree, ZeRO shards, the HF converter)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import json
 import math
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dist_utils import C, DistSuite
 from megadomino.config import ModelConfig, TrainConfig
+from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
+from megadomino.training.checkpoint import (
+    CheckpointError,
+    TrainingState,
+    load_checkpoint,
+    load_zero_state,
+    save_checkpoint,
+)
 from megadomino.training.loop import train
+from megadomino.training.optimizer import build_optimizer
+from megadomino.zero import ZeroConfig, ZeroPlusPlus
 
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_v1"
 
@@ -42,8 +58,11 @@ def check_fixture_resumes(kind: str, root: str) -> None:
     iterations 3 and 4 of the run that wrote it, bit for bit."""
     directory = shared_copy(FIXTURE / kind, f"{root}/resume-{kind}")
     model, config, losses = fixture_configs(kind, tensor_model_parallel_size=2, load=directory)
-    history = train(model, config, ParallelDims(tp=2), "gpt", log=lambda line: None)
+    lines: list[str] = []
+    history = train(model, config, ParallelDims(tp=2), "gpt", log=lines.append)
     assert history["losses"] == losses[2:], (history["losses"], losses)
+    notices = [line for line in lines if "manifest.json (saved before checkpoints" in line]
+    assert len(notices) == (dist.get_rank() == 0), lines
 
 
 def check_fixture_other_tp(root: str) -> None:
@@ -54,6 +73,98 @@ def check_fixture_other_tp(root: str) -> None:
     history = train(model, config, ParallelDims(tp=1), "gpt", log=lambda line: None)
     assert all(math.isfinite(loss) for loss in history["losses"]), history["losses"]
     assert abs(history["losses"][-1] - losses[-1]) < 0.05, (history["losses"], losses)
+
+
+SMALL = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,
+                    max_position_embeddings=8, vocab_size=96, make_vocab_size_divisible_by=8)
+
+
+def flip_byte(path: Path) -> None:
+    """Invert one byte in the middle of `path` (rank 0 only; every rank sees it on return)."""
+    if dist.get_rank() == 0:
+        flip_local(path)
+    dist.barrier()
+
+
+def expect_error(pattern: str, load, *args, **kwargs) -> None:
+    with pytest.raises(CheckpointError, match=pattern):
+        load(*args, **kwargs)
+
+
+def converter():
+    path = Path(__file__).parent.parent / "scripts" / "convert_hf_llama.py"
+    spec = importlib.util.spec_from_file_location("convert_hf_llama", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_manifest_and_corruption(tp: ParallelDims, dense: ParallelDims, root: str) -> None:
+    """The manifest lists each shard with its true size and CRC-32; a flipped byte in one shard
+    fails every load path with an error naming that shard; so does a corrupt manifest."""
+    model = build_model(SMALL, tp)
+    optimizer = build_optimizer(model.parameters(), tp, TrainConfig(lr=1e-2))
+    target = save_checkpoint(f"{root}/good", TrainingState(iteration=3), model, optimizer, tp)
+    files = json.loads((target / "manifest.json").read_text())["files"]
+    shards = [f"mp_rank_0{rank}/model_optim_rng.pt" for rank in range(2)]
+    assert sorted(files) == shards, files
+    for name in shards:
+        data = (target / name).read_bytes()
+        assert files[name] == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    assert load_checkpoint(f"{root}/good", model, optimizer, tp).iteration == 3
+
+    bad = shared_copy(Path(f"{root}/good"), f"{root}/flipped")
+    flip_byte(Path(bad) / "iter_0000003" / shards[1])
+    named = f"{shards[1]} is corrupt: its CRC-32 is"
+    expect_error(named, load_checkpoint, bad, model, optimizer, tp)
+    expect_error(named, load_checkpoint, bad, model, optimizer, tp, finetune=True)
+    fresh = build_model(SMALL, dense)
+    expect_error(named, load_checkpoint, bad, fresh, None, dense, load_optim=False)
+    if dist.get_rank() == 0:  # the converter reads TP rank 0's shard first
+        flipped_head = shutil.copytree(f"{root}/good", f"{root}/flipped-head")
+        flip_local(Path(flipped_head) / "iter_0000003" / shards[0])
+        expect_error(f"{shards[0]} is corrupt", converter().saved_model_config, flipped_head)
+
+    garbled = shared_copy(Path(f"{root}/good"), f"{root}/garbled")
+    if dist.get_rank() == 0:
+        (Path(garbled) / "iter_0000003" / "manifest.json").write_text("{not json")
+    dist.barrier()
+    expect_error("manifest.json is unreadable", load_checkpoint, garbled, model, optimizer, tp)
+
+
+def flip_local(path: Path) -> None:
+    """Invert one byte in the middle of `path`."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def check_zero_shard_corruption(dims: ParallelDims, root: str) -> None:
+    """A flipped byte in a ZeRO optimizer shard fails load_zero_state naming it."""
+    factory = functools.partial(torch.optim.AdamW, lr=1e-2)
+    model = build_model(SMALL, dims)
+    engine = ZeroPlusPlus(model, dims, factory, ZeroConfig(stage=1))
+    target = save_checkpoint(f"{root}/zero", TrainingState(iteration=2), model, engine, dims)
+    files = json.loads((target / "manifest.json").read_text())["files"]
+    zero_file = "mp_rank_00/optim_dp_rank_001.pt"
+    assert zero_file in files, files
+    flip_byte(target / zero_file)
+    fresh = build_model(SMALL, dims)
+    state = load_checkpoint(f"{root}/zero", fresh, None, dims)
+    expect_error(f"{zero_file} is corrupt", load_zero_state, f"{root}/zero", state.iteration,
+                 ZeroPlusPlus(fresh, dims, factory, ZeroConfig(stage=1)), dims)
+
+
+CORRUPTION = DistSuite(worlds=(2,))
+
+
+@CORRUPTION.setup
+def _corruption_setup(world: int, root: str) -> dict:
+    return {"tp": ParallelDims(tp=2), "dense": ParallelDims(tp=1), "root": root}
+
+
+CORRUPTION.case("manifest-and-corruption", check_manifest_and_corruption, C.tp, C.dense, C.root)
+CORRUPTION.case("zero-shard-corruption", check_zero_shard_corruption, C.dense, C.root)
 
 
 SUITE = DistSuite(worlds=(4,))
@@ -75,3 +186,4 @@ def root(tmp_path_factory) -> tuple[str]:
 
 
 test_checkpoint_integrity = SUITE.test(args_fixture="root")
+test_checkpoint_corruption = CORRUPTION.test(args_fixture="root")

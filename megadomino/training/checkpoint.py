@@ -7,6 +7,7 @@ Layout of `--save DIR`:
     DIR/iter_0000010/mp_rank_00/model_optim_rng.pt        TP rank 0 (mp_rank_00_001 when PP > 1)
     DIR/iter_0000010/mp_rank_01/model_optim_rng.pt        TP rank 1
     DIR/iter_0000010/mp_rank_01/optim_dp_rank_001.pt      with ZeRO: TP rank 1, DP rank 1
+    DIR/iter_0000010/manifest.json                        size and CRC-32 of each file above
     DIR/release/mp_rank_00/model_optim_rng.pt             weights only (converters), iteration 0
 
 DP rank 0 of each TP rank writes that rank's shard: its model shard, its optimizer shard (AdamW
@@ -24,8 +25,10 @@ only (`load_zero_state`). A ZeRO checkpoint resumes a run without ZeRO, and the 
 
 Atomicity (`checkpoint_files`): each shard, ZeRO's included, goes to `NAME.tmp`, is fsynced and
 `os.replace`d; every rank then agrees (one all-gather of error strings, which is also the barrier)
-that all shards are complete, and only then rank 0 replaces the iteration file. A run killed
-during a save leaves the iteration file naming the previous, complete checkpoint.
+that all shards are complete, and only then rank 0 writes `manifest.json` (the size and CRC-32 of
+every file, computed as it was written) and replaces the iteration file. A run killed during a
+save leaves the iteration file naming the previous, complete checkpoint. Every load verifies the
+files it reads against the manifest (a checkpoint without one loads with a notice).
 
 Loading at the saved TP degree copies each rank's shards; at another degree each rank memory-maps
 every saved shard and rebuilds the full (unsharded, unpadded) tensor of each parameter and
@@ -50,8 +53,10 @@ from megadomino.parallel import ParallelDims
 from megadomino.parallel.layers import unshard_rows
 from megadomino.training.checkpoint_files import (
     FORMAT_VERSION,
+    MANIFEST,
     TRACKER,
     CheckpointError,
+    Manifest,
     agree,
     atomic_save,
     compact,
@@ -59,6 +64,7 @@ from megadomino.training.checkpoint_files import (
     gather_all,
     gather_over_dp,
     open_shard,
+    write_manifest,
     write_tracker,
 )
 from megadomino.training.optimizer import MixedPrecisionAdamW
@@ -134,7 +140,7 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
     rng = gather_over_dp(capture_rng_state(dims), dims) if save_rng else None
     engine = optimizer if isinstance(optimizer, ZeroPlusPlus) else None
     zero = {"stage": engine.config.stage} if engine is not None and save_optim else None
-    error = None
+    error, written = None, {}
     with _whole_weights(engine):
         if dims.dp_rank == 0:
             try:
@@ -150,22 +156,25 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
                     "zero": zero,
                     "rng": rng,
                 }
-                atomic_save(shard, shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp))
+                path = shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp)
+                written[path.relative_to(target).as_posix()] = atomic_save(shard, path)
             except Exception as err:  # every rank must hear of it, or they wait on the tracker
                 error = f"rank {dims.rank} could not write its shard: {err!r}"
     if zero is not None:
         path = zero_shard_path(target, dims)
         try:
-            atomic_save({"format": FORMAT_VERSION, "zero": compact_all(engine.state_dict())},
-                         path)
+            written[path.relative_to(target).as_posix()] = atomic_save(
+                {"format": FORMAT_VERSION, "zero": compact_all(engine.state_dict())}, path)
         except Exception as err:
             error = error or f"rank {dims.rank} could not write {path}: {err!r}"
     agree(error)
+    files = {name: entry for entries in gather_all(written) for name, entry in entries.items()}
     if dims.rank == 0:
         try:
+            write_manifest(target, files)
             write_tracker(Path(directory), iteration)
         except OSError as err:
-            error = f"rank 0 could not write {Path(directory) / TRACKER}: {err!r}"
+            error = f"rank 0 could not finish {target} ({MANIFEST}, then {TRACKER}): {err!r}"
     agree(error)
     return target
 
@@ -224,12 +233,16 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module,
         return None
     source = checkpoint_dir(directory, iteration)
     only_weights = finetune or iteration == "release"
-    reader, error = None, None
+    reader, manifest, error = None, None, None
     try:
-        reader = _ShardReader(source, dims, model)
+        manifest = Manifest.read(source)
+        reader = _ShardReader(source, dims, model, manifest)
     except CheckpointError as err:
         error = str(err)
     agree(error)
+    if manifest is None and dims.rank == 0:
+        log(f" notice: {source} has no {MANIFEST} (saved before checkpoints carried checksums, "
+            "or not by megadomino): its files load unverified")
     try:
         state = reader.load(model, optimizer,
                             load_optim and optimizer is not None and not only_weights)
@@ -255,8 +268,9 @@ def load_zero_state(directory: str | os.PathLike, iteration: int, engine: ZeroPl
     state, error = None, None
     try:
         source = checkpoint_dir(directory, iteration)
+        manifest = Manifest.read(source)
         head_path = shard_path(source, dims.tp_rank, dims.pp_rank, dims.pp)
-        head = open_shard(head_path)
+        head = open_shard(head_path, manifest)
         zero, saved = head.get("zero"), head["parallel"]
         if zero is None:
             raise CheckpointError(
@@ -273,6 +287,8 @@ def load_zero_state(directory: str | os.PathLike, iteration: int, engine: ZeroPl
         if not path.exists():
             raise CheckpointError(f"checkpoint shard missing: {path} (--zero-stage "
                                   f"{zero['stage']} saves one per data-parallel rank)")
+        if manifest is not None:
+            manifest.verify(path)
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)["zero"]
         except Exception as err:
@@ -292,10 +308,11 @@ def load_zero_state(directory: str | os.PathLike, iteration: int, engine: ZeroPl
 class _ShardReader:
     """The shards of one checkpoint directory, opened (memory-mapped) as this rank needs them."""
 
-    def __init__(self, source: Path, dims: ParallelDims, model: nn.Module):
+    def __init__(self, source: Path, dims: ParallelDims, model: nn.Module,
+                 manifest: Manifest | None):
         self.source, self.dims = source, dims
         first = shard_path(source, 0, dims.pp_rank, dims.pp)
-        head = open_shard(first)
+        head = open_shard(first, manifest)
         saved = head["parallel"]
         if saved["pp"] != dims.pp:
             raise CheckpointError(f"{first}: saved with pipeline-parallel size {saved['pp']}, "
@@ -309,7 +326,7 @@ class _ShardReader:
         self.saved_tp, self.saved_dp = saved["tp"], saved["dp"]
         self.same_layout = self.saved_tp == dims.tp
         self.paths = [paths[dims.tp_rank]] if self.same_layout else paths
-        self.shards = [head if p == first else open_shard(p) for p in self.paths]
+        self.shards = [head if p == first else open_shard(p, manifest) for p in self.paths]
         self.zeroed_pad_rows: list[str] = []
         """Names of saved tensors whose vocabulary padding rows were not zero (and are now)."""
 

@@ -1,9 +1,19 @@
-"""Checkpoint files: written atomically, read back checked, and every rank agreeing on the
-outcome (see `megadomino.training.checkpoint` for the layout)."""
+"""Checkpoint files: written atomically, checksummed, read back verified, and every rank
+agreeing on the outcome (see `megadomino.training.checkpoint` for the layout).
+
+Every file a save writes is checksummed (CRC-32, zlib's) as its bytes are written; rank 0 then
+writes `ITERATION_DIR/manifest.json`, `{"format": 1, "files": {relative path: {"bytes": n,
+"crc32": "8 hex digits"}}}`, before the iteration file names the checkpoint. A load verifies each
+file against it before reading it: a file whose size or checksum differs is a CheckpointError
+naming it. A checkpoint without a manifest (written before manifests existed, or not by us)
+loads unverified, with a notice.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -12,7 +22,10 @@ import torch.distributed as dist
 from megadomino.parallel import ParallelDims
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+MANIFEST_FORMAT = 1
+READ_CHUNK = 1 << 24  # bytes read at a time when verifying a file
 
 
 class CheckpointError(RuntimeError):
@@ -38,17 +51,93 @@ def compact_all(obj):
     return obj
 
 
-def atomic_save(obj: dict, path: Path) -> None:
+class _Checksummed:
+    """A binary file whose written bytes are counted and CRC-32'd on their way out."""
+
+    def __init__(self, file):
+        self.file, self.bytes, self.crc32 = file, 0, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.crc32 = zlib.crc32(view, self.crc32)
+        self.bytes += view.nbytes
+        return self.file.write(view)
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
+def atomic_save(obj: dict, path: Path) -> dict:
     """torch.save `obj` to `path` through `path.tmp`, fsynced and renamed: `path` is either
-    absent, as before, or complete."""
+    absent, as before, or complete. Returns its manifest entry {"bytes", "crc32"}."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
+    with open(temporary, "wb") as raw:
+        file = _Checksummed(raw)
         torch.save(obj, file)
-        file.flush()
-        os.fsync(file.fileno())
+        raw.flush()
+        os.fsync(raw.fileno())
     os.replace(temporary, path)
     fsync_dir(path.parent)
+    return {"bytes": file.bytes, "crc32": f"{file.crc32:08x}"}
+
+
+def write_manifest(iteration_dir: Path, files: dict[str, dict]) -> None:
+    """Write the manifest of `iteration_dir` (entries keyed by path relative to it), atomically."""
+    text = json.dumps({"format": MANIFEST_FORMAT, "files": dict(sorted(files.items()))},
+                      indent=1)
+    temporary = iteration_dir / (MANIFEST + ".tmp")
+    with open(temporary, "w") as file:
+        file.write(text + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, iteration_dir / MANIFEST)
+    fsync_dir(iteration_dir)
+
+
+class Manifest:
+    """The checksums of one checkpoint's files, for verifying them before they are read."""
+
+    def __init__(self, iteration_dir: Path, files: dict[str, dict]):
+        self.iteration_dir, self.files = iteration_dir, files
+
+    @classmethod
+    def read(cls, iteration_dir: Path) -> Manifest | None:
+        """The manifest of `iteration_dir`; None when it has none; CheckpointError when it is
+        unreadable."""
+        path = iteration_dir / MANIFEST
+        if not path.exists():
+            return None
+        try:
+            manifest = json.loads(path.read_text())
+            files = manifest["files"]
+            if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
+                raise ValueError(f"format {manifest.get('format')!r}, expected "
+                                 f"{MANIFEST_FORMAT}")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{path} is unreadable (corrupt?): {err}") from None
+        return cls(iteration_dir, files)
+
+    def verify(self, path: Path) -> None:
+        """CheckpointError naming `path` unless its size and CRC-32 are those recorded."""
+        name = path.relative_to(self.iteration_dir).as_posix()
+        entry = self.files.get(name)
+        if entry is None:
+            raise CheckpointError(f"{path} is not listed in {self.iteration_dir / MANIFEST}: "
+                                  "not a file this checkpoint's save wrote")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{path} is unreadable (truncated or corrupt): {size} bytes, "
+                                  f"{entry['bytes']} when it was saved "
+                                  f"({self.iteration_dir / MANIFEST})")
+        crc32 = 0
+        with open(path, "rb") as file:
+            while chunk := file.read(READ_CHUNK):
+                crc32 = zlib.crc32(chunk, crc32)
+        if f"{crc32:08x}" != entry["crc32"]:
+            raise CheckpointError(f"{path} is corrupt: its CRC-32 is {crc32:08x}, "
+                                  f"{entry['crc32']} when it was saved "
+                                  f"({self.iteration_dir / MANIFEST})")
 
 
 def write_tracker(directory: Path, iteration: int | str) -> None:
@@ -95,11 +184,13 @@ def agree(error: str | None) -> None:
         raise CheckpointError(first)
 
 
-def open_shard(path: Path) -> dict:
-    """The shard at `path`, memory-mapped; CheckpointError if it is missing, unreadable or not
-    of this format."""
+def open_shard(path: Path, manifest: Manifest | None) -> dict:
+    """The shard at `path`, memory-mapped, verified against `manifest` first (None: unverified);
+    CheckpointError if it is missing, corrupt, unreadable or not of this format."""
     if not path.exists():
         raise CheckpointError(f"checkpoint shard missing: {path}")
+    if manifest is not None:
+        manifest.verify(path)
     try:
         shard = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as err:
