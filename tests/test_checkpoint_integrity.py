@@ -1,7 +1,8 @@
 """Checkpoints that load as saved, or not at all: the committed format-1 fixture loads and
 resumes bit-exactly at every format change; every file a save writes is in its manifest with its
 CRC-32, and a flipped byte is an error naming the file on every load path (resume, --finetune,
-another TP degree, ZeRO shards, the HF converter)."""
+another TP degree, ZeRO shards, the HF converter); a checkpoint becomes the latest only once its
+weights gave a finite loss."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ from megadomino.parallel import ParallelDims
 from megadomino.training.checkpoint import (
     CheckpointError,
     TrainingState,
+    latest_iteration,
     load_checkpoint,
     load_zero_state,
     save_checkpoint,
 )
 from megadomino.training.loop import train
 from megadomino.training.optimizer import build_optimizer
+from megadomino.training.report import NonFiniteLossError
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_v1"
@@ -155,6 +158,34 @@ def check_zero_shard_corruption(dims: ParallelDims, root: str) -> None:
                  ZeroPlusPlus(fresh, dims, factory, ZeroConfig(stage=1)), dims)
 
 
+def check_diverged_step_is_not_latest(dims: ParallelDims, root: str) -> None:
+    """--lr 1e35 --save-interval 1: the step's own loss is finite, the weights it writes are not;
+    the run stops and the iteration file still names the last good checkpoint, which resumes to
+    finite losses. From scratch, no checkpoint is named at all."""
+    config = TrainConfig(micro_batch_size=1, global_batch_size=dims.dp, lr=1e-3, log_interval=1,
+                         eval_interval=0, eval_iters=0, mock_data=True, save_interval=1,
+                         tensor_model_parallel_size=dims.tp)
+
+    def run(**overrides) -> dict:
+        return train(SMALL, dataclasses.replace(config, **overrides), dims, "gpt",
+                     log=lambda line: None)
+
+    directory = f"{root}/diverge"
+    run(train_iters=3, save=directory)
+    assert latest_iteration(directory) == 3
+    with pytest.raises(NonFiniteLossError, match="weights saved at iteration 4 give the loss "
+                                                 ".* still names iteration 3"):
+        run(train_iters=6, lr=1e35, save=directory, load=directory)
+    assert latest_iteration(directory) == 3
+    resumed = run(train_iters=5, save=directory, load=directory)
+    assert len(resumed["losses"]) == 2 and all(map(math.isfinite, resumed["losses"]))
+    assert latest_iteration(directory) == 5
+
+    with pytest.raises(NonFiniteLossError, match="still names no checkpoint"):
+        run(train_iters=3, lr=1e35, save=f"{root}/diverge-at-once")
+    assert latest_iteration(f"{root}/diverge-at-once") is None
+
+
 CORRUPTION = DistSuite(worlds=(2,))
 
 
@@ -165,6 +196,7 @@ def _corruption_setup(world: int, root: str) -> dict:
 
 CORRUPTION.case("manifest-and-corruption", check_manifest_and_corruption, C.tp, C.dense, C.root)
 CORRUPTION.case("zero-shard-corruption", check_zero_shard_corruption, C.dense, C.root)
+CORRUPTION.case("diverged-step-is-not-latest", check_diverged_step_is_not_latest, C.tp, C.root)
 
 
 SUITE = DistSuite(worlds=(4,))

@@ -131,10 +131,12 @@ def latest_iteration(directory: str | os.PathLike) -> int | str | None:
 def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: nn.Module,
                     optimizer: MixedPrecisionAdamW | ZeroPlusPlus | None, dims: ParallelDims, *,
                     save_rng: bool = True, release: bool = False,
-                    save_optim: bool = True) -> Path:
+                    save_optim: bool = True, promote: bool = True) -> Path:
     """Write the checkpoint of `state.iteration` (or a weights-only 'release' one) and return its
     directory. Collective over the world. `optimizer` None or `save_optim` False leaves the
-    optimizer out; a ZeRO engine is needed for the weights at stage 3 either way."""
+    optimizer out; a ZeRO engine is needed for the weights at stage 3 either way. `promote`
+    False leaves the iteration file as it is: the training loop promotes a checkpoint
+    (`promote_checkpoint`) only once its weights gave a finite loss."""
     iteration = "release" if release else state.iteration
     target = checkpoint_dir(directory, iteration)
     rng = gather_over_dp(capture_rng_state(dims), dims) if save_rng else None
@@ -172,11 +174,25 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
     if dims.rank == 0:
         try:
             write_manifest(target, files)
+        except OSError as err:
+            error = f"rank 0 could not write {target / MANIFEST}: {err!r}"
+    agree(error)
+    if promote:
+        promote_checkpoint(directory, iteration, dims)
+    return target
+
+
+def promote_checkpoint(directory: str | os.PathLike, iteration: int | str,
+                       dims: ParallelDims) -> None:
+    """Make DIR's iteration file name `iteration` (saved complete with promote=False): rank 0
+    replaces it atomically; collective over the world."""
+    error = None
+    if dims.rank == 0:
+        try:
             write_tracker(Path(directory), iteration)
         except OSError as err:
-            error = f"rank 0 could not finish {target} ({MANIFEST}, then {TRACKER}): {err!r}"
+            error = f"rank 0 could not write {Path(directory) / TRACKER}: {err!r}"
     agree(error)
-    return target
 
 
 @contextlib.contextmanager

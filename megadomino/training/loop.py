@@ -17,7 +17,10 @@ shards; its own optimizer shards load after that (`checkpoint.load_zero_state`).
 
 After each iteration, in Megatron-LM's order: the log line at --log-interval (`training.report`:
 NaN stop, timers, TensorBoard), validation at --eval-interval, a checkpoint at --save-interval, at
-the end of the run and when an early stop (`training.stopping`) ends it. `--load` resumes from
+the end of the run and when an early stop (`training.stopping`) ends it. A checkpoint becomes the
+latest (`latest_checkpointed_iteration.txt`) only once a forward pass from its weights gave a
+finite loss: a diverged step stops the run with the previous checkpoint still the one a requeued
+job resumes (`_save`). `--load` resumes from
 the counters, optimizer and RNG states a checkpoint holds, so that a resumed run repeats the
 uninterrupted one's losses exactly (`training.checkpoint`).
 
@@ -28,6 +31,7 @@ the process group chose the backend to match.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -44,8 +48,10 @@ from megadomino.training.checkpoint import (
     TRACKER,
     CheckpointError,
     TrainingState,
+    latest_iteration,
     load_checkpoint,
     load_zero_state,
+    promote_checkpoint,
     save_checkpoint,
 )
 from megadomino.training.data.mock import MockDataset
@@ -57,7 +63,7 @@ from megadomino.training.optimizer import (
     MixedPrecisionAdamW,
     build_optimizer,
 )
-from megadomino.training.report import Reporter
+from megadomino.training.report import NonFiniteLossError, Reporter
 from megadomino.training.step import DataParallel, Dataset, Stepper
 from megadomino.training.stopping import StopConditions
 from megadomino.training.tensorboard import open_writer
@@ -179,7 +185,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
                 if train_config.save and (last or interval and iteration % interval == 0):
                     reporter.check_finite(iteration)  # never save a diverged model
                     with reporter.outside_training():
-                        _save(train_config, state, model, optimizer, dims, log)
+                        _save(train_config, state, model, optimizer, dims, log,
+                              lambda: step.probe(train_data, state.consumed_train_samples - gbs))
                 if reason is not None:
                     history["exit_reason"] = reason
                     if dims.rank == 0:
@@ -244,9 +251,24 @@ def _resume(config: TrainConfig, model: nn.Module, optimizer: MixedPrecisionAdam
 
 def _save(config: TrainConfig, state: TrainingState, model: nn.Module,
           optimizer: MixedPrecisionAdamW | ZeroPlusPlus, dims: ParallelDims,
-          log: Callable[[str], None]) -> None:
+          log: Callable[[str], None], probe: Callable[[], float]) -> None:
+    """Save, then promote the checkpoint to latest once a forward pass from the saved weights
+    (`probe`: the last batch again) gives a finite loss. The step that produced the weights may
+    have diverged though its own loss, taken before it, was finite: then NonFiniteLossError, and
+    the iteration file keeps naming the last good checkpoint, which a requeued job resumes."""
     path = save_checkpoint(config.save, state, model, optimizer, dims,
-                           save_rng=not config.no_save_rng, save_optim=not config.no_save_optim)
+                           save_rng=not config.no_save_rng, save_optim=not config.no_save_optim,
+                           promote=False)
+    loss = probe()
+    if not math.isfinite(loss):
+        previous = latest_iteration(config.save)
+        raise NonFiniteLossError(
+            f"the weights saved at iteration {state.iteration} give the loss {loss} (the step "
+            f"after the last finite loss diverged): stopping the run; {path} is kept but not "
+            f"made the latest, {TRACKER} still names "
+            + (f"iteration {previous}" if previous is not None else "no checkpoint")
+            + " (lower --lr, or check the data and the precision)")
+    promote_checkpoint(config.save, state.iteration, dims)
     if dims.rank == 0:
         log(f" saved checkpoint {path} (iteration {state.iteration})")
 

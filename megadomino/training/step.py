@@ -130,6 +130,16 @@ class Stepper:
         return total / self.num_micro, result
 
     @torch.no_grad()
+    def probe(self, dataset: Dataset, consumed: int) -> float:
+        """The loss of the current weights on the first micro-batch of the global batch at sample
+        `consumed` (eval mode: no dropout, no generator touched), averaged over DP: the same
+        value on every rank."""
+        self.model.eval()
+        loss = self._loss(*self._micro_batch(dataset, consumed, 0))
+        self.model.train()
+        return dp_mean(loss, self.dims).item()
+
+    @torch.no_grad()
     def evaluate(self, dataset: Dataset, consumed: int, iters: int) -> float:
         """Mean loss over `iters` global batches starting at sample `consumed`, averaged over DP."""
         self.model.eval()
