@@ -52,14 +52,27 @@ def build_datasets(model_config: ModelConfig, train_config: TrainConfig, dims: P
     if finetune:
         return build_sft_datasets(train_config.data_path, train_config.split, tokenizer,
                                   model_config.seq_length, train_config.prompt_template,
-                                  train_config.seed, (train_samples, valid_samples))
+                                  train_config.seed, (train_samples, valid_samples),
+                                  vocab_size=model_config.vocab_size,
+                                  vocab_source=vocab_source(train_config))
     # The test split is never read by the loop: it is not built (a small corpus's 0.1% test
     # split may not hold one sample).
     train, valid, _ = build_train_valid_test_datasets(
         train_config.data_path, train_config.split, model_config.seq_length, train_config.seed,
         (train_samples, valid_samples, 0), tokenizer.eod, train_config.eod_mask_loss,
-        train_config.data_cache_path)
+        train_config.data_cache_path, vocab_size=model_config.vocab_size,
+        vocab_source=vocab_source(train_config))
     return train, valid
+
+
+def vocab_source(train_config: TrainConfig) -> str:
+    """What set the vocabulary, in flags: --vocab-size for the NullTokenizer, else the
+    tokenizer and its file."""
+    kind = train_config.tokenizer_type
+    if kind == "NullTokenizer":
+        return "--vocab-size (NullTokenizer)"
+    files = train_config.tokenizer_model or train_config.vocab_file
+    return f"--tokenizer-type {kind}" + (f" ({files})" if files else "")
 
 
 def hf_model_init(hf_dir: str) -> ModelInit:

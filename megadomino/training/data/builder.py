@@ -20,6 +20,11 @@
 - Under torch.distributed, rank 0 builds (and caches) first, then the other ranks build
   (loading the cache where they share the disk): call it on every rank. An error on rank 0
   (too little data for a split, a bad file) is raised on every rank.
+- With `vocab_size`, every prefix's token ids must be below it (the unpadded vocabulary: an id
+  in the padding band would train a padding row, a larger one would crash or read a zero
+  vector): the largest id of each .bin is found once, by the rank that builds the cache (a
+  progress line while it scans), and cached with the indices; a larger id is a ConfigError naming
+  the file, the id and `vocab_source` (the flag or tokenizer that set the vocabulary).
 
 Which rank reads which sample is the sampler's business (the loop's: DP ranks take disjoint
 slices of each global batch of consecutive sample indices).
@@ -31,11 +36,13 @@ import math
 import os
 import re
 
+import numpy as np
 import torch.distributed as dist
 
 from megadomino.config import ConfigError
 from megadomino.training.data.blend import BlendedDataset, normalize_weights
 from megadomino.training.data.gpt_dataset import GPTDataset
+from megadomino.training.data.index_cache import cached_arrays
 from megadomino.training.data.indexed import IndexedDataset
 
 SPLITS = ("train", "valid", "test")
@@ -74,7 +81,9 @@ def parse_split(split: str) -> list[tuple[float, float] | None]:
 
 def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
                                     num_samples: tuple[int, int, int], tokenizer_eod: int,
-                                    eod_mask_loss: bool, cache_dir: str | None = None) -> tuple:
+                                    eod_mask_loss: bool, cache_dir: str | None = None, *,
+                                    vocab_size: int | None = None,
+                                    vocab_source: str = "--vocab-size") -> tuple:
     """(train, valid, test): GPTDataset / BlendedDataset / None each; see the module docstring."""
     prefixes, weights = parse_data_path(data_path)
     ranges = parse_split(split)
@@ -82,6 +91,9 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
         cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "index-cache")
     def build() -> tuple:
         indexed = [IndexedDataset(prefix) for prefix in prefixes]
+        if vocab_size is not None:
+            for dataset in indexed:
+                check_token_ids(dataset, vocab_size, vocab_source, cache_dir)
         return tuple(
             _build_split(indexed, weights, ranges[i], num_samples[i], seq_length, seed,
                          tokenizer_eod, eod_mask_loss, cache_dir, SPLITS[i])
@@ -103,6 +115,24 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
         error_type, message = outcome[0]
         raise error_type(message)
     return datasets if dist.get_rank() == 0 else build()
+
+
+def check_token_ids(indexed: IndexedDataset, vocab_size: int, vocab_source: str,
+                    cache_dir: str | None) -> None:
+    """ConfigError unless every token id of `indexed` is below `vocab_size`; the largest id is
+    computed once and cached in `cache_dir` beside the indices, keyed by the data's identity."""
+    description = {"class": "IndexedDataset", "prefix": os.path.abspath(indexed.prefix),
+                   **indexed.identity()}
+    arrays, _ = cached_arrays(
+        cache_dir, "IndexedDataset", description, ("max_token_id",),
+        lambda: {"max_token_id": np.array([indexed.max_token_id()], dtype=np.int64)})
+    largest = int(arrays["max_token_id"][0])
+    if largest >= vocab_size:
+        raise ConfigError(
+            f"{indexed.prefix}.bin holds token id {largest}, but the vocabulary has {vocab_size} "
+            f"ids (ids 0 to {vocab_size - 1}, set by {vocab_source}): preprocess the data with "
+            "the tokenizer the model uses, or give the vocabulary that the data was tokenized "
+            "with")
 
 
 def _build_split(indexed: list[IndexedDataset], weights: list[float] | None,
@@ -129,7 +159,7 @@ def _build_split(indexed: list[IndexedDataset], weights: list[float] | None,
     targets = [math.ceil(num_samples * w) for w in shares]
     members = [member(k, math.ceil(target * (1 + MID_LEVEL_SURPLUS)))
                for k, target in enumerate(targets)]
-    description = {"members": [[os.path.abspath(ds.prefix), list(r)]
+    description = {"members": [[os.path.abspath(ds.prefix), ds.identity(), list(r)]
                                for ds, r in zip(indexed, ranges)],
                    "split": split, "seq_length": seq_length, "seed": seed}
     return BlendedDataset(members, shares, sum(targets), cache_dir, description)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from megadomino.training.data.index_cache import cached_arrays
-from megadomino.training.data.indexed import IndexedDataset, idx_path
+from megadomino.training.data.indexed import IndexedDataset
 
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
@@ -113,7 +113,7 @@ class GPTDataset:
         begin, end = sequence_range
         description = {
             "class": "GPTDataset", "prefix": os.path.abspath(indexed.prefix),
-            "idx_bytes": os.path.getsize(idx_path(indexed.prefix)), "split": split,
+            **indexed.identity(), "split": split,
             "sequence_range": [begin, end], "num_samples": num_samples,
             "seq_length": seq_length, "seed": seed,
         }

@@ -2,9 +2,11 @@
 
 Files are `CACHE_DIR/{md5 of description}-{kind}-{name}.npy` plus a `...-description.json` saying
 what was built, so a change of data, seed, split, length or sample count never reuses stale
-indices. Each file is written under a temporary name and renamed into place, so a reader sees
-whole files or none, and ranks racing to build the same indices on a shared disk are harmless.
-Hits are memory mapped.
+indices: descriptions name the data by what it is (`IndexedDataset.identity()`: the .idx content
+hash, the .bin size and modification time), not by its path. Each file is written under a
+temporary name and renamed into place, so a reader sees whole files or none, and ranks racing to
+build the same indices on a shared disk are harmless. Hits are memory mapped; a cache file that
+fails to load is rebuilt, with a notice naming it.
 """
 
 from __future__ import annotations
@@ -18,16 +20,26 @@ import numpy as np
 
 
 def cached_arrays(cache_dir: str | None, kind: str, description: dict, names: tuple[str, ...],
-                  build: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
+                  build: Callable[[], dict[str, np.ndarray]],
+                  log: Callable[[str], None] = print) -> tuple[dict[str, np.ndarray], bool]:
     """(arrays by name, whether they came from the cache). `build()` runs on a miss (or always
-    when cache_dir is None) and must return exactly `names`; its arrays are then saved."""
+    when cache_dir is None) and must return exactly `names`; its arrays are then saved. A cache
+    file that does not load (truncated, corrupt) is a miss, with a notice to `log`."""
     if cache_dir is None:
         return build(), False
     text = json.dumps(description, indent=2, sort_keys=True)
     stem = os.path.join(cache_dir, f"{hashlib.md5(text.encode()).hexdigest()}-{kind}")
     paths = {name: f"{stem}-{name}.npy" for name in names}
     if all(os.path.isfile(path) for path in paths.values()):
-        return {name: np.load(path, mmap_mode="r") for name, path in paths.items()}, True
+        loaded = {}
+        for name, path in paths.items():
+            try:
+                loaded[name] = np.load(path, mmap_mode="r")
+            except (OSError, ValueError, EOFError) as error:
+                log(f"notice: index cache file {path} does not load ({error}): rebuilding it")
+                break
+        else:
+            return loaded, True
     arrays = build()
     if set(arrays) != set(names):
         raise ValueError(f"{kind} index build returned {sorted(arrays)}, expected {sorted(names)}")

@@ -18,15 +18,26 @@ little-endian:
 A document is one JSON line of the corpus; without sentence splitting it is one sequence (an empty
 line gives an empty document: no sequence, a repeated document index). Both files are memory
 mapped, never read whole.
+
+Opening a pair validates it (ConfigError naming the file): lengths non-negative, pointers the
+running sum of lengths times the token size (from 0), document indices from 0, non-decreasing, to
+the sequence count, and the `.bin` exactly as long as the lengths imply (which also catches an
+`.idx` whose dtype is not the `.bin`'s). `identity()` says what the data is, for cache keys: a
+hash of the `.idx` content with the `.bin`'s size and modification time, so that re-tokenizing
+into the same prefix never reuses indices built for the old data.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+
+from megadomino.config import ConfigError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -65,42 +76,96 @@ class IndexedDataset:
                 raise FileNotFoundError(f"indexed dataset file {path} is missing (data prefix "
                                         f"{prefix!r}: pass the path without .bin / .idx)")
         self.prefix = prefix
-        with open(idx_path(prefix), "rb") as stream:
+        index_file = idx_path(prefix)
+        with open(index_file, "rb") as stream:
             head = stream.read(_HEADER.size)
         if len(head) < _HEADER.size or head[:9] != MAGIC:
-            raise ValueError(f"{idx_path(prefix)} is not a Megatron MMIDIDX index file")
+            raise ConfigError(f"{index_file} is not a Megatron MMIDIDX index file")
         _, version, code, num_sequences, num_doc_indices = _HEADER.unpack(head)
         if version != VERSION:
-            raise ValueError(f"{idx_path(prefix)}: index version {version}, expected {VERSION}")
+            raise ConfigError(f"{index_file}: index version {version}, expected {VERSION}")
         if code not in DTYPES:
-            raise ValueError(f"{idx_path(prefix)}: unknown token dtype code {code}")
+            raise ConfigError(f"{index_file}: unknown token dtype code {code}")
         self.dtype = np.dtype(DTYPES[code])
 
-        index = np.memmap(idx_path(prefix), dtype=np.uint8, mode="r")
+        index = np.memmap(index_file, dtype=np.uint8, mode="r")
         offset = _HEADER.size
         expected = offset + 12 * num_sequences + 8 * num_doc_indices
         if index.size < expected:
-            raise ValueError(f"{idx_path(prefix)} is truncated: {index.size} bytes, the header "
-                             f"announces {expected}")
+            raise ConfigError(f"{index_file} is truncated: {index.size} bytes, the header "
+                              f"announces {expected}")
         self.sequence_lengths = np.frombuffer(index, np.int32, num_sequences, offset)
         offset += self.sequence_lengths.nbytes
         self.sequence_pointers = np.frombuffer(index, np.int64, num_sequences, offset)
         offset += self.sequence_pointers.nbytes
         self.document_indices = np.frombuffer(index, np.int64, num_doc_indices, offset)
-        if num_doc_indices == 0 or self.document_indices[-1] != num_sequences:
-            raise ValueError(f"{idx_path(prefix)}: document indices do not end at the sequence "
-                             f"count {num_sequences}")
-
+        self._validate()
         data_bytes = os.path.getsize(bin_path(prefix))
+        implied = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        if data_bytes != implied:
+            raise ConfigError(
+                f"{bin_path(prefix)} holds {data_bytes} bytes, but {index_file} implies {implied} "
+                f"({int(self.sequence_lengths.sum(dtype=np.int64))} tokens of {self.dtype}): the "
+                "two files do not belong together (truncated, or written with another dtype or "
+                "at another time); preprocess the corpus again into this prefix")
         # np.memmap refuses empty files; an empty corpus has no sequence to read anyway.
         self._data = (np.memmap(bin_path(prefix), dtype=np.uint8, mode="r") if data_bytes
                       else np.zeros(0, np.uint8))
-        if num_sequences:
-            end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * \
-                self.dtype.itemsize
-            if end > data_bytes:
-                raise ValueError(f"{bin_path(prefix)} is truncated: {data_bytes} bytes, the index "
-                                 f"needs {end}")
+        self._identity: dict | None = None
+
+    def _validate(self) -> None:
+        """ConfigError naming the .idx unless its arrays describe a well-formed corpus."""
+        index_file, lengths = idx_path(self.prefix), self.sequence_lengths
+        documents = self.document_indices
+        if len(lengths) and int(lengths.min()) < 0:
+            first = int(np.argmax(lengths < 0))
+            raise ConfigError(f"{index_file} is corrupt: sequence {first} has length "
+                              f"{int(lengths[first])}")
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        if not np.array_equal(pointers, self.sequence_pointers):
+            first = int(np.argmax(pointers != self.sequence_pointers))
+            raise ConfigError(f"{index_file} is corrupt: sequence {first} starts at byte "
+                              f"{int(self.sequence_pointers[first])}, the lengths before it put "
+                              f"it at {int(pointers[first])}")
+        if len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths):
+            raise ConfigError(f"{index_file} is corrupt: document indices must run from 0 to the "
+                              f"sequence count {len(lengths)}")
+        if len(documents) > 1 and int(np.diff(documents).min()) < 0:
+            first = int(np.argmax(np.diff(documents) < 0))
+            raise ConfigError(f"{index_file} is corrupt: document {first + 1} starts at sequence "
+                              f"{int(documents[first + 1])}, before document {first} "
+                              f"({int(documents[first])})")
+
+    def identity(self) -> dict:
+        """What this data is, for cache keys: the .idx content's BLAKE2b digest, the .bin's size
+        and modification time (ns). Hashing reads the .idx once per instance."""
+        if self._identity is None:
+            digest = hashlib.blake2b(digest_size=16)
+            with open(idx_path(self.prefix), "rb") as stream:
+                while chunk := stream.read(1 << 24):
+                    digest.update(chunk)
+            status = os.stat(bin_path(self.prefix))
+            self._identity = {"idx_blake2b": digest.hexdigest(), "bin_bytes": status.st_size,
+                              "bin_mtime_ns": status.st_mtime_ns}
+        return self._identity
+
+    def max_token_id(self, log: Callable[[str], None] = print,
+                     chunk_tokens: int = 1 << 26) -> int:
+        """The largest token id in the .bin (-1 when empty), scanning it in chunks; a progress
+        line to `log` every 10 seconds and one at the end."""
+        tokens = len(self._data) // self.dtype.itemsize
+        data = np.frombuffer(self._data, self.dtype, tokens)
+        largest, began, shown = -1, time.monotonic(), time.monotonic()
+        for start in range(0, tokens, chunk_tokens):
+            largest = max(largest, int(data[start:start + chunk_tokens].max()))
+            if time.monotonic() - shown > 10:
+                shown = time.monotonic()
+                log(f" scanning {bin_path(self.prefix)} for its largest token id: "
+                    f"{100 * (start + chunk_tokens) / tokens:.0f}%")
+        log(f" largest token id of {bin_path(self.prefix)}: {largest} ({tokens} tokens, "
+            f"{time.monotonic() - began:.1f} s; cached)")
+        return largest
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

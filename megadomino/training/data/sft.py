@@ -18,7 +18,8 @@ run, sees the same sample i.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +32,11 @@ from megadomino.training.data.tokenizer import Tokenizer
 def read_examples(paths: Sequence[str]) -> list[tuple[str, str]]:
     """(prompt, response) of every line of the JSONL files, in order; ConfigError naming the file
     and line of a line that is not a JSON object with string "prompt" and "response"."""
+    return [(prompt, response) for _, _, prompt, response in _read_lines(paths)]
+
+
+def _read_lines(paths: Sequence[str]) -> list[tuple[str, int, str, str]]:
+    """(file, line number, prompt, response) of every example (see read_examples)."""
     examples = []
     for path in paths:
         try:
@@ -49,7 +55,7 @@ def read_examples(paths: Sequence[str]) -> list[tuple[str, str]]:
                     isinstance(record.get(key), str) for key in ("prompt", "response")):
                 raise ConfigError(f"{path}:{number}: expected an object with string \"prompt\" "
                                   "and \"response\"")
-            examples.append((record["prompt"], record["response"]))
+            examples.append((path, number, record["prompt"], record["response"]))
     if not examples:
         raise ConfigError(f"--data-path {' '.join(paths)}: no examples")
     return examples
@@ -97,13 +103,40 @@ class SFTDataset:
         return {"tokens": tokens, "loss_mask": loss_mask}
 
 
+def check_token_ids(lines: list[tuple[str, int, str, str]], tokenizer: Tokenizer,
+                    prompt_template: str, vocab_size: int, vocab_source: str,
+                    log: Callable[[str], None] = print) -> None:
+    """ConfigError naming the file and line of the first example whose tokens (template, prompt,
+    response, eod, pad) reach `vocab_size`; a progress line every 10 seconds."""
+    began = shown = time.monotonic()
+    extra = [tokenizer.eod] + ([tokenizer.pad] if tokenizer.pad is not None else [])
+    for position, (path, number, prompt, response) in enumerate(lines):
+        ids = tokenizer.tokenize(prompt_template.replace("{prompt}", prompt))
+        ids += tokenizer.tokenize(response) + extra
+        largest = max(ids)
+        if largest >= vocab_size or min(ids) < 0:
+            bad = largest if largest >= vocab_size else min(ids)
+            raise ConfigError(f"{path}:{number}: token id {bad} is outside the vocabulary of "
+                              f"{vocab_size} ids (ids 0 to {vocab_size - 1}, set by "
+                              f"{vocab_source})")
+        if time.monotonic() - shown > 10:
+            shown = time.monotonic()
+            log(f" checking the token ids of --data-path: {position + 1} of {len(lines)} "
+                f"examples ({shown - began:.0f} s)")
+
+
 def build_sft_datasets(paths: Sequence[str], split: str, tokenizer: Tokenizer, seq_length: int,
-                       prompt_template: str, seed: int,
-                       num_samples: tuple[int, int]) -> tuple[SFTDataset, SFTDataset | None]:
+                       prompt_template: str, seed: int, num_samples: tuple[int, int], *,
+                       vocab_size: int | None = None, vocab_source: str = "--vocab-size"
+                       ) -> tuple[SFTDataset, SFTDataset | None]:
     """(train, valid) over the examples of `paths`, divided into consecutive train / valid
     ranges by `split` (a test part is left unused); valid is None when its part or its sample
-    count is 0."""
-    examples = read_examples(paths)
+    count is 0. With `vocab_size`, every example is tokenized once up front and must give ids
+    below it (ConfigError naming its file and line, and `vocab_source`)."""
+    lines = _read_lines(paths)
+    if vocab_size is not None:
+        check_token_ids(lines, tokenizer, prompt_template, vocab_size, vocab_source)
+    examples = [(prompt, response) for _, _, prompt, response in lines]
     datasets = []
     for index, (name, count) in enumerate(zip(SPLITS, num_samples)):
         bounds = parse_split(split)[index]
