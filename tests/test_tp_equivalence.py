@@ -6,13 +6,11 @@ One gloo process group per world size runs every case (see dist_utils)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import CaseRunner, assert_close, check_result, run_cases
+from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ModelConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims, mappings
@@ -214,54 +212,37 @@ def check_embedding_and_cross_entropy(dims_ref, dims_tp, sequence_parallel: bool
                  "cross-entropy grad")
 
 
-def all_cases() -> dict[str, str | None]:
-    dims_ref = ParallelDims(tp=1)
-    world = dims_ref.world_size
-    dims_tp = ParallelDims(tp=world)
-    runner = CaseRunner()
-    for gather in (False, True):
-        runner.run(f"column-gather{gather}", check_column, dims_ref, dims_tp, gather, False)
-    runner.run("column-sp", check_column, dims_ref, dims_tp, False, True)
-    for parallel_input in (False, True):
-        runner.run(f"row-parallel_input{parallel_input}", check_row, dims_ref, dims_tp,
-                   parallel_input, False)
-    runner.run("row-sp", check_row, dims_ref, dims_tp, True, True)
+SUITE = DistSuite(worlds=(2, 4))
+
+
+@SUITE.setup
+def _setup(world: int) -> dict:
+    return {"ref": ParallelDims(tp=1), "tp": ParallelDims(tp=world)}
+
+
+for gather in (False, True):
+    SUITE.case(f"column-gather{gather}", check_column, C.ref, C.tp, gather, False)
+SUITE.case("column-sp", check_column, C.ref, C.tp, False, True)
+for parallel_input in (False, True):
+    SUITE.case(f"row-parallel_input{parallel_input}", check_row, C.ref, C.tp, parallel_input,
+               False)
+SUITE.case("row-sp", check_row, C.ref, C.tp, True, True)
+for sp in (False, True):
+    SUITE.case(f"embedding-ce-sp{sp}", check_embedding_and_cross_entropy, C.ref, C.tp, sp)
+for family in FAMILIES:
     for sp in (False, True):
-        runner.run(f"embedding-ce-sp{sp}", check_embedding_and_cross_entropy, dims_ref, dims_tp,
-                   sp)
-    for family in FAMILIES:
-        for sp in (False, True):
-            runner.run(f"{family}-sp{sp}", check_model, family, sp, dims_ref, dims_tp, False)
-        runner.run(f"{family}-positions", check_model, family, True, dims_ref, dims_tp, True)
-        runner.run(f"{family}-comm-overlap", check_model, family, True, dims_ref, dims_tp,
-                   False, tp_comm_overlap=True)
-        runner.run(f"{family}-init", check_init_is_tp_independent, family, dims_ref, dims_tp)
-        runner.run(f"{family}-recompute-selective", check_recompute_with_dropout, family,
-                   "selective", None, dims_tp)
-        for method in ("uniform", "block"):
-            runner.run(f"{family}-recompute-full-{method}", check_recompute_with_dropout, family,
-                       "full", method, dims_tp)
-    return runner.results
+        SUITE.case(f"{family}-sp{sp}", check_model, family, sp, C.ref, C.tp, False)
+    SUITE.case(f"{family}-positions", check_model, family, True, C.ref, C.tp, True)
+    SUITE.case(f"{family}-comm-overlap", check_model, family, True, C.ref, C.tp, False,
+               tp_comm_overlap=True)
+    SUITE.case(f"{family}-init", check_init_is_tp_independent, family, C.ref, C.tp)
+    SUITE.case(f"{family}-recompute-selective", check_recompute_with_dropout, family,
+               "selective", None, C.tp)
+    for method in ("uniform", "block"):
+        SUITE.case(f"{family}-recompute-full-{method}", check_recompute_with_dropout, family,
+                   "full", method, C.tp)
 
-
-CASES = (
-    ["column-gatherFalse", "column-gatherTrue", "column-sp", "row-parallel_inputFalse",
-     "row-parallel_inputTrue", "row-sp", "embedding-ce-spFalse", "embedding-ce-spTrue"]
-    + [f"{family}-{case}" for family in FAMILIES
-       for case in ("spFalse", "spTrue", "positions", "comm-overlap", "init", "recompute-selective",
-                    "recompute-full-uniform", "recompute-full-block")]
-)
-
-
-@functools.cache
-def results_for(world: int) -> dict[str, str | None]:
-    return run_cases(world, all_cases)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", CASES)
-def test_tensor_parallel_matches_dense(world: int, case: str):
-    check_result(results_for(world), case)
+test_tensor_parallel_matches_dense = SUITE.test()
 
 
 def test_fused_comm_mode_names_the_variable_and_the_choices(monkeypatch):
