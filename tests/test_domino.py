@@ -6,14 +6,12 @@ data-parallel gradient buffer sees Domino's gradients (one spawn per world size)
 
 from __future__ import annotations
 
-import functools
 import itertools
 
-import pytest
 import torch
 from test_tp_equivalence import FAMILIES, batch, loss_and_grads, tiny_config
 
-from dist_utils import CaseRunner, assert_close, check_result, run_cases
+from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ConfigError, TrainConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
@@ -121,34 +119,23 @@ def check_auto(dims):
     assert len(losses) == 2
 
 
-def all_cases() -> dict[str, str | None]:
-    dims = ParallelDims(tp=ParallelDims(tp=1).world_size)
-    runner = CaseRunner()
-    for family in FAMILIES:
-        for n, k, sp in GRID:
-            runner.run(f"{family}-N{n}-K{k}-sp{sp}", check_equal, family, dims, n, k, sp, False)
-        for (n, k), sp in RECOMPUTE:
-            runner.run(f"{family}-N{n}-K{k}-sp{sp}-recompute", check_equal, family, dims, n, k,
-                       sp, True)
-        runner.run(f"{family}-recompute-dropout", check_recompute_dropout, family, dims)
-        runner.run(f"{family}-refused", check_refused, family, dims)
-    runner.run("training", check_training_matches, dims)
-    runner.run("auto", check_auto, dims)
-    return runner.results
+SUITE = DistSuite(worlds=(2, 4))
 
 
-CASES = [f"{family}-{case}" for family in FAMILIES for case in (
-    [f"N{n}-K{k}-sp{sp}" for n, k, sp in GRID]
-    + [f"N{n}-K{k}-sp{sp}-recompute" for (n, k), sp in RECOMPUTE]
-    + ["recompute-dropout", "refused"])] + ["training", "auto"]
+@SUITE.setup
+def _setup(world: int) -> dict:
+    return {"dims": ParallelDims(tp=world)}
 
 
-@functools.cache
-def results_for(world: int) -> dict[str, str | None]:
-    return run_cases(world, all_cases)
+for family in FAMILIES:
+    for n, k, sp in GRID:
+        SUITE.case(f"{family}-N{n}-K{k}-sp{sp}", check_equal, family, C.dims, n, k, sp, False)
+    for (n, k), sp in RECOMPUTE:
+        SUITE.case(f"{family}-N{n}-K{k}-sp{sp}-recompute", check_equal, family, C.dims, n, k, sp,
+                   True)
+    SUITE.case(f"{family}-recompute-dropout", check_recompute_dropout, family, C.dims)
+    SUITE.case(f"{family}-refused", check_refused, family, C.dims)
+SUITE.case("training", check_training_matches, C.dims)
+SUITE.case("auto", check_auto, C.dims)
 
-
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", CASES)
-def test_domino_matches_plain_tp(world: int, case: str):
-    check_result(results_for(world), case)
+test_domino_matches_plain_tp = SUITE.test()
