@@ -5,7 +5,6 @@ every case, see dist_utils)."""
 from __future__ import annotations
 
 import copy
-import functools
 import math
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import CaseRunner, assert_close, check_result, run_cases
+from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.data import MockDataset
@@ -284,29 +283,22 @@ def _case_fp16_skip_and_master(dims: ParallelDims) -> None:
     assert fresh.adamw.state_dict()["state"][0]["step"] == 1
 
 
-def _cases() -> dict[str, str | None]:
-    runner = CaseRunner()
-    data_parallel = ParallelDims(tp=1, dp=2)
-    tensor_parallel = ParallelDims(tp=2, dp=1)
-    for dtype in (torch.float32, torch.bfloat16):
-        runner.run(f"dp_mean_{dtype}", _case_dp_mean, data_parallel, dtype)
-    runner.run("unused_param", _case_unused_param, data_parallel)
-    runner.run("sequence_parallel_sum", _case_sequence_parallel_sum, tensor_parallel)
-    runner.run("tp_grad_norm_and_clip", _case_tp_grad_norm_and_clip, tensor_parallel)
-    runner.run("fp16_skip_and_master", _case_fp16_skip_and_master, data_parallel)
-    return runner.results
+SUITE = DistSuite(worlds=(2,))
 
 
-@functools.cache
-def _results() -> dict[str, str | None]:
-    return run_cases(2, _cases)
+@SUITE.setup
+def _setup(world: int) -> dict:
+    return {"data_parallel": ParallelDims(tp=1, dp=2), "tensor_parallel": ParallelDims(tp=2, dp=1)}
 
 
-@pytest.mark.parametrize("case", ["dp_mean_torch.float32", "dp_mean_torch.bfloat16",
-                                  "unused_param", "sequence_parallel_sum",
-                                  "tp_grad_norm_and_clip", "fp16_skip_and_master"])
-def test_distributed_case(case):
-    check_result(_results(), case)
+for dtype in (torch.float32, torch.bfloat16):
+    SUITE.case(f"dp_mean_{dtype}", _case_dp_mean, C.data_parallel, dtype)
+SUITE.case("unused_param", _case_unused_param, C.data_parallel)
+SUITE.case("sequence_parallel_sum", _case_sequence_parallel_sum, C.tensor_parallel)
+SUITE.case("tp_grad_norm_and_clip", _case_tp_grad_norm_and_clip, C.tensor_parallel)
+SUITE.case("fp16_skip_and_master", _case_fp16_skip_and_master, C.data_parallel)
+
+test_distributed_case = SUITE.test()
 
 
 def test_hook_streams_ignore_cpu_tensors():
