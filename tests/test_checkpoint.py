@@ -5,7 +5,6 @@ TP=2 saved, a crash during a save, missing / truncated shards and config mismatc
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import shutil
 import signal
@@ -15,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import CaseRunner, check_result, run_cases
+from dist_utils import C, DistSuite
 from megadomino.config import ModelConfig, TrainConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
@@ -202,32 +201,26 @@ def _case_nan_stops(dims: ParallelDims, root: str) -> None:
     assert latest_iteration(f"{root}/nan") is None
 
 
-def _cases(root: str) -> dict[str, str | None]:
-    runner = CaseRunner()
-    tp2, dp2 = ParallelDims(tp=2), ParallelDims(tp=1)
-    runner.run("resume_tp2", _case_resume_tp2, tp2, root)
-    runner.run("resume_dp2_sigterm", _case_resume_dp2_sigterm, dp2, root)
-    runner.run("tp2_to_tp1", _case_tp2_to_tp1, tp2, dp2, root)
-    runner.run("crash_during_save", _case_crash_during_save, tp2, root)
-    runner.run("bad_checkpoints", _case_bad_checkpoints, tp2, root)
-    runner.run("load_semantics", _case_load_semantics, tp2, root)
-    runner.run("exit_duration_and_missing_load", _case_exit_duration_and_missing_load, dp2, root)
-    runner.run("nan_stops", _case_nan_stops, dp2, root)
-    return runner.results
-
-
-@functools.cache
-def _results(root: str) -> dict[str, str | None]:
-    return run_cases(2, _cases, root)
+SUITE = DistSuite(worlds=(2,))
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, str | None]:
-    return _results(str(tmp_path_factory.mktemp("checkpoints")))
+def checkpoint_root(tmp_path_factory) -> tuple[str]:
+    return (str(tmp_path_factory.mktemp("checkpoints")),)
 
 
-@pytest.mark.parametrize("case", ["resume_tp2", "resume_dp2_sigterm", "tp2_to_tp1",
-                                  "crash_during_save", "bad_checkpoints", "load_semantics",
-                                  "exit_duration_and_missing_load", "nan_stops"])
-def test_checkpoint(results, case):
-    check_result(results, case)
+@SUITE.setup
+def _setup(world: int, root: str) -> dict:
+    return {"tp2": ParallelDims(tp=2), "dp2": ParallelDims(tp=1), "root": root}
+
+
+SUITE.case("resume_tp2", _case_resume_tp2, C.tp2, C.root)
+SUITE.case("resume_dp2_sigterm", _case_resume_dp2_sigterm, C.dp2, C.root)
+SUITE.case("tp2_to_tp1", _case_tp2_to_tp1, C.tp2, C.dp2, C.root)
+SUITE.case("crash_during_save", _case_crash_during_save, C.tp2, C.root)
+SUITE.case("bad_checkpoints", _case_bad_checkpoints, C.tp2, C.root)
+SUITE.case("load_semantics", _case_load_semantics, C.tp2, C.root)
+SUITE.case("exit_duration_and_missing_load", _case_exit_duration_and_missing_load, C.dp2, C.root)
+SUITE.case("nan_stops", _case_nan_stops, C.dp2, C.root)
+
+test_checkpoint = SUITE.test(args_fixture="checkpoint_root")
