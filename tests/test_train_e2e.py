@@ -7,15 +7,13 @@ trains with --zero-stage 3 (tests/test_zero_training.py has ZeRO's multi-rank ca
 
 from __future__ import annotations
 
-import functools
 import re
 
 import numpy as np
-import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import CaseRunner, check_result, free_port, run_cases
+from dist_utils import DistSuite, free_port
 from megadomino.config import ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.data import IndexedDatasetBuilder
@@ -90,26 +88,13 @@ def _case_low_precision(flag: str) -> None:
     assert all(m.dtype == torch.float32 for m in history["optimizer"].masters)
 
 
-def _cases(world: int) -> dict[str, str | None]:
-    runner = CaseRunner()
-    if world == 2:
-        runner.run("tp2_sp", _case_tp_then_dp, 2, 1, True)
-        runner.run("tp2_bf16", _case_low_precision, "bf16")
-        runner.run("tp2_fp16", _case_low_precision, "fp16")
-    else:
-        runner.run("tp2_dp2", _case_tp_then_dp, 2, 2, False)
-    return runner.results
+SUITE = DistSuite()
+SUITE.case("tp2_sp", _case_tp_then_dp, 2, 1, True, worlds=(2,))
+SUITE.case("tp2_bf16", _case_low_precision, "bf16", worlds=(2,))
+SUITE.case("tp2_fp16", _case_low_precision, "fp16", worlds=(2,))
+SUITE.case("tp2_dp2", _case_tp_then_dp, 2, 2, False, worlds=(4,))
 
-
-@functools.cache
-def _results(world: int) -> dict[str, str | None]:
-    return run_cases(world, _cases, world)
-
-
-@pytest.mark.parametrize("world, case", [(2, "tp2_sp"), (2, "tp2_bf16"), (2, "tp2_fp16"),
-                                         (4, "tp2_dp2")])
-def test_train_e2e(world, case):
-    check_result(_results(world), case)
+test_train_e2e = SUITE.test()
 
 
 def test_command_line_trains_on_data_path_and_resumes(tmp_path, monkeypatch, capsys):
