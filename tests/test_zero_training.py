@@ -12,7 +12,6 @@ trains, and resumes repeat the uninterrupted run exactly: stage 3 + ZeRO++ on 2 
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shutil
@@ -21,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import CaseRunner, check_result, run_cases
+from dist_utils import C, DistSuite
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.training import checkpoint
@@ -203,38 +202,31 @@ def _case_checkpoint_mismatches(dims: ParallelDims, root: str) -> None:
                   dims, "--zero-stage", "3", "--load", f"{root}/missing")
 
 
-def _cases(world: int, root: str) -> dict[str, str | None]:
-    runner = CaseRunner()
-    if world == 2:
-        dp2 = ParallelDims(tp=1)
-        runner.run("dp2_matches_plain", _case_matches_plain_dp, dp2)
-        runner.run("dp2_fp16_stage3", _case_fp16_stage3, dp2)
-        runner.run("dp2_checkpoint_mismatches", _case_checkpoint_mismatches, dp2, root)
-    else:
-        tp2_dp2, nodes = ParallelDims(tp=2), ParallelDims(tp=1, gpus_per_node=2)
-        runner.run("tp2_dp2_matches_plain", _case_matches_plain_dp, tp2_dp2,
-                   "--sequence-parallel")
-        runner.run("tp2_dp2_stage1_domino", _case_stage1_domino, tp2_dp2)
-        runner.run("nodes_zeropp_trains", _case_zeropp_trains, nodes)
-        runner.run("nodes_zeropp_resume", _case_resume, nodes, f"{root}/zeropp", *ZERO_PP)
-        runner.run("tp2_dp2_stage1_bf16_resume", _case_resume, tp2_dp2, f"{root}/stage1",
-                   "--zero-stage", "1", "--bf16")
-    return runner.results
-
-
-@functools.cache
-def _results(world: int, root: str) -> dict[str, str | None]:
-    return run_cases(world, _cases, world, root)
+SUITE = DistSuite()
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("zero_checkpoints"))
+def zero_root(tmp_path_factory) -> tuple[str]:
+    return (str(tmp_path_factory.mktemp("zero_checkpoints")),)
 
 
-@pytest.mark.parametrize("world, case", [
-    (2, "dp2_matches_plain"), (2, "dp2_fp16_stage3"), (2, "dp2_checkpoint_mismatches"),
-    (4, "tp2_dp2_matches_plain"), (4, "tp2_dp2_stage1_domino"), (4, "nodes_zeropp_trains"),
-    (4, "nodes_zeropp_resume"), (4, "tp2_dp2_stage1_bf16_resume")])
-def test_zero_training(root, world, case):
-    check_result(_results(world, root), case)
+@SUITE.setup
+def _setup(world: int, root: str) -> dict:
+    if world == 2:
+        return {"dp2": ParallelDims(tp=1), "root": root}
+    return {"tp2_dp2": ParallelDims(tp=2), "nodes": ParallelDims(tp=1, gpus_per_node=2),
+            "zeropp_dir": f"{root}/zeropp", "stage1_dir": f"{root}/stage1"}
+
+
+SUITE.case("dp2_matches_plain", _case_matches_plain_dp, C.dp2, worlds=(2,))
+SUITE.case("dp2_fp16_stage3", _case_fp16_stage3, C.dp2, worlds=(2,))
+SUITE.case("dp2_checkpoint_mismatches", _case_checkpoint_mismatches, C.dp2, C.root, worlds=(2,))
+SUITE.case("tp2_dp2_matches_plain", _case_matches_plain_dp, C.tp2_dp2, "--sequence-parallel",
+           worlds=(4,))
+SUITE.case("tp2_dp2_stage1_domino", _case_stage1_domino, C.tp2_dp2, worlds=(4,))
+SUITE.case("nodes_zeropp_trains", _case_zeropp_trains, C.nodes, worlds=(4,))
+SUITE.case("nodes_zeropp_resume", _case_resume, C.nodes, C.zeropp_dir, *ZERO_PP, worlds=(4,))
+SUITE.case("tp2_dp2_stage1_bf16_resume", _case_resume, C.tp2_dp2, C.stage1_dir, "--zero-stage",
+           "1", "--bf16", worlds=(4,))
+
+test_zero_training = SUITE.test(args_fixture="zero_root")
