@@ -146,6 +146,17 @@ class DistSuite:
         case_worlds = tuple(worlds or self.worlds)
         self.cases[name] = _Case(name, fn, args, kwargs, case_worlds, timeout or self.timeout)
 
+    def derived(self, *, backend: str, setup: Callable, worlds: tuple[int, ...]) -> DistSuite:
+        """A suite of the same cases (same names, functions and arguments) on another backend,
+        with its own setup (e.g. moving the cases' tensors to the rank's GPU) and world sizes."""
+        suite = DistSuite(worlds=worlds, backend=backend, timeout=self.timeout,
+                          home=sys._getframe(1).f_globals.get("__name__", ""))
+        suite.setup(setup)
+        for case in self.cases.values():
+            suite.cases[case.name] = _Case(case.name, case.fn, case.args, case.kwargs, worlds,
+                                           case.timeout)
+        return suite
+
     def names(self, world: int) -> list[str]:
         return [case.name for case in self.cases.values() if world in case.worlds]
 

@@ -7,7 +7,6 @@ inf/NaN steps are refused alike on every rank, and the byte accounting adds up."
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import io
 import math
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import CaseRunner, assert_close, check_result, run_cases
+from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ConfigError, ModelConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
@@ -561,58 +560,47 @@ def _case_counter() -> None:
     assert comm.totals() == {"intra": 208, "inter": 408}
 
 
-def _cases() -> dict[str, str | None]:
-    runner = CaseRunner()
-    nodes = ParallelDims(tp=1, gpus_per_node=2)
-    tp_dp = ParallelDims(tp=2, gpus_per_node=4)
-    runner.run("counter", _case_counter)
-    runner.run("stage1_matches_dp", _case_matches_plain_dp, nodes, 1, num_layers=4)
-    # hidden 62: a layer's 46934 elements do not divide by DP=4 (its flat buffer is padded)
-    runner.run("stage3_matches_dp", _case_matches_plain_dp, nodes, 3, num_layers=4,
-               hidden_size=62, num_attention_heads=2)
-    runner.run("stage3_depth1_matches_dp", _case_matches_plain_dp, nodes, 3, depth=1,
-               num_layers=3)
-    runner.run("stage3_tp2_sp_matches_dp", _case_matches_plain_dp, tp_dp, 3,
-               sequence_parallel=True)
-    runner.run("stage3_recompute_matches_dp", _case_matches_plain_dp, nodes, 3, num_layers=3,
-               recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
-    # 2 layers a unit with recompute checkpointing 3 layers at a time: the checkpoints cut units
-    runner.run("stage3_grouped_recompute_matches_dp", _case_matches_plain_dp, nodes, 3,
-               layers_per_unit=2, num_layers=5, recompute_granularity="full",
-               recompute_method="uniform", recompute_num_layers=3)
-    runner.run("stage1_grouped_matches_dp", _case_matches_plain_dp, nodes, 1, layers_per_unit=3,
-               num_layers=4)
-    # units by parameter count (the default sizing): 2 + 2 + 1 layers of 5
-    runner.run("stage3_unit_params_matches_dp", _case_matches_plain_dp, nodes, 3,
-               layers_per_unit=None, unit_layers=2, units=4, num_layers=5)
-    runner.run("zeropp_grouped", _case_zeropp_grouped, nodes)
-    runner.run("qgz_int4", _case_qgz_matches_reduce_scatter, 4)
-    runner.run("qgz_int8", _case_qgz_matches_reduce_scatter, 8)
-    runner.run("qgz_int4_full_range", _case_qgz_matches_reduce_scatter, 4, True)
-    runner.run("zeropp_full_range", _case_zeropp_full_range, nodes)
-    runner.run("qwz_gather", _case_qwz_gather_within_bound)
-    runner.run("stage1_qgz", _case_stage1_qgz, nodes)
-    runner.run("qwz_cache", _case_qwz_quantizes_once_per_step, nodes)
-    runner.run("nonfinite", _case_nonfinite, nodes)
-    runner.run("bf16_bytes", _case_bf16_zeropp, nodes)
-    runner.run("hpz_checkpoint", _case_hpz_checkpoint_resumes, nodes)
-    runner.run("zeropp_100_steps", _case_zeropp_trains_like_zero3, nodes)
-    runner.run("zeropp_100_steps_tp2", _case_zeropp_trains_like_zero3, tp_dp)
-    return runner.results
+SUITE = DistSuite(worlds=(4,))
 
 
-@functools.cache
-def _results() -> dict[str, str | None]:
-    return run_cases(4, _cases)
+@SUITE.setup
+def _setup(world: int) -> dict:
+    return {"nodes": ParallelDims(tp=1, gpus_per_node=2),
+            "tp_dp": ParallelDims(tp=2, gpus_per_node=4)}
 
 
-@pytest.mark.parametrize("case", [
-    "counter", "stage1_matches_dp", "stage3_matches_dp", "stage3_depth1_matches_dp",
-    "stage3_tp2_sp_matches_dp", "stage3_recompute_matches_dp",
-    "stage3_grouped_recompute_matches_dp",
-    "stage1_grouped_matches_dp", "stage3_unit_params_matches_dp", "zeropp_grouped", "qgz_int4",
-    "qgz_int8", "qgz_int4_full_range", "zeropp_full_range", "qwz_gather", "stage1_qgz",
-    "qwz_cache", "nonfinite", "bf16_bytes",
-    "hpz_checkpoint", "zeropp_100_steps", "zeropp_100_steps_tp2"])
-def test_zero(case):
-    check_result(_results(), case)
+SUITE.case("counter", _case_counter)
+SUITE.case("stage1_matches_dp", _case_matches_plain_dp, C.nodes, 1, num_layers=4)
+# hidden 62: a layer's 46934 elements do not divide by DP=4 (its flat buffer is padded)
+SUITE.case("stage3_matches_dp", _case_matches_plain_dp, C.nodes, 3, num_layers=4,
+           hidden_size=62, num_attention_heads=2)
+SUITE.case("stage3_depth1_matches_dp", _case_matches_plain_dp, C.nodes, 3, depth=1,
+           num_layers=3)
+SUITE.case("stage3_tp2_sp_matches_dp", _case_matches_plain_dp, C.tp_dp, 3,
+           sequence_parallel=True)
+SUITE.case("stage3_recompute_matches_dp", _case_matches_plain_dp, C.nodes, 3, num_layers=3,
+           recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+# 2 layers a unit with recompute checkpointing 3 layers at a time: the checkpoints cut units
+SUITE.case("stage3_grouped_recompute_matches_dp", _case_matches_plain_dp, C.nodes, 3,
+           layers_per_unit=2, num_layers=5, recompute_granularity="full",
+           recompute_method="uniform", recompute_num_layers=3)
+SUITE.case("stage1_grouped_matches_dp", _case_matches_plain_dp, C.nodes, 1, layers_per_unit=3,
+           num_layers=4)
+# units by parameter count (the default sizing): 2 + 2 + 1 layers of 5
+SUITE.case("stage3_unit_params_matches_dp", _case_matches_plain_dp, C.nodes, 3,
+           layers_per_unit=None, unit_layers=2, units=4, num_layers=5)
+SUITE.case("zeropp_grouped", _case_zeropp_grouped, C.nodes)
+SUITE.case("qgz_int4", _case_qgz_matches_reduce_scatter, 4)
+SUITE.case("qgz_int8", _case_qgz_matches_reduce_scatter, 8)
+SUITE.case("qgz_int4_full_range", _case_qgz_matches_reduce_scatter, 4, True)
+SUITE.case("zeropp_full_range", _case_zeropp_full_range, C.nodes)
+SUITE.case("qwz_gather", _case_qwz_gather_within_bound)
+SUITE.case("stage1_qgz", _case_stage1_qgz, C.nodes)
+SUITE.case("qwz_cache", _case_qwz_quantizes_once_per_step, C.nodes)
+SUITE.case("nonfinite", _case_nonfinite, C.nodes)
+SUITE.case("bf16_bytes", _case_bf16_zeropp, C.nodes)
+SUITE.case("hpz_checkpoint", _case_hpz_checkpoint_resumes, C.nodes)
+SUITE.case("zeropp_100_steps", _case_zeropp_trains_like_zero3, C.nodes)
+SUITE.case("zeropp_100_steps_tp2", _case_zeropp_trains_like_zero3, C.tp_dp)
+
+test_zero = SUITE.test()

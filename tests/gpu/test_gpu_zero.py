@@ -1,7 +1,7 @@
 """On the GPU machine: the ZeRO engine's cases of tests/test_zero.py (stage 1 / 3 vs plain DP,
 qgZ and qwZ within their bounds, ZeRO++ vs ZeRO-3 over 100 steps, inf/NaN, bf16 bytes, the hpZ
 resume) with NCCL on 4 GPUs as 2 nodes x 2 (and TP=2 x DP=2), fp32 with TF32 off. Skipped with
-fewer than 4 GPUs; `python -m pytest tests/gpu -q` runs it.
+fewer than 4 GPUs; `python -m pytest tests --tier gpu -q` runs it.
 
 test_zero.py writes its cases for CPU tensors; each rank here runs them unchanged with every
 tensor they make on its GPU: the default device is the GPU, and in test_zero's namespace
@@ -14,18 +14,10 @@ from __future__ import annotations
 import functools
 import types
 
-import pytest
 import test_zero
 import torch
 
-from dist_utils import check_result, run_cases
 from megadomino.models import build_model
-
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-CASES = next(mark.args[1] for mark in test_zero.test_zero.pytestmark
-             if mark.name == "parametrize")
-
-pytestmark = pytest.mark.skipif(GPUS < 4, reason="needs 4+ CUDA GPUs")
 
 
 class _TorchWithDeviceGenerators(types.ModuleType):
@@ -42,8 +34,9 @@ class _TorchWithDeviceGenerators(types.ModuleType):
         return torch.Generator(device if device is not None else self._device)
 
 
-def cases_on(device: torch.device) -> dict[str, str | None]:
-    """test_zero's cases with every tensor they make on `device` (see the module docstring)."""
+def _on_this_gpu(world: int) -> dict:
+    """In each rank: test_zero's setup, with every tensor its cases make on this rank's GPU."""
+    device = torch.device("cuda", torch.cuda.current_device())
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_default_device(device)
@@ -55,7 +48,7 @@ def cases_on(device: torch.device) -> dict[str, str | None]:
     test_zero.build_model = functools.partial(_build_on, device)
     test_zero._batch = batch_on_device
     test_zero.torch = _TorchWithDeviceGenerators(device)
-    return test_zero._cases()
+    return test_zero._setup(world)
 
 
 def _build_on(target: torch.device, config, dims, family: str = "gpt", device=None):
@@ -63,15 +56,5 @@ def _build_on(target: torch.device, config, dims, family: str = "gpt", device=No
     return build_model(config, dims, family, device=target)
 
 
-def gpu_cases() -> dict[str, str | None]:
-    return cases_on(torch.device("cuda", torch.cuda.current_device()))
-
-
-@functools.cache
-def results() -> dict[str, str | None]:
-    return run_cases(4, gpu_cases, backend="nccl")
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_gpu_zero(case: str):
-    check_result(results(), case)
+SUITE = test_zero.SUITE.derived(backend="nccl", setup=_on_this_gpu, worlds=(4,))
+test_gpu_zero = SUITE.test()
