@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import CaseRunner, check_result, run_cases
+from dist_utils import C, DistSuite, check_result
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.data import (
@@ -387,6 +387,7 @@ def test_blends_draw_in_the_stated_proportions(tmp_path):
 
 
 
+@pytest.mark.peers
 def test_same_bytes_and_indices_as_megatron_core(tmp_path):
     """Run where megatron-core is installed (pip install megatron-core; CI lacks it): our files,
     GPT indices and blend indices equal Megatron-LM's own."""
@@ -474,15 +475,25 @@ def _case_train_dp2(prefix: str, vocab_size: int, eod: int, cache_dir: str) -> N
     assert len(set(windows)) == len(windows) == iters * gbs
 
 
-def _train_cases(prefix: str, vocab_size: int, eod: int, cache_dir: str) -> dict:
-    runner = CaseRunner()
-    runner.run("train_dp2", _case_train_dp2, prefix, vocab_size, eod, cache_dir)
-    return runner.results
+SUITE = DistSuite(worlds=(2,))
 
 
-def test_tiny_gpt_learns_from_preprocessed_corpus_at_dp2(corpus):
+@pytest.fixture(scope="module")
+def train_inputs(corpus) -> tuple:
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=corpus["model"])
-    results = run_cases(2, _train_cases, corpus["prefix"], tok.vocab_size, tok.eod,
-                        str(corpus["folder"] / "cache"))
-    check_result(results, "train_dp2")
+    return corpus["prefix"], tok.vocab_size, tok.eod, str(corpus["folder"] / "cache")
+
+
+@SUITE.setup
+def _train_setup(world: int, prefix: str, vocab_size: int, eod: int, cache_dir: str) -> dict:
+    return {"prefix": prefix, "vocab_size": vocab_size, "eod": eod, "cache_dir": cache_dir}
+
+
+SUITE.case("train_dp2", _case_train_dp2, C.prefix, C.vocab_size, C.eod, C.cache_dir)
+
+test_tiny_gpt_learns_from_preprocessed_corpus_at_dp2 = SUITE.test(args_fixture="train_inputs")
+
+
+def test_training_at_dp2_caches_its_sample_index(corpus, train_inputs):
+    check_result(SUITE.results(2, *train_inputs), "train_dp2")
     assert list((corpus["folder"] / "cache").glob("*GPTDataset-train-sample_index.npy"))
