@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from dist_utils import CaseRunner, assert_close, check_result, run_cases
+from dist_utils import C, DistSuite, assert_close, check_result
 from megadomino.config import ConfigError
 from megadomino.interop.hf import load_llama, save_llama
 from megadomino.interop.hf_config import hf_config_from, model_config_from_hf
@@ -61,9 +61,9 @@ def tiny_hf_model():
 
 
 @pytest.fixture(scope="module")
-def hf_setup(tmp_path_factory):
-    """The HF model, its two directories (one file, sharded), the output directories and the
-    spawned cases' results."""
+def hf_files(tmp_path_factory) -> dict:
+    """The HF model, its two directories (one file, sharded), sample tokens with the HF logits,
+    and the output directories (one under a file, so that writing there fails)."""
     root = tmp_path_factory.mktemp("hf")
     model = tiny_hf_model()
     single, sharded = str(root / "single"), str(root / "sharded")
@@ -75,42 +75,62 @@ def hf_setup(tmp_path_factory):
     out = {"single": str(root / "out_single"), "sharded": str(root / "out_sharded"),
            "checkpoint": str(root / "checkpoint_tp2"), "blocked": str(root / "a_file" / "hf")}
     (root / "a_file").write_text("not a directory")
-    results = run_cases(2, _rank_cases, single, sharded, tokens, logits, out)
-    return model, single, sharded, out, results
+    return {"model": model, "inputs": (single, sharded, tokens, logits, out)}
 
 
-def _rank_cases(single: str, sharded: str, tokens: torch.Tensor, logits: torch.Tensor,
-                out: dict[str, str]) -> dict[str, str | None]:
-    runner = CaseRunner()
-    dims = {1: ParallelDims(tp=1), 2: ParallelDims(tp=2)}
-    models = {}
-
-    def parity(hf_dir: str, tp: int) -> None:
-        models[tp] = load_llama(hf_dir, dims[tp]).eval()
-        with torch.no_grad():
-            assert_close(models[tp](tokens), logits, REL, f"logits at TP={tp} from {hf_dir}")
-
-    for tp in (1, 2):
-        for kind, hf_dir in (("single", single), ("sharded", sharded)):
-            runner.run(f"parity_tp{tp}_{kind}", parity, hf_dir, tp)
-    runner.run("save_single", save_llama, models[2], out["single"])
-    runner.run("save_sharded", save_llama, models[2], out["sharded"],
-               max_shard_bytes=SHARD_BYTES)
-
-    def save_fails_on_every_rank() -> None:
-        with pytest.raises(OSError, match="rank 0 could not write into .*a_file"):
-            save_llama(models[2], out["blocked"])
-
-    runner.run("save_error", save_fails_on_every_rank)
-    runner.run("convert_tp2", convert_hf_llama.hf_to_megadomino, sharded, out["checkpoint"],
-               dims[2], "float32")
-    return runner.results
+@pytest.fixture(scope="module")
+def hf_inputs(hf_files) -> tuple:
+    return hf_files["inputs"]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("kind", ["single", "sharded"])
-def test_logits_match_transformers(hf_setup, tp, kind):
-    check_result(hf_setup[-1], f"parity_tp{tp}_{kind}")
+@pytest.fixture(scope="module")
+def hf_setup(hf_files, hf_inputs):
+    """The HF model, its directories, the output directories and the spawned cases' results."""
+    single, sharded, _, _, out = hf_inputs
+    return hf_files["model"], single, sharded, out, SUITE.results(2, *hf_inputs)
+
+
+SUITE = DistSuite(worlds=(2,))
+
+
+@SUITE.setup
+def _setup(world: int, single: str, sharded: str, tokens: torch.Tensor, logits: torch.Tensor,
+           out: dict[str, str]) -> dict:
+    return {"dims": {1: ParallelDims(tp=1), 2: ParallelDims(tp=2)}, "models": {},
+            "tokens": tokens, "logits": logits, "out": out, "single": single, "sharded": sharded}
+
+
+def _parity(ctx: dict, kind: str, tp: int) -> None:
+    """Load the HF directory `kind` at TP=tp (kept for the save cases) and compare logits."""
+    ctx["models"][tp] = load_llama(ctx[kind], ctx["dims"][tp]).eval()
+    with torch.no_grad():
+        assert_close(ctx["models"][tp](ctx["tokens"]), ctx["logits"], REL,
+                     f"logits at TP={tp} from {ctx[kind]}")
+
+
+def _save(ctx: dict, kind: str, **kwargs) -> None:
+    save_llama(ctx["models"][2], ctx["out"][kind], **kwargs)
+
+
+def _save_fails_on_every_rank(ctx: dict) -> None:
+    with pytest.raises(OSError, match="rank 0 could not write into .*a_file"):
+        save_llama(ctx["models"][2], ctx["out"]["blocked"])
+
+
+def _convert_tp2(ctx: dict) -> None:
+    convert_hf_llama.hf_to_megadomino(ctx["sharded"], ctx["out"]["checkpoint"], ctx["dims"][2],
+                                      "float32")
+
+
+for tp in (1, 2):
+    for kind in ("single", "sharded"):
+        SUITE.case(f"parity_tp{tp}_{kind}", _parity, C.all, kind, tp)
+SUITE.case("save_single", _save, C.all, "single")
+SUITE.case("save_sharded", _save, C.all, "sharded", max_shard_bytes=SHARD_BYTES)
+SUITE.case("save_error", _save_fails_on_every_rank, C.all)
+SUITE.case("convert_tp2", _convert_tp2, C.all)
+
+test_load_parity_save_and_convert_at_tp1_and_tp2 = SUITE.test(args_fixture="hf_inputs")
 
 
 @pytest.mark.parametrize("kind", ["single", "sharded"])
@@ -131,10 +151,6 @@ def test_saved_back_reloads_identical(hf_setup, kind):
     assert sorted(actual) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name
-
-
-def test_a_failed_write_raises_on_every_rank(hf_setup):
-    check_result(hf_setup[-1], "save_error")
 
 
 def hf_dict(**changes) -> dict:
