@@ -29,6 +29,7 @@ or the rank's last output.
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -104,6 +105,10 @@ class _Case:
     kwargs: dict
     worlds: tuple[int, ...]
     timeout: float
+    requires: str | None = None
+
+    def available(self) -> bool:
+        return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
 
 @dataclass
@@ -136,15 +141,17 @@ class DistSuite:
         return fn
 
     def case(self, name: str, fn: Callable, *args, worlds: tuple[int, ...] | None = None,
-             timeout: float | None = None, **kwargs) -> None:
+             timeout: float | None = None, requires: str | None = None, **kwargs) -> None:
         """Register fn(*args, **kwargs) as case `name` (C.<name> arguments resolved in the rank).
-        It passes in a rank when it returns, and fails when it raises on any rank."""
+        It passes in a rank when it returns, and fails when it raises on any rank. requires: a
+        module the case needs; without it the case is skipped (and not run in the ranks)."""
         if self.frozen:
             raise RuntimeError(f"case {name!r} registered after the suite's test() was made")
         if name in self.cases:
             raise ValueError(f"case {name!r} is registered twice")
         case_worlds = tuple(worlds or self.worlds)
-        self.cases[name] = _Case(name, fn, args, kwargs, case_worlds, timeout or self.timeout)
+        self.cases[name] = _Case(name, fn, args, kwargs, case_worlds, timeout or self.timeout,
+                                 requires)
 
     def derived(self, *, backend: str, setup: Callable, worlds: tuple[int, ...]) -> DistSuite:
         """A suite of the same cases (same names, functions and arguments) on another backend,
@@ -154,15 +161,18 @@ class DistSuite:
         suite.setup(setup)
         for case in self.cases.values():
             suite.cases[case.name] = _Case(case.name, case.fn, case.args, case.kwargs, worlds,
-                                           case.timeout)
+                                           case.timeout, case.requires)
         return suite
 
     def names(self, world: int) -> list[str]:
+        """The cases of `world`, including those skipped for a missing module (their tests skip
+        before asking for results)."""
         return [case.name for case in self.cases.values() if world in case.worlds]
 
-    def test(self, args_fixture: str | None = None) -> Callable:
+    def test(self, args_fixture: str | None = None, marks: tuple = ()) -> Callable:
         """The pytest test for every registered (world, case): assign it to a `test_*` name.
-        args_fixture: a fixture whose value (a tuple) is passed to setup after the world."""
+        args_fixture: a fixture whose value (a tuple) is passed to setup after the world;
+        marks: pytest marks for it (e.g. a tier)."""
         self.frozen = True
         params = [(world, name) for world in sorted({w for c in self.cases.values()
                                                      for w in c.worlds})
@@ -171,11 +181,13 @@ class DistSuite:
 
         def test(request, world: int, case: str) -> None:
             suite.skip_without_devices(world)
+            if not suite.cases[case].available():
+                pytest.skip(f"needs {suite.cases[case].requires}, which is not installed")
             args = request.getfixturevalue(args_fixture) if args_fixture else ()
             check_result(suite.results(world, *args), case)
 
         test.dist_suite = self  # what conftest's collection check looks for
-        marks = [pytest.mark.gpu] if self.backend == "nccl" else []
+        marks = [*marks, *([pytest.mark.gpu] if self.backend == "nccl" else [])]
         decorated = pytest.mark.parametrize(
             "world, case", params, ids=[f"w{world}-{name}" for world, name in params])(test)
         for mark in marks:
@@ -234,7 +246,7 @@ def _rank_main(rank: int, world: int, port: int, suite: DistSuite, args: tuple,
         record("<setup>", traceback.format_exc())
         os._exit(3)  # a non-zero exit tells the parent to stop the ranks waiting on this one
     for case in suite.cases.values():
-        if world not in case.worlds:
+        if world not in case.worlds or not case.available():
             continue
         try:
             under_budget(case.name, case.timeout, case.fn,
@@ -271,7 +283,7 @@ def _running_case(log: str) -> str | None:
 def run_world(suite: DistSuite, world: int, args: tuple = ()) -> dict[str, str | None]:
     """Spawn `world` ranks of `suite`, wait at most the sum of the budgets, and merge the ranks'
     results: a case fails if it failed on any rank, or did not finish on one (named, with why)."""
-    names = suite.names(world)
+    names = [name for name in suite.names(world) if suite.cases[name].available()]
     deadline = SPAWN_GRACE + suite.timeout + sum(suite.cases[n].timeout for n in names)
     spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:

@@ -1,11 +1,10 @@
 """benchmarks/peers.py builds the peers' layers so that they compute our layer's math: at TP=2 on
 CPU (fp32, gloo), with our layer's local weight shards copied in, megatron-core's block (GPT and
 Llama with GQA and RoPE) and DeepSpeed's Domino layer (GPT) match our TransformerLayer stack's
-output and input gradient. Skipped where the packages are not installed (CI)."""
+output and input gradient: the peers tier, skipped where the packages are not installed."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from unittest import mock
@@ -14,7 +13,7 @@ import pytest
 import torch
 from test_tp_equivalence import tiny_config
 
-from dist_utils import CaseRunner, assert_close, check_result, run_cases
+from dist_utils import C, DistSuite, assert_close
 from megadomino.models.blocks import rotary_tables
 from megadomino.models.transformer import TransformerLayer
 from megadomino.parallel import ParallelDims
@@ -27,8 +26,6 @@ TP = 2
 REL = 1e-5
 NUM_LAYERS = 2
 MICRO_BATCH = 4
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
-HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
 def ours_and_input(family: str, dims):
@@ -99,31 +96,20 @@ def check_against_ours(family: str, peer: str, dims) -> None:
     assert_close(grad, expected_grad, REL, f"{peer} {family} input gradient")
 
 
-def run_all() -> dict[str, str | None]:
-    dims = ParallelDims(tp=TP)
-    runner = CaseRunner()
-    if HAVE_MEGATRON:
-        for family in ("gpt", "llama"):
-            runner.run(f"megatron-{family}", check_against_ours, family, "megatron", dims)
-    if HAVE_DEEPSPEED:
-        runner.run("deepspeed-gpt", check_against_ours, "gpt", "deepspeed", dims)
-    return runner.results
+SUITE = DistSuite(worlds=(TP,))
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_cases(TP, run_all)
+@SUITE.setup
+def _setup(world: int) -> dict:
+    return {"dims": ParallelDims(tp=TP)}
 
 
-@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core not installed")
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_megatron_block_matches_ours(results, family):
-    check_result(results, f"megatron-{family}")
+for family in ("gpt", "llama"):
+    SUITE.case(f"megatron-{family}", check_against_ours, family, "megatron", C.dims,
+               requires="megatron")
+SUITE.case("deepspeed-gpt", check_against_ours, "gpt", "deepspeed", C.dims, requires="deepspeed")
 
-
-@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed not installed")
-def test_deepspeed_domino_matches_ours(results):
-    check_result(results, "deepspeed-gpt")
+test_peers_match_ours = SUITE.test(marks=(pytest.mark.peers,))
 
 
 @pytest.mark.parametrize("shape", [LayerShape("llama", "llama", 64, 8, 4, 160, 16, 4),
