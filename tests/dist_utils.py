@@ -196,7 +196,8 @@ class DistSuite:
 
     def skip_without_devices(self, world: int) -> None:
         if self.backend == "nccl" and torch.cuda.device_count() < world:
-            pytest.skip(f"tier gpu: needs {world} CUDA GPUs, "
+            plural = "s" if world > 1 else ""
+            pytest.skip(f"tier gpu: needs {world} CUDA GPU{plural}, "
                         f"{torch.cuda.device_count()} here")
 
     def results(self, world: int, *args) -> dict[str, str | None]:
@@ -372,50 +373,3 @@ def with_fused_comm(mode: str, check, *args, **kwargs) -> None:
             del os.environ["MEGADOMINO_FUSED_COMM"]
         else:
             os.environ["MEGADOMINO_FUSED_COMM"] = before
-
-
-# The harness before DistSuite, kept only until every module is moved onto DistSuite.
-def _worker(rank: int, world: int, port: int, backend: str, fn, args, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        result = fn(*args)
-    except Exception:
-        result = {"<setup>": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_cases(world: int, fn, *args, backend: str = "gloo") -> dict[str, str | None]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, free_port(), backend, fn, args, out_dir),
-                           nprocs=world, join=True, start_method="spawn")
-        merged: dict[str, str | None] = {}
-        for rank in range(world):
-            for case, error in torch.load(os.path.join(out_dir, f"rank{rank}.pt")).items():
-                if error is not None and merged.get(case) is None:
-                    merged[case] = f"rank {rank}: {error}"
-                else:
-                    merged.setdefault(case, None)
-        return merged
-
-
-class CaseRunner:
-    def __init__(self):
-        self.results: dict[str, str | None] = {}
-
-    def run(self, name: str, fn, *args, **kwargs) -> None:
-        try:
-            fn(*args, **kwargs)
-            self.results[name] = None
-        except Exception:
-            self.results[name] = traceback.format_exc()

@@ -5,26 +5,19 @@ TP = 1 (one GPU) and at TP = each power-of-two GPU count from 2 up with sequence
 the fused symmetric-memory GEMM + communication (`--tp-comm-overlap`), and at TP = half the GPUs x
 DP 2 (the DP gradient hooks then run on two streams: megadomino/parallel/streams.py), there also
 with the distributed optimizer (ZeRO stage 1).
-`python -m pytest tests/gpu -q`."""
+The gpu tier: `python -m pytest tests --tier gpu -q`."""
 
 from __future__ import annotations
 
-import functools
-
-import pytest
 import torch
 
-from dist_utils import CaseRunner, check_result, run_cases, with_fused_comm
+from dist_utils import C, DistSuite, with_fused_comm
 from megadomino.config import ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.loop import train
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-WORLDS = [w for w in (2, 4, 8) if w <= GPUS]
 ITERS = 12
 DTYPES = {"fp32": ("float32", 1e-5), "bf16": ("bfloat16", 2e-2)}
-
-pytestmark = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
 
 
 def _losses(family: str, dims: ParallelDims, dtype: str, graph: bool, sp: bool,
@@ -50,28 +43,6 @@ def check_graphed_equals_eager(family: str, dims: ParallelDims, dtype: str, rel:
     assert eager[-1] < eager[0], f"did not learn: {eager[0]:.3f} -> {eager[-1]:.3f}"
 
 
-def gpu_cases(tp_of_world) -> dict[str, str | None]:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    world = ParallelDims(tp=1).world_size
-    runner = CaseRunner()
-    for tp, sp in tp_of_world(world):
-        dims = ParallelDims(tp=tp, dp=world // tp)
-        for family in ("gpt", "llama"):
-            for name, (dtype, rel) in DTYPES.items():
-                runner.run(f"{family}-tp{tp}-sp{sp}-{name}", check_graphed_equals_eager, family,
-                           dims, dtype, rel, sp)
-            if sp and dims.dp == 1:  # our symmetric-memory protocols under capture too
-                for mode in ("whole-dgrad", "ours"):
-                    runner.run(f"{family}-tp{tp}-sp{sp}-fp32-{mode}", with_fused_comm, mode,
-                               check_graphed_equals_eager, family, dims, "float32",
-                               DTYPES["fp32"][1], sp)
-            if dims.dp > 1:  # the distributed optimizer's reducer hooks too (fp32)
-                runner.run(f"{family}-tp{tp}-sp{sp}-fp32-zero1", check_graphed_equals_eager,
-                           family, dims, "float32", DTYPES["fp32"][1], sp, 1)
-    return runner.results
-
-
 def _layouts(world: int) -> list[tuple[int, bool]]:
     """(tp, sequence parallel) per world: TP alone, and TP x DP (DP 2 at TP world/2)."""
     if world == 1:
@@ -79,24 +50,45 @@ def _layouts(world: int) -> list[tuple[int, bool]]:
     return [(world, True), (world // 2, world > 2)]
 
 
-@functools.cache
-def results_for(world: int) -> dict[str, str | None]:
-    return run_cases(world, gpu_cases, _layouts, backend="nccl")
+SUITE = DistSuite(backend="nccl")
 
 
-def _case_names(world: int) -> list[str]:
-    names = []
-    for tp, sp in _layouts(world):
-        for family in ("gpt", "llama"):
-            names += [f"{family}-tp{tp}-sp{sp}-{name}" for name in DTYPES]
-            if sp and tp == world:
-                names += [f"{family}-tp{tp}-sp{sp}-fp32-{mode}"
-                          for mode in ("whole-dgrad", "ours")]
-            if tp < world:
-                names.append(f"{family}-tp{tp}-sp{sp}-fp32-zero1")
-    return names
+@SUITE.setup
+def _setup(world: int) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return {f"tp{tp}": ParallelDims(tp=tp, dp=world // tp) for tp, _ in _layouts(world)}
 
 
-@pytest.mark.parametrize("world, case", [(w, c) for w in [1, *WORLDS] for c in _case_names(w)])
-def test_gpu_cuda_graph_matches_eager(world: int, case: str):
-    check_result(results_for(world), case)
+def _cases() -> dict[str, tuple]:
+    """{name: (fn, args, worlds)}: a name appears at every world whose layouts make it (`C.tpN`
+    is TP=N with the rest of that world as DP)."""
+    cases: dict[str, tuple] = {}
+
+    def add(name: str, world: int, *call) -> None:
+        fn, args, worlds = cases.get(name, (call[0], call[1:], ()))
+        assert (fn, args) == (call[0], call[1:]), name
+        cases[name] = (fn, args, (*worlds, world))
+
+    for world in (1, 2, 4, 8):
+        for tp, sp in _layouts(world):
+            dims = getattr(C, f"tp{tp}")
+            for family in ("gpt", "llama"):
+                for name, (dtype, rel) in DTYPES.items():
+                    add(f"{family}-tp{tp}-sp{sp}-{name}", world, check_graphed_equals_eager,
+                        family, dims, dtype, rel, sp)
+                if sp and tp == world:  # our symmetric-memory protocols under capture too
+                    for mode in ("whole-dgrad", "ours"):
+                        add(f"{family}-tp{tp}-sp{sp}-fp32-{mode}", world, with_fused_comm, mode,
+                            check_graphed_equals_eager, family, dims, "float32",
+                            DTYPES["fp32"][1], sp)
+                if tp < world:  # the distributed optimizer's reducer hooks too (fp32)
+                    add(f"{family}-tp{tp}-sp{sp}-fp32-zero1", world, check_graphed_equals_eager,
+                        family, dims, "float32", DTYPES["fp32"][1], sp, 1)
+    return cases
+
+
+for _name, (_fn, _args, _worlds) in _cases().items():
+    SUITE.case(_name, _fn, *_args, worlds=_worlds)
+
+test_gpu_cuda_graph_matches_eager = SUITE.test()
