@@ -233,7 +233,7 @@ def test_preprocess_command_line_with_workers_writes_the_same_files(corpus):
     folder = corpus["folder"]
     subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"),
                     *corpus["flags"], "--output-prefix", str(folder / "two"), "--workers", "2"],
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, timeout=300)
     for suffix in (".bin", ".idx"):
         assert (Path(str(folder / "two_text_document") + suffix).read_bytes()
                 == Path(corpus["prefix"] + suffix).read_bytes())

@@ -98,3 +98,24 @@ def test_a_suite_no_test_asserts_is_refused_at_collection(tmp_path):
     assert run.returncode == 4, run.stdout + run.stderr
     assert "test_forgotten.SUITE: a DistSuite whose cases no test asserts" in run.stderr, (
         run.stdout + run.stderr)
+
+
+def test_every_process_a_test_starts_is_bounded_in_time():
+    """subprocess.run / call / check_* in tests/ name a timeout (a Popen's communicate does), so a
+    hung launcher fails its test instead of hanging CI; spawned worlds go through DistSuite."""
+    import ast
+    import glob
+
+    unbounded = []
+    for path in glob.glob(os.path.join(HERE, "**", "*.py"), recursive=True):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("run", "call", "check_call", "check_output",
+                                           "communicate")
+                    and getattr(node.func.value, "id", "") in ("subprocess", "task", "proc")
+                    and "timeout" not in {keyword.arg for keyword in node.keywords}):
+                unbounded.append(f"{os.path.relpath(path, HERE)}:{node.lineno}")
+            if (isinstance(node, ast.Attribute) and node.attr in ("start_processes", "spawn")
+                    and getattr(node.value, "id", "") == "mp"):
+                unbounded.append(f"{os.path.relpath(path, HERE)}:{node.lineno} (use DistSuite)")
+    assert not unbounded, unbounded

@@ -104,7 +104,7 @@ def test_every_script_parses():
     scripts = all_scripts()
     assert len(scripts) >= 10, scripts
     for path in scripts:
-        checked = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+        checked = subprocess.run(["bash", "-n", path], capture_output=True, text=True, timeout=30)
         assert checked.returncode == 0, f"{path}: {checked.stderr}"
 
 
@@ -199,10 +199,11 @@ def test_local_scripts_run_the_sbatch_recipe_on_one_node(name, slurm_env):
 def test_launch_refusals(slurm_env):
     script = os.path.join(REPO, "scripts/slurm/pretrain_llama2_7b.sbatch")
     no_slurm = {k: v for k, v in slurm_env.items() if k != "SLURM_NNODES"}
-    done = subprocess.run(["bash", script], env=no_slurm, capture_output=True, text=True)
+    done = subprocess.run(["bash", script], env=no_slurm, capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode != 0 and "SLURM_NNODES" in done.stderr
     done = subprocess.run(["bash", script], env=dict(slurm_env, LAUNCHER="mpirun"),
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "LAUNCHER=mpirun is unknown" in done.stderr
 
 

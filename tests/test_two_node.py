@@ -55,7 +55,7 @@ def test_compare_accepts_equal_and_refuses_different_losses(tmp_path):
 
 
 def test_script_parses():
-    subprocess.run(["bash", "-n", SCRIPT], check=True)
+    subprocess.run(["bash", "-n", SCRIPT], check=True, timeout=30)
 
 
 def _netns_permitted() -> str | None:
