@@ -100,7 +100,7 @@ def _sdpa_core_attention() -> type[torch.nn.Module]:
     return SDPACoreAttention
 
 
-def _megatron_parallel_state(tp: int, seed: int) -> None:
+def _megatron_parallel_state(tp: int, seed: int, device: torch.device) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     if (parallel_state.model_parallel_is_initialized()
@@ -111,17 +111,20 @@ def _megatron_parallel_state(tp: int, seed: int) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  create_gloo_process_groups=False)
     # Its GPU weight init draws from the tensor-parallel RNG tracker this seeds.
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def build_megatron_block(shape: LayerShape, tp: int, num_layers: int,
-                         dtype: torch.dtype = torch.bfloat16, seed: int = 1234) -> Built:
+                         dtype: torch.dtype = torch.bfloat16, seed: int = 1234,
+                         device: torch.device | None = None) -> Built:
     """megatron-core's `TransformerBlock` of `num_layers` layers at tensor parallelism `tp`
     (data parallel over the rest of the world), without sequence parallelism (its local spec
     refuses it without apex or transformer-engine) or dropout. Norms are torch's LayerNorm or
     RMSNorm whether or not apex is installed. Returns (block, forward) with forward(x (s, b, h))
-    -> (s, b, h), or (None, reason) if megatron-core does not import."""
+    -> (s, b, h), or (None, reason) if megatron-core does not import. device: where it is built
+    (default: the current GPU where there is one, else the CPU); its CUDA RNG is seeded only
+    for a GPU build, so a CPU build works on a machine with GPUs too."""
     try:
         from megatron.core.models.common.embeddings.rotary_pos_embedding import (
             RotaryEmbedding,
@@ -132,8 +135,8 @@ def build_megatron_block(shape: LayerShape, tp: int, num_layers: int,
         from megatron.core.transformer.transformer_config import TransformerConfig
     except ImportError as error:
         return None, f"megatron-core not importable: {error}"
-    _megatron_parallel_state(tp, seed)
-    device = _device()
+    device = device or _device()
+    _megatron_parallel_state(tp, seed, device)
     llama = shape.family == "llama"
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,

@@ -67,7 +67,8 @@ def check_against_ours(family: str, peer: str, dims) -> None:
     if peer == "megatron":
         # megatron-core 0.16.1's RoPE moves its table to torch.cuda.current_device() when built.
         with mock.patch("torch.cuda.current_device", return_value="cpu"):
-            module, forward = build_megatron_block(shape, TP, NUM_LAYERS, torch.float32)
+            module, forward = build_megatron_block(shape, TP, NUM_LAYERS, torch.float32,
+                                                   device=torch.device("cpu"))
         # Same parameter names and the same local layouts (QKV per query group, [gate; up]).
         ours_state = {f"layers.{name}": value for name, value in layers.state_dict().items()}
         result = module.load_state_dict(ours_state, strict=False)
