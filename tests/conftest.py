@@ -95,14 +95,29 @@ def check_suites_are_asserted(items) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    skipped = Counter(TIER_OF.get(report.nodeid, "default")
-                      for report in terminalreporter.stats.get("skipped", []))
+    reports = terminalreporter.stats.get("skipped", [])
+    skipped = Counter(TIER_OF.get(report.nodeid, "default") for report in reports)
     terminalreporter.section("tiers")
     terminalreporter.write_line(f"ran tiers {','.join(sorted(config.chosen_tiers))} with "
                                 f"{versions()}")
     for tier in TIERS:
-        if skipped[tier]:
-            terminalreporter.write_line(f"tier {tier}: {skipped[tier]} skipped; run: {TIERS[tier]}")
+        if not skipped[tier]:
+            continue
+        if tier not in config.chosen_tiers:
+            terminalreporter.write_line(f"tier {tier}: {skipped[tier]} skipped; "
+                                        f"run: {TIERS[tier]}")
+            continue
+        # skipped although its tier ran: say why (a missing package, too few GPUs, ...)
+        reasons = Counter(_reason(report) for report in reports
+                          if TIER_OF.get(report.nodeid, "default") == tier)
+        why = "; ".join(f"{count}: {reason}" for reason, count in reasons.most_common(3))
+        terminalreporter.write_line(f"tier {tier}: {skipped[tier]} skipped here ({why})")
     load = " / ".join(f"{value:.2f}" for value in os.getloadavg())
     terminalreporter.write_line(f"load average (1 / 5 / 15 min) at the end: {load} "
                                 f"on {os.cpu_count()} cores")
+
+
+def _reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
