@@ -373,6 +373,9 @@ class TrainConfig:
     """On SIGTERM: save a checkpoint at the end of the iteration and stop."""
     exit_duration_in_mins: float | None = None
     exit_interval: int | None = None
+    distributed_timeout_minutes: float = 10.0
+    """How long a collective waits for a rank that stopped answering before the run ends (exit
+    1, naming the silent ranks where the rendezvous store can tell); Megatron-LM's default."""
     # Logging.
     tensorboard_dir: str | None = None
     # Domino.

@@ -116,6 +116,7 @@ MAPPED = [
      True),
     (("--exit-signal-handler",), "train.exit_signal_handler", True),
     (("--exit-duration-in-mins", "230"), "train.exit_duration_in_mins", 230),
+    (("--distributed-timeout-minutes", "0.5"), "train.distributed_timeout_minutes", 0.5),
     (("--exit-interval", "1000"), "train.exit_interval", 1000),
     (("--tensorboard-dir", "/tb"), "train.tensorboard_dir", "/tb"),
     (("--use-distributed-optimizer",), "train.zero_stage", 1),
@@ -316,6 +317,8 @@ def test_no_data_source_is_refused():
      "--save-interval=0 is invalid"),
     (("--data-path", "a", "--tokenizer-type", "NullTokenizer", "--exit-duration-in-mins", "-1"),
      "--exit-duration-in-mins=-1 is invalid"),
+    (("--mock-data", "--distributed-timeout-minutes", "0"),
+     "--distributed-timeout-minutes=0.0 is invalid: it must be > 0"),
     (("--data-path", "a"), "--data-path needs --tokenizer-type"),
 ])
 def test_data_and_checkpoint_rules(argv, named):

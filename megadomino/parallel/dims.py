@@ -13,6 +13,7 @@ defaults to LOCAL_WORLD_SIZE and may be set smaller so that one host stands in f
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -22,10 +23,12 @@ from megadomino.config import ConfigError
 
 
 class ParallelDims:
-    """Create after `torch.distributed.init_process_group`; every rank must construct it alike."""
+    """Create after `torch.distributed.init_process_group`; every rank must construct it alike.
+    timeout: how long the groups' collectives wait for a silent rank (None: torch's default for
+    new groups, not the world group's; the launcher passes --distributed-timeout-minutes)."""
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 gpus_per_node: int | None = None):
+                 gpus_per_node: int | None = None, timeout: datetime.timedelta | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ParallelDims needs torch.distributed.init_process_group() first")
         world = dist.get_world_size()
@@ -40,16 +43,17 @@ class ParallelDims:
         self.world_size, self.rank = world, rank
         self.tp, self.pp, self.dp = tp, pp, dp
         self.gpus_per_node = gpus_per_node
+        self.timeout = timeout
         grid = torch.arange(world).view(pp, dp, tp)
         (self.pp_rank, self.dp_rank, self.tp_rank), = (grid == rank).nonzero().tolist()
 
         # new_group is collective over the whole world: every rank creates every group, in order.
         self.tp_group = _groups_containing(rank, [grid[p, d, :] for p in range(pp)
-                                                  for d in range(dp)])
+                                                  for d in range(dp)], timeout=timeout)
         self.dp_group = _groups_containing(rank, [grid[p, :, t] for p in range(pp)
-                                                  for t in range(tp)])
+                                                  for t in range(tp)], timeout=timeout)
         self.pp_group = _groups_containing(rank, [grid[:, d, t] for d in range(dp)
-                                                  for t in range(tp)])
+                                                  for t in range(tp)], timeout=timeout)
         # A node holds gpus_per_node consecutive ranks; the DP ranks of one (p, t) column that
         # share a node form the intra-node group, those at the same offset on each node the
         # inter-node group.
@@ -64,8 +68,8 @@ class ParallelDims:
                     intra.append(column[n:n + dp_per_node])
                 for j in range(dp_per_node):
                     inter.append(column[j::dp_per_node])
-        self.intra_node_group = _groups_containing(rank, intra)
-        self.inter_node_group = _groups_containing(rank, inter)
+        self.intra_node_group = _groups_containing(rank, intra, timeout=timeout)
+        self.inter_node_group = _groups_containing(rank, inter, timeout=timeout)
         self.intra_node_rank = self.dp_rank % dp_per_node
         self.inter_node_rank = self.dp_rank // dp_per_node
 
@@ -83,7 +87,7 @@ class ParallelDims:
             grid = torch.arange(self.world_size).view(self.pp, self.dp, self.tp)
             cache[max_ctas] = _groups_containing(
                 self.rank, [grid[p, d, :] for p in range(self.pp) for d in range(self.dp)],
-                pg_options=options)
+                pg_options=options, timeout=self.timeout)
         return cache[max_ctas]
 
     @property
@@ -119,12 +123,13 @@ def check_gpus_per_node(world: int, tp: int, gpus_per_node: int) -> None:
             f"(--tensor-model-parallel-size={tp}) must fit inside a node; use a multiple of {tp}")
 
 
-def _groups_containing(rank: int, rank_lists: list[torch.Tensor], pg_options=None):
+def _groups_containing(rank: int, rank_lists: list[torch.Tensor], pg_options=None,
+                       timeout: datetime.timedelta | None = None):
     """Create a group for every rank list (collectively) and return the one holding `rank`."""
     mine = None
     for ranks in rank_lists:
         ranks = ranks.tolist()
-        group = dist.new_group(ranks, pg_options=pg_options)
+        group = dist.new_group(ranks, pg_options=pg_options, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine

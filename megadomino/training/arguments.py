@@ -312,6 +312,9 @@ def _check_train(config: TrainConfig, finetune: bool) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={value} is invalid: it must be >= 1")
+    if not config.distributed_timeout_minutes > 0:
+        raise ConfigError(f"--distributed-timeout-minutes={config.distributed_timeout_minutes} "
+                          "is invalid: it must be > 0 (fractions of a minute are fine)")
     if config.exit_duration_in_mins is not None and config.exit_duration_in_mins < 0:
         raise ConfigError(f"--exit-duration-in-mins={config.exit_duration_in_mins} is invalid: "
                           "it must be >= 0")

@@ -255,6 +255,9 @@ FLAGS: tuple[Flag, ...] = (
           "On SIGTERM (SLURM pre-emption): finish the iteration, save (with --save) and exit 0."),
     _impl("--exit-duration-in-mins", "train.exit_duration_in_mins", int,
           "Save (with --save) and exit 0 once the run has trained this long."),
+    _impl("--distributed-timeout-minutes", "train.distributed_timeout_minutes", float,
+          "How long a collective waits for a rank that stopped answering (default 10); then "
+          "every rank still running exits 1, naming the silent ranks where it can tell."),
     _impl("--exit-interval", "train.exit_interval", int,
           "Save (with --save) and exit 0 at the first iteration that is a multiple of this."),
     # Logging.

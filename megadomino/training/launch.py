@@ -6,15 +6,19 @@ tokenizer, which sets the vocabulary) against WORLD_SIZE before any process grou
 flag makes each rank print `error: ...` and exit 2 instead of leaving the others waiting in a
 collective. Exit status: 0 when the run ends or an --exit-* condition stops it (after saving), 2
 for a configuration that cannot run, 1 for a checkpoint that cannot be loaded or saved and for a
-loss that became NaN.
+loss that became NaN, and for a collective that waited --distributed-timeout-minutes for a rank
+that stopped answering (the line names the silent ranks where the rendezvous store can tell; with
+NCCL, its watchdog ends the process at the same timeout).
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -54,11 +58,13 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     from megadomino.training.loop import train
     from megadomino.training.report import NonFiniteLossError
 
-    _init_process_group()
+    _init_process_group(train_config.distributed_timeout_minutes)
     try:
         dims = ParallelDims(tp=train_config.tensor_model_parallel_size,
                             pp=train_config.pipeline_model_parallel_size,
-                            gpus_per_node=train_config.gpus_per_node)
+                            gpus_per_node=train_config.gpus_per_node,
+                            timeout=datetime.timedelta(
+                                minutes=train_config.distributed_timeout_minutes))
         train_data, valid_data = build_datasets(model_config, train_config, dims, tokenizer,
                                                 finetune)
         model_init = None
@@ -75,9 +81,42 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     except (CheckpointError, NonFiniteLossError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
+    except RuntimeError as err:
+        if not _collective_timed_out(err):
+            raise  # our own bugs keep their tracebacks
+        print(f"error: {_stall_message(train_config.distributed_timeout_minutes)}",
+              file=sys.stderr, flush=True)
+        return 1
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _collective_timed_out(err: RuntimeError) -> bool:
+    """gloo's timeout of a collective whose peer never answered (a RuntimeError of its own)."""
+    return "Timed out waiting" in str(err) or (isinstance(err, dist.DistBackendError)
+                                                and "timeout" in str(err).lower())
+
+
+def _stall_message(timeout_minutes: float, wait_s: float = 3.0) -> str:
+    """Which ranks stopped answering: every rank still running marks itself alive in the
+    rendezvous store and, after `wait_s`, names the ranks that did not (None known if the store's
+    host is the silent one)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    said = (f"a collective waited --distributed-timeout-minutes {timeout_minutes:g} for a rank "
+            f"that stopped answering; ending this rank ({rank})")
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=wait_s))
+    try:
+        store.set(f"megadomino/alive/{rank}", "1")
+        time.sleep(wait_s)
+        silent = [peer for peer in range(world)
+                  if not store.check([f"megadomino/alive/{peer}"])]
+    except dist.DistStoreError:
+        return f"{said}; the rendezvous store does not answer either (its host is silent)"
+    if not silent:
+        return f"{said}; every rank answered the store afterwards (a slow rank, not a dead one)"
+    return f"{said}; silent: rank {', '.join(map(str, silent))}"
 
 
 def _default_to_single_process() -> None:
@@ -93,10 +132,12 @@ def _default_to_single_process() -> None:
             os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
 
 
-def _init_process_group() -> None:
-    """NCCL on this rank's GPU (LOCAL_RANK) when CUDA is available, else gloo on the CPU."""
+def _init_process_group(timeout_minutes: float) -> None:
+    """NCCL on this rank's GPU (LOCAL_RANK) when CUDA is available, else gloo on the CPU; every
+    collective waits at most `timeout_minutes` (--distributed-timeout-minutes)."""
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", timeout=timeout)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
