@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dist_utils import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,3 +48,20 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     last = output.strip().splitlines()[-1]
     assert last.startswith("error: a collective waited --distributed-timeout-minutes 0.1"), last
     assert last.endswith("silent: rank 1"), last
+
+
+def test_an_internal_bug_keeps_its_traceback(monkeypatch):
+    """Only a collective's timeout becomes a one-line exit: a RuntimeError of our own propagates
+    with its traceback (and so does any other exception type)."""
+    from megadomino.training import launch, loop
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an internal bug")
+
+    monkeypatch.setattr(loop, "train", broken)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(RuntimeError, match="an internal bug"):
+        launch.main("gpt", ["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "1",
+                            "--micro-batch-size", "1", "--global-batch-size", "1"])
