@@ -18,7 +18,7 @@ from megadomino.training.arguments import (
     validate_world,
     zero_config,
 )
-from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, REFUSED
+from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, _count
 from megadomino.zero import ZeroConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -514,7 +514,6 @@ def test_shape_validation_names_the_flag(argv, named):
     (("--micro-batch-size", "4", "--global-batch-size", "10"), 2,
      "--global-batch-size=10 is invalid: .* = 8"),
     (("--tensor-model-parallel-size", "4", "--gpus-per-node", "2"), 8, "--gpus-per-node=2"),
-    (("--micro-batch-size", "0"), 1, "--micro-batch-size=0 is invalid"),
 ])
 def test_world_validation_names_the_flag(argv, world, named):
     model_config, train_config, _ = parse(*argv)
@@ -563,3 +562,51 @@ def test_entry_script_exits_2_naming_a_bad_flag():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("error: unknown flag --bogus-flag")
+
+
+NUMERIC = [flag for flag in FLAGS + FINETUNE_FLAGS
+           if flag.type in (int, float, _count) and flag.policy != REFUSED and not flag.choices]
+
+
+def test_every_numeric_flag_declares_its_range():
+    assert sorted(flag.name for flag in NUMERIC if flag.name not in RANGES) == []
+    assert set(RANGES) <= {flag.name for flag in NUMERIC}, "a range for a flag that is not here"
+
+
+def _outside(allowed) -> list[str]:
+    """Values just outside a range: below it, at an excluded bound, above it, NaN for floats."""
+    values = []
+    if allowed.low is not None:
+        values.append(allowed.low if not allowed.low_inclusive else allowed.low - 1)
+    if allowed.high is not None:
+        values.append(allowed.high if not allowed.high_inclusive else allowed.high + 1)
+    return [f"{value:g}" if value != int(value) else str(int(value)) for value in values]
+
+
+@pytest.mark.parametrize("flag", NUMERIC, ids=[flag.name for flag in NUMERIC])
+def test_a_value_outside_a_flags_range_is_refused_naming_it(flag):
+    """parse_args runs on every rank before any process group exists (launch.main)."""
+    allowed = RANGES[flag.name]
+    for value in _outside(allowed):
+        if flag.type is int and float(value) != int(float(value)):
+            continue
+        with pytest.raises(ConfigError, match=f"^{flag.name}=.* is invalid: it must be "
+                                              f"(an integer )?{re.escape(str(allowed))}$"):
+            parse(f"{flag.name}={value}")
+
+
+def test_the_cases_users_hit_are_refused_naming_the_flag():
+    for argv, named in ((("--seq-length", "0"), "--seq-length=0 is invalid"),
+                        (("--weight-decay=-0.1",), "--weight-decay=-0.1 is invalid"),
+                        (("--adam-beta2", "1.5"), "--adam-beta2=1.5 is invalid"),
+                        (("--lr", "1e39"), "--lr=1e+39 is invalid"),
+                        (("--lr=-1e-3",), "--lr=-0.001 is invalid"),
+                        (("--log-interval", "0"), "--log-interval=0 is invalid"),
+                        (("--micro-batch-size", "0"), "--micro-batch-size=0 is invalid"),
+                        (("--make-vocab-size-divisible-by", "0"),
+                         "--make-vocab-size-divisible-by=0 is invalid"),
+                        (("--ffn-hidden-size", "0"), "--ffn-hidden-size=0 is invalid"),
+                        (("--kv-channels", "0"), "--kv-channels=0 is invalid"),
+                        (("--init-method-std=-0.02",), "--init-method-std=-0.02 is invalid")):
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            parse(*argv)

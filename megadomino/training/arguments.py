@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.domino.plan import validate_plan
 from megadomino.parallel.dims import check_degrees, check_gpus_per_node
-from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, REFUSED, Flag
+from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, Flag
 from megadomino.zero.config import ZeroConfig
 
 FAMILY_DEFAULTS: dict[str, dict] = {
@@ -85,6 +85,10 @@ def parse_args(argv: list[str] | None, family: str,
     given = {flag: getattr(args, flag.dest) for flag in flags
              if getattr(args, flag.dest) is not None}
     for flag, value in given.items():
+        allowed = RANGES.get(flag.name)
+        if allowed is not None and value not in allowed:
+            kind = "an integer " if flag.type is not float else ""
+            raise ConfigError(f"{flag.name}={value} is invalid: it must be {kind}{allowed}")
         reason = flag.refusal(value)
         if reason is not None:
             shown = flag.name if flag.type is None else f"{flag.name}={value}"
@@ -230,6 +234,8 @@ def render_flag_table(flags: tuple[Flag, ...] = FLAGS) -> str:
             if flag.type is None:
                 sets += f" = `{flag.const!r}`"
         notes = flag.text
+        if flag.name in RANGES:
+            notes += f" Range: {RANGES[flag.name]}."
         if flag.supported is not None:
             values = ", ".join(str(v) for v in flag.supported)
             notes += (f" (accepted at {values})" if flag.policy == REFUSED

@@ -431,3 +431,64 @@ FINETUNE_FLAGS: tuple[Flag, ...] = (
           "'[INST] {prompt} [/INST]' (default '{prompt}')."),
 )
 """finetune_llama.py's flags, beside FLAGS."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag accepts: low and high bounds (None: unbounded), each inclusive
+    or not. Checked on every rank before any process group (arguments.parse_args)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_inclusive: bool = True
+    high_inclusive: bool = True
+
+    def __contains__(self, value: float) -> bool:
+        if value != value:  # NaN
+            return False
+        if self.low is not None and (value < self.low or value == self.low
+                                     and not self.low_inclusive):
+            return False
+        return self.high is None or value < self.high or (value == self.high
+                                                          and self.high_inclusive)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>=' if self.low_inclusive else '>'} {self.low:g}"
+        return (f"in {'[' if self.low_inclusive else '('}{self.low:g}, {self.high:g}"
+                f"{']' if self.high_inclusive else ')'}")
+
+
+_POSITIVE_COUNT = Range(1)
+_NON_NEGATIVE = Range(0)
+_POSITIVE = Range(0, low_inclusive=False)
+_PROBABILITY = Range(0, 1, high_inclusive=False)
+_FP32_FINITE = Range(0, 3.0e38, high_inclusive=False)  # beyond, fp32 state overflows
+
+RANGES: dict[str, Range] = {
+    **dict.fromkeys(("--num-layers", "--hidden-size", "--ffn-hidden-size",
+                     "--num-attention-heads", "--num-query-groups", "--kv-channels",
+                     "--seq-length", "--max-position-embeddings", "--vocab-size",
+                     "--make-vocab-size-divisible-by", "--tensor-model-parallel-size",
+                     "--pipeline-model-parallel-size", "--recompute-num-layers",
+                     "--ddp-bucket-size", "--micro-batch-size", "--global-batch-size",
+                     "--train-iters", "--train-samples", "--lr-decay-iters",
+                     "--loss-scale-window", "--hysteresis", "--log-interval", "--eval-interval",
+                     "--save-interval", "--exit-interval", "--gpus-per-node",
+                     "--domino-hidden-slices", "--zeropp-hpz-partition-size",
+                     "--zeropp-block-size", "--zero-layers-per-unit", "--zero-unit-params",
+                     "--tensorboard-log-interval"), _POSITIVE_COUNT),
+    **dict.fromkeys(("--lr-warmup-iters", "--eval-iters", "--seed", "--num-workers",
+                     "--exit-duration-in-mins", "--local-rank", "--clip-grad"), _NON_NEGATIVE),
+    **dict.fromkeys(("--rotary-base", "--norm-epsilon", "--init-method-std", "--adam-eps",
+                     "--initial-loss-scale", "--min-loss-scale", "--peak-tflops",
+                     "--distributed-timeout-minutes"), _POSITIVE),
+    **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--adam-beta1", "--adam-beta2"),
+                    _PROBABILITY),
+    **dict.fromkeys(("--lr", "--min-lr", "--weight-decay"), _FP32_FINITE),
+    "--lr-warmup-fraction": Range(0, 1),
+    "--timing-log-level": Range(0, 2),
+}
+"""The range of every numeric flag that is not refused and has no list of choices
+(tests/test_arguments.py checks each has one and that a value outside it is refused naming
+the flag)."""
