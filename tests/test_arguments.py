@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -610,3 +611,15 @@ def test_the_cases_users_hit_are_refused_naming_the_flag():
                         (("--init-method-std=-0.02",), "--init-method-std=-0.02 is invalid")):
         with pytest.raises(ConfigError, match=re.escape(named)):
             parse(*argv)
+
+
+def test_an_unwritable_save_directory_is_refused_at_start(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match="--save=.*a_file/ckpt is invalid: .*a_file is a file"):
+        parse("--save", str(tmp_path / "a_file" / "ckpt"))
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # root can write anywhere: nothing to refuse then
+        with pytest.raises(ConfigError, match="--save=.* is invalid: .*locked is not writable"):
+            parse("--save", str(locked / "ckpt"))
+    parse("--save", str(tmp_path / "new" / "ckpt"))  # creatable: fine

@@ -324,10 +324,24 @@ def _check_train(config: TrainConfig, finetune: bool) -> None:
     if config.exit_duration_in_mins is not None and config.exit_duration_in_mins < 0:
         raise ConfigError(f"--exit-duration-in-mins={config.exit_duration_in_mins} is invalid: "
                           "it must be >= 0")
+    if config.save is not None:
+        _check_writable(config.save)
     if config.load is None:
         for name in ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint"):
             if getattr(config, name):
                 raise ConfigError(f"--{name.replace('_', '-')} applies to --load: give --load DIR")
+
+
+def _check_writable(save: str) -> None:
+    """--save must be a directory this process can write, or creatable in one: found at start-up
+    rather than at the first save, hours in."""
+    path = os.path.abspath(save)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"--save={save} is invalid: {path} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--save={save} is invalid: {path} is not writable by this user")
 
 
 def _check_data(config: TrainConfig, finetune: bool) -> None:
