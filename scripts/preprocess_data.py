@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from megadomino.config import ConfigError
 from megadomino.training.data.indexed import (
     IndexedDatasetBuilder,
     bin_path,
@@ -49,10 +50,18 @@ class Encoder:
         # On the class: a pool pickles a fresh Encoder with every task, the worker keeps the class.
         type(self).tokenizer = _tokenizer(self.args)
 
-    def encode(self, line: str) -> tuple[Encoded, int]:
-        record = json.loads(line)
+    def encode(self, line: str) -> tuple[Encoded | str, int]:
+        """The line's documents, or why it cannot be read (returned, not raised: a worker's
+        exception would surface at its chunk's first line, not at this one)."""
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            return f"not a JSON object ({err.msg} at column {err.colno})", len(line)
         encoded: Encoded = {}
         for key in self.args.json_keys:
+            if not isinstance(record, dict) or key not in record:
+                found = sorted(record) if isinstance(record, dict) else type(record).__name__
+                return f"no {key!r} key (--json-keys); the line has {found}", len(line)
             text = record[key]
             ids: list[int] = []
             lengths: list[int] = []
@@ -73,7 +82,7 @@ def _tokenizer(args: argparse.Namespace) -> Tokenizer:
                            args.merge_file, args.vocab_size)
 
 
-def _encoded(args: argparse.Namespace, lines) -> Iterator[tuple[Encoded, int]]:
+def _encoded(args: argparse.Namespace, lines) -> Iterator[tuple[Encoded | str, int]]:
     encoder = Encoder(args)
     if args.workers == 1:
         encoder.start()
@@ -93,6 +102,8 @@ def preprocess(args: argparse.Namespace) -> list[str]:
     start, total_bytes = time.time(), 0
     with open(args.input, encoding="utf-8") as lines:
         for count, (encoded, size) in enumerate(_encoded(args, lines), start=1):
+            if isinstance(encoded, str):
+                raise ConfigError(f"{args.input}:{count}: {encoded}")
             for key, (ids, lengths) in encoded.items():
                 builders[key].add_document(ids, lengths)
             total_bytes += size
@@ -129,5 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    for written in preprocess(parse_args()):
-        print(f"wrote {bin_path(written)} and {idx_path(written)}")
+    try:
+        for written in preprocess(parse_args()):
+            print(f"wrote {bin_path(written)} and {idx_path(written)}")
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -211,3 +211,23 @@ def test_damaged_cache_file_is_rebuilt_with_a_notice(tmp_path, capsys):
     for got, want in zip(_indices(rebuilt), expected):
         np.testing.assert_array_equal(got, want)
     assert build([prefix], None, str(cache))[0].from_cache
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("lines, named", [
+    (['{"text": "1 2"}', '{"text": "3"}', '{"txt": "4"}'],
+     ":3: no 'text' key (--json-keys); the line has ['txt']"),
+    (['{"text": "5"}', "not json"], ":2: not a JSON object (Expecting value at column 1)"),
+])
+def test_preprocess_names_the_bad_jsonl_line(tmp_path, lines, named, workers):
+    """One `error:` line with file:line and exit 2, with one worker or a pool (whose chunks would
+    otherwise report their first line)."""
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "preprocess_data.py"),
+                           "--input", str(source), "--output-prefix", str(tmp_path / "out"),
+                           "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+                           "--workers", str(workers)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"error: {source}{named}"], done.stderr
