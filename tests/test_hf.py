@@ -18,7 +18,7 @@ import torch
 
 from dist_utils import C, DistSuite, assert_close, check_result
 from megadomino.config import ConfigError
-from megadomino.interop.hf import load_llama, save_llama
+from megadomino.interop.hf import SafetensorsReader, load_llama, read_hf_config, save_llama
 from megadomino.interop.hf_config import hf_config_from, model_config_from_hf
 from megadomino.parallel import ParallelDims
 
@@ -240,3 +240,19 @@ def test_converter_reads_a_config_with_fields_it_does_not_know(tmp_path):
     torch.save({"model_config": dict(dataclasses.asdict(config), some_future_option=True)}, shard)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     assert convert_hf_llama.saved_model_config(str(tmp_path)) == config
+
+
+def test_broken_hf_files_are_named(hf_files, tmp_path):
+    """A config.json that is not JSON and a truncated safetensors file are errors naming the
+    file (raw JSONDecodeError / SafetensorError tracebacks otherwise)."""
+    single = hf_files["inputs"][0]
+    broken = tmp_path / "broken"
+    shutil.copytree(single, broken)
+    (broken / "config.json").write_text('{"hidden_size": 64,')
+    with pytest.raises(ConfigError, match=r"config.json is not valid JSON \(.* line 1"):
+        read_hf_config(str(broken))
+    shutil.copy(os.path.join(single, "config.json"), broken / "config.json")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ConfigError, match="model.safetensors is not a readable safetensors"):
+        SafetensorsReader(str(broken))

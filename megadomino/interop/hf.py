@@ -116,11 +116,12 @@ class SafetensorsReader:
         index_path = os.path.join(hf_dir, SAFETENSORS_INDEX)
         single_path = os.path.join(hf_dir, SAFETENSORS_FILE)
         if os.path.exists(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = _read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConfigError(f"{index_path} has no weight_map: is it a safetensors index?")
             self.files = {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
         elif os.path.exists(single_path):
-            with safe_open(single_path, framework="pt") as handle:
+            with self._open(single_path) as handle:
                 self.files = dict.fromkeys(handle.keys(), single_path)
         else:
             raise FileNotFoundError(f"{hf_dir} holds neither {SAFETENSORS_FILE} nor "
@@ -130,10 +131,19 @@ class SafetensorsReader:
                 raise FileNotFoundError(f"{path} is named by {SAFETENSORS_INDEX} but missing")
         self._handles: dict[str, Any] = {}
 
+    def _open(self, path: str):
+        from safetensors import SafetensorError
+
+        try:
+            return self._safe_open(path, framework="pt")
+        except SafetensorError as err:
+            raise ConfigError(f"{path} is not a readable safetensors file ({err}): truncated "
+                              "or corrupt? re-download or re-save it") from None
+
     def _slice(self, name: str):
         path = self.files[name]
         if path not in self._handles:
-            self._handles[path] = self._safe_open(path, framework="pt")
+            self._handles[path] = self._open(path)
         return self._handles[path].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -151,8 +161,20 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: is {hf_dir} a Hugging Face model directory?")
+    return _read_json(path)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    """A JSON object from `path`; ConfigError naming the file and the position otherwise."""
     with open(path) as f:
-        return json.load(f)
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}, "
+                              f"column {err.colno})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
