@@ -25,12 +25,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megadomino.config import ModelConfig
+from megadomino.config import ConfigError, ModelConfig
 from megadomino.interop.hf import load_llama, save_llama
 from megadomino.models.llama import LlamaModel
 from megadomino.parallel import ParallelDims
 from megadomino.training import checkpoint
-from megadomino.training.checkpoint import TrainingState
+from megadomino.training.checkpoint import CheckpointError, TrainingState
 from megadomino.training.checkpoint_files import Manifest
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -117,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             message = f"wrote {args.hf_dir} from {args.load}"
         if dims.rank == 0:
             print(message, flush=True)
+    except (ConfigError, FileNotFoundError) as error:  # every rank reads the same files
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
     finally:
         dist.destroy_process_group()
     return 0
