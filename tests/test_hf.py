@@ -226,10 +226,12 @@ def test_converter_round_trip_through_a_tp2_checkpoint(hf_setup, tmp_path):
         assert torch.equal(actual[name], tensor), name
 
 
-def test_converter_refuses_a_directory_without_checkpoint(tmp_path):
-    with pytest.raises(convert_hf_llama.checkpoint.CheckpointError, match="not a megadomino"):
-        convert_hf_llama.main(["megadomino-to-hf", "--load", str(tmp_path),
-                               "--hf-dir", str(tmp_path / "hf")])
+def test_converter_refuses_a_directory_without_checkpoint(tmp_path, capsys):
+    code = convert_hf_llama.main(["megadomino-to-hf", "--load", str(tmp_path),
+                                  "--hf-dir", str(tmp_path / "hf")])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(error) == 1 and error[0].startswith("error: "), error
+    assert "not a megadomino" in error[0], error
 
 
 def test_converter_reads_a_config_with_fields_it_does_not_know(tmp_path):
