@@ -60,6 +60,18 @@ class ModelConfig:
     """Domino: micro-slices of each layer's batch (1 = off)."""
     domino_hidden_slices: int = 1
     """Domino: chunks of the MLP's hidden dim (1 = off)."""
+    fp8: str | None = None
+    """FP8 GEMMs in the transformer layers' linears: None (off), 'hybrid' (e4m3 forward, e5m2
+    gradients) or 'e4m3' (megadomino/parallel/fp8.py)."""
+    fp8_recipe: str = "delayed"
+    """'delayed' (scales from an amax history) or 'tensorwise' (from each tensor's amax)."""
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    """'max' (of the history) or 'most_recent'."""
+    fp8_margin: int = 0
+    """Scales are divided by 2^margin."""
+    fp8_interval: int = 1
+    """Steps between delayed scale updates."""
 
     def __post_init__(self) -> None:
         if self.num_query_groups is None:
@@ -208,6 +220,7 @@ class ModelConfig:
                    "off with Domino slicing (--domino-*): its schedule hands parameter gradients "
                    "to autograd inside its backward; use --sequence-parallel --tp-comm-overlap "
                    "--enable-cuda-graph for overlapped communication under graphs")
+        self._validate_fp8()
         if self.sequence_parallel:
             _check(
                 self.seq_length % tp == 0,
@@ -215,6 +228,35 @@ class ModelConfig:
                 self.seq_length,
                 f"a multiple of --tensor-model-parallel-size ({tp}) with --sequence-parallel",
             )
+
+    def _validate_fp8(self) -> None:
+        _check(self.fp8 in (None, "hybrid", "e4m3"), "--fp8-format", self.fp8,
+               "'hybrid' or 'e4m3'")
+        _check(self.fp8_recipe in ("delayed", "tensorwise"), "--fp8-recipe", self.fp8_recipe,
+               "'delayed' or 'tensorwise'")
+        _check(self.fp8_amax_history_len >= 1, "--fp8-amax-history-len",
+               self.fp8_amax_history_len, "a positive integer")
+        _check(self.fp8_amax_compute_algo in ("max", "most_recent"), "--fp8-amax-compute-algo",
+               self.fp8_amax_compute_algo, "'max' or 'most_recent'")
+        _check(self.fp8_margin >= 0, "--fp8-margin", self.fp8_margin, "a non-negative integer")
+        _check(self.fp8_interval >= 1, "--fp8-interval", self.fp8_interval, "a positive integer")
+        if self.fp8 is None:
+            return
+        why = {"--domino-batch-slices": (self.domino_batch_slices > 1, "Domino's schedule runs "
+                                         "its own high-precision GEMMs on the layers' weights"),
+               "--domino-hidden-slices": (self.domino_hidden_slices > 1, "Domino's schedule runs "
+                                          "its own high-precision GEMMs on the layers' weights"),
+               "--tp-comm-overlap": (self.tp_comm_overlap, "its fused all-gather / "
+                                     "reduce-scatter GEMMs are high-precision"),
+               "--enable-cuda-graph": (self.enable_cuda_graph, "the FP8 path is not yet "
+                                       "verified under CUDA graph capture")}
+        for flag, (on, reason) in why.items():
+            _check(not on, flag, getattr(self, flag[2:].replace("-", "_")),
+                   f"off with --fp8-format: {reason}")
+        _check(not (self.fp8_recipe == "delayed" and self.recompute_granularity == "full"),
+               "--recompute-granularity", self.recompute_granularity,
+               "not 'full' with --fp8-recipe delayed: the recomputed forward would advance the "
+               "delayed-scaling state a second time (use selective, or --fp8-recipe tensorwise)")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -13,6 +13,7 @@ from torch import nn
 
 from megadomino.config import ModelConfig
 from megadomino.parallel import random as tp_random
+from megadomino.parallel.fp8 import FP8Recipe
 from megadomino.parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,15 +66,16 @@ class Attention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
         sp = config.sequence_parallel and dims.tp > 1
+        fp8 = FP8Recipe.from_config(config)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, dims, bias=config.add_bias_linear,
             sequence_parallel=sp, comm_overlap=config.tp_comm_overlap,
-            init_std=config.init_method_std, device=device, dtype=dtype)
+            init_std=config.init_method_std, fp8=fp8, device=device, dtype=dtype)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, dims,
             bias=config.add_bias_linear, sequence_parallel=sp, comm_overlap=config.tp_comm_overlap,
-            init_std=scaled_init_std(config.init_method_std, config.num_layers), device=device,
-            dtype=dtype)
+            init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
+            device=device, dtype=dtype)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """SDPA over (b, heads, s, d) tensors; attention dropout uses this rank's RNG stream."""
@@ -128,16 +130,17 @@ class MLP(nn.Module):
         self.config = config
         sp = config.sequence_parallel and dims.tp > 1
         stripes = 2 if config.swiglu else 1
+        fp8 = FP8Recipe.from_config(config)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, stripes * config.ffn_hidden_size, dims,
             bias=config.add_bias_linear, sequence_parallel=sp,
             comm_overlap=config.tp_comm_overlap, init_std=config.init_method_std,
-            stripes=stripes, device=device, dtype=dtype)
+            stripes=stripes, fp8=fp8, device=device, dtype=dtype)
         self.linear_fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, dims, bias=config.add_bias_linear,
             sequence_parallel=sp, comm_overlap=config.tp_comm_overlap,
-            init_std=scaled_init_std(config.init_method_std, config.num_layers), device=device,
-            dtype=dtype)
+            init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
+            device=device, dtype=dtype)
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         if self.config.swiglu:

@@ -7,6 +7,12 @@ carries its sharding so that full (unsharded) state dicts can be built and loade
 `tp_stripes` (a weight made of several stacked matrices each sharded on its own, e.g. SwiGLU's
 [gate; up]), and for vocabulary tables `vocab_size` (the unpadded row count).
 
+FP8 (`fp8`, a parallel.fp8.FP8Recipe): the layer's GEMMs run in FP8 (fp8_linear), with its
+scaling state in the `fp8_state` submodule. The column-parallel input's collective is then the
+plain mapping (f, or the sequence all-gather) around fp8_linear, without the async overlap of the
+input-gradient all-reduce that the high-precision path has; --tp-comm-overlap is not combined
+with it.
+
 Init: the full weight is drawn from the default generator (identical on every TP rank, see
 `parallel.random`) and then sharded, so a model's initial weights do not depend on the TP degree.
 """
@@ -21,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadomino.parallel import async_tp, mappings
+from megadomino.parallel.fp8 import FP8Recipe, FP8State, fp8_linear
 from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
 
 
@@ -122,13 +129,14 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  comm_overlap: bool = False, init_std: float = 0.02, stripes: int = 1,
-                 device=None, dtype: torch.dtype = torch.float32):
+                 fp8: FP8Recipe | None = None, device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
         if output_size % (dims.tp * stripes) != 0:
             raise ValueError(f"output size {output_size} not divisible by tp {dims.tp} "
                              f"x stripes {stripes}")
         if gather_output and sequence_parallel:
             raise ValueError("gather_output is not supported with sequence parallelism")
+        _check_fp8(fp8, comm_overlap)
         self.dims, self.gather_output, self.sequence_parallel = dims, gather_output, \
             sequence_parallel
         self.comm_overlap = comm_overlap
@@ -141,12 +149,21 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype))
             _mark(self.bias, 0, stripes)
+        self.fp8_state = None if fp8 is None else FP8State(fp8, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = column_parallel_matmul(x, self.weight, self.bias, self.dims.tp_group,
-                                     self.sequence_parallel, self.comm_overlap)
+        group = self.dims.tp_group
+        if self.fp8_state is not None:
+            if self.sequence_parallel:
+                total = mappings.gather_from_sequence_parallel_region(x, group)
+            else:
+                total = mappings.copy_to_tensor_parallel_region(x, group)
+            out = fp8_linear(total, self.weight, self.bias, self.fp8_state)
+        else:
+            out = column_parallel_matmul(x, self.weight, self.bias, group, self.sequence_parallel,
+                                         self.comm_overlap)
         if self.gather_output:
-            out = mappings.gather_from_tensor_parallel_region(out, self.dims.tp_group)
+            out = mappings.gather_from_tensor_parallel_region(out, group)
         return out
 
 
@@ -161,13 +178,14 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 comm_overlap: bool = False, init_std: float = 0.02, device=None,
-                 dtype: torch.dtype = torch.float32):
+                 comm_overlap: bool = False, init_std: float = 0.02,
+                 fp8: FP8Recipe | None = None, device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
         if input_size % dims.tp != 0:
             raise ValueError(f"input size {input_size} not divisible by tp {dims.tp}")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence parallelism needs input_is_parallel=True")
+        _check_fp8(fp8, comm_overlap)
         self.dims, self.input_is_parallel = dims, input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.comm_overlap = comm_overlap and sequence_parallel and dims.tp > 1
@@ -180,11 +198,14 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, device=device, dtype=dtype))
             self.bias.sequence_parallel = sequence_parallel
+        self.fp8_state = None if fp8 is None else FP8State(fp8, device)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's un-reduced contribution X_r A_r (no bias): the Domino schedule reduces it."""
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.dims.tp_group)
+        if self.fp8_state is not None:
+            return fp8_linear(x, self.weight, None, self.fp8_state)
         return F.linear(x, self.weight)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
@@ -237,6 +258,12 @@ class VocabParallelEmbedding(nn.Module):
         if self.reduce_scatter:
             return mappings.reduce_scatter_to_sequence_parallel_region(partial, group)
         return mappings.reduce_from_tensor_parallel_region(partial, group)
+
+
+def _check_fp8(fp8: FP8Recipe | None, comm_overlap: bool) -> None:
+    if fp8 is not None and comm_overlap:
+        raise ValueError("FP8 GEMMs are not fused with the sequence-parallel collectives "
+                         "(comm_overlap): use one of them")
 
 
 def scaled_init_std(std: float, num_layers: int) -> float:

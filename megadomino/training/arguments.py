@@ -111,6 +111,7 @@ def parse_args(argv: list[str] | None, family: str,
     if "zero_stage" in train_fields and "ddp_bucket_size" in train_fields:
         raise ConfigError("--ddp-bucket-size sizes plain data parallelism's all-reduce buckets; "
                           "--zero-stage reduces layer by layer: drop one of them")
+    _check_fp8_flags(fields["model"])
     train_config = TrainConfig(**train_fields)
     _check_train(train_config, finetune)
     tp = train_config.tensor_model_parallel_size
@@ -125,6 +126,9 @@ def parse_args(argv: list[str] | None, family: str,
             raise ConfigError(f"{', '.join(missing)} required (or give --model-preset NAME)")
         model_config = ModelConfig(**{**FAMILY_DEFAULTS[family], **fields["model"]})
     model_config.validate(tp=tp)
+    if train_config.domino_auto and model_config.fp8 is not None:
+        raise ConfigError("--domino-batch-slices auto may pick a Domino plan, whose schedule "
+                          "runs high-precision GEMMs: it is off with --fp8-format")
     if train_config.domino_auto and model_config.enable_cuda_graph:
         raise ConfigError("--domino-batch-slices auto may pick a Domino plan, which "
                           "--enable-cuda-graph cannot capture: give one of them")
@@ -291,6 +295,20 @@ def _apply_model_rules(group_query_attention: bool, model_fields: dict[str, Any]
         return ["--sequence-parallel: dropped, it has no effect with "
                 "--tensor-model-parallel-size 1"]
     return []
+
+
+def _check_fp8_flags(model_fields: dict[str, Any]) -> None:
+    """The --fp8-* options need --fp8-format; the delayed-scaling ones need that recipe."""
+    options = [name for name in ("fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo",
+                                 "fp8_margin", "fp8_interval") if name in model_fields]
+    if options and model_fields.get("fp8") is None:
+        raise ConfigError(f"--{options[0].replace('_', '-')} configures FP8 training: add "
+                          "--fp8-format hybrid (or e4m3)")
+    if model_fields.get("fp8_recipe") == "tensorwise":
+        delayed = [name for name in options if name != "fp8_recipe"]
+        if delayed:
+            raise ConfigError(f"--{delayed[0].replace('_', '-')} applies to --fp8-recipe "
+                              "delayed; tensorwise scales each tensor by its own amax")
 
 
 def _check_train(config: TrainConfig, finetune: bool) -> None:

@@ -12,8 +12,9 @@ Layout of `--save DIR`:
 
 DP rank 0 of each TP rank writes that rank's shard: its model shard, its optimizer shard (AdamW
 moments, step and the fp32 masters of bf16/fp16 parameters, keyed by parameter name), the loss
-scaler, the training counters, the ModelConfig, the sharding of every parameter and the RNG states
-of every DP rank of its TP rank (python, numpy, torch CPU, CUDA, the TP tracker), gathered over DP.
+scaler, the training counters, the ModelConfig, the sharding of every parameter, and the RNG states
+(python, numpy, torch CPU, CUDA, the TP tracker) and FP8 scaling states (parallel.fp8's FP8State
+buffers, per rank) of every DP rank of its TP rank, gathered over DP.
 
 With a ZeRO engine (--zero-stage) the model shard is the same (at stage 3 the layers are gathered
 for it: every rank holds the whole model while saving), so model-only loads (--finetune,
@@ -50,6 +51,7 @@ from torch import nn
 
 from megadomino.models.gpt import shard_full
 from megadomino.parallel import ParallelDims
+from megadomino.parallel.fp8 import fp8_states
 from megadomino.parallel.layers import unshard_rows
 from megadomino.training.checkpoint_files import (
     FORMAT_VERSION,
@@ -140,6 +142,9 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
     iteration = "release" if release else state.iteration
     target = checkpoint_dir(directory, iteration)
     rng = gather_over_dp(capture_rng_state(dims), dims) if save_rng else None
+    states = fp8_states(model)
+    fp8 = gather_over_dp({name: {key: value.cpu() for key, value in state.state_dict().items()}
+                          for name, state in states.items()}, dims) if states else None
     engine = optimizer if isinstance(optimizer, ZeroPlusPlus) else None
     zero = {"stage": engine.config.stage} if engine is not None and save_optim else None
     error, written = None, {}
@@ -157,6 +162,7 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
                     if save_optim and optimizer is not None and engine is None else None,
                     "zero": zero,
                     "rng": rng,
+                    "fp8": fp8,
                 }
                 path = shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp)
                 written[path.relative_to(target).as_posix()] = atomic_save(shard, path)
@@ -380,7 +386,20 @@ class _ShardReader:
                     master.copy_(weights)
         if load_optim:
             self._load_optimizer(optimizer, model, saved_optimizer)
+        self._load_fp8(model)
         return TrainingState(**own["state"])
+
+    def _load_fp8(self, model: nn.Module) -> None:
+        """The delayed-FP8 scaling state of this rank, where the checkpoint has one for it (saved
+        at the same TP and DP degrees: the state is per rank); else it starts fresh, and its
+        scales are rebuilt within --fp8-amax-history-len steps."""
+        saved = self.shards[0].get("fp8")
+        if saved is None or not self.same_layout or self.saved_dp != self.dims.dp:
+            return
+        mine = saved[self.dims.dp_rank]
+        for name, state in fp8_states(model).items():
+            if name in mine:
+                state.load_state_dict(mine[name])
 
     def load_rng(self) -> str | None:
         """Set this rank's generators; the reason when they cannot be (None when loaded)."""

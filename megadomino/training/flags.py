@@ -197,6 +197,32 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--loss-scale-window", "train.loss_scale_window", int,
           "fp16: clean steps before the scale grows."),
     _impl("--hysteresis", "train.hysteresis", int, "fp16: overflows tolerated before shrinking."),
+    # FP8 GEMMs in the transformer layers' linears (megadomino/parallel/fp8.py).
+    _impl("--fp8-format", "model.fp8", str,
+          "FP8 GEMMs (torch._scaled_mm, per-tensor scales) in the layers' column- and "
+          "row-parallel linears: hybrid casts activations and weights to e4m3 and gradients to "
+          "e5m2, e4m3 casts all three to e4m3. Master weights stay fp32; embeddings and the "
+          "output layer stay in high precision.", choices=("e4m3", "hybrid")),
+    _impl("--fp8-recipe", "model.fp8_recipe", str,
+          "Scaling (with --fp8-format): delayed (default; scales from an amax history, updated "
+          "between steps) or tensorwise (each tensor scaled by its own amax).",
+          choices=("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
+          supported=("delayed", "tensorwise"),
+          unsupported="only per-tensor scaling is implemented: mxfp8 needs the block-scaled "
+                      "MMA of Blackwell GPUs, blockwise (1x128 / 128x128 scales) and custom "
+                      "recipes are not written here"),
+    _impl("--fp8-amax-history-len", "model.fp8_amax_history_len", int,
+          "delayed: steps of amax history (default 1)."),
+    _impl("--fp8-amax-compute-algo", "model.fp8_amax_compute_algo", str,
+          "delayed: the amax a scale is computed from, the history's max or its newest entry "
+          "(default most_recent).", choices=("max", "most_recent")),
+    _impl("--fp8-margin", "model.fp8_margin", int,
+          "delayed: scales are divided by 2^margin (default 0)."),
+    _impl("--fp8-interval", "model.fp8_interval", int,
+          "delayed: steps between scale updates (default 1)."),
+    *_refuse(("--fp8-param-gather",),
+             "FP8 parameters are not implemented: weights are kept in fp32/bf16 and cast to FP8 "
+             "at each GEMM, so parameter all-gathers (ZeRO) move fp32/bf16"),
     # Seed, logging, evaluation, data.
     _impl("--seed", "train.seed", int, "Random seed."),
     _impl("--log-interval", "train.log_interval", int, "Steps between log lines."),
@@ -387,8 +413,6 @@ FLAGS: tuple[Flag, ...] = (
     *_refuse(("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
               "--num-virtual-stages-per-pipeline-rank"),
              "pipeline parallelism (interleaved or not) is not implemented yet"),
-    *_refuse(("--fp8-format", "--fp8-recipe", "--fp8-param-gather"),
-             "FP8 training is not implemented"),
     *_refuse(("--pretrained-checkpoint",), "use --load DIR --finetune"),
     *_refuse(("--use-checkpoint-args",),
              "the architecture comes from the flags; a checkpoint that disagrees is an error "

@@ -1,0 +1,196 @@
+"""FP8 GEMMs for the tensor-parallel linears: e4m3 forward, e5m2 (hybrid) or e4m3 gradients,
+per-tensor scales, through `torch._scaled_mm`.
+
+    y  [M, N] = x [M, K] @ W^T            x, W in e4m3
+    dx [M, K] = g [M, N] @ W [N, K]       g in e5m2 (--fp8-format hybrid) or e4m3 (e4m3)
+    dW [N, K] = g^T [N, M] @ x [M, K]     bias and its gradient stay in high precision
+
+A tensor t is quantized as q = clamp(t * scale, +-max).to(fp8) (saturating) and stands for
+q / scale; `_scaled_mm` takes the inverse scales and accumulates in fp32. Its layout rules: first
+operand row-major, second column-major, every dim of both (M, K, N) a multiple of 16. The rule for
+other shapes: the operands are quantized exactly as on the FP8 path and multiplied dequantized in
+fp32 (the same numbers through the high-precision GEMM), with a warning once per shape. The choice
+is made per GEMM call, since M is the call's token count. The quantized x and W are what backward
+keeps (1 byte an element); the master weights are untouched (fp32, or bf16 parameters with fp32
+masters in the optimizer).
+
+Scaling recipes, per tensor role (input, weight, output gradient), scales per rank (a shard's own
+amax; no amax all-reduce over TP or DP):
+    tensorwise  current scaling: scale = max / amax of the tensor being cast.
+    delayed     Megatron-LM's default: a step casts with the scale computed before it and records
+                its amax in an amax history of --fp8-amax-history-len steps. At the start of each
+                training forward (grad enabled; no-grad forwards cast and record nothing), after
+                every --fp8-interval steps, scale = max / amax / 2^margin where amax is the
+                history's max (max) or its newest entry (most_recent), kept when amax is 0 or not
+                finite; then the history rolls. The state is module buffers (FP8State), so it
+                is saved in checkpoints and resumes exactly. A re-run forward (full activation
+                recompute) would advance it twice, so that combination is refused in config.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
+INPUT, WEIGHT, GRAD = 0, 1, 2
+"""Tensor roles: the columns of FP8State's amax history and scales."""
+
+_warned_shapes: set[tuple[int, int, int]] = set()
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """How the linears cast to FP8 (the ModelConfig fp8* fields, Megatron-LM's defaults)."""
+
+    format: str = "hybrid"
+    """'hybrid': e4m3 forward, e5m2 gradients; 'e4m3': e4m3 everywhere."""
+    recipe: str = "delayed"
+    """'delayed' or 'tensorwise'."""
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    """'max' or 'most_recent' (delayed)."""
+    margin: int = 0
+    """Scales are divided by 2^margin (delayed): headroom for amax growth between updates."""
+    interval: int = 1
+    """Steps between scale updates (delayed)."""
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return E5M2 if self.format == "hybrid" else E4M3
+
+    @classmethod
+    def from_config(cls, config) -> FP8Recipe | None:
+        """The recipe a ModelConfig asks for; None without --fp8-format."""
+        if config.fp8 is None:
+            return None
+        return cls(config.fp8, config.fp8_recipe, config.fp8_amax_history_len,
+                   config.fp8_amax_compute_algo, config.fp8_margin, config.fp8_interval)
+
+
+def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t * scale, saturated to dtype's range, in the FP8 dtype (rounded to nearest)."""
+    limit = FP8_MAX[dtype]
+    return (t.float() * scale).clamp_(-limit, limit).to(dtype)
+
+
+def current_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """max / amax(t), fp32 scalar (1 for an all-zero tensor)."""
+    amax = t.abs().amax().float()
+    return torch.where(amax > 0, FP8_MAX[dtype] / amax, torch.ones_like(amax))
+
+
+class FP8State(nn.Module):
+    """One linear's scaling state. Under `delayed` it holds the buffers `amax_history`
+    [history_len, 3] (row 0: the current step), `scale` [3] and `steps` (training forwards so
+    far), columns INPUT, WEIGHT, GRAD; under `tensorwise` it holds nothing."""
+
+    def __init__(self, recipe: FP8Recipe, device=None):
+        super().__init__()
+        self.recipe = recipe
+        if recipe.recipe == "delayed":
+            self.register_buffer("amax_history",
+                                 torch.zeros(recipe.amax_history_len, 3, device=device))
+            self.register_buffer("scale", torch.ones(3, device=device))
+            self.register_buffer("steps", torch.zeros((), dtype=torch.int64, device=device))
+            limits = [FP8_MAX[E4M3], FP8_MAX[E4M3], FP8_MAX[recipe.grad_dtype]]
+            self.register_buffer("fp8_max", torch.tensor(limits, device=device),
+                                 persistent=False)
+
+    @torch.no_grad()
+    def begin_step(self) -> None:
+        """Delayed: close the previous step (scales updated every `interval` steps, history
+        rolled) and count this one. Device-side only: no host synchronization."""
+        recipe = self.recipe
+        history = self.amax_history
+        amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
+        fresh = self.fp8_max / amax / 2.0**recipe.margin
+        fresh = torch.where((amax > 0) & torch.isfinite(amax), fresh, self.scale)
+        due = (self.steps > 0) & (self.steps % recipe.interval == 0)
+        self.scale.copy_(torch.where(due, fresh, self.scale))
+        history.copy_(history.roll(1, 0))
+        history[0].zero_()
+        self.steps += 1
+
+    @torch.no_grad()
+    def scale_for(self, role: int, t: torch.Tensor, record: bool) -> torch.Tensor:
+        """The scale that casts `t` in `role` this step (a fresh fp32 scalar); under delayed,
+        `record` writes t's amax into the current history row."""
+        dtype = self.recipe.grad_dtype if role == GRAD else E4M3
+        if self.recipe.recipe == "tensorwise":
+            return current_scale(t, dtype)
+        if record:
+            self.amax_history[0, role] = t.abs().amax().float()
+        return self.scale[role].clone()
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """(a / a_scale) @ (b / b_scale) for FP8 a [M, K], b [K, N] (any strides), in out_dtype.
+    `_scaled_mm` where M, K and N are multiples of 16, else the dequantized fp32 GEMM."""
+    (m, k), n = a.shape, b.shape[1]
+    if m % 16 == 0 and k % 16 == 0 and n % 16 == 0:
+        b_col = b if b.stride(0) == 1 else b.t().contiguous().t()
+        return torch._scaled_mm(a.contiguous(), b_col, scale_a=a_inv, scale_b=b_inv,
+                                out_dtype=out_dtype)
+    if (m, k, n) not in _warned_shapes:
+        _warned_shapes.add((m, k, n))
+        warnings.warn(f"FP8 GEMM [{m}, {k}] x [{k}, {n}]: a dim is not a multiple of 16, so "
+                      "torch._scaled_mm cannot run it; the quantized operands are multiplied "
+                      "in fp32 instead", stacklevel=2)
+    return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """y = x W^T + b with the three GEMMs in FP8 (module docstring). x [..., K], W [N, K]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state, record):
+        x_2d = x.reshape(-1, x.shape[-1])
+        if record and state.recipe.recipe == "delayed":
+            state.begin_step()
+        x_scale = state.scale_for(INPUT, x_2d, record)
+        w_scale = state.scale_for(WEIGHT, weight, record)
+        x_q, w_q = quantize(x_2d, x_scale, E4M3), quantize(weight, w_scale, E4M3)
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        y = scaled_matmul(x_q, w_q.t(), x_inv, w_inv, x.dtype)
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(x_q, w_q, x_inv, w_inv)
+        ctx.state, ctx.record, ctx.has_bias = state, record, bias is not None
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_q, w_q, x_inv, w_inv = ctx.saved_tensors
+        state = ctx.state
+        g_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        g_scale = state.scale_for(GRAD, g_2d, ctx.record)
+        g_q = quantize(g_2d, g_scale, state.recipe.grad_dtype)
+        g_inv = g_scale.reciprocal()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_matmul(g_q, w_q, g_inv, w_inv, ctx.x_dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = scaled_matmul(g_q.t(), x_q, g_inv, x_inv, ctx.w_dtype)
+        if ctx.has_bias:
+            grad_b = g_2d.sum(dim=0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               state: FP8State) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T + bias [N] -> [..., N] with FP8 GEMMs (module docstring).
+    A call with grad enabled is a training step: under delayed it advances `state`."""
+    return _FP8Linear.apply(x, weight, bias, state, torch.is_grad_enabled())
+
+
+def fp8_states(model: nn.Module) -> dict[str, FP8State]:
+    """Every FP8State of `model`, by module name (what checkpoints save)."""
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, FP8State)}
