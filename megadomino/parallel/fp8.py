@@ -14,17 +14,22 @@ is made per GEMM call, since M is the call's token count. The quantized x and W 
 keeps (1 byte an element); the master weights are untouched (fp32, or bf16 parameters with fp32
 masters in the optimizer).
 
-Scaling recipes, per tensor role (input, weight, output gradient), scales per rank (a shard's own
-amax; no amax all-reduce over TP or DP):
-    tensorwise  current scaling: scale = max / amax of the tensor being cast.
+Scaling recipes, per tensor role (input, weight, output gradient):
+    tensorwise  current scaling: scale = max / amax of the tensor being cast, this rank's shard
+                (no collective: at TP > 1 a sharded weight or input gets per-shard scales, so
+                results differ from TP = 1 by rounding of the same size as FP8's own error).
     delayed     Megatron-LM's default: a step casts with the scale computed before it and records
                 its amax in an amax history of --fp8-amax-history-len steps. At the start of each
-                training forward (grad enabled; no-grad forwards cast and record nothing), after
-                every --fp8-interval steps, scale = max / amax / 2^margin where amax is the
-                history's max (max) or its newest entry (most_recent), kept when amax is 0 or not
-                finite; then the history rolls. The state is module buffers (FP8State), so it
-                is saved in checkpoints and resumes exactly. A re-run forward (full activation
-                recompute) would advance it twice, so that combination is refused in config.
+                training forward (grad enabled; no-grad forwards cast and record nothing), the
+                previous step's amaxes are max-all-reduced over the TP group (one 3-float
+                all-reduce per linear and step, so every TP rank casts with the scales of the
+                whole tensor, as at TP = 1); after every --fp8-interval steps, scale = max / amax
+                / 2^margin where amax is the history's max (max) or its newest entry
+                (most_recent), kept when amax is 0 or not finite; then the history rolls. Each
+                data-parallel rank keeps its own state (no DP reduction). The state is module
+                buffers (FP8State), saved per rank in checkpoints, so a run resumes exactly. A
+                re-run forward (full activation recompute) would advance it twice, so that
+                combination is refused in config.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -87,11 +93,12 @@ def current_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class FP8State(nn.Module):
     """One linear's scaling state. Under `delayed` it holds the buffers `amax_history`
     [history_len, 3] (row 0: the current step), `scale` [3] and `steps` (training forwards so
-    far), columns INPUT, WEIGHT, GRAD; under `tensorwise` it holds nothing."""
+    far), columns INPUT, WEIGHT, GRAD; under `tensorwise` it holds nothing. `amax_group`: the
+    process group (TP) whose ranks' amaxes a delayed step max-reduces; None for none."""
 
-    def __init__(self, recipe: FP8Recipe, device=None):
+    def __init__(self, recipe: FP8Recipe, device=None, amax_group=None):
         super().__init__()
-        self.recipe = recipe
+        self.recipe, self.amax_group = recipe, amax_group
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history",
                                  torch.zeros(recipe.amax_history_len, 3, device=device))
@@ -107,6 +114,10 @@ class FP8State(nn.Module):
         rolled) and count this one. Device-side only: no host synchronization."""
         recipe = self.recipe
         history = self.amax_history
+        if self.amax_group is not None:
+            newest = history[0].clone()
+            dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=self.amax_group)
+            history[0] = newest
         amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
         fresh = self.fp8_max / amax / 2.0**recipe.margin
         fresh = torch.where((amax > 0) & torch.isfinite(amax), fresh, self.scale)

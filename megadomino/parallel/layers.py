@@ -149,7 +149,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype))
             _mark(self.bias, 0, stripes)
-        self.fp8_state = None if fp8 is None else FP8State(fp8, device)
+        self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.dims.tp_group
@@ -198,7 +198,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, device=device, dtype=dtype))
             self.bias.sequence_parallel = sequence_parallel
-        self.fp8_state = None if fp8 is None else FP8State(fp8, device)
+        self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's un-reduced contribution X_r A_r (no bias): the Domino schedule reduces it."""
@@ -264,6 +264,11 @@ def _check_fp8(fp8: FP8Recipe | None, comm_overlap: bool) -> None:
     if fp8 is not None and comm_overlap:
         raise ValueError("FP8 GEMMs are not fused with the sequence-parallel collectives "
                          "(comm_overlap): use one of them")
+
+
+def _amax_group(dims):
+    """The group a delayed-scaling FP8State max-reduces its amaxes over: TP, when it has peers."""
+    return dims.tp_group if dims.tp > 1 else None
 
 
 def scaled_init_std(std: float, num_layers: int) -> float:
