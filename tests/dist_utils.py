@@ -342,6 +342,18 @@ def _why_unfinished(rank: int, exitcode: int | None, log: str, watchdog: bool,
             f"its output:\n{tail}")
 
 
+def shared_copy(source: str | os.PathLike, target: str) -> str:
+    """In a case: `source` copied to `target` by rank 0, seen by every rank on return."""
+    import shutil
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.copytree(source, target)
+    dist.barrier()
+    return target
+
+
 def check_result(results: dict[str, str | None], case: str) -> None:
     if case not in results:
         raise AssertionError(f"case {case!r} is not registered for this world; "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import C, DistSuite
+from dist_utils import C, DistSuite, shared_copy
 from megadomino.config import ModelConfig, TrainConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
@@ -41,13 +40,6 @@ def _train(dims: ParallelDims, model_config: ModelConfig = MODEL, log=None, mode
     config = dataclasses.replace(TRAIN, tensor_model_parallel_size=dims.tp, **overrides)
     return train(model_config, config, dims, "gpt", log=log or (lambda line: None),
                  model_init=model_init)
-
-
-def _shared_copy(source: str, target: str) -> str:
-    if dist.get_rank() == 0:
-        shutil.copytree(source, target)
-    dist.barrier()
-    return target
 
 
 def _case_resume_tp2(dims: ParallelDims, root: str) -> None:
@@ -102,7 +94,7 @@ def _fresh(dims: ParallelDims, model_config: ModelConfig = MODEL):
 def _case_crash_during_save(dims: ParallelDims, root: str) -> None:
     """A save that dies before the iteration file is replaced, or while a shard is half written,
     leaves the previous checkpoint the one that loads."""
-    directory = _shared_copy(f"{root}/tp2", f"{root}/crash")
+    directory = shared_copy(f"{root}/tp2", f"{root}/crash")
     model, optimizer = _fresh(dims)
     real_replace, real_save = os.replace, torch.save
 
@@ -138,8 +130,8 @@ def _case_bad_checkpoints(dims: ParallelDims, root: str) -> None:
     CheckpointError on every rank naming the file or field."""
     model, optimizer = _fresh(dims)
     shard = "iter_0000010/mp_rank_01/model_optim_rng.pt"
-    missing = _shared_copy(f"{root}/tp2", f"{root}/missing")
-    truncated = _shared_copy(f"{root}/tp2", f"{root}/truncated")
+    missing = shared_copy(f"{root}/tp2", f"{root}/missing")
+    truncated = shared_copy(f"{root}/tp2", f"{root}/truncated")
     if dist.get_rank() == 0:
         os.remove(f"{missing}/{shard}")
         with open(f"{truncated}/{shard}", "r+b") as file:

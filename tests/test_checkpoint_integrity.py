@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import C, DistSuite
+from dist_utils import C, DistSuite, shared_copy
 from megadomino.config import ModelConfig, TrainConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
@@ -46,14 +46,6 @@ def fixture_configs(kind: str, **overrides) -> tuple[ModelConfig, TrainConfig, l
     config = TrainConfig(**expected[kind]["train_config"], log_interval=1, eval_interval=0,
                          eval_iters=0, mock_data=True)
     return model, dataclasses.replace(config, **overrides), expected[kind]["losses"]
-
-
-def shared_copy(source: Path, target: str) -> str:
-    """`source` copied to `target` by rank 0, seen by every rank on return."""
-    if dist.get_rank() == 0:
-        shutil.copytree(source, target)
-    dist.barrier()
-    return target
 
 
 def check_fixture_resumes(kind: str, root: str) -> None:
