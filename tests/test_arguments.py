@@ -125,6 +125,7 @@ MAPPED = [
     (("--exit-signal-handler",), "train.exit_signal_handler", True),
     (("--exit-duration-in-mins", "230"), "train.exit_duration_in_mins", 230),
     (("--distributed-timeout-minutes", "0.5"), "train.distributed_timeout_minutes", 0.5),
+    (("--layernorm-epsilon", "1e-6"), "model.norm_epsilon", 1e-6),
     (("--exit-interval", "1000"), "train.exit_interval", 1000),
     (("--tensorboard-dir", "/tb"), "train.tensorboard_dir", "/tb"),
     (("--use-distributed-optimizer",), "train.zero_stage", 1),
@@ -429,7 +430,8 @@ def test_zero_flags_make_the_engine_config():
      "--zeropp-block-size=7 is invalid: it must be an even integer"),
     (("--zero-stage", "3", "--zeropp-quantized-gradients", "--zeropp-gradient-bits", "2"),
      "argument --zeropp-gradient-bits: invalid choice"),
-    (("--zero-stage", "2"), "argument --zero-stage: invalid choice"),
+    (("--zero-stage", "2"), "--zero-stage=2 is refused: ZeRO stage 2"),
+    (("--zero-stage", "4"), "argument --zero-stage: invalid choice"),
     (("--zero-layers-per-unit", "2"), "--zero-layers-per-unit is a ZeRO option: add --zero-stage"),
     (("--zero-stage", "1", "--zero-layers-per-unit", "0"),
      "--zero-layers-per-unit=0 is invalid: it must be an integer >= 1"),
@@ -630,3 +632,30 @@ def test_an_unwritable_save_directory_is_refused_at_start(tmp_path):
         with pytest.raises(ConfigError, match="--save=.* is invalid: .*locked is not writable"):
             parse("--save", str(locked / "ckpt"))
     parse("--save", str(tmp_path / "new" / "ckpt"))  # creatable: fine
+
+
+@pytest.mark.parametrize("argv", [("--local_rank=3",), ("--local_rank", "3"), ("--local-rank=3",)])
+def test_the_deepspeed_launchers_local_rank_is_accepted(argv):
+    """The deepspeed launcher appends --local_rank=N to every rank's command line."""
+    _, _, notices = parse(*argv)
+    assert [notice.split(":")[0] for notice in notices] == ["--local-rank"]
+
+
+def test_the_node_size_comes_from_torchrun_or_the_deepspeed_launcher(monkeypatch):
+    from megadomino.training.launch import _local_world_size
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert _local_world_size(8) == 8
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # the deepspeed launcher's name
+    assert _local_world_size(8) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's wins where both are set
+    assert _local_world_size(8) == 2
+
+
+def test_zero_stage_0_is_plain_data_parallelism_and_2_is_refused_with_its_reason():
+    assert field(parse("--zero-stage", "0"), "train.zero_stage") is None
+    assert field(parse("--zero-stage", "0"), "train.zero_stage") == field(parse(),
+                                                                          "train.zero_stage")
+    with pytest.raises(ConfigError, match="--zero-stage=2 is refused: ZeRO stage 2 .* use 1 or 3"):
+        parse("--zero-stage", "2")

@@ -14,6 +14,7 @@ import argparse
 import difflib
 import json
 import os
+import sys
 from types import SimpleNamespace
 from typing import Any, NoReturn
 
@@ -80,6 +81,11 @@ def parse_args(argv: list[str] | None, family: str,
     if family not in FAMILY_DEFAULTS:
         raise ValueError(f"family must be one of {sorted(FAMILY_DEFAULTS)}, not {family!r}")
     flags = _flags(finetune)
+    if argv is None:
+        argv = sys.argv[1:]
+    # The deepspeed launcher appends --local_rank=N (its underscore spelling) to every rank.
+    argv = ["--local-rank" + arg[len("--local_rank"):] if arg.startswith("--local_rank") else arg
+            for arg in argv]
     args, extras = build_parser(family, finetune).parse_known_args(argv)
     _refuse_unknown(extras, flags)
     given = {flag: getattr(args, flag.dest) for flag in flags
@@ -103,6 +109,8 @@ def parse_args(argv: list[str] | None, family: str,
     if fields["model"].get("domino_batch_slices") == "auto":
         fields["model"]["domino_batch_slices"] = 1
         train_fields["domino_auto"] = True
+    if train_fields.get("zero_stage") == 0:  # Megatron-DeepSpeed's stage 0: plain DP
+        del train_fields["zero_stage"]
     if args.use_distributed_optimizer:  # Megatron-LM's distributed optimizer is ZeRO stage 1
         if train_fields.get("zero_stage", 1) != 1:
             raise ConfigError(f"--use-distributed-optimizer is ZeRO stage 1 and contradicts "

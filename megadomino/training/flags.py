@@ -128,6 +128,9 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--normalization", "model.normalization", str, "Norm layer.",
           choices=("LayerNorm", "RMSNorm")),
     _impl("--norm-epsilon", "model.norm_epsilon", float, "Norm epsilon."),
+    _impl("--layernorm-epsilon", "model.norm_epsilon", float,
+          "Megatron-LM's older name of --norm-epsilon, still passed by forks' scripts (dropping it "
+          "would change the epsilon)."),
     _impl("--swiglu", "model.swiglu", None, "SwiGLU MLP instead of GELU."),
     _impl("--disable-bias-linear", "model.add_bias_linear", None, "No biases in linear layers.",
           const=False),
@@ -330,10 +333,14 @@ FLAGS: tuple[Flag, ...] = (
           "(ZeRO stage 1: gradients reduce-scattered, parameters all-gathered after the step); "
           "the same as --zero-stage 1."),
     _ours("--zero-stage", "train.zero_stage", int,
-          "ZeRO over the data-parallel group: 1 shards optimizer states and fp32 masters, 3 "
+          "ZeRO over the data-parallel group (Megatron-DeepSpeed's name): 0 is plain data "
+          "parallelism (the default), 1 shards optimizer states and fp32 masters, 3 "
           "parameters and gradients too (each layer gathered just before use, the next one "
           "prefetched). Not with Domino at 3. Checkpoints add one optim_dp_rank_YYY.pt per "
-          "data-parallel rank.", choices=(1, 3)),
+          "data-parallel rank.", choices=(0, 1, 2, 3), supported=(0, 1, 3),
+          unsupported="ZeRO stage 2 (sharded gradients, replicated parameters) is not "
+                      "implemented: stage 1 shards the optimizer, stage 3 the parameters and "
+                      "gradients too; use 1 or 3"),
     _ours("--zeropp-quantized-weights", "train.zeropp_quantized_weights", None,
           "ZeRO++ qwZ (--zero-stage 3): the forward all-gather sends int8 block-quantized "
           "weights."),
@@ -400,7 +407,25 @@ FLAGS: tuple[Flag, ...] = (
     _notice("--log-validation-ppl-to-tensorboard", _TENSORBOARD),
     _notice("--log-memory-to-tensorboard", _TENSORBOARD),
     _notice("--tensorboard-log-interval", _TENSORBOARD, int),
-    _notice("--local-rank", "the local rank is read from LOCAL_RANK", int),
+    _notice("--local-rank", "the local rank is read from LOCAL_RANK (the deepspeed launcher's "
+            "--local_rank=N is read as this flag)", int),
+    _notice("--manual-gc", "Python's garbage collector runs automatically (a performance knob)"),
+    _notice("--manual-gc-interval", "Python's garbage collector runs automatically", int),
+    _notice("--manual-gc-eval", "Python's garbage collector runs automatically"),
+    _notice("--empty-unused-memory-level", "the CUDA caching allocator's cache is not emptied "
+            "between steps (a memory knob only)", int),
+    _notice("--no-mmap-bin-files", ".bin files are always memory-mapped"),
+    _notice("--data-impl", "indexed datasets are always read memory-mapped (Megatron-LM's mmap "
+            "format; the flag was removed from Megatron-LM)", str),
+    _notice("--no-query-key-layer-scaling", "query-key layer scaling is never applied (as in "
+            "Megatron-LM, which removed the flag)"),
+    _notice("--grad-reduce-in-bf16", "gradients are always reduced in fp32 (more precise; "
+            "twice the bytes of a bf16 reduce)"),
+    _notice("--log-num-zeros-in-grad", "the count of zero gradients is not logged"),
+    _notice("--log-params-norm", "the parameter norm is not logged"),
+    _notice("--profile", "no profiler trace is written (--profile-step-start/-end are ignored)"),
+    _notice("--profile-step-start", "no profiler trace is written", int),
+    _notice("--profile-step-end", "no profiler trace is written", int),
     # Refused, with the reason.
     Flag("--context-parallel-size", REFUSED, "context parallelism is not implemented", type=int,
          supported=(1,)),
@@ -513,6 +538,10 @@ RANGES: dict[str, Range] = {
                     _PROBABILITY),
     **dict.fromkeys(("--lr", "--min-lr", "--weight-decay"), _FP32_FINITE),
     "--lr-warmup-fraction": Range(0, 1),
+    "--layernorm-epsilon": _POSITIVE,
+    **dict.fromkeys(("--manual-gc-interval", "--profile-step-start", "--profile-step-end"),
+                    _NON_NEGATIVE),
+    "--empty-unused-memory-level": Range(0, 2),
     "--timing-log-level": Range(0, 2),
 }
 """The range of every numeric flag that is not refused and has no list of choices

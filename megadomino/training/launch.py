@@ -45,8 +45,8 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         apply_slurm_env(os.environ)  # started by srun directly: torchrun's variables from SLURM's
         _default_to_single_process()
         world_size = int(os.environ["WORLD_SIZE"])
-        validate_world(model_config, train_config, world_size,
-                       int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        local_size = _local_world_size(world_size)
+        validate_world(model_config, train_config, world_size, local_size)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -62,7 +62,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     try:
         dims = ParallelDims(tp=train_config.tensor_model_parallel_size,
                             pp=train_config.pipeline_model_parallel_size,
-                            gpus_per_node=train_config.gpus_per_node,
+                            gpus_per_node=train_config.gpus_per_node or local_size,
                             timeout=datetime.timedelta(
                                 minutes=train_config.distributed_timeout_minutes))
         train_data, valid_data = build_datasets(model_config, train_config, dims, tokenizer,
@@ -117,6 +117,12 @@ def _stall_message(timeout_minutes: float, wait_s: float = 3.0) -> str:
     if not silent:
         return f"{said}; every rank answered the store afterwards (a slow rank, not a dead one)"
     return f"{said}; silent: rank {', '.join(map(str, silent))}"
+
+
+def _local_world_size(world_size: int) -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE,
+    else the whole world (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world_size)))
 
 
 def _default_to_single_process() -> None:
