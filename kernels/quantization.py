@@ -216,7 +216,7 @@ def _ratio_branchless(values, scale, QMAX: tl.constexpr, FULL_RANGE: tl.constexp
     7 * 2^-96; the quotient is unchanged), and every ratio is clamped to +-qmax (a subnormal
     scale is absmax / qmax rounded to few bits, so the quotient may pass qmax). 3 more ops an
     element, but no elementwise IEEE division in the code: 64 registers instead of 90 in the
-    looping quantize, so that 3 of its programs fit on an SM (BENCHMARKS.md, fifth session)."""
+    looping quantize, so that 3 of its programs fit on an SM (BENCHMARKS.md)."""
     factor = tl.where(scale < _FAST_DIVISION_MIN_SCALE, _TINY_SCALE_FACTOR, 1.0)
     scaled = scale * factor
     ratio = _ratio_fast(values * factor[:, None], scaled, tl.math.div_rn(1.0, scaled)[:, None])
@@ -529,14 +529,14 @@ INTERPRETING = HAS_TRITON and not isinstance(_block_quant_kernel, triton.runtime
 
 
 # int4 -> int4 dequantize-reduce-quantize decodes int32 words where every partition and row is
-# 4-byte aligned: 12% faster than the byte decode on an H200 (BENCHMARKS.md, fifth session).
+# 4-byte aligned: 12% faster than the byte decode on an H200 (BENCHMARKS.md).
 # MEGADOMINO_QUANT_WORDS=0 (or WORD_PATH = False) forces the byte decode, for comparisons.
 WORD_PATH = os.environ.get("MEGADOMINO_QUANT_WORDS", "1") == "1"
 
 
 # int4 output in blocks >= 2048 is stored in 4-byte runs, the layout it is computed in, instead
 # of 16-byte runs after a shared-memory layout conversion: +2% at 2048, +0.5% at 8192, but -4%
-# at 256 and -0.5% for int8, so only there (BENCHMARKS.md, fifth session).
+# at 256 and -0.5% for int8, so only there (BENCHMARKS.md).
 NARROW_STORE = os.environ.get("MEGADOMINO_QUANT_NARROW_STORE", "1") == "1"
 # Quantize in blocks >= 8192 by _quantize_stream: 8 warps, as many programs as fit at once
 # (2 per SM at its 90 registers: 3 per SM queue a third program behind the others, 15% slower).
@@ -545,7 +545,7 @@ STREAM_PATH = os.environ.get("MEGADOMINO_QUANT_STREAM", "1") == "1"
 STREAM_PROGRAMS_PER_SM = 2
 # int4 quantize in the looping programs without the tiny-scale branch (_ratio_branchless: 64
 # registers), 3 programs per SM: 3.93 -> 4.01 TB/s at g8192, 0.957x DeepSpeed's rate in the same
-# run (H200, sixth session, BENCHMARKS.md). MEGADOMINO_QUANT_STREAM_INT4_BRANCHLESS=0 restores the
+# run (H200, BENCHMARKS.md). MEGADOMINO_QUANT_STREAM_INT4_BRANCHLESS=0 restores the
 # branch form (2 programs per SM).
 STREAM_INT4_BRANCHLESS = os.environ.get("MEGADOMINO_QUANT_STREAM_INT4_BRANCHLESS", "1") == "1"
 
