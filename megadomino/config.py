@@ -411,6 +411,12 @@ class TrainConfig:
     no_save_rng: bool = False
     exit_on_missing_checkpoint: bool = False
     # Stopping.
+    manual_gc: bool = False
+    """Python's garbage collector off, collecting on a schedule (megadomino.training.manual_gc)."""
+    manual_gc_interval: int = 0
+    """With manual_gc: iterations between collections (0: only at the start)."""
+    manual_gc_eval: bool = True
+    """With manual_gc: also collect before and after each evaluation."""
     exit_signal_handler: bool = False
     """On SIGTERM: save a checkpoint at the end of the iteration and stop."""
     exit_duration_in_mins: float | None = None

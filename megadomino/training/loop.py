@@ -57,6 +57,7 @@ from megadomino.training.checkpoint import (
 from megadomino.training.data.mock import MockDataset
 from megadomino.training.ddp import GradBuffer
 from megadomino.training.lr_schedule import LRSchedule
+from megadomino.training.manual_gc import ManualGC
 from megadomino.training.metrics import num_floating_point_operations
 from megadomino.training.optimizer import (
     DynamicLossScaler,
@@ -161,7 +162,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     evaluating = (valid_data is not None and train_config.eval_iters > 0
                   and train_config.eval_interval > 0)
     try:
-        with StopConditions(train_config, device) as stop:
+        with StopConditions(train_config, device) as stop, ManualGC(train_config) as manual_gc:
             for iteration in range(state.iteration + 1, iters + 1):
                 lr = schedule(state.scheduler_steps)
                 engine.set_lr(lr)
@@ -170,13 +171,14 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
                 state.consumed_train_samples += gbs
                 state.scheduler_steps += not result.skipped
                 reporter.record(loss, result, lr)
+                manual_gc.after_iteration(iteration)
                 reason = stop.reason(iteration)
                 last = iteration == iters or reason is not None
                 if iteration % train_config.log_interval == 0 or last:
                     reporter.flush(iteration, engine)
                 if evaluating and (iteration % train_config.eval_interval == 0
                                    or iteration == iters):
-                    with reporter.outside_training():
+                    with reporter.outside_training(), manual_gc.evaluation():
                         valid_loss = step.evaluate(valid_data, state.consumed_valid_samples,
                                                    train_config.eval_iters)
                     state.consumed_valid_samples += train_config.eval_iters * gbs
