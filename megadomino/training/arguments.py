@@ -1,7 +1,7 @@
 """Megatron-LM's command line, mapped onto ModelConfig and TrainConfig by one explicit flag policy.
 
 Every flag megadomino knows is a row of `FLAGS` (and, for finetune_llama.py, `FINETUNE_FLAGS`) in
-`megadomino.training.flags`, under one of four policies: implemented, ours, notice, refused.
+`megadomino.training.flags`, under one of five policies: implemented, alias, ours, notice, refused.
 Anything else is an error naming the flag. `docs/flags.md` holds the same tables, rendered by
 `render_flag_table()`; a test keeps them equal. Every check here is pure arithmetic on the flags
 (and, for --hf-checkpoint, a read of its config.json), so every rank refuses alike before any
@@ -11,17 +11,16 @@ process group exists.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
-import sys
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, NoReturn
 
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.domino.plan import validate_plan
 from megadomino.parallel.dims import check_degrees, check_gpus_per_node
-from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, Flag
+from megadomino.training.flags import ALIAS, FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, Flag
 from megadomino.zero.config import ZeroConfig
 
 FAMILY_DEFAULTS: dict[str, dict] = {
@@ -56,18 +55,39 @@ def build_parser(family: str, finetune: bool = False) -> argparse.ArgumentParser
         parser = _Parser(prog=f"pretrain_{family}.py", allow_abbrev=False,
                          description=f"Pretrain a {family} model with Megatron-LM's flags; the "
                                      "flag policy is in docs/flags.md.")
-    for flag in _flags(finetune):
+    flags = _flags(finetune)
+    spellings = {flag.name: [flag.name] for flag in flags}
+    for flag in flags:
+        if flag.policy == ALIAS:
+            spellings[flag.alias_of].append(flag.name)
+    for flag in flags:
+        if flag.policy == ALIAS:
+            continue
         kwargs: dict[str, Any] = dict(dest=flag.dest, default=None,
                                       help=f"[{flag.policy}] {flag.text}".replace("%", "%%"))
         if flag.type is not None:
-            kwargs.update(type=flag.type, choices=flag.choices, metavar=flag.metavar,
-                          nargs=flag.nargs)
+            kwargs.update(type=_case_insensitive(flag), choices=flag.choices,
+                          metavar=flag.metavar, nargs=flag.nargs)
         elif flag.policy == REFUSED:
             kwargs.update(nargs="*", metavar="VALUE")
         else:
             kwargs.update(action="store_const", const=flag.const)
-        parser.add_argument(flag.name, **kwargs)
+        parser.add_argument(*spellings[flag.name], **kwargs)
     return parser
+
+
+def _case_insensitive(flag: Flag) -> Callable[[str], Any]:
+    """`flag.type`, mapping any case of a string choice onto its spelling in `flag.choices`
+    (`--normalization rmsnorm` is RMSNorm)."""
+    if not flag.choices or not all(isinstance(choice, str) for choice in flag.choices):
+        return flag.type
+    spelled = {choice.lower(): choice for choice in flag.choices}
+
+    def parse(text: str) -> Any:
+        return flag.type(spelled.get(text.lower(), text))
+
+    parse.__name__ = flag.type.__name__  # argparse names the type in its errors
+    return parse
 
 
 def parse_args(argv: list[str] | None, family: str,
@@ -81,15 +101,10 @@ def parse_args(argv: list[str] | None, family: str,
     if family not in FAMILY_DEFAULTS:
         raise ValueError(f"family must be one of {sorted(FAMILY_DEFAULTS)}, not {family!r}")
     flags = _flags(finetune)
-    if argv is None:
-        argv = sys.argv[1:]
-    # The deepspeed launcher appends --local_rank=N (its underscore spelling) to every rank.
-    argv = ["--local-rank" + arg[len("--local_rank"):] if arg.startswith("--local_rank") else arg
-            for arg in argv]
     args, extras = build_parser(family, finetune).parse_known_args(argv)
     _refuse_unknown(extras, flags)
     given = {flag: getattr(args, flag.dest) for flag in flags
-             if getattr(args, flag.dest) is not None}
+             if flag.policy != ALIAS and getattr(args, flag.dest) is not None}
     for flag, value in given.items():
         allowed = RANGES.get(flag.name)
         if allowed is not None and value not in allowed:
@@ -99,7 +114,10 @@ def parse_args(argv: list[str] | None, family: str,
         if reason is not None:
             shown = flag.name if flag.type is None else f"{flag.name}={value}"
             raise ConfigError(f"{shown} is refused: {reason}")
-    notices = [f"{flag.name}: {flag.text}" for flag in given if flag.policy == NOTICE]
+    notices = _grouped_notices([flag for flag in given if flag.policy == NOTICE])
+    if args.llama_model and family != "llama":
+        raise ConfigError("--llama-model asks for a Llama model: use pretrain_llama.py, whose "
+                          "defaults are Llama's (RMSNorm, SwiGLU, RoPE)")
     fields: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
     for flag, value in given.items():  # in FLAGS order: later rows win
         if flag.field is not None:
@@ -109,13 +127,13 @@ def parse_args(argv: list[str] | None, family: str,
     if fields["model"].get("domino_batch_slices") == "auto":
         fields["model"]["domino_batch_slices"] = 1
         train_fields["domino_auto"] = True
-    if train_fields.get("zero_stage") == 0:  # Megatron-DeepSpeed's stage 0: plain DP
-        del train_fields["zero_stage"]
     if args.use_distributed_optimizer:  # Megatron-LM's distributed optimizer is ZeRO stage 1
         if train_fields.get("zero_stage", 1) != 1:
             raise ConfigError(f"--use-distributed-optimizer is ZeRO stage 1 and contradicts "
                               f"--zero-stage {train_fields['zero_stage']}: give one of them")
         train_fields["zero_stage"] = 1
+    if train_fields.get("zero_stage") == 0:  # DeepSpeed's stage 0: plain data parallelism
+        del train_fields["zero_stage"]
     if "zero_stage" in train_fields and "ddp_bucket_size" in train_fields:
         raise ConfigError("--ddp-bucket-size sizes plain data parallelism's all-reduce buckets; "
                           "--zero-stage reduces layer by layer: drop one of them")
@@ -123,7 +141,9 @@ def parse_args(argv: list[str] | None, family: str,
     train_config = TrainConfig(**train_fields)
     _check_train(train_config, finetune)
     tp = train_config.tensor_model_parallel_size
-    notices += _apply_model_rules(args.group_query_attention, fields["model"], tp)
+    # Megatron-DeepSpeed's --num-key-value-heads means grouped-query attention on its own.
+    group_query_attention = args.group_query_attention or args.num_key_value_heads is not None
+    notices += _apply_model_rules(group_query_attention, fields["model"], tp)
     if args.model_preset is not None:
         model_config = ModelConfig.preset(args.model_preset, **fields["model"])
     elif train_config.hf_checkpoint is not None:
@@ -239,6 +259,9 @@ def render_flag_table(flags: tuple[Flag, ...] = FLAGS) -> str:
     rows = ["| Flag | Policy | Sets | Notes |", "| --- | --- | --- | --- |"]
     for flag in flags:
         usage = f"`{flag.name} {flag.metavar}`" if flag.metavar else f"`{flag.name}`"
+        if flag.policy == ALIAS:
+            rows.append(f"| `{flag.name}` | alias | `{flag.alias_of}` | {flag.text} |")
+            continue
         sets = ""
         if flag.field is not None:
             config, name = flag.field.split(".")
@@ -280,10 +303,35 @@ def _refuse_unknown(extras: list[str], flags: tuple[Flag, ...]) -> None:
     if not unknown:
         raise ConfigError(f"unexpected argument {extras[0]!r}: values follow the flag they set")
     name = unknown[0].split("=", 1)[0]
-    close = difflib.get_close_matches(name, [flag.name for flag in flags], n=1)
-    hint = f"; did you mean {close[0]}?" if close else ""
+    close = closest_flag(name, [flag.name for flag in flags])
+    hint = f"; did you mean {close}?" if close else ""
     raise ConfigError(f"unknown flag {name}: megadomino neither implements, accepts nor refuses "
                       f"it (see docs/flags.md){hint}")
+
+
+def closest_flag(name: str, known: list[str]) -> str | None:
+    """The flag of `known` that an unknown `name` most likely misspells, or None.
+
+    Only two slips are hinted: another spelling of the same words (case, `_` for `-`) and a word
+    cut short (`--num-layer` for `--num-layers`; abbreviations are not expanded). Looser
+    similarity is not: Megatron-LM has many flags one letter apart (`--adam-beta1`,
+    `--adam-beta2`), and a hint naming another real flag is worse than none.
+    """
+    spelled = {flag.lower().replace("_", "-"): flag for flag in known}
+    key = name.lower().replace("_", "-")
+    if key in spelled:
+        return spelled[key]
+    longer = [flag for spelling, flag in spelled.items()
+              if spelling.startswith(key) and "-" not in spelling[len(key):]]
+    return longer[0] if len(longer) == 1 else None
+
+
+def _grouped_notices(flags: list[Flag]) -> list[str]:
+    """One line per notice text, naming every given flag that shares it."""
+    by_text: dict[str, list[str]] = {}
+    for flag in flags:
+        by_text.setdefault(flag.text, []).append(flag.name)
+    return [f"{', '.join(names)}: {text}" for text, names in by_text.items()]
 
 
 def _apply_model_rules(group_query_attention: bool, model_fields: dict[str, Any],
@@ -340,6 +388,12 @@ def _check_train(config: TrainConfig, finetune: bool) -> None:
         raise ConfigError(f"--min-lr={config.min_lr} is invalid: it must be in [0, --lr "
                           f"({config.lr})]")
     _check_data(config, finetune)
+    if config.manual_gc_interval < 0:
+        raise ConfigError(f"--manual-gc-interval={config.manual_gc_interval} is invalid: it "
+                          "must be >= 0")
+    if not config.manual_gc and (config.manual_gc_interval or not config.manual_gc_eval):
+        raise ConfigError("--manual-gc-interval and --no-manual-gc-eval apply to --manual-gc: "
+                          "add --manual-gc")
     for name in ("save_interval", "exit_interval"):
         value = getattr(config, name)
         if value is not None and value < 1:

@@ -1,95 +1,34 @@
-"""The flag policy table: every flag megadomino knows, under one of four policies.
-
-    implemented  a Megatron-LM flag that works as in Megatron-LM (a few values may be refused)
-    ours         one of megadomino's own flags
-    notice       a Megatron-LM flag for something we always do, or that means nothing here:
-                 accepted, and reported in a one-line notice
-    refused      a Megatron-LM flag for a feature we lack: an error that says why (where a value
-                 asks for nothing, such as a parallel size of 1, it is accepted)
+"""The flag policy table: every flag megadomino knows, under one of the policies of
+`megadomino.training.flag_row` (implemented, alias, ours, notice, refused).
 
 `FLAGS` is what pretrain_gpt.py and pretrain_llama.py take; finetune_llama.py takes
-`FINETUNE_FLAGS` too. `megadomino.training.arguments` parses them; docs/flags.md renders them.
+`FINETUNE_FLAGS` too. The rows here are the flags megadomino implements and the notices and
+refusals written with them; `flags_megatron.MEGATRON_ROWS` covers the rest of Megatron-LM's
+command line (and the old and fork names launch scripts still pass). `RANGES` bounds the numeric
+flags. `megadomino.training.arguments` parses them; docs/flags.md renders them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from megadomino.training.flag_row import (
+    ALIAS,
+    IMPLEMENTED,
+    NOTICE,
+    OURS,
+    REFUSED,
+    Flag,
+    Range,
+)
+from megadomino.training.flag_row import count as _count
+from megadomino.training.flag_row import impl as _impl
+from megadomino.training.flag_row import notice as _notice
+from megadomino.training.flag_row import ours as _ours
+from megadomino.training.flag_row import refuse as _refuse
+from megadomino.training.flag_row import slices_or_auto as _slices_or_auto
+from megadomino.training.flags_megatron import MEGATRON_ROWS, MOE, PIPELINE
 
-IMPLEMENTED, OURS, NOTICE, REFUSED = "implemented", "ours", "notice", "refused"
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One row of the flag policy."""
-
-    name: str
-    policy: str
-    text: str
-    """What the flag does (implemented, ours), the notice (notice) or the reason (refused)."""
-    field: str | None = None
-    """'model.<ModelConfig field>' or 'train.<TrainConfig field>'; None: parse_args handles it."""
-    type: Callable[[str], Any] | None = None
-    """Parses the value; None for a switch, which stores `const` (refused switches swallow
-    whatever values follow them)."""
-    const: Any = True
-    choices: tuple | None = None
-    nargs: str | None = None
-    """argparse nargs for a flag taking several values (--data-path)."""
-    supported: tuple | None = None
-    """Values that work; any other is refused, with `text` (refused) or `unsupported`."""
-    unsupported: str = ""
-
-    @property
-    def dest(self) -> str:
-        return self.name[2:].replace("-", "_")
-
-    @property
-    def metavar(self) -> str:
-        if self.choices is not None:
-            return "{" + ",".join(str(c) for c in self.choices) + "}"
-        if self.type is None:
-            return "..." if self.policy == REFUSED else ""
-        return {int: "N", float: "X", _slices_or_auto: "N|auto"}.get(self.type, "NAME")
-
-    def refusal(self, value: Any) -> str | None:
-        """Why the flag given with `value` is refused, or None when it works."""
-        if self.supported is not None and value in self.supported:
-            return None
-        if self.policy == REFUSED:
-            return self.text
-        return self.unsupported if self.supported is not None else None
-
-
-def _slices_or_auto(value: str) -> int | str:
-    """An integer, or 'auto' (resolved at start-up by megadomino.domino.autotune)."""
-    return value if value == "auto" else int(value)
-
-
-def _count(value: str) -> int:
-    """A whole count, also written as a float: '2e8' -> 200000000 (argparse's error otherwise)."""
-    number = float(value)
-    if number != int(number):
-        raise ValueError(f"{value} is not a whole number")
-    return int(number)
-
-
-def _impl(name: str, field: str | None, type_: Callable | None, text: str, **kw) -> Flag:
-    return Flag(name, IMPLEMENTED, text, field, type_, **kw)
-
-
-def _ours(name: str, field: str | None, type_: Callable | None, text: str, **kw) -> Flag:
-    return Flag(name, OURS, text, field, type_, **kw)
-
-
-def _notice(name: str, text: str, type_: Callable | None = None, **kw) -> Flag:
-    return Flag(name, NOTICE, text, None, type_, **kw)
-
-
-def _refuse(names: tuple[str, ...], text: str) -> list[Flag]:
-    return [Flag(name, REFUSED, text) for name in names]
-
+__all__ = ["ALIAS", "FINETUNE_FLAGS", "FLAGS", "IMPLEMENTED", "NOTICE", "OURS", "RANGES",
+           "REFUSED", "Flag"]
 
 _NO_KERNEL = "there is no such fused kernel here, so nothing to disable"
 _SDPA = "attention always runs through torch SDPA, which picks flash attention where it can"
@@ -99,7 +38,6 @@ _TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPEToken
                     "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
                     "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullTokenizer",
                     "NullMultimodalTokenizer", "SFTTokenizer")
-_MOE = "Mixture-of-Experts is not implemented"
 
 FLAGS: tuple[Flag, ...] = (
     # Model shape. Later rows win over earlier ones they overlap, as in Megatron-LM.
@@ -409,9 +347,6 @@ FLAGS: tuple[Flag, ...] = (
     _notice("--tensorboard-log-interval", _TENSORBOARD, int),
     _notice("--local-rank", "the local rank is read from LOCAL_RANK (the deepspeed launcher's "
             "--local_rank=N is read as this flag)", int),
-    _notice("--manual-gc", "Python's garbage collector runs automatically (a performance knob)"),
-    _notice("--manual-gc-interval", "Python's garbage collector runs automatically", int),
-    _notice("--manual-gc-eval", "Python's garbage collector runs automatically"),
     _notice("--empty-unused-memory-level", "the CUDA caching allocator's cache is not emptied "
             "between steps (a memory knob only)", int),
     _notice("--no-mmap-bin-files", ".bin files are always memory-mapped"),
@@ -429,15 +364,15 @@ FLAGS: tuple[Flag, ...] = (
     # Refused, with the reason.
     Flag("--context-parallel-size", REFUSED, "context parallelism is not implemented", type=int,
          supported=(1,)),
-    Flag("--expert-model-parallel-size", REFUSED, _MOE, type=int, supported=(1,)),
+    Flag("--expert-model-parallel-size", REFUSED, MOE, type=int, supported=(1,)),
     Flag("--rotary-percent", REFUSED, "partial rotary embeddings are not implemented", type=float,
          supported=(1.0,)),
     *_refuse(("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-grouped-gemm",
               "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
-              "--moe-token-dispatcher-type", "--expert-tensor-parallel-size"), _MOE),
+              "--moe-token-dispatcher-type", "--expert-tensor-parallel-size"), MOE),
     *_refuse(("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
               "--num-virtual-stages-per-pipeline-rank"),
-             "pipeline parallelism (interleaved or not) is not implemented yet"),
+             PIPELINE),
     *_refuse(("--pretrained-checkpoint",), "use --load DIR --finetune"),
     *_refuse(("--use-checkpoint-args",),
              "the architecture comes from the flags; a checkpoint that disagrees is an error "
@@ -469,6 +404,7 @@ FLAGS: tuple[Flag, ...] = (
              "only normal init with --init-method-std is implemented"),
     *_refuse(("--distribute-saved-activations",), "distributed activation recompute is not "
              "implemented"),
+    *MEGATRON_ROWS,
 )
 
 FINETUNE_FLAGS: tuple[Flag, ...] = (
@@ -482,32 +418,6 @@ FINETUNE_FLAGS: tuple[Flag, ...] = (
 """finetune_llama.py's flags, beside FLAGS."""
 
 
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric flag accepts: low and high bounds (None: unbounded), each inclusive
-    or not. Checked on every rank before any process group (arguments.parse_args)."""
-
-    low: float | None = None
-    high: float | None = None
-    low_inclusive: bool = True
-    high_inclusive: bool = True
-
-    def __contains__(self, value: float) -> bool:
-        if value != value:  # NaN
-            return False
-        if self.low is not None and (value < self.low or value == self.low
-                                     and not self.low_inclusive):
-            return False
-        return self.high is None or value < self.high or (value == self.high
-                                                          and self.high_inclusive)
-
-    def __str__(self) -> str:
-        if self.high is None:
-            return f"{'>=' if self.low_inclusive else '>'} {self.low:g}"
-        return (f"in {'[' if self.low_inclusive else '('}{self.low:g}, {self.high:g}"
-                f"{']' if self.high_inclusive else ')'}")
-
-
 _POSITIVE_COUNT = Range(1)
 _NON_NEGATIVE = Range(0)
 _POSITIVE = Range(0, low_inclusive=False)
@@ -516,8 +426,8 @@ _FP32_FINITE = Range(0, 3.0e38, high_inclusive=False)  # beyond, fp32 state over
 
 RANGES: dict[str, Range] = {
     **dict.fromkeys(("--num-layers", "--hidden-size", "--ffn-hidden-size",
-                     "--num-attention-heads", "--num-query-groups", "--kv-channels",
-                     "--seq-length", "--max-position-embeddings", "--vocab-size",
+                     "--num-attention-heads", "--num-query-groups", "--num-key-value-heads",
+                     "--kv-channels", "--seq-length", "--max-position-embeddings", "--vocab-size",
                      "--make-vocab-size-divisible-by", "--tensor-model-parallel-size",
                      "--pipeline-model-parallel-size", "--recompute-num-layers",
                      "--ddp-bucket-size", "--micro-batch-size", "--global-batch-size",

@@ -1,0 +1,200 @@
+"""Megatron-LM's whole command line has a row: the vendored names (tests/megatron_flags/), hints,
+and the flags launch scripts from Megatron-LM, DeepSpeed-Domino and Megatron-DeepSpeed pass."""
+
+from __future__ import annotations
+
+import gc
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from megadomino.config import ConfigError
+from megadomino.training.arguments import closest_flag, parse_args, zero_config
+from megadomino.training.flags import ALIAS, FLAGS, NOTICE, REFUSED
+from megadomino.training.manual_gc import ManualGC
+
+VENDORED = Path(__file__).resolve().parent / "megatron_flags"
+sys.path.insert(0, str(VENDORED))
+import extract  # noqa: E402  (tests/megatron_flags/extract.py)
+
+BASE = ["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "10"]
+ROWS = {flag.name: flag for flag in FLAGS}
+
+
+def names(file: str) -> list[str]:
+    lines = (VENDORED / file).read_text().splitlines()
+    return [line.split("#")[0].strip() for line in lines if not line.startswith("#")]
+
+
+MEGATRON = names("megatron_lm_flags.txt")
+OLD_AND_FORKS = names("renamed_and_forks.txt")
+
+
+def parse(*argv: str, family: str = "gpt"):
+    return parse_args([*BASE, *argv], family)
+
+
+def test_vendored_lists_name_their_source():
+    header = (VENDORED / "megatron_lm_flags.txt").read_text().splitlines()[:2]
+    assert "github.com/NVIDIA/Megatron-LM" in header[0]
+    assert "megatron/training/arguments.py" in header[0]
+    assert re.search(r"commit [0-9a-f]{40}\b", header[0])
+    assert len(MEGATRON) > 350 and MEGATRON == sorted(set(MEGATRON))
+    for line in (VENDORED / "renamed_and_forks.txt").read_text().splitlines():
+        assert line.startswith("#") or re.fullmatch(r"--[\w-]+  # \S.*", line), line
+    assert not set(OLD_AND_FORKS) & set(MEGATRON)
+
+
+def test_extract_reads_option_strings_not_help():
+    source = ("def add(parser):\n"
+              "    group = parser.add_argument_group('g')\n"
+              "    group.add_argument('--a-flag', '--a_flag', type=int, help='--not-a-flag')\n"
+              "    group.add_argument(\n        \"--switch\", action='store_true')\n"
+              "    parser.add_argument('positional')\n")
+    assert extract.flag_names(source) == ["--a-flag", "--a_flag", "--switch"]
+
+
+@pytest.mark.parametrize("source", ["megatron", "renamed_and_forks"])
+def test_every_vendored_name_has_a_row(source):
+    vendored = MEGATRON if source == "megatron" else OLD_AND_FORKS
+    assert [name for name in vendored if name not in ROWS] == []
+
+
+def test_aliases_name_a_row_that_is_no_alias():
+    for flag in FLAGS:
+        if flag.policy == ALIAS:
+            assert ROWS[flag.alias_of].policy != ALIAS, flag.name
+
+
+@pytest.mark.parametrize("name", MEGATRON + OLD_AND_FORKS)
+def test_hint_for_a_vendored_name_is_its_own_row_or_none(name):
+    """Were the name's row missing, no other flag would be offered in its place: at most the
+    same row under another spelling (--local_rank for --local-rank)."""
+    others = [flag.name for flag in FLAGS if flag.name != name]
+    hint = closest_flag(name, others)
+    assert hint is None or hint.replace("_", "-").lower() == name.replace("_", "-").lower()
+
+
+@pytest.mark.parametrize("typed, hint", [
+    ("--num_layers", "--num-layers"), ("--Hidden-Size", "--hidden-size"),
+    ("--num-layer", "--num-layers"), ("--adam-beta3", None), ("--hidden", None),
+    ("--fp8", None),
+])
+def test_hints_only_where_likely_right(typed, hint):
+    with pytest.raises(ConfigError) as error:
+        parse(typed, "2")
+    message = str(error.value)
+    assert message.startswith(f"unknown flag {typed}:")
+    assert message.endswith(f"did you mean {hint}?") if hint else "did you mean" not in message
+
+
+def test_local_rank_spellings_are_one_flag():
+    _, _, notices = parse("--local_rank=3", "--local-rank", "4")
+    assert notices == [f"--local-rank: {ROWS['--local-rank'].text}"]
+
+
+def test_zero_stage_0_contradicts_the_distributed_optimizer():
+    model_config, train_config, _ = parse("--zero-stage", "0")
+    assert zero_config(model_config, train_config) is None
+    with pytest.raises(ConfigError, match="--use-distributed-optimizer is ZeRO stage 1"):
+        parse("--zero-stage", "0", "--use-distributed-optimizer")
+
+
+def test_notices_are_grouped_by_reason_once():
+    _, _, notices = parse("--profile-step-start", "2", "--no-bias-gelu-fusion",
+                          "--profile-step-end", "3", "--no-rope-fusion", "--ddp-num-buckets", "4")
+    assert sorted(notices) == sorted([
+        f"--profile-step-start, --profile-step-end: {ROWS['--profile-step-end'].text}",
+        f"--no-bias-gelu-fusion, --no-rope-fusion: {ROWS['--no-rope-fusion'].text}",
+        f"--ddp-num-buckets: {ROWS['--ddp-num-buckets'].text}"])
+
+
+def test_notices_take_the_values_megatron_gives_them():
+    _, _, notices = parse("--empty-unused-memory-level", "2", "--profile-step-start", "3",
+                          "--profile-ranks", "0", "1", "--cuda-graph-scope", "attn", "mlp")
+    assert sorted(line.split(":")[0] for line in notices) == [
+        "--cuda-graph-scope", "--empty-unused-memory-level",
+        "--profile-step-start, --profile-ranks"]
+    with pytest.raises(ConfigError, match="unexpected argument '2'"):
+        parse("--log-params-norm", "2")
+
+
+@pytest.mark.parametrize("choice, spelled", [("rmsnorm", "RMSNorm"), ("layernorm", "LayerNorm"),
+                                              ("RMSNorm", "RMSNorm")])
+def test_choices_in_any_case(choice, spelled):
+    assert parse("--normalization", choice)[0].normalization == spelled
+
+
+def test_other_choices_stay_errors():
+    with pytest.raises(ConfigError, match="argument --normalization: invalid choice"):
+        parse("--normalization", "batchnorm")
+
+
+def test_num_key_value_heads_is_grouped_query_attention():
+    model_config, _, _ = parse("--num-key-value-heads", "2")
+    assert model_config.num_query_groups == 2
+
+
+def test_llama_model_belongs_to_pretrain_llama():
+    assert parse_args(["--llama-model", "--num-layers", "2", "--hidden-size", "64",
+                       "--num-attention-heads", "4", "--seq-length", "32", "--mock-data",
+                       "--train-iters", "1"], "llama")[0].swiglu
+    with pytest.raises(ConfigError, match="--llama-model asks for a Llama model: use "
+                                          "pretrain_llama.py"):
+        parse("--llama-model")
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (("--deepspeed-config", "ds.json"), "DeepSpeed JSON configs are not read"),
+    (("--optimizer", "sgd"), "only Adam"),
+    (("--main-grads-dtype", "bf16"), "always fp32"),
+    (("--dataloader-type", "cyclic"), "only the single"),
+    (("--reset-position-ids",), "documents packed in one sample attend across"),
+    (("--checkpoint-activations",), "use --recompute-activations"),
+])
+def test_refusals_fit_their_flag(argv, reason):
+    with pytest.raises(ConfigError, match="is refused: .*" + re.escape(reason)):
+        parse(*argv)
+
+
+@pytest.mark.parametrize("argv", [("--main-grads-dtype", "fp32"), ("--dataloader-type", "single"),
+                                  ("--ds-sequence-parallel-size", "1"), ("--rope-type", "rope")])
+def test_values_that_ask_for_nothing_are_accepted(argv):
+    parse(*argv)
+
+
+def test_counts_by_policy_cover_the_table():
+    policies = {flag.policy for flag in FLAGS}
+    assert policies == {"implemented", ALIAS, "ours", NOTICE, REFUSED}
+
+
+@pytest.mark.parametrize("argv, collected_at", [
+    ((), []),
+    (("--manual-gc",), ["start", "eval", "eval"]),
+    (("--manual-gc", "--manual-gc-interval", "2"), ["start", 2, "eval", "eval", 4]),
+    (("--manual-gc", "--manual-gc-interval", "2", "--no-manual-gc-eval"), ["start", 2, 4]),
+])
+def test_manual_gc_collects_on_its_schedule(argv, collected_at, monkeypatch):
+    train_config = parse(*argv)[1]
+    collections, moment = [], ["start"]
+    monkeypatch.setattr(gc, "collect", lambda: collections.append(moment[0]))
+    assert gc.isenabled()
+    with ManualGC(train_config) as manual_gc:
+        assert gc.isenabled() != train_config.manual_gc
+        for iteration in range(1, 5):
+            moment[0] = iteration
+            manual_gc.after_iteration(iteration)
+            if iteration == 3:
+                moment[0] = "eval"
+                with manual_gc.evaluation():
+                    pass
+    assert gc.isenabled()
+    assert collections == collected_at
+
+
+@pytest.mark.parametrize("argv", [("--manual-gc-interval", "5"), ("--no-manual-gc-eval",)])
+def test_manual_gc_options_need_manual_gc(argv):
+    with pytest.raises(ConfigError, match="apply to --manual-gc: add --manual-gc"):
+        parse(*argv)
