@@ -1,0 +1,34 @@
+"""The collectives a training step issues are the protocol of its data-parallel engine: recorded
+on 4 gloo ranks (TP=2 x DP=2, sequence parallel, 2 micro-batches, 2 steps) for plain data
+parallelism (ZeRO stage 0), stage 1 and stage 3, they equal the committed trace
+(tests/fixtures/collective_trace.json, written by `python tests/collective_trace.py --write`):
+the same ops on the same groups, with the same dtypes and sizes, in the same order against the
+backward (how many parameter gradients had arrived when each was issued)."""
+
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+from collective_trace import CONFIGS, EXPECTED, record
+from dist_utils import DistSuite
+
+SUITE = DistSuite(worlds=(4,))
+
+
+def check_trace(kind: str) -> None:
+    expected = json.loads(EXPECTED.read_text())[kind][str(dist.get_rank())]
+    got = json.loads(json.dumps(record(kind)))  # tuples as lists, as in the file
+    for index, (mine, theirs) in enumerate(zip(got, expected)):
+        assert mine == theirs, (f"{kind}: collective {index} of this rank is {mine}, the trace "
+                                f"has {theirs}")
+    assert len(got) == len(expected), (f"{kind}: {len(got)} collectives, the trace has "
+                                       f"{len(expected)}; first extra: "
+                                       f"{(got + expected)[min(len(got), len(expected))]}")
+
+
+for kind in CONFIGS:
+    SUITE.case(kind, check_trace, kind)
+
+test_collective_trace = SUITE.test()
