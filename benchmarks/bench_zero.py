@@ -36,7 +36,7 @@ from megadomino.parallel import ParallelDims
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zero_common  # noqa: E402
-from zero_common import CONFIGS, PlainDP, add_model_args, build_engine, train_step  # noqa: E402
+from zero_common import CONFIGS, add_model_args, build_engine, train_step  # noqa: E402
 
 
 def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
@@ -45,12 +45,12 @@ def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
     # What earlier configurations left allocated (it grows with each one run before) is not this
     # one's: peaks are counted above it.
     leftover = torch.cuda.memory_allocated(device) if cuda else 0
-    engine = PlainDP(dims, args) if name == "plain dp" else build_engine(name, dims, args)
+    engine = build_engine(name, dims, args)
     if cuda:  # after construction: a ZeRO engine shards a model that was built whole
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for step in range(args.warmup + args.steps):
-        if step == args.warmup and name != "plain dp":
+        if step == args.warmup:
             engine.comm.reset()
         if cuda:
             torch.cuda.synchronize(device)
@@ -71,10 +71,9 @@ def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
            "loss": loss, "leftover_gib": leftover / 2**30,
            "peak_memory_gib": (torch.cuda.max_memory_allocated(device) - leftover) / 2**30
            if cuda else None}
-    if name != "plain dp":
-        totals = engine.comm.totals()
-        row.update({f"{side}_bytes_per_step": totals[side] / args.steps for side in totals},
-                   **{f"engine_{k}": v for k, v in engine.memory_stats().items()})
+    totals = engine.comm.totals()
+    row.update({f"{side}_bytes_per_step": totals[side] / args.steps for side in totals},
+               **{f"engine_{k}": v for k, v in engine.memory_stats().items()})
     del engine
     gc.collect()
     if cuda:
@@ -119,9 +118,8 @@ def main() -> None:
     add_model_args(parser, "gpt3-1.3b", hidden=None, layers=None, seq=2048)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--configs", nargs="+",
-                        default=["plain dp",
-                                 *(c for c in CONFIGS if c not in zero_common.NOT_DEFAULT)],
-                        choices=["plain dp", *CONFIGS])
+                        default=[c for c in CONFIGS if c not in zero_common.NOT_DEFAULT],
+                        choices=list(CONFIGS))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=1,

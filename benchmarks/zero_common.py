@@ -16,13 +16,12 @@ from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
 from megadomino.training.data import MockDataset
-from megadomino.training.ddp import GradBuffer
-from megadomino.training.optimizer import MixedPrecisionAdamW
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 
 # ZeRO-3 sends bf16 gradients like the paper's fp16 baseline (DeepSpeed reduces in the
 # parameters' dtype); the ZeRO++ rows add qwZ, hpZ and qgZ one at a time.
 CONFIGS: dict[str, dict] = {
+    "plain dp": dict(stage=0),
     "zero3": dict(reduce_dtype="bfloat16"),
     "qwz": dict(reduce_dtype="bfloat16", quantized_weights=True),
     "qwz+hpz": dict(reduce_dtype="bfloat16", quantized_weights=True, hpz_partition_size=-1),
@@ -72,37 +71,16 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 def build_engine(name: str, dims: ParallelDims, args: argparse.Namespace,
                  device: str | None = None) -> ZeroPlusPlus:
-    """ZeRO stage 3 as configuration `name` says (hpZ over the node's DP ranks)."""
+    """The engine as configuration `name` says: ZeRO stage 3 unless it names another stage
+    ("plain dp" is stage 0); hpZ over the node's DP ranks."""
     fields = dict(CONFIGS[name], block_size=args.block_size)
     if fields.get("hpz_partition_size") == -1:
         fields["hpz_partition_size"] = dims.dp_per_node
     model_parallel_seed(1234, dims)
     model = build_model(model_config(args), dims, "gpt", device=device)
     factory = functools.partial(torch.optim.AdamW, **ADAM)
-    return ZeroPlusPlus(model, dims, factory, ZeroConfig(stage=3, **fields), clip_grad=1.0)
-
-
-class PlainDP:
-    """The plain data-parallel baseline (GradBuffer + MixedPrecisionAdamW) with the engine's
-    calls, so one step function drives both."""
-
-    def __init__(self, dims: ParallelDims, args: argparse.Namespace, device: str | None = None):
-        model_parallel_seed(1234, dims)
-        self.model = build_model(model_config(args), dims, "gpt", device=device)
-        self.grads = GradBuffer(self.model.parameters(), dims)
-        self.optimizer = MixedPrecisionAdamW(self.model.parameters(), dims, clip_grad=1.0, **ADAM)
-
-    def __call__(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-        self.grads.finish_grad_sync()
-
-    def step(self):
-        result = self.optimizer.step()
-        self.grads.zero_grad()
-        return result
+    return ZeroPlusPlus(model, dims, factory, ZeroConfig(**{"stage": 3, **fields}),
+                        clip_grad=1.0)
 
 
 def train_step(engine, dims: ParallelDims, args: argparse.Namespace, step: int,

@@ -435,8 +435,9 @@ class TrainConfig:
     prompt_template: str = "{prompt}"
     """How a prompt is laid out before its response; must contain '{prompt}'."""
     # ZeRO (megadomino.zero; arguments.zero_config turns these into a ZeroConfig).
-    zero_stage: int | None = None
-    """None: plain data parallelism; 1 (--use-distributed-optimizer) or 3: the ZeRO engine."""
+    zero_stage: int = 0
+    """The data-parallel engine's ZeRO stage: 0 plain data parallelism, 1
+    (--use-distributed-optimizer) or 3."""
     zeropp_quantized_weights: bool = False
     zeropp_hpz_partition_size: int | None = None
     """None: ZeroConfig's default (1, hpZ off)."""

@@ -69,7 +69,7 @@ def megadomino_to_hf(load_dir: str, hf_dir: str, dims: ParallelDims, dtype: str 
     """Write the latest checkpoint of `load_dir` as an HF Llama directory `hf_dir`."""
     config = saved_model_config(load_dir).replace(sequence_parallel=False)
     model = LlamaModel(config, dims, device="cpu")
-    checkpoint.load_checkpoint(load_dir, model, None, dims, load_optim=False, load_rng=False,
+    checkpoint.load_checkpoint(load_dir, model, dims, load_rng=False,
                                finetune=True, log=lambda line: print(line, flush=True))
     save_llama(model, hf_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
 

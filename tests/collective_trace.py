@@ -75,7 +75,7 @@ class CollectiveTrace:
             if self.phase is not None:
                 group = kwargs.get("group")
                 ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-                op = kwargs.get("op")
+                op = kwargs.get("op", dist.ReduceOp.SUM if "reduce" in name else None)
                 self.events.append([self.phase, self.arrived, name.replace("_into_tensor", "")
                                     .replace("_tensor", "").replace("_single", ""), ranks,
                                     None if op is None else str(op).rsplit(".", 1)[-1],

@@ -406,7 +406,9 @@ def test_zero_flags_make_the_engine_config():
     assert zero_config(*parse("--zero-stage", "3", "--zeropp-quantized-weights",
                               "--zeropp-quantize-full-range")[:2]) == \
         ZeroConfig(stage=3, quantized_weights=True, quantize_full_range=True)
-    assert zero_config(*parse()[:2]) is None
+    assert zero_config(*parse()[:2]) == ZeroConfig(stage=0)  # plain data parallelism
+    assert zero_config(*parse("--ddp-bucket-size", "1000")[:2]) == ZeroConfig(stage=0,
+                                                                              bucket_numel=1000)
     # Domino runs with stage 1
     parse("--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--domino")
 
@@ -658,7 +660,8 @@ def test_the_node_size_comes_from_torchrun_or_the_deepspeed_launcher(monkeypatch
 
 
 def test_zero_stage_0_is_plain_data_parallelism_and_2_is_refused_with_its_reason():
-    assert field(parse("--zero-stage", "0"), "train.zero_stage") is None
+    assert field(parse("--zero-stage", "0"), "train.zero_stage") == 0
+    assert field(parse(), "train.zero_stage") == 0
     assert field(parse("--zero-stage", "0"), "train.zero_stage") == field(parse(),
                                                                           "train.zero_stage")
     with pytest.raises(ConfigError, match="--zero-stage=2 is refused: ZeRO stage 2 .* use 1 or 3"):

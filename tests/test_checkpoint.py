@@ -23,11 +23,13 @@ from megadomino.training.checkpoint import (
     TrainingState,
     latest_iteration,
     load_checkpoint,
+    load_optimizer_state,
     save_checkpoint,
 )
 from megadomino.training.loop import train
-from megadomino.training.optimizer import build_optimizer
 from megadomino.training.report import NonFiniteLossError
+from megadomino.zero import ZeroConfig
+from megadomino.zero.optimizer import build_engine
 
 MODEL = ModelConfig.preset("gpt-tiny", seq_length=32)  # dropout 0.1: resume must restore RNGs
 TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=20, lr=5e-3,
@@ -88,7 +90,7 @@ def _case_tp2_to_tp1(tp2: ParallelDims, tp1: ParallelDims, root: str) -> None:
 
 def _fresh(dims: ParallelDims, model_config: ModelConfig = MODEL):
     model = build_model(model_config, dims, "gpt")
-    return model, build_optimizer(model.parameters(), dims, TRAIN)
+    return model, build_engine(model, dims, TRAIN, ZeroConfig(stage=0))
 
 
 def _case_crash_during_save(dims: ParallelDims, root: str) -> None:
@@ -119,7 +121,7 @@ def _case_crash_during_save(dims: ParallelDims, root: str) -> None:
         finally:
             os.replace, torch.save = real_replace, real_save
         assert latest_iteration(directory) == 10
-        state = load_checkpoint(directory, model, optimizer, dims)
+        state = load_checkpoint(directory, model, dims)
         assert state.iteration == 10
     shard = Path(directory) / "iter_0000030" / f"mp_rank_{dims.tp_rank:02d}" / checkpoint.SHARD
     assert not shard.exists() and shard.with_name(shard.name + ".tmp").exists()
@@ -138,33 +140,37 @@ def _case_bad_checkpoints(dims: ParallelDims, root: str) -> None:
             file.truncate(os.path.getsize(f"{truncated}/{shard}") // 2)
     dist.barrier()
     with pytest.raises(CheckpointError, match=f"shard missing: .*{shard}"):
-        load_checkpoint(missing, model, optimizer, dims)
+        load_checkpoint(missing, model, dims)
     with pytest.raises(CheckpointError, match=f"{shard} is unreadable"):
-        load_checkpoint(truncated, model, optimizer, dims)
-    wide, wide_optimizer = _fresh(dims, MODEL.replace(hidden_size=128))
+        load_checkpoint(truncated, model, dims)
+    wide, _ = _fresh(dims, MODEL.replace(hidden_size=128))
     with pytest.raises(CheckpointError, match="hidden_size=64 differs from this run's 128"):
-        load_checkpoint(f"{root}/tp2", wide, wide_optimizer, dims)
+        load_checkpoint(f"{root}/tp2", wide, dims)
     save_checkpoint(f"{root}/no_optim", TrainingState(iteration=3), model, None, dims)
     with pytest.raises(CheckpointError, match="no optimizer state .* --no-load-optim"):
-        load_checkpoint(f"{root}/no_optim", model, optimizer, dims)
-    assert load_checkpoint(f"{root}/no_optim", model, optimizer, dims, load_optim=False
-                           ).iteration == 3
+        load_optimizer_state(f"{root}/no_optim", 3, optimizer, dims)
+    assert load_checkpoint(f"{root}/no_optim", model, dims).iteration == 3
 
 
 def _case_load_semantics(dims: ParallelDims, root: str) -> None:
-    """--finetune: weights only, iteration 0, fresh optimizer; --no-load-optim: counters and RNG
-    but a fresh optimizer; a full load sets every generator to the saved states."""
+    """--finetune: weights only, iteration 0; without load_optimizer_state (--no-load-optim) the
+    engine built on the loaded model starts fresh; a full load sets every generator to the saved
+    states, and load_optimizer_state the engine's AdamW state."""
     saved = torch.load(f"{root}/tp2/iter_0000010/mp_rank_{dims.tp_rank:02d}/{checkpoint.SHARD}",
                        weights_only=True)
-    reference, reference_optimizer = _fresh(dims)
-    assert load_checkpoint(f"{root}/tp2", reference, reference_optimizer, dims).iteration == 10
+    reference = build_model(MODEL, dims, "gpt")
+    assert load_checkpoint(f"{root}/tp2", reference, dims).iteration == 10
     assert torch.equal(torch.get_rng_state(), saved["rng"][0]["torch"])
-    assert reference_optimizer.adamw.state
-    for kwargs, iteration in (({"finetune": True}, 0), ({"load_optim": False}, 10)):
+    reference_engine = build_engine(reference, dims, TRAIN, ZeroConfig(stage=0))
+    assert not reference_engine.optimizer.optimizer.state
+    load_optimizer_state(f"{root}/tp2", 10, reference_engine, dims)
+    assert reference_engine.optimizer.optimizer.state
+    for kwargs, iteration in (({"finetune": True}, 0), ({}, 10)):
         torch.manual_seed(99)
-        model, optimizer = _fresh(dims)
-        state = load_checkpoint(f"{root}/tp2", model, optimizer, dims, **kwargs)
-        assert state.iteration == iteration and not optimizer.adamw.state
+        model = build_model(MODEL, dims, "gpt")
+        state = load_checkpoint(f"{root}/tp2", model, dims, **kwargs)
+        engine = build_engine(model, dims, TRAIN, ZeroConfig(stage=0))
+        assert state.iteration == iteration and not engine.optimizer.optimizer.state
         for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
             assert torch.equal(param, expected), name
         rng_loaded = torch.equal(torch.get_rng_state(), saved["rng"][0]["torch"])

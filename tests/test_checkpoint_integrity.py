@@ -28,13 +28,13 @@ from megadomino.training.checkpoint import (
     TrainingState,
     latest_iteration,
     load_checkpoint,
-    load_zero_state,
+    load_optimizer_state,
     save_checkpoint,
 )
 from megadomino.training.loop import train
-from megadomino.training.optimizer import build_optimizer
 from megadomino.training.report import NonFiniteLossError
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
+from megadomino.zero.optimizer import build_engine
 
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_v1"
 PRE_ENGINE = Path(__file__).parent / "fixtures" / "checkpoint_pre_engine"
@@ -46,7 +46,9 @@ def fixture_configs(kind: str, **overrides) -> tuple[ModelConfig, TrainConfig, l
     """The model and training configs the fixture `kind` was written with, and its run's losses."""
     expected = json.loads((FIXTURES[kind] / "expected.json").read_text())
     model = ModelConfig(**expected["model_config"])
-    config = TrainConfig(**expected[kind]["train_config"], log_interval=1, eval_interval=0,
+    fields = dict(expected[kind]["train_config"])
+    fields["zero_stage"] = fields["zero_stage"] or 0  # written before stage 0 had a number
+    config = TrainConfig(**fields, log_interval=1, eval_interval=0,
                          eval_iters=0, mock_data=True)
     return model, dataclasses.replace(config, **overrides), expected[kind]["losses"]
 
@@ -102,7 +104,7 @@ def check_manifest_and_corruption(tp: ParallelDims, dense: ParallelDims, root: s
     """The manifest lists each shard with its true size and CRC-32; a flipped byte in one shard
     fails every load path with an error naming that shard; so does a corrupt manifest."""
     model = build_model(SMALL, tp)
-    optimizer = build_optimizer(model.parameters(), tp, TrainConfig(lr=1e-2))
+    optimizer = build_engine(model, tp, TrainConfig(lr=1e-2), ZeroConfig(stage=0))
     target = save_checkpoint(f"{root}/good", TrainingState(iteration=3), model, optimizer, tp)
     files = json.loads((target / "manifest.json").read_text())["files"]
     shards = [f"mp_rank_0{rank}/model_optim_rng.pt" for rank in range(2)]
@@ -110,15 +112,15 @@ def check_manifest_and_corruption(tp: ParallelDims, dense: ParallelDims, root: s
     for name in shards:
         data = (target / name).read_bytes()
         assert files[name] == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
-    assert load_checkpoint(f"{root}/good", model, optimizer, tp).iteration == 3
+    assert load_checkpoint(f"{root}/good", model, tp).iteration == 3
 
     bad = shared_copy(Path(f"{root}/good"), f"{root}/flipped")
     flip_byte(Path(bad) / "iter_0000003" / shards[1])
     named = f"{shards[1]} is corrupt: its CRC-32 is"
-    expect_error(named, load_checkpoint, bad, model, optimizer, tp)
-    expect_error(named, load_checkpoint, bad, model, optimizer, tp, finetune=True)
+    expect_error(named, load_checkpoint, bad, model, tp)
+    expect_error(named, load_checkpoint, bad, model, tp, finetune=True)
     fresh = build_model(SMALL, dense)
-    expect_error(named, load_checkpoint, bad, fresh, None, dense, load_optim=False)
+    expect_error(named, load_checkpoint, bad, fresh, dense)
     if dist.get_rank() == 0:  # the converter reads TP rank 0's shard first
         flipped_head = shutil.copytree(f"{root}/good", f"{root}/flipped-head")
         flip_local(Path(flipped_head) / "iter_0000003" / shards[0])
@@ -128,7 +130,7 @@ def check_manifest_and_corruption(tp: ParallelDims, dense: ParallelDims, root: s
     if dist.get_rank() == 0:
         (Path(garbled) / "iter_0000003" / "manifest.json").write_text("{not json")
     dist.barrier()
-    expect_error("manifest.json is unreadable", load_checkpoint, garbled, model, optimizer, tp)
+    expect_error("manifest.json is unreadable", load_checkpoint, garbled, model, tp)
 
 
 def flip_local(path: Path) -> None:
@@ -139,7 +141,7 @@ def flip_local(path: Path) -> None:
 
 
 def check_zero_shard_corruption(dims: ParallelDims, root: str) -> None:
-    """A flipped byte in a ZeRO optimizer shard fails load_zero_state naming it."""
+    """A flipped byte in a ZeRO optimizer shard fails load_optimizer_state naming it."""
     factory = functools.partial(torch.optim.AdamW, lr=1e-2)
     model = build_model(SMALL, dims)
     engine = ZeroPlusPlus(model, dims, factory, ZeroConfig(stage=1))
@@ -149,8 +151,8 @@ def check_zero_shard_corruption(dims: ParallelDims, root: str) -> None:
     assert zero_file in files, files
     flip_byte(target / zero_file)
     fresh = build_model(SMALL, dims)
-    state = load_checkpoint(f"{root}/zero", fresh, None, dims)
-    expect_error(f"{zero_file} is corrupt", load_zero_state, f"{root}/zero", state.iteration,
+    state = load_checkpoint(f"{root}/zero", fresh, dims)
+    expect_error(f"{zero_file} is corrupt", load_optimizer_state, f"{root}/zero", state.iteration,
                  ZeroPlusPlus(fresh, dims, factory, ZeroConfig(stage=1)), dims)
 
 

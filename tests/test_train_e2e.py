@@ -67,7 +67,9 @@ def _case_tp_then_dp(tp: int, dp: int, sequence_parallel: bool) -> None:
     _check_same_on_every_rank(history["losses"])
     assert history["skipped_iterations"] == 0
     if dist.get_rank() == 0:
-        assert len(lines) == ITERS // 10 + 1, lines
+        # per log interval an iteration line and the engine's line, then the validation line
+        assert len(lines) == 2 * (ITERS // 10) + 1, lines
+        assert all("per GPU: held" in line for line in lines[1:-1:2]), lines
         for field in ("loss", "lr", "grad norm", "ms/iter", "tokens/s", "TFLOP/s/GPU", "MFU",
                       "peak mem"):
             assert field in lines[0], f"{field!r} missing from the log line {lines[0]!r}"
@@ -85,7 +87,7 @@ def _case_low_precision(flag: str) -> None:
     model = history["model"]
     expected = torch.bfloat16 if flag == "bf16" else torch.float16
     assert all(p.dtype == expected for p in model.parameters())
-    assert all(m.dtype == torch.float32 for m in history["optimizer"].masters)
+    assert all(m.dtype == torch.float32 for m in history["optimizer"].optimizer.masters)
 
 
 SUITE = DistSuite()

@@ -1,10 +1,11 @@
 """Training components: LR schedule, loss scaler, FLOPs formula, mock data, batch arithmetic
-(single process), and the DP grad buffer and the optimizer (2 gloo ranks, one process group for
-every case, see dist_utils)."""
+(single process), and the data-parallel engine at stage 0 (plain data parallelism): its gradient
+buckets and its optimizer (2 gloo ranks, one process group for every case, see dist_utils)."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -16,11 +17,11 @@ from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.data import MockDataset
-from megadomino.training.ddp import GradBuffer
 from megadomino.training.loop import batch_plan, train_iterations
 from megadomino.training.lr_schedule import LRSchedule
 from megadomino.training.metrics import num_floating_point_operations, throughput
-from megadomino.training.optimizer import DynamicLossScaler, MixedPrecisionAdamW
+from megadomino.zero import ZeroConfig, ZeroPlusPlus
+from megadomino.zero.loss_scaler import DynamicLossScaler
 
 # ---- LR schedule -------------------------------------------------------------------------------
 
@@ -153,13 +154,36 @@ def _mlp(dtype: torch.dtype) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).to(dtype)
 
 
+def _plain(model: nn.Module, dims: ParallelDims, bucket_numel: int = 25_000_000, **kwargs
+           ) -> ZeroPlusPlus:
+    """The engine at stage 0 with AdamW as the tests' reference runs it."""
+    factory = functools.partial(torch.optim.AdamW, lr=0.01, betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=0.1, foreach=True)
+    return ZeroPlusPlus(model, dims, factory, ZeroConfig(stage=0, bucket_numel=bucket_numel),
+                        **kwargs)
+
+
+def _main_grads(engine: ZeroPlusPlus) -> dict[int, torch.Tensor]:
+    """Stage 0: each parameter's fp32 gradient (by id), its view of its bucket."""
+    return {id(param): view for unit, buffer in zip(engine.units, engine.grads.grad_shards)
+            for param, view in zip(unit.params, unit.views(buffer))}
+
+
+def _holder(**params: nn.Parameter) -> nn.Module:
+    module = nn.Module()
+    for name, param in params.items():
+        module.register_parameter(name, param)
+    return module
+
+
 def _case_dp_mean(dims: ParallelDims, dtype: torch.dtype) -> None:
-    """main_grad after two micro-batches == mean over DP ranks of the fp32-accumulated grads;
-    every bucket is launched by the backward hooks, before finish_grad_sync."""
+    """The fp32 gradients after two micro-batches (the first under no_sync) == mean over DP
+    ranks of the fp32-accumulated grads; every bucket is launched by the backward hooks, before
+    finish()."""
     model = _mlp(dtype)
     reference = copy.deepcopy(model)
-    buffer = GradBuffer(model.parameters(), dims, bucket_numel=20)
-    assert len(buffer.buckets) == 2
+    engine = _plain(model, dims, bucket_numel=20)
+    assert len(engine.units) == 2
     gen = torch.Generator().manual_seed(100 + dims.dp_rank)
     inputs = [torch.randn(4, 5, generator=gen).to(dtype) for _ in range(2)]
     expected = [torch.zeros(p.shape) for p in reference.parameters()]
@@ -172,42 +196,47 @@ def _case_dp_mean(dims: ParallelDims, dtype: torch.dtype) -> None:
         dist.all_reduce(total, group=dims.dp_group)
         total /= dims.dp
 
-    buffer.zero_grad()
-    with buffer.no_sync():
-        model(inputs[0]).square().sum().backward()
-    assert not any(b.launched for b in buffer.buckets)
+    engine.zero_grad()
+    with engine.no_sync():
+        engine.backward(model(inputs[0]).square().sum())
+    assert engine.grads._next == 0
     model(inputs[1]).square().sum().backward()
-    assert all(b.launched for b in buffer.buckets)
-    buffer.finish_grad_sync()
+    assert engine.grads._next == len(engine.units)  # launched from the hooks
+    engine.grads.finish()
+    grads = _main_grads(engine)
     for want, p in zip(expected, model.parameters()):
-        assert p.grad is None and p.main_grad.dtype == torch.float32
-        assert_close(p.main_grad, want, 1e-6, f"main_grad {tuple(p.shape)} {dtype}")
+        assert p.grad is None and grads[id(p)].dtype == torch.float32
+        assert_close(grads[id(p)], want, 1e-6, f"main_grad {tuple(p.shape)} {dtype}")
 
 
 def _case_unused_param(dims: ParallelDims) -> None:
     model = _mlp(torch.float32)
     model.unused = nn.Parameter(torch.ones(3))
-    buffer = GradBuffer(model.parameters(), dims, bucket_numel=1)
-    buffer.zero_grad()
+    engine = _plain(model, dims, bucket_numel=1)
+    engine.zero_grad()
     model(torch.ones(2, 5)).sum().backward()
-    # A module's own parameters come first in parameters(), so its bucket is the last one.
-    assert [b.launched for b in buffer.buckets] == [True, True, True, True, False]
-    buffer.finish_grad_sync()
-    assert torch.equal(model.unused.main_grad, torch.zeros(3))
-    assert model[0].weight.main_grad.abs().sum() > 0
+    # A module's own parameters come first in parameters(), so its bucket is reduced last: the
+    # hooks launch the other four, in order, and it waits for finish().
+    assert [unit.params[0] is model.unused for unit in engine.units] == [True] + [False] * 4
+    assert engine.grads._next == 4
+    engine.grads.finish()
+    grads = _main_grads(engine)
+    assert torch.equal(grads[id(model.unused)], torch.zeros(3))
+    assert grads[id(model[0].weight)].abs().sum() > 0
 
 
 def _case_sequence_parallel_sum(dims: ParallelDims) -> None:
     """At TP=2 a sequence_parallel parameter's grad is summed over TP, others left alone."""
     sp, plain = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
     sp.sequence_parallel = True
-    buffer = GradBuffer([sp, plain], dims)
-    buffer.zero_grad()
+    engine = _plain(_holder(sp=sp, plain=plain), dims)
+    engine.zero_grad()
     x = torch.tensor([1.0, 2.0, 3.0]) * (dims.tp_rank + 1)
-    ((sp * x).sum() + (plain * x).sum()).backward()
-    buffer.finish_grad_sync()
-    assert torch.equal(sp.main_grad, torch.tensor([3.0, 6.0, 9.0]))
-    assert torch.equal(plain.main_grad, x)
+    engine.backward((sp * x).sum() + (plain * x).sum())
+    engine.optimizer._sum_sequence_parallel()  # the step's first action
+    grads = _main_grads(engine)
+    assert torch.equal(grads[id(sp)], torch.tensor([3.0, 6.0, 9.0]))
+    assert torch.equal(grads[id(plain)], x)
 
 
 def _reference_adamw(weight: torch.Tensor, bias: torch.Tensor, grads, lr: float):
@@ -227,15 +256,14 @@ def _case_tp_grad_norm_and_clip(dims: ParallelDims) -> None:
     weight = nn.Parameter(torch.randn(2, 3))
     weight.tensor_model_parallel = True
     bias = nn.Parameter(torch.randn(3))
-    buffer = GradBuffer([weight, bias], dims)
-    opt = MixedPrecisionAdamW([weight, bias], dims, lr=0.01, weight_decay=0.1,
-                              betas=(0.9, 0.999), eps=1e-8, clip_grad=0.5)
     start = (weight.detach().clone(), bias.detach().clone())
+    opt = _plain(_holder(weight=weight, bias=bias), dims, clip_grad=0.5)
     grad_w = torch.full((2, 3), 1.0 + dims.tp_rank)  # shards differ
     grad_b = torch.full((3,), 2.0)  # replicated
-    buffer.zero_grad()
-    weight.main_grad.copy_(grad_w)
-    bias.main_grad.copy_(grad_b)
+    opt.zero_grad()
+    grads = _main_grads(opt)
+    grads[id(weight)].copy_(grad_w)
+    grads[id(bias)].copy_(grad_b)
     result = opt.step()
     norm = math.sqrt(6 * 1.0 + 6 * 4.0 + 3 * 4.0)
     assert result.grad_norm.item() == pytest.approx(norm, rel=1e-6)
@@ -246,41 +274,45 @@ def _case_tp_grad_norm_and_clip(dims: ParallelDims) -> None:
 
 
 def _case_fp16_skip_and_master(dims: ParallelDims) -> None:
-    """fp16: an inf on one rank skips the step on every rank (hysteresis, then backoff); a clean
-    step unscales and updates the fp32 master, and the fp16 params are copies of the masters."""
+    """fp16: an inf in one rank's backward skips the step on every rank (the all-reduce carries
+    it to all; hysteresis, then backoff); a clean step unscales and updates the fp32 master, and
+    the fp16 params are copies of the masters."""
     torch.manual_seed(2)
     weight = nn.Parameter(torch.randn(4, 3).half())
     bias = nn.Parameter(torch.randn(3).half())
-    buffer = GradBuffer([weight, bias], dims)
-    scaler = DynamicLossScaler(1024.0, min_scale=1.0, window=1000, hysteresis=2)
-    opt = MixedPrecisionAdamW([weight, bias], dims, lr=0.01, weight_decay=0.1,
-                              betas=(0.9, 0.999), eps=1e-8, clip_grad=0.0, loss_scaler=scaler)
     start = (weight.detach().clone(), bias.detach().clone())
+    scaler = DynamicLossScaler(1024.0, min_scale=1.0, window=1000, hysteresis=2)
+    opt = _plain(_holder(weight=weight, bias=bias), dims, clip_grad=0.0, loss_scaler=scaler)
+    grads = _main_grads(opt)
+    poison = torch.ones(4, 3, dtype=torch.half)
+    if dims.rank == 1:
+        poison[0, 0] = math.inf
     for expected_scale in (1024.0, 512.0):
-        buffer.zero_grad()
-        if dims.rank == 1:
-            weight.main_grad[0, 0] = math.inf
+        opt.zero_grad()
+        opt.backward((weight * poison).sum() + bias.sum())
         result = opt.step()
         assert result.skipped and result.grad_norm is None
         assert scaler.scale == expected_scale
         assert torch.equal(weight.detach(), start[0]) and torch.equal(bias.detach(), start[1])
-    grads = (torch.full((4, 3), 0.25), torch.full((3,), -0.5))
-    buffer.zero_grad()
-    weight.main_grad.copy_(grads[0] * scaler.scale)
-    bias.main_grad.copy_(grads[1] * scaler.scale)
+    wanted = (torch.full((4, 3), 0.25), torch.full((3,), -0.5))
+    opt.zero_grad()
+    grads[id(weight)].copy_(wanted[0] * scaler.scale)
+    grads[id(bias)].copy_(wanted[1] * scaler.scale)
     assert not opt.step().skipped
-    want_w, want_b = _reference_adamw(*start, grads, lr=0.01)
-    assert_close(opt.masters[0], want_w, 1e-6, "fp32 master weight")
-    assert_close(opt.masters[1], want_b, 1e-6, "fp32 master bias")
+    want_w, want_b = _reference_adamw(*start, wanted, lr=0.01)
+    masters = opt.state_by_parameter()
+    assert_close(masters[id(weight)]["master"], want_w, 1e-6, "fp32 master weight")
+    assert_close(masters[id(bias)]["master"], want_b, 1e-6, "fp32 master bias")
     assert torch.equal(weight.detach(), want_w.half())
 
-    fresh = MixedPrecisionAdamW([weight, bias], dims, lr=0.01, weight_decay=0.1,
-                                betas=(0.9, 0.999), eps=1e-8, clip_grad=0.0,
-                                loss_scaler=DynamicLossScaler(1.0, 1.0, 1000, 2))
+    copies = _holder(weight=nn.Parameter(start[0].clone()), bias=nn.Parameter(start[1].clone()))
+    fresh = _plain(copies, dims, clip_grad=0.0, loss_scaler=DynamicLossScaler(1.0, 1.0, 1000, 2))
     fresh.load_state_dict(opt.state_dict())
     assert fresh.loss_scaler.scale == 512.0
-    assert torch.equal(fresh.masters[0], opt.masters[0])
-    assert fresh.adamw.state_dict()["state"][0]["step"] == 1
+    assert torch.equal(fresh.state_by_parameter()[id(copies.weight)]["master"],
+                       masters[id(weight)]["master"])
+    assert torch.equal(copies.weight.detach(), weight.detach())
+    assert fresh.optimizer.optimizer.state_dict()["state"][0]["step"] == 1
 
 
 SUITE = DistSuite(worlds=(2,))

@@ -20,14 +20,13 @@ from megadomino.parallel import ParallelDims
 from megadomino.training.checkpoint import (
     TrainingState,
     load_checkpoint,
-    load_zero_state,
+    load_optimizer_state,
     save_checkpoint,
 )
-from megadomino.training.ddp import GradBuffer
 from megadomino.training.loop import train
-from megadomino.training.optimizer import build_optimizer
 from megadomino.training.pad_rows import first_pad_row
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
+from megadomino.zero.optimizer import build_engine
 
 VOCABS = (50257, 32000, 320)
 REL = 1e-6
@@ -79,7 +78,7 @@ def check_loss_is_cross_entropy_of_logits(vocab: int, tp: ParallelDims,
     assert not padding.count_nonzero(), f"padding rows got gradient {padding.abs().max()}"
 
 
-def check_pad_rows_stay_zero(dims: ParallelDims, untied: bool, zero_stage: int | None) -> None:
+def check_pad_rows_stay_zero(dims: ParallelDims, untied: bool, zero_stage: int) -> None:
     """Training (AdamW, weight decay, clipping) leaves every padding row exactly zero."""
     config = tiny(320, untie_embeddings_and_output_weights=untied, init_method_std=0.02)
     train_config = TrainConfig(micro_batch_size=2, global_batch_size=2 * dims.dp, train_iters=4,
@@ -106,28 +105,23 @@ def check_old_checkpoint_pad_rows(tp: ParallelDims, dense: ParallelDims, root: s
     at the saved TP degree and at TP=1, and rank 0 says so in one line."""
     config = tiny(320)
     model = build_model(config, tp)
-    grads = GradBuffer(model.parameters(), tp)
-    optimizer = build_optimizer(model.parameters(), tp, TrainConfig(lr=1e-2))
-
-    def backward(loss: torch.Tensor) -> None:
-        loss.backward()
-        grads.finish_grad_sync()
-
-    _step(model, optimizer.step, backward)
+    engine = build_engine(model, tp, TrainConfig(lr=1e-2), ZeroConfig(stage=0))
+    _step(model, engine.step, engine.backward)
     weight = model.word_embeddings.weight
-    state = optimizer.adamw.state[weight]
+    state = engine.state_by_parameter()[id(weight)]
     with torch.no_grad():
         for tensor in (weight, state["exp_avg"], state["exp_avg_sq"]):
             pad_rows_of(tensor, weight, tp).fill_(0.5)
-    save_checkpoint(f"{root}/old", TrainingState(iteration=1), model, optimizer, tp)
+    save_checkpoint(f"{root}/old", TrainingState(iteration=1), model, engine, tp)
     for dims in (tp, dense):
         fresh = build_model(config, dims)
-        fresh_optimizer = build_optimizer(fresh.parameters(), dims, TrainConfig(lr=1e-2))
         lines: list[str] = []
-        load_checkpoint(f"{root}/old", fresh, fresh_optimizer, dims, log=lines.append)
+        load_checkpoint(f"{root}/old", fresh, dims, log=lines.append)
+        fresh_engine = build_engine(fresh, dims, TrainConfig(lr=1e-2), ZeroConfig(stage=0))
+        load_optimizer_state(f"{root}/old", 1, fresh_engine, dims, log=lines.append)
         loaded = fresh.word_embeddings.weight
         assert not pad_rows(loaded, dims).count_nonzero()
-        for moment in fresh_optimizer.adamw.state[loaded].values():
+        for moment in fresh_engine.state_by_parameter()[id(loaded)].values():
             if moment.ndim:
                 assert not pad_rows_of(moment, loaded, dims).count_nonzero()
         notices = [line for line in lines if "padded vocabulary rows" in line]
@@ -154,9 +148,10 @@ def check_old_zero_checkpoint_pad_rows(dims: ParallelDims, root: str) -> None:
     save_checkpoint(f"{root}/old-zero", TrainingState(iteration=1), model, engine, dims)
     fresh = build_model(config, dims)
     lines: list[str] = []
-    state = load_checkpoint(f"{root}/old-zero", fresh, None, dims, log=lines.append)
+    state = load_checkpoint(f"{root}/old-zero", fresh, dims, log=lines.append)
     fresh_engine = engine_of(fresh)
-    load_zero_state(f"{root}/old-zero", state.iteration, fresh_engine, dims, log=lines.append)
+    load_optimizer_state(f"{root}/old-zero", state.iteration, fresh_engine, dims,
+                         log=lines.append)
     assert not pad_rows(fresh.word_embeddings.weight, dims).count_nonzero()
     if dist.get_rank() == 0:
         assert any("ZeRO optimizer state" in line for line in lines), lines
@@ -175,8 +170,7 @@ for vocab in VOCABS:
     SUITE.case(f"loss-is-ce-V{vocab}", check_loss_is_cross_entropy_of_logits, vocab, C.tp,
                C.dense)
 for untied in (False, True):
-    SUITE.case(f"pad-rows-stay-zero-untied{untied}", check_pad_rows_stay_zero, C.tp, untied,
-               None)
+    SUITE.case(f"pad-rows-stay-zero-untied{untied}", check_pad_rows_stay_zero, C.tp, untied, 0)
 SUITE.case("pad-rows-stay-zero-zero1", check_pad_rows_stay_zero, C.half, False, 1)
 SUITE.case("old-checkpoint-pad-rows", check_old_checkpoint_pad_rows, C.tp, C.dense, C.root)
 SUITE.case("old-zero-checkpoint-pad-rows", check_old_zero_checkpoint_pad_rows, C.half, C.root)

@@ -24,10 +24,9 @@ from megadomino.parallel import ParallelDims
 from megadomino.parallel.compat import all_gather_single
 from megadomino.parallel.random import model_parallel_seed
 from megadomino.training.data import MockDataset
-from megadomino.training.ddp import GradBuffer
-from megadomino.training.optimizer import DynamicLossScaler, MixedPrecisionAdamW
 from megadomino.zero import CommCounter, ZeroConfig, ZeroPlusPlus, collectives
 from megadomino.zero.grads import GradReducer
+from megadomino.zero.loss_scaler import DynamicLossScaler, StepResult
 from megadomino.zero.params import MemoryMeter
 from megadomino.zero.partition import FlatUnit, find_units
 
@@ -123,21 +122,25 @@ def test_grad_reducer_sums_backwards_of_incomplete_units(stage):
 
 def test_dropped_reducers_free_their_buffers():
     """Gradient hooks hold their reducer weakly (parallel.streams.weak_grad_hook): dropping a
-    GradReducer or a GradBuffer frees it and its buffers, although the parameters, which keep
-    the hooks, live on; the orphaned hooks do nothing."""
+    GradReducer (stage 1, or stage 0's in-place buckets) frees it and its buffers, although the
+    parameters, which keep the hooks, live on; the orphaned hooks do nothing."""
     w, v = nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(5))
     dims = type("Dims", (), dict(dp=1, tp=1))()
     reducer = GradReducer([FlatUnit("a", [w], dp=1, dp_rank=0)], dims, ZeroConfig(stage=1), None,
                           MemoryMeter())
-    buffer = GradBuffer([v], dims)
+    buckets = GradReducer([FlatUnit("b", [v], dp=1, dp_rank=0)], dims, ZeroConfig(stage=0), None,
+                          MemoryMeter())
     w.sum().backward()
+    (2 * v).sum().backward()
     reducer.finish()
+    buckets.finish()
     assert torch.equal(reducer.grad_shards[0], torch.ones(6))
-    # (buffer.data lives on as v.main_grad, by design)
-    refs = [weakref.ref(x) for x in (reducer, reducer.grad_shards[0], buffer)]
-    del reducer, buffer
+    assert torch.equal(buckets.grad_shards[0], torch.full((5,), 2.0))
+    refs = [weakref.ref(x) for x in (reducer, reducer.grad_shards[0], buckets,
+                                     buckets.grad_shards[0])]
+    del reducer, buckets
     gc.collect()
-    assert [r() for r in refs] == [None] * 3
+    assert [r() for r in refs] == [None] * 4
     (w.sum() + v.sum()).backward()
     assert torch.equal(w.grad, torch.ones(3, 2)) and torch.equal(v.grad, torch.ones(5))
 
@@ -259,22 +262,38 @@ def _dp_mean(value: float, dims: ParallelDims) -> float:
 
 
 def _plain_dp(dims: ParallelDims, steps: int, num_micro: int, clip: float, **overrides):
-    """Reference: GradBuffer (DP mean) + MixedPrecisionAdamW on the same model and batches."""
+    """Reference, written out apart from the engine (fp32 models): autograd's gradients summed
+    over the micro-batches, averaged over DP (one all-reduce per parameter), sequence-parallel
+    ones summed over TP, Megatron's global norm (TP shards counted on every TP rank, the rest
+    once; in float64), clipping, and torch's AdamW with weight decay on 2-D parameters only."""
     model = _build(dims, **overrides)
-    grads = GradBuffer(model.parameters(), dims)
-    optimizer = MixedPrecisionAdamW(model.parameters(), dims, clip_grad=clip, **ADAM)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _factory([{"params": [p for p in params if p.ndim >= 2]},
+                          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}])
     history = []
     for step in range(steps):
-        grads.zero_grad()
+        optimizer.zero_grad(set_to_none=False)
         total = 0.0
         for micro in range(num_micro):
             tokens, labels = _batch(dims, step, micro, num_micro)
-            with grads.no_sync() if micro < num_micro - 1 else contextlib.nullcontext():
-                loss = model(tokens, labels=labels).mean()
-                (loss / num_micro).backward()
+            loss = model(tokens, labels=labels).mean()
+            (loss / num_micro).backward()
             total += loss.item() / num_micro
-        grads.finish_grad_sync()
-        history.append((_dp_mean(total, dims), optimizer.step()))
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=dims.dp_group)
+            param.grad /= dims.dp
+            if dims.tp > 1 and getattr(param, "sequence_parallel", False):
+                dist.all_reduce(param.grad, group=dims.tp_group)
+        square = sum(p.grad.double().square().sum() for p in params
+                     if getattr(p, "tensor_model_parallel", False) or dims.tp_rank == 0)
+        dist.all_reduce(square, group=dims.tp_group)
+        norm = square.sqrt().float()
+        for param in params:
+            param.grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
+        optimizer.step()
+        history.append((_dp_mean(total, dims), StepResult(False, norm, None)))
     return model, history
 
 
@@ -283,17 +302,21 @@ def _plain_dp(dims: ParallelDims, steps: int, num_micro: int, clip: float, **ove
 
 def _case_matches_plain_dp(dims: ParallelDims, stage: int, depth: int = 2,
                            layers_per_unit: int | None = 1, unit_layers: int | None = None,
-                           units: int | None = None, **overrides) -> None:
+                           units: int | None = None, bucket_numel: int | None = None,
+                           **overrides) -> None:
     """Losses, grad norms (clipping active) and final weights equal plain DP to 1e-5 (fp32),
     with two micro-batches per step; at stage 3 the engine never holds all layers at once.
     `depth`: the gradient reductions' pipeline depth (ZeroConfig.reduce_pipeline_depth);
     `layers_per_unit`: ZeroConfig's; `unit_layers`: with layers_per_unit None, unit_params is
-    that many layers' parameters (`units`: how many units that makes, root included)."""
+    that many layers' parameters (`units`: how many units that makes, root included);
+    `bucket_numel`: stage 0's buckets."""
     steps, num_micro = 3, 2
     reference, expected = _plain_dp(dims, steps, num_micro, clip=0.5, **overrides)
     layer = reference.decoder.layers[0]
     sizing = {} if unit_layers is None else {
         "unit_params": unit_layers * sum(p.numel() for p in layer.parameters()), "min_units": 1}
+    if bucket_numel is not None:
+        sizing["bucket_numel"] = bucket_numel
     engine = _engine(dims, clip=0.5, stage=stage, model_overrides=overrides,
                      reduce_pipeline_depth=depth, layers_per_unit=layers_per_unit, **sizing)
     layers = overrides.get("num_layers", 2)
@@ -303,8 +326,8 @@ def _case_matches_plain_dp(dims: ParallelDims, stage: int, depth: int = 2,
         assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
         assert_close(result.grad_norm, want.grad_norm, 1e-5, "grad norm")
         assert want.grad_norm > 0.5  # the clip was active
-    if stage == 1:  # reducing every micro-batch (no no_sync) accumulates the same gradients
-        eager = _train(_engine(dims, clip=0.5, stage=1, model_overrides=overrides), dims,
+    if stage in (0, 1):  # reducing every micro-batch (no no_sync) accumulates the same grads
+        eager = _train(_engine(dims, clip=0.5, stage=stage, model_overrides=overrides), dims,
                        range(steps), num_micro, sync_every_micro=True)
         for (loss, result), (want_loss, want) in zip(eager, expected):
             assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
@@ -570,6 +593,11 @@ def _setup(world: int) -> dict:
 
 
 SUITE.case("counter", _case_counter)
+# stage 0's buckets of 30000 elements: a few per layer, cut inside layers
+SUITE.case("stage0_matches_dp", _case_matches_plain_dp, C.nodes, 0, num_layers=3,
+           bucket_numel=30_000, units=5)
+SUITE.case("stage0_tp2_sp_matches_dp", _case_matches_plain_dp, C.tp_dp, 0,
+           sequence_parallel=True, units=1)
 SUITE.case("stage1_matches_dp", _case_matches_plain_dp, C.nodes, 1, num_layers=4)
 # hidden 62: a layer's 46934 elements do not divide by DP=4 (its flat buffer is padded)
 SUITE.case("stage3_matches_dp", _case_matches_plain_dp, C.nodes, 3, num_layers=4,
@@ -604,3 +632,20 @@ SUITE.case("zeropp_100_steps", _case_zeropp_trains_like_zero3, C.nodes)
 SUITE.case("zeropp_100_steps_tp2", _case_zeropp_trains_like_zero3, C.tp_dp)
 
 test_zero = SUITE.test()
+
+
+def test_the_engine_imports_nothing_of_the_training_package():
+    """The data-parallel engine sits below the training loop: no module of megadomino/zero
+    imports megadomino.training (the loop, its reports and checkpoints drive the engine)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent / "megadomino" / "zero"
+    found = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}:{node.lineno} {name}" for name in names
+                      if name.startswith("megadomino.training")]
+    assert not found, found

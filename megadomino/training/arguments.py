@@ -132,9 +132,7 @@ def parse_args(argv: list[str] | None, family: str,
             raise ConfigError(f"--use-distributed-optimizer is ZeRO stage 1 and contradicts "
                               f"--zero-stage {train_fields['zero_stage']}: give one of them")
         train_fields["zero_stage"] = 1
-    if train_fields.get("zero_stage") == 0:  # DeepSpeed's stage 0: plain data parallelism
-        del train_fields["zero_stage"]
-    if "zero_stage" in train_fields and "ddp_bucket_size" in train_fields:
+    if train_fields.get("zero_stage", 0) != 0 and "ddp_bucket_size" in train_fields:
         raise ConfigError("--ddp-bucket-size sizes plain data parallelism's all-reduce buckets; "
                           "--zero-stage reduces layer by layer: drop one of them")
     _check_fp8_flags(fields["model"])
@@ -164,9 +162,9 @@ def parse_args(argv: list[str] | None, family: str,
     return model_config, train_config, notices
 
 
-def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroConfig | None:
-    """The ZeroConfig that --zero-stage and the --zeropp-* flags ask for; None without
-    --zero-stage (plain data parallelism). ConfigError naming the flag for a ZeRO++ flag without
+def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroConfig:
+    """The ZeroConfig that --zero-stage (0, plain data parallelism, by default) and the --zeropp-*
+    flags ask for. ConfigError naming the flag for a ZeRO++ flag without
     the stage it needs, one with nothing to act on, or ZeRO-3 with Domino (whose schedule bypasses
     the hooks that gather each layer). hpZ's partition size against the node: validate_world."""
     config = train_config
@@ -178,13 +176,13 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
              "--zeropp-quantize-full-range": config.zeropp_quantize_full_range,
              "--zero-layers-per-unit": config.zero_layers_per_unit is not None,
              "--zero-unit-params": config.zero_unit_params is not None}
-    if config.zero_stage is None:
+    if config.zero_stage == 0:
         flag = next((flag for flag, on in given.items() if on), None)
         if flag is not None:
             raise ConfigError(f"{flag} is a ZeRO option: add --zero-stage 3 (or --zero-stage 1 "
                               "for --zeropp-quantized-gradients, --zero-layers-per-unit and "
                               "--zero-unit-params)")
-        return None
+        return ZeroConfig(stage=0, bucket_numel=config.ddp_bucket_size)
     if given["--zeropp-gradient-bits"] and not config.zeropp_quantized_gradients:
         raise ConfigError("--zeropp-gradient-bits sets qgZ's precision: add "
                           "--zeropp-quantized-gradients")

@@ -10,19 +10,24 @@ Layout of `--save DIR`:
     DIR/iter_0000010/manifest.json                        size and CRC-32 of each file above
     DIR/release/mp_rank_00/model_optim_rng.pt             weights only (converters), iteration 0
 
-DP rank 0 of each TP rank writes that rank's shard: its model shard, its optimizer shard (AdamW
-moments, step and the fp32 masters of bf16/fp16 parameters, keyed by parameter name), the loss
-scaler, the training counters, the ModelConfig, the sharding of every parameter, and the RNG states
+DP rank 0 of each TP rank writes that rank's shard: its model shard, at ZeRO stage 0 (plain data
+parallelism) its optimizer shard (AdamW moments, step and the fp32 masters of bf16/fp16
+parameters, keyed by parameter name, the engine's `state_by_parameter()`) and the loss scaler,
+the training counters, the ModelConfig, the sharding of every parameter, and the RNG states
 (python, numpy, torch CPU, CUDA, the TP tracker) and FP8 scaling states (parallel.fp8's FP8State
 buffers, per rank) of every DP rank of its TP rank, gathered over DP.
 
-With a ZeRO engine (--zero-stage) the model shard is the same (at stage 3 the layers are gathered
-for it: every rank holds the whole model while saving), so model-only loads (--finetune,
-converters) read it as before; its optimizer entry is None and its `zero` entry names the stage.
-Each (TP, DP) rank writes its `engine.state_dict()` (AdamW state and fp32 masters of its DP chunk,
-the loss scaler, the layout) to `optim_dp_rank_YYY.pt`; it loads at the same stage and degrees
-only (`load_zero_state`). A ZeRO checkpoint resumes a run without ZeRO, and the reverse, with
+At the sharded stages (--zero-stage 1 or 3) the model shard is the same (at stage 3 the layers
+are gathered for it: every rank holds the whole model while saving), so model-only loads
+(--finetune, converters) read it as before; its optimizer entry is None and its `zero` entry
+names the stage. Each (TP, DP) rank writes its `engine.state_dict()` (AdamW state and fp32
+masters of its DP chunk, the loss scaler, the layout) to `optim_dp_rank_YYY.pt`; it loads at the
+same stage and degrees only. A checkpoint of one stage resumes a run at another stage with
 --no-load-optim or --finetune (weights only); otherwise that is an error naming the flag.
+
+Resuming is two calls, because the engine takes over the parameters it is built on:
+`load_checkpoint` puts the weights (the fp32 masters where saved), counters and RNG states into
+the model, the engine is built on it, and `load_optimizer_state` loads the engine's state.
 
 Atomicity (`checkpoint_files`): each shard, ZeRO's included, goes to `NAME.tmp`, is fsynced and
 `os.replace`d; every rank then agrees (one all-gather of error strings, which is also the barrier)
@@ -69,7 +74,6 @@ from megadomino.training.checkpoint_files import (
     write_manifest,
     write_tracker,
 )
-from megadomino.training.optimizer import MixedPrecisionAdamW
 from megadomino.training.pad_rows import without_pad_rows, zero_pad_rows_in_zero_state_
 from megadomino.training.rng_state import capture_rng_state, restore_rng_state
 from megadomino.zero import ZeroPlusPlus
@@ -131,12 +135,12 @@ def latest_iteration(directory: str | os.PathLike) -> int | str | None:
 
 
 def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: nn.Module,
-                    optimizer: MixedPrecisionAdamW | ZeroPlusPlus | None, dims: ParallelDims, *,
+                    engine: ZeroPlusPlus | None, dims: ParallelDims, *,
                     save_rng: bool = True, release: bool = False,
                     save_optim: bool = True, promote: bool = True) -> Path:
     """Write the checkpoint of `state.iteration` (or a weights-only 'release' one) and return its
-    directory. Collective over the world. `optimizer` None or `save_optim` False leaves the
-    optimizer out; a ZeRO engine is needed for the weights at stage 3 either way. `promote`
+    directory. Collective over the world. `engine` None or `save_optim` False leaves the
+    optimizer out; the engine is needed for the weights at stage 3 either way. `promote`
     False leaves the iteration file as it is: the training loop promotes a checkpoint
     (`promote_checkpoint`) only once its weights gave a finite loss."""
     iteration = "release" if release else state.iteration
@@ -145,8 +149,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
     states = fp8_states(model)
     fp8 = gather_over_dp({name: {key: value.cpu() for key, value in state.state_dict().items()}
                           for name, state in states.items()}, dims) if states else None
-    engine = optimizer if isinstance(optimizer, ZeroPlusPlus) else None
-    zero = {"stage": engine.config.stage} if engine is not None and save_optim else None
+    save_optim = save_optim and engine is not None
+    zero = {"stage": engine.config.stage} if save_optim and engine.sharded else None
     error, written = None, {}
     with _whole_weights(engine):
         if dims.dp_rank == 0:
@@ -158,8 +162,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
                     "state": dataclasses.asdict(state),
                     "model": {name: compact(p) for name, p in model.named_parameters()},
                     "sharding": {name: _sharding(p) for name, p in model.named_parameters()},
-                    "optimizer": _optimizer_shard(optimizer, model)
-                    if save_optim and optimizer is not None and engine is None else None,
+                    "optimizer": _optimizer_shard(engine, model)
+                    if save_optim and not engine.sharded else None,
                     "zero": zero,
                     "rng": rng,
                     "fp8": fp8,
@@ -203,9 +207,9 @@ def promote_checkpoint(directory: str | os.PathLike, iteration: int | str,
 
 @contextlib.contextmanager
 def _whole_weights(engine: ZeroPlusPlus | None) -> Iterator[None]:
-    """ZeRO stage 3: the model's parameters gathered (exactly, not quantized) inside; collective
-    over DP. Otherwise they are whole already."""
-    if engine is None or engine.config.stage == 1:
+    """The model's parameters whole inside (stage 3 gathers them, exactly, not quantized:
+    collective over DP; at stages 0 and 1 they are whole already)."""
+    if engine is None:
         yield
         return
     engine.params.materialize()
@@ -222,33 +226,31 @@ def _sharding(param: torch.Tensor) -> dict | None:
             "vocab_size": getattr(param, "vocab_size", None)}
 
 
-def _optimizer_shard(optimizer: MixedPrecisionAdamW, model: nn.Module) -> dict:
-    """AdamW state and fp32 masters by parameter name (this rank's shards) and the loss scaler."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    params = {}
-    for param, master in zip(optimizer.params, optimizer.masters):
-        entry = {key: compact(value) for key, value in optimizer.adamw.state[master].items()}
-        if param is not master:
-            entry["master"] = compact(master)
-        params[names[id(param)]] = entry
-    scaler = optimizer.loss_scaler
+def _optimizer_shard(engine: ZeroPlusPlus, model: nn.Module) -> dict:
+    """Stage 0: AdamW state and fp32 masters by parameter name (this rank's TP shards) and the
+    loss scaler."""
+    entries = engine.state_by_parameter()
+    params = {name: {key: compact(value) for key, value in entries[id(p)].items()}
+              for name, p in model.named_parameters() if id(p) in entries}
+    scaler = engine.loss_scaler
     return {"params": params, "loss_scaler": None if scaler is None else scaler.state_dict()}
 
 
 # ---- loading --------------------------------------------------------------------------------
 
 
-def load_checkpoint(directory: str | os.PathLike, model: nn.Module,
-                    optimizer: MixedPrecisionAdamW | None, dims: ParallelDims, *,
-                    load_optim: bool = True, load_rng: bool = True, finetune: bool = False,
+def load_checkpoint(directory: str | os.PathLike, model: nn.Module, dims: ParallelDims, *,
+                    load_rng: bool = True, finetune: bool = False,
                     log: Callable[[str], None] = print) -> TrainingState | None:
-    """Load the checkpoint DIR's iteration file names into `model` (and `optimizer`, the RNGs)
-    and return its TrainingState; None when DIR has no iteration file. Collective over the world.
+    """Load the checkpoint DIR's iteration file names into `model` (the saved fp32 masters where
+    there are some: they are exact; and the RNGs) and return its TrainingState; None when DIR has
+    no iteration file. Collective over the world. Build the engine on the model afterwards, then
+    `load_optimizer_state`.
 
     finetune, or a release checkpoint: weights only, and a fresh TrainingState. Otherwise the
-    optimizer unless `load_optim` is False, the RNG states unless `load_rng` is False (or the TP or
-    DP degree changed: then the run keeps its --seed streams and says so on rank 0). Every rank
-    raises the same CheckpointError for a missing, truncated or mismatched shard.
+    RNG states unless `load_rng` is False (or the TP or DP degree changed: then the run keeps its
+    --seed streams and says so on rank 0). Every rank raises the same CheckpointError for a
+    missing, truncated or mismatched shard.
     """
     iteration = latest_iteration(directory)
     if iteration is None:
@@ -266,8 +268,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module,
         log(f" notice: {source} has no {MANIFEST} (saved before checkpoints carried checksums, "
             "or not by megadomino): its files load unverified")
     try:
-        state = reader.load(model, optimizer,
-                            load_optim and optimizer is not None and not only_weights)
+        state = reader.load(model)
         rng_note = None
         if load_rng and not only_weights:
             rng_note = reader.load_rng()
@@ -281,50 +282,74 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module,
     return TrainingState() if only_weights else state
 
 
-def load_zero_state(directory: str | os.PathLike, iteration: int, engine: ZeroPlusPlus,
-                    dims: ParallelDims, log: Callable[[str], None] = print) -> None:
-    """Load this rank's optim_dp_rank file of checkpoint `iteration` into `engine` (built on the
-    model load_checkpoint put the weights into). Collective over the world; every rank raises the
-    same CheckpointError for a checkpoint saved without ZeRO (or its optimizer), at another
-    stage or degrees, or whose file is missing or unreadable."""
-    state, error = None, None
+def load_optimizer_state(directory: str | os.PathLike, iteration: int, engine: ZeroPlusPlus,
+                         dims: ParallelDims, log: Callable[[str], None] = print) -> None:
+    """Load the engine's state from checkpoint `iteration` (the engine built on the model that
+    load_checkpoint put the weights into): stage 0 from the model shards' optimizer entries (at
+    any TP degree, re-sharded as the weights are), stages 1 and 3 from this rank's
+    optim_dp_rank file (same stage and degrees only). Collective over the world; every rank
+    raises the same CheckpointError for a checkpoint saved at another stage or without its
+    optimizer, or whose file is missing or unreadable."""
+    source = checkpoint_dir(directory, iteration)
+    state, reader, error = None, None, None
     try:
-        source = checkpoint_dir(directory, iteration)
         manifest = Manifest.read(source)
         head_path = shard_path(source, dims.tp_rank, dims.pp_rank, dims.pp)
         head = open_shard(head_path, manifest)
         zero, saved = head.get("zero"), head["parallel"]
-        if zero is None:
+        saved_stage = zero["stage"] if zero is not None else (
+            0 if head["optimizer"] is not None else None)
+        if saved_stage is None:
+            raise CheckpointError(f"{head_path} holds no optimizer state (saved with "
+                                  "--no-save-optim): pass --no-load-optim or --finetune")
+        if saved_stage != engine.config.stage:
             raise CheckpointError(
-                f"{head_path} holds no ZeRO optimizer state (saved without --zero-stage, or with "
-                "--no-save-optim): resume it without --zero-stage / --use-distributed-optimizer, "
-                "or load the weights only with --no-load-optim or --finetune")
-        if (zero["stage"], saved["tp"], saved["dp"]) != (engine.config.stage, dims.tp, dims.dp):
-            raise CheckpointError(
-                f"{head_path}: saved with --zero-stage {zero['stage']} at tensor-parallel "
-                f"{saved['tp']} x data-parallel {saved['dp']}, this run has --zero-stage "
-                f"{engine.config.stage} at {dims.tp} x {dims.dp}: ZeRO optimizer shards load at "
-                "the same stage and degrees only (--no-load-optim loads the weights)")
-        path = zero_shard_path(source, dims)
-        if not path.exists():
-            raise CheckpointError(f"checkpoint shard missing: {path} (--zero-stage "
-                                  f"{zero['stage']} saves one per data-parallel rank)")
-        if manifest is not None:
-            manifest.verify(path)
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)["zero"]
-        except Exception as err:
-            raise CheckpointError(f"{path} is unreadable (truncated or corrupt?): {err}") from None
-        mine = engine.state_dict()["layout"]
-        if state["layout"] != mine:
-            raise CheckpointError(f"{path}: " + layout_mismatch(state["layout"], mine))
+                f"{head_path} was saved at --zero-stage {saved_stage} (0: plain data parallelism)"
+                f", this run has --zero-stage {engine.config.stage}: resume it at --zero-stage "
+                f"{saved_stage}" + (f" at tensor-parallel {saved['tp']} x data-parallel "
+                                    f"{saved['dp']}" if saved_stage else "")
+                + ", or load the weights only with --no-load-optim or --finetune")
+        if engine.sharded:
+            state = _read_sharded_state(source, head_path, saved, engine, dims, manifest)
+        else:
+            reader = _ShardReader(source, dims, engine.model, manifest)
+            state = reader.optimizer_entries(engine.model)
     except CheckpointError as err:
         error = str(err)
     agree(error)  # before the load, whose parameter refresh is collective
-    zeroed = ["ZeRO optimizer state"] if zero_pad_rows_in_zero_state_(engine, state,
-                                                                       dims.tp_rank) else []
+    if engine.sharded:
+        zeroed = ["ZeRO optimizer state"] if zero_pad_rows_in_zero_state_(
+            engine, state, dims.tp_rank) else []
+        engine.load_state_dict(state)
+    else:  # load_checkpoint named the weights whose padding rows it zeroed: one notice
+        zeroed = []
+        engine.load_state_by_parameter(*state)
     _notice_zeroed_pad_rows(zeroed, source, log)
-    engine.load_state_dict(state)
+
+
+def _read_sharded_state(source: Path, head_path: Path, saved: dict, engine: ZeroPlusPlus,
+                        dims: ParallelDims, manifest: Manifest | None) -> dict:
+    """This rank's optim_dp_rank state, checked against the engine's degrees and layout."""
+    stage = engine.config.stage
+    if (saved["tp"], saved["dp"]) != (dims.tp, dims.dp):
+        raise CheckpointError(
+            f"{head_path}: saved with --zero-stage {stage} at tensor-parallel {saved['tp']} x "
+            f"data-parallel {saved['dp']}, this run is at {dims.tp} x {dims.dp}: sharded "
+            "optimizer state loads at the same degrees only (--no-load-optim loads the weights)")
+    path = zero_shard_path(source, dims)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint shard missing: {path} (--zero-stage {stage} saves one "
+                              "per data-parallel rank)")
+    if manifest is not None:
+        manifest.verify(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)["zero"]
+    except Exception as err:
+        raise CheckpointError(f"{path} is unreadable (truncated or corrupt?): {err}") from None
+    mine = engine.state_dict()["layout"]
+    if state["layout"] != mine:
+        raise CheckpointError(f"{path}: " + layout_mismatch(state["layout"], mine))
+    return state
 
 
 class _ShardReader:
@@ -352,10 +377,8 @@ class _ShardReader:
         self.zeroed_pad_rows: list[str] = []
         """Names of saved tensors whose vocabulary padding rows were not zero (and are now)."""
 
-    def load(self, model: nn.Module, optimizer: MixedPrecisionAdamW | None,
-             load_optim: bool) -> TrainingState:
-        """Weights (from the saved fp32 masters where there are some: they are exact), the
-        optimizer's masters, and its AdamW state and loss scaler if `load_optim`."""
+    def load(self, model: nn.Module) -> TrainingState:
+        """Weights (from the saved fp32 masters where there are some: they are exact)."""
         own = self.shards[0]
         params = dict(model.named_parameters())
         missing = sorted(set(params) - set(own["model"]))
@@ -363,29 +386,12 @@ class _ShardReader:
         if missing or unexpected:
             raise CheckpointError(f"{self.paths[0]}: parameters differ from the model's: missing "
                                   f"{missing}, unexpected {unexpected}")
-        saved_optimizer, zero = own["optimizer"], own.get("zero")
-        if load_optim and zero is not None:
-            raise CheckpointError(
-                f"{self.paths[0]} was saved with --zero-stage {zero['stage']}: its optimizer state "
-                "is sharded over the data-parallel ranks. Resume it with --zero-stage "
-                f"{zero['stage']} at tensor-parallel {self.saved_tp} x data-parallel "
-                f"{self.saved_dp}, or load the weights only with --no-load-optim or --finetune")
-        if load_optim and saved_optimizer is None:
-            raise CheckpointError(f"{self.paths[0]} holds no optimizer state (saved with "
-                                  "--no-save-optim): pass --no-load-optim or --finetune")
+        saved_optimizer = own["optimizer"]
         saved_params = saved_optimizer["params"] if saved_optimizer is not None else {}
-        masters = {} if optimizer is None else {
-            id(p): m for p, m in zip(optimizer.params, optimizer.masters)}
         with torch.no_grad():
             for name, param in params.items():
                 key = "master" if "master" in saved_params.get(name, {}) else None
-                weights = self._tensor(name, param, key)
-                param.copy_(weights)
-                master = masters.get(id(param))
-                if master is not None and master is not param:
-                    master.copy_(weights)
-        if load_optim:
-            self._load_optimizer(optimizer, model, saved_optimizer)
+                param.copy_(self._tensor(name, param, key))
         self._load_fp8(model)
         return TrainingState(**own["state"])
 
@@ -436,25 +442,17 @@ class _ShardReader:
                                   f"{tuple(param.shape)}")
         return local
 
-    def _load_optimizer(self, optimizer: MixedPrecisionAdamW, model: nn.Module,
-                        saved: dict) -> None:
-        """AdamW state through torch's own load_state_dict (it puts `step` where the fused or
-        foreach kernels want it) and the loss scaler."""
-        names = {id(p): name for name, p in model.named_parameters()}
-        index = {id(m): i for i, m in enumerate(
-            m for group in optimizer.adamw.param_groups for m in group["params"])}
-        torch_state = optimizer.adamw.state_dict()
-        torch_state["state"] = {}
-        for param, master in zip(optimizer.params, optimizer.masters):
-            name = names[id(param)]
-            # Copies: torch keeps CPU state tensors as given, and these map the shard file.
-            entry = {key: self._tensor(name, param, key).clone()
-                     for key in saved["params"].get(name, {}) if key != "master"}
-            if entry:
-                torch_state["state"][index[id(master)]] = entry
-        optimizer.adamw.load_state_dict(torch_state)
-        if optimizer.loss_scaler is not None and saved["loss_scaler"] is not None:
-            optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])
+    def optimizer_entries(self, model: nn.Module) -> tuple[dict[int, dict], dict | None]:
+        """Stage 0's state as the engine's load_state_by_parameter takes it: per parameter (by
+        id) its saved AdamW entries and fp32 master, this rank's shards (copies: torch keeps CPU
+        state tensors as given, and these map the shard file); and the loss scaler's state."""
+        saved = self.shards[0]["optimizer"]
+        entries = {}
+        for name, param in model.named_parameters():
+            keys = saved["params"].get(name, {})
+            if keys:
+                entries[id(param)] = {key: self._tensor(name, param, key).clone() for key in keys}
+        return entries, saved["loss_scaler"]
 
 
 def _notice_zeroed_pad_rows(zeroed: list[str], source: Path, log: Callable[[str], None]) -> None:

@@ -103,8 +103,8 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--recompute-activations", "model.recompute_granularity", None,
           "Megatron-LM's shorthand for --recompute-granularity selective.", const="selective"),
     _impl("--ddp-bucket-size", "train.ddp_bucket_size", int,
-          "Elements per data-parallel all-reduce bucket (not with --zero-stage, which reduces "
-          "layer by layer)."),
+          "Elements per data-parallel all-reduce bucket at --zero-stage 0, plain data "
+          "parallelism (stages 1 and 3 reduce layer by layer)."),
     # Batch, optimizer and schedule.
     _impl("--micro-batch-size", "train.micro_batch_size", int, "Samples per forward (default 1)."),
     _impl("--global-batch-size", "train.global_batch_size", int,
@@ -326,7 +326,7 @@ FLAGS: tuple[Flag, ...] = (
     _notice("--overlap-grad-reduce",
             "the data-parallel all-reduce always overlaps the backward, bucket by bucket"),
     _notice("--accumulate-allreduce-grads-in-fp32",
-            "gradients always accumulate and all-reduce in fp32 main_grad buffers"),
+            "gradients always accumulate and all-reduce in fp32 buffers"),
     _notice("--use-mcore-models", "megadomino has one model implementation"),
     _notice("--use-legacy-models", "megadomino has one model implementation"),
     _notice("--transformer-impl", "megadomino has one model implementation (no Transformer Engine)",

@@ -4,16 +4,17 @@ checkpoints, early stops, logs.
 One iteration consumes one global batch of `global_batch_size` samples: `global_batch_size //
 (micro_batch_size * dp)` micro-batches per rank, each a forward and a backward of the mean loss
 over its loss-mask tokens divided by the number of micro-batches (times the loss scale in fp16).
-All but the last backward run under `no_sync()`; the last launches the DP reduction layer by layer
-(plain DP: all-reduce buckets of `GradBuffer`) while backward proceeds. Then clip and AdamW step
-(`training.step`; its docstring gives the sampler: DP ranks never read the same sample in a step).
+All but the last backward run under `no_sync()`; the last launches the DP reduction unit by unit
+while backward proceeds. Then clip and AdamW step (`training.step`; its docstring gives the
+sampler: DP ranks never read the same sample in a step).
 
-With --zero-stage (or --use-distributed-optimizer) a `megadomino.zero.ZeroPlusPlus` engine replaces
-GradBuffer + MixedPrecisionAdamW: it reduce-scatters the gradients, steps AdamW on this DP rank's
-chunk of the fp32 masters and all-gathers the weights (stage 1), or gathers each layer just
-before use (stage 3), with ZeRO++'s qwZ, hpZ and qgZ as the --zeropp-* flags say. It is built
-after the Domino auto-tune and after --load's weights went into the whole model, which it then
-shards; its own optimizer shards load after that (`checkpoint.load_zero_state`).
+The data-parallel engine is `megadomino.zero.ZeroPlusPlus` at the stage --zero-stage names (0,
+plain data parallelism, by default; --use-distributed-optimizer is stage 1): stage 0 all-reduces
+gradient buckets and steps AdamW on whole fp32 masters, stage 1 reduce-scatters the gradients,
+steps AdamW on this DP rank's chunk of the masters and all-gathers the weights, stage 3 gathers
+each layer just before use, with ZeRO++'s qwZ, hpZ and qgZ as the --zeropp-* flags say. It is
+built after the Domino auto-tune and after --load's weights went into the whole model, which it
+then takes over; its optimizer state loads after that (`checkpoint.load_optimizer_state`).
 
 After each iteration, in Megatron-LM's order: the log line at --log-interval (`training.report`:
 NaN stop, timers, TensorBoard), validation at --eval-interval, a checkpoint at --save-interval, at
@@ -30,11 +31,9 @@ the process group chose the backend to match.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
@@ -50,26 +49,21 @@ from megadomino.training.checkpoint import (
     TrainingState,
     latest_iteration,
     load_checkpoint,
-    load_zero_state,
+    load_optimizer_state,
     promote_checkpoint,
     save_checkpoint,
 )
 from megadomino.training.data.mock import MockDataset
-from megadomino.training.ddp import GradBuffer
 from megadomino.training.lr_schedule import LRSchedule
 from megadomino.training.manual_gc import ManualGC
 from megadomino.training.metrics import num_floating_point_operations
-from megadomino.training.optimizer import (
-    DynamicLossScaler,
-    MixedPrecisionAdamW,
-    build_optimizer,
-)
 from megadomino.training.report import NonFiniteLossError, Reporter
-from megadomino.training.step import DataParallel, Dataset, Stepper
+from megadomino.training.step import Dataset, Stepper
 from megadomino.training.stopping import StopConditions
 from megadomino.training.tensorboard import open_writer
 from megadomino.training.timers import Timers
-from megadomino.zero import ZeroConfig, ZeroPlusPlus
+from megadomino.zero import ZeroPlusPlus
+from megadomino.zero.optimizer import build_engine
 
 ModelInit = Callable[[ModelConfig, ParallelDims], nn.Module]
 """Builds this rank's model from the resolved config (default: `build_model` of the family)."""
@@ -115,9 +109,9 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     the RNGs are seeded and before `--load`. Returns per-iteration lists `losses` (DP-averaged),
     `lrs`, `grad_norms` (nan when a step was skipped), `eval` ({iteration, loss, ppl} dicts),
     `skipped_iterations`, the last interval's `metrics`, `exit_reason` (None, or why an early stop
-    ended the run), the final TrainingState `state`, the `model` and the `optimizer`
-    (MixedPrecisionAdamW, or the ZeroPlusPlus engine with --zero-stage: at stage 3 the model's
-    parameters are empty outside a forward, its `full_state_dict()` gathers them). Raises
+    ended the run), the final TrainingState `state`, the `model` and the `optimizer` (the
+    ZeroPlusPlus engine: at stage 3 the model's parameters are empty outside a forward, its
+    `full_state_dict()` gathers them). Raises
     NonFiniteLossError (every rank) when the loss becomes NaN or infinite.
     """
     gbs, num_micro = batch_plan(train_config, dims.dp)
@@ -134,19 +128,13 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     device = next(model.parameters()).device
     if train_config.domino_auto:  # before the gradient buffer or engine hooks the parameters
         autotune_domino(model, train_config.micro_batch_size, log)
-    if zero is None:
-        grads = GradBuffer(model.parameters(), dims, bucket_numel=train_config.ddp_bucket_size)
-        optimizer = build_optimizer(model.parameters(), dims, train_config)
-        state = _resume(train_config, model, optimizer, dims, log)
-        engine = DataParallel(grads, optimizer)
-    else:
-        state = _resume(train_config, model, None, dims, log)  # the weights, before sharding
-        optimizer = engine = _zero_engine(model, dims, train_config, zero)
-        if state.iteration > 0 and not train_config.no_load_optim:  # resumed a training run
-            load_zero_state(train_config.load, state.iteration, engine, dims, log)
+    state = _resume(train_config, model, dims, log)  # the weights, before the engine takes them
+    engine = build_engine(model, dims, train_config, zero)
+    if state.iteration > 0 and not train_config.no_load_optim:  # resumed a training run
+        load_optimizer_state(train_config.load, state.iteration, engine, dims, log)
     if model_config.enable_cuda_graph:
-        # After the engine: ZeRO stage 1 re-points the parameters into its flat buffer, and the
-        # graphs read the parameters' storage as it is at capture.
+        # After the engine: it re-points the parameters into its flat buffers, and the graphs
+        # read the parameters' storage as it is at capture.
         capture_layers(model, train_config.micro_batch_size, log=log)
     timers = Timers(device)
     step = Stepper(model, engine, dims, train_config.micro_batch_size, num_micro, device, timers)
@@ -154,10 +142,9 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     flops = num_floating_point_operations(model_config, gbs, padded_vocab)
     history = {"losses": [], "lrs": [], "grad_norms": [], "eval": [], "skipped_iterations": 0,
                "metrics": {}, "exit_reason": None, "state": state, "model": model,
-               "optimizer": optimizer}
+               "optimizer": engine}
     reporter = Reporter(history, dims, device, log, iters, flops, gbs * model_config.seq_length,
-                        train_config.peak_tflops, timers, writer,
-                        engine if zero is not None else None)
+                        train_config.peak_tflops, timers, writer, engine)
 
     evaluating = (valid_data is not None and train_config.eval_iters > 0
                   and train_config.eval_interval > 0)
@@ -175,7 +162,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
                 reason = stop.reason(iteration)
                 last = iteration == iters or reason is not None
                 if iteration % train_config.log_interval == 0 or last:
-                    reporter.flush(iteration, engine)
+                    reporter.flush(iteration)
                 if evaluating and (iteration % train_config.eval_interval == 0
                                    or iteration == iters):
                     with reporter.outside_training(), manual_gc.evaluation():
@@ -187,7 +174,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
                 if train_config.save and (last or interval and iteration % interval == 0):
                     reporter.check_finite(iteration)  # never save a diverged model
                     with reporter.outside_training():
-                        _save(train_config, state, model, optimizer, dims, log,
+                        _save(train_config, state, model, engine, dims, log,
                               lambda: step.probe(train_data, state.consumed_train_samples - gbs))
                 if reason is not None:
                     history["exit_reason"] = reason
@@ -213,32 +200,14 @@ def _default_data(model_config: ModelConfig, train_config: TrainConfig,
     return MockDataset(seq, vocab, seed, "train"), MockDataset(seq, vocab, seed, "valid")
 
 
-def _zero_engine(model: nn.Module, dims: ParallelDims, config: TrainConfig,
-                 zero: ZeroConfig) -> ZeroPlusPlus:
-    """The ZeRO engine over `model` with the AdamW, clipping and fp16 loss scaling that
-    build_optimizer gives plain DP."""
-    on_cuda = next(model.parameters()).is_cuda
-    factory = functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay,
-                                betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                                fused=True if on_cuda else None,
-                                foreach=None if on_cuda else True)
-    scaler = None
-    if config.fp16:
-        scaler = DynamicLossScaler(config.initial_loss_scale, config.min_loss_scale,
-                                   config.loss_scale_window, config.hysteresis)
-    return ZeroPlusPlus(model, dims, factory, zero, clip_grad=config.clip_grad,
-                        loss_scaler=scaler)
-
-
-def _resume(config: TrainConfig, model: nn.Module, optimizer: MixedPrecisionAdamW | None,
-            dims: ParallelDims, log: Callable[[str], None]) -> TrainingState:
+def _resume(config: TrainConfig, model: nn.Module, dims: ParallelDims,
+            log: Callable[[str], None]) -> TrainingState:
     """The state to start from: fresh (iteration 0: also after --finetune or a release
-    checkpoint), or what --load's checkpoint holds (see load_checkpoint). `optimizer` None: the
-    weights, counters and RNG states only."""
+    checkpoint), or what --load's checkpoint holds: the weights, counters and RNG states (see
+    load_checkpoint); the engine's state loads once it is built."""
     if config.load is None:
         return TrainingState()
-    state = load_checkpoint(config.load, model, optimizer, dims,
-                            load_optim=not config.no_load_optim, load_rng=not config.no_load_rng,
+    state = load_checkpoint(config.load, model, dims, load_rng=not config.no_load_rng,
                             finetune=config.finetune, log=log)
     if state is not None:
         return state
@@ -252,13 +221,13 @@ def _resume(config: TrainConfig, model: nn.Module, optimizer: MixedPrecisionAdam
 
 
 def _save(config: TrainConfig, state: TrainingState, model: nn.Module,
-          optimizer: MixedPrecisionAdamW | ZeroPlusPlus, dims: ParallelDims,
+          engine: ZeroPlusPlus, dims: ParallelDims,
           log: Callable[[str], None], probe: Callable[[], float]) -> None:
     """Save, then promote the checkpoint to latest once a forward pass from the saved weights
     (`probe`: the last batch again) gives a finite loss. The step that produced the weights may
     have diverged though its own loss, taken before it, was finite: then NonFiniteLossError, and
     the iteration file keeps naming the last good checkpoint, which a requeued job resumes."""
-    path = save_checkpoint(config.save, state, model, optimizer, dims,
+    path = save_checkpoint(config.save, state, model, engine, dims,
                            save_rng=not config.no_save_rng, save_optim=not config.no_save_optim,
                            promote=False)
     loss = probe()

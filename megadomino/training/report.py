@@ -3,9 +3,9 @@
 Each iteration's loss and grad norm stay device tensors until a log boundary (no host sync per
 step); there the interval's losses are averaged over DP in one all-reduce, checked for NaN/inf
 (every rank sees the same DP mean, so every rank stops alike), and rank 0 logs one line and writes
-the scalars. With a ZeRO engine rank 0 adds a second line: what the engine holds per GPU and the
-bytes per training step it handed to collectives inside and across nodes (evaluation and
-checkpoint traffic left out).
+the scalars. Rank 0 adds a second line from the data-parallel engine (every ZeRO stage, 0
+included): what it holds per GPU and the bytes per training step it handed to collectives inside
+and across nodes (evaluation and checkpoint traffic left out).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch
 
 from megadomino.parallel import ParallelDims
 from megadomino.training.metrics import peak_memory_gib, throughput
-from megadomino.training.optimizer import StepResult
-from megadomino.training.step import DataParallel, dp_mean
+from megadomino.training.step import dp_mean
 from megadomino.training.tensorboard import ScalarWriter
 from megadomino.training.timers import Timers
 from megadomino.zero import ZeroPlusPlus
+from megadomino.zero.loss_scaler import StepResult
 
 PHASES = ("data", "forward", "backward", "optimizer")
 ZERO_HELD = ("params", "masters", "optimizer_state", "grad_shards")
@@ -42,7 +42,7 @@ class Reporter:
     def __init__(self, history: dict, dims: ParallelDims, device: torch.device,
                  log: Callable[[str], None], iters: int, flops_per_iteration: float,
                  tokens_per_iteration: int, peak_tflops: float, timers: Timers,
-                 writer: ScalarWriter | None, zero: ZeroPlusPlus | None = None):
+                 writer: ScalarWriter | None, zero: ZeroPlusPlus):
         self.history, self.dims, self.device, self.log = history, dims, device, log
         self.iters, self.flops = iters, flops_per_iteration
         self.tokens, self.peak_tflops = tokens_per_iteration, peak_tflops
@@ -53,8 +53,7 @@ class Reporter:
         self.start = time.perf_counter()
         self.excluded = 0.0
         self.excluded_bytes = {"intra": 0, "inter": 0}
-        if zero is not None:
-            zero.comm.reset()  # the counts start with training, not with a checkpoint load
+        zero.comm.reset()  # the counts start with training, not with a checkpoint load
 
     def record(self, loss: torch.Tensor, result: StepResult, lr: float) -> None:
         self.losses.append(loss)
@@ -78,7 +77,7 @@ class Reporter:
                 self.excluded_bytes[side] += after[side] - before[side]
 
     def _zero_bytes(self) -> dict[str, int]:
-        return self.zero.comm.totals() if self.zero is not None else {"intra": 0, "inter": 0}
+        return self.zero.comm.totals()
 
     def check_finite(self, iteration: int) -> list[float]:
         """The DP-mean losses since the last log line; NonFiniteLossError (on every rank) naming
@@ -91,9 +90,9 @@ class Reporter:
                                          "(lower --lr, or check the data and the precision)")
         return losses
 
-    def flush(self, iteration: int, engine: DataParallel | ZeroPlusPlus) -> None:
+    def flush(self, iteration: int) -> None:
         """Log: the interval's mean loss, the current lr and grad norm, mean time per iteration,
-        and the per-phase times; with ZeRO, the engine's memory and bytes per iteration."""
+        and the per-phase times; the engine's memory and bytes per iteration."""
         losses = self.check_finite(iteration)
         norms = torch.stack(self.norms).tolist()
         self.history["losses"] += losses
@@ -109,14 +108,13 @@ class Reporter:
                        peak_memory_gib=peak_memory_gib(self.device))
         phases = self.timers.flush()
         metrics.update({f"{phase}_ms": 1e3 * phases.get(phase, 0.0) / count for phase in PHASES})
-        if self.zero is not None:
-            metrics.update(self._zero_metrics(count))
-        scale = engine.loss_scaler.scale if engine.loss_scaler is not None else None
+        metrics.update(self._zero_metrics(count))
+        scaler = self.zero.loss_scaler
+        scale = scaler.scale if scaler is not None else None
         self.history["metrics"] = metrics
         if self.dims.rank == 0:
             self.log(self._line(iteration, metrics, scale))
-            if self.zero is not None:
-                self.log(self._zero_line(metrics))
+            self.log(self._zero_line(metrics))
         if self.writer is not None:
             first = iteration - count + 1
             for offset, loss in enumerate(losses):
@@ -129,17 +127,16 @@ class Reporter:
                        **{f"timers/{phase}_ms": metrics[f"{phase}_ms"] for phase in PHASES}}
             if scale is not None:
                 scalars["train/loss_scale"] = scale
-            if self.zero is not None:
-                scalars.update({f"zero/{key.removeprefix('zero_')}": metrics[key]
-                                for key in ZERO_SCALARS})
+            scalars.update({f"zero/{key.removeprefix('zero_')}": metrics[key]
+                            for key in ZERO_SCALARS})
             self.writer.write(scalars, iteration)
         self.losses, self.norms, self.skipped = [], [], 0
         self.start, self.excluded = time.perf_counter(), 0.0
         self.excluded_bytes = {"intra": 0, "inter": 0}
 
     def _zero_metrics(self, count: int) -> dict[str, float]:
-        """This rank's ZeRO bytes per iteration since the last flush (then reset) and the memory
-        the engine holds, in GiB."""
+        """This rank's data-parallel bytes per iteration since the last flush (then reset) and
+        the memory the engine holds, in GiB."""
         totals = self.zero.comm.totals()
         self.zero.comm.reset()
         memory = self.zero.memory_stats()
@@ -171,7 +168,7 @@ class Reporter:
                 f"peak mem {metrics['peak_memory_gib']:.2f} GiB")
         if scale is not None:
             line += f" | loss scale {scale:.1f} | skipped {self.skipped}"
-        elif self.skipped:  # ZeRO skips a step whose gradients hold inf/NaN
+        elif self.skipped:  # the engine skips a step whose gradients hold inf/NaN
             line += f" | skipped {self.skipped}"
         return line + " | time (ms): " + " ".join(
             f"{phase} {metrics[f'{phase}_ms']:.1f}" for phase in PHASES)

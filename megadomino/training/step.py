@@ -9,26 +9,24 @@ A sample is a LongTensor [seq_length + 1] (inputs [:-1], labels [1:], every labe
 dict {"tokens": LongTensor [seq_length + 1], "loss_mask": FloatTensor [seq_length]} whose mask
 weighs each label. A micro-batch's loss is the mask-weighted mean over its labels.
 
-The Stepper drives a `megadomino.zero.ZeroPlusPlus` engine, or `DataParallel` (GradBuffer +
-MixedPrecisionAdamW) behind the same calls: `zero_grad()`, `no_sync()` for all but the last
-micro-batch, `backward(loss / num_micro)` (fp16 loss scaling and the DP reduction inside),
-`step()`.
+The Stepper drives the data-parallel engine (`megadomino.zero.ZeroPlusPlus`, any stage):
+`zero_grad()`, `no_sync()` for all but the last micro-batch, `backward(loss / num_micro)` (fp16
+loss scaling and the DP reduction inside), `step()`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.compat import all_gather_single
-from megadomino.training.ddp import GradBuffer
-from megadomino.training.optimizer import DynamicLossScaler, MixedPrecisionAdamW, StepResult
 from megadomino.training.timers import Timers
 from megadomino.zero import ZeroPlusPlus
+from megadomino.zero.loss_scaler import StepResult
 
 Sample = torch.Tensor | dict[str, torch.Tensor]
 Dataset = Sequence[Sample]
@@ -45,49 +43,10 @@ def collate(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, loss_mask
 
 
-class DataParallel:
-    """Plain data parallelism (every DP rank holds everything) with the ZeRO engine's calls."""
-
-    def __init__(self, grads: GradBuffer, optimizer: MixedPrecisionAdamW):
-        self.grads, self.optimizer = grads, optimizer
-        self._deferred = False
-
-    @property
-    def loss_scaler(self) -> DynamicLossScaler | None:
-        return self.optimizer.loss_scaler
-
-    def set_lr(self, lr: float) -> None:
-        self.optimizer.set_lr(lr)
-
-    def zero_grad(self) -> None:
-        self.grads.zero_grad()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward inside only accumulates; the next backward outside reduces."""
-        self._deferred = True
-        try:
-            with self.grads.no_sync():
-                yield
-        finally:
-            self._deferred = False
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` (times the loss scale in fp16); outside no_sync() the DP all-reduce,
-        overlapped with it, is finished before returning."""
-        scaler = self.optimizer.loss_scaler
-        (loss if scaler is None else loss * scaler.scale).backward()
-        if not self._deferred:
-            self.grads.finish_grad_sync()
-
-    def step(self) -> StepResult:
-        return self.optimizer.step()
-
-
 class Stepper:
     """Forward, backward and optimizer step of one global batch for this rank, timed by phase."""
 
-    def __init__(self, model: nn.Module, engine: DataParallel | ZeroPlusPlus,
+    def __init__(self, model: nn.Module, engine: ZeroPlusPlus,
                  dims: ParallelDims, micro_batch_size: int, num_micro: int,
                  device: torch.device, timers: Timers):
         self.model, self.engine, self.dims = model, engine, dims

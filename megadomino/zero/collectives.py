@@ -115,9 +115,10 @@ class CommCounter:
         self._count(group, tag, _nbytes(data) / dist.get_world_size(group))
         return dist.all_to_all_single(output, data, group=group, async_op=async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, group, tag: str, op=dist.ReduceOp.SUM):
+    def all_reduce(self, tensor: torch.Tensor, group, tag: str, op=dist.ReduceOp.SUM,
+                   async_op: bool = False):
         self._count(group, tag, 2 * _nbytes(tensor) / dist.get_world_size(group))
-        dist.all_reduce(tensor, op=op, group=group)
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -148,6 +149,18 @@ def all_gather(comm: CommCounter, shard: torch.Tensor, group, tag: str) -> Pendi
     def finish() -> torch.Tensor:
         work.wait()
         return full
+    return Pending(finish)
+
+
+def all_reduce_mean(comm: CommCounter, flat: torch.Tensor, group) -> Pending:
+    """Stage 0: `flat` becomes the group's mean in place (divided by the group size, then
+    summed: the order Megatron's DDP uses); the result is `flat` itself."""
+    flat.div_(dist.get_world_size(group))
+    work = comm.all_reduce(flat, group, "gradients", async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return flat
     return Pending(finish)
 
 

@@ -1,4 +1,5 @@
-"""ZeroConfig: which ZeRO stage, and which of ZeRO++'s three communication cuts are on.
+"""ZeroConfig: which ZeRO stage (0: plain data parallelism), and which of ZeRO++'s three
+communication cuts are on.
 
 Field names follow the command-line flags that set them (`--zero-stage`,
 `--zeropp-quantized-weights`, `--zeropp-hpz-partition-size`, `--zeropp-quantized-gradients`,
@@ -19,8 +20,12 @@ REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 @dataclass
 class ZeroConfig:
     stage: int = 3
-    """1: optimizer states and fp32 masters sharded over DP, gradients reduce-scattered, parameters
-    all-gathered after the step (Megatron's --use-distributed-optimizer). 3: parameters too."""
+    """0: plain data parallelism (every rank holds everything; gradients all-reduced in buckets
+    overlapped with backward, Megatron's DDP). 1: optimizer states and fp32 masters sharded over
+    DP, gradients reduce-scattered, parameters all-gathered after the step (Megatron's
+    --use-distributed-optimizer). 3: parameters too."""
+    bucket_numel: int = 25_000_000
+    """Stage 0: elements per all-reduce bucket (--ddp-bucket-size; partition.find_buckets)."""
     quantized_weights: bool = False
     """qwZ (stage 3): each forward all-gather sends the weight shard block-quantized to
     `weight_bits` and dequantizes it on arrival."""
@@ -72,7 +77,9 @@ class ZeroConfig:
     or 'error' (FloatingPointError on every rank)."""
 
     def __post_init__(self) -> None:
-        _check(self.stage in (1, 3), "--zero-stage", self.stage, "1 or 3")
+        _check(self.stage in (0, 1, 3), "--zero-stage", self.stage, "0, 1 or 3")
+        _check(isinstance(self.bucket_numel, int) and self.bucket_numel >= 1, "--ddp-bucket-size",
+               self.bucket_numel, "an integer >= 1")
         _check(self.weight_bits in (4, 8), "weight_bits", self.weight_bits, "4 or 8")
         _check(self.gradient_bits in (4, 8), "--zeropp-gradient-bits", self.gradient_bits,
                "4 or 8")
@@ -98,6 +105,14 @@ class ZeroConfig:
         _check(not self.quantize_full_range or self.quantized_weights
                or self.quantized_gradients, "--zeropp-quantize-full-range", True,
                "used with --zeropp-quantized-weights or --zeropp-quantized-gradients")
+        if self.stage == 0:
+            for flag, on in (("--zeropp-quantized-weights", self.quantized_weights),
+                             ("--zeropp-hpz-partition-size", self.hpz),
+                             ("--zeropp-quantized-gradients", self.quantized_gradients)):
+                _check(not on, flag, True, "used with --zero-stage 1 or 3 (stage 0 all-reduces "
+                       "whole gradients and never gathers parameters)")
+            _check(self.reduce_dtype == "float32", "reduce_dtype", self.reduce_dtype,
+                   "'float32' at stage 0")
         if self.stage == 1:
             _check(not self.quantized_weights, "--zeropp-quantized-weights", True,
                    "off at --zero-stage 1 (parameters are not partitioned, nothing is gathered "

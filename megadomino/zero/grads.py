@@ -1,19 +1,25 @@
-"""Gradients: per-unit fp32 flat buffers, reduce-scattered (plain or qgZ) into fp32 shards.
+"""Gradients: per-unit fp32 flat buffers, all-reduced in place (stage 0) or reduce-scattered
+(plain or qgZ) into fp32 shards (stages 1 and 3).
 
 A post-accumulate-grad hook adds each parameter's `.grad` (any dtype) into its view of its unit's
 fp32 flat buffer (views made once per buffer) and frees `.grad`. The hook is one tensor op and a
 few statements: with hundreds of small parameters its host time is what a small-micro-batch step
 waits on (benchmarks/zero_host_overhead.py). Holding a unit's gradients for one
 `torch._foreach_add_` measured no faster (bf16 into fp32 takes foreach's per-tensor path) and
-kept them alive longer. Stage 1 keeps one flat buffer per unit for the whole step, accumulating
-micro-batches in fp32 (`no_sync()` defers the reduction to the last micro-batch, as with
-`training.ddp.GradBuffer`; a synced backward reduces what accumulated since the last reduction).
+kept them alive longer. Stages 0 and 1 keep one flat buffer per unit for the whole step,
+accumulating micro-batches in fp32 (`no_sync()` defers the reduction to the last micro-batch;
+a synced backward reduces what accumulated since the last reduction). At stage 0 a unit is a bucket
+(`partition.find_buckets`) and its buffer is also its gradient "shard": the all-reduce divides
+it by dp and sums it in place, and the optimizer reads it (a second synced backward in one step
+adds local gradients to the mean and reduces again, which adds their mean: the DP ranks' buffers
+are equal after each reduction).
 Stage 3 has no whole-gradient storage: a unit's buffer exists from its first gradient until its
 reduction, so every backward reduces, inside `no_sync()` or not. Either way the shards add up
 every reduction of the step.
 
 Once a unit's gradients are all in (or at `finish()`, for units with parameters that got none),
-its buffer is reduced over the DP group (plain: divided by dp, then reduce-scatter; qgZ: see
+its buffer is reduced over the DP group (stage 0: divided by dp, then all-reduce; plain: divided
+by dp, then reduce-scatter; qgZ: see
 `collectives.reduce_scatter_quantized`) and the result, this rank's chunk of the DP average, is
 added into `grad_shards[i]`, fp32 [shard_numel], zeroed by `zero_grad()`. qgZ sets
 `found_nonfinite` when a gradient it quantizes holds inf/NaN; the step all-reduces the flag with
@@ -27,12 +33,15 @@ Ordering assumptions:
     advances unit i-1 (qgZ: its intra-node sums are requantized and its inter-node all-to-all
     launched), so that no wait on the compute stream follows a collective launch directly (one
     unit's backward runs between them). Memory: up to three units' fp32 gradient buffers at
-    stage 3 (the two in flight and the one filling). Every DP rank issues the same collectives
-    in the same order.
+    stage 3 (the two in flight and the one filling). Stage 0 reduces in place and adds nothing
+    afterwards, so its all-reduces all stay in flight until `finish()` (no wait on the compute
+    stream during backward). Every DP rank issues the same collectives in the same order.
   * A parameter reports at most once per backward (one AccumulateGrad per leaf per graph).
-  * CUDA: as GradBuffer, the hooks run on the stream of the parameter's AccumulateGrad node, a
-    unit's reduction is enqueued on the current stream after it waited for every other stream
-    the unit's hooks ran on (`parallel.streams`), and waits make the current stream wait.
+  * CUDA: the hooks run on the stream of the parameter's AccumulateGrad node (usually the one
+    compute stream; under --enable-cuda-graph the graphed layers' nodes are on the capture's side
+    stream), a unit's reduction is enqueued on the current stream after it waited for every
+    other stream the unit's hooks ran on (`parallel.streams`), and waits make the current stream
+    wait: the optimizer must run on the stream that called `finish()`.
 """
 
 from __future__ import annotations
@@ -61,14 +70,17 @@ class GradReducer:
             meter
         self.on_unit_done = on_unit_done
         self.device = units[0].params[0].device
-        self.grad_shards = [torch.zeros(u.shard_numel, device=self.device) for u in units]
         self.found_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
-        self.persistent = config.stage == 1
+        self.persistent = config.stage in (0, 1)
+        self.in_place = config.stage == 0
+        self.depth = len(units) + 1 if self.in_place else config.reduce_pipeline_depth
         self.buffers: list[torch.Tensor | None] = [None] * len(units)
         self._views: list[list[torch.Tensor] | None] = [None] * len(units)  # into buffers[i]
         if self.persistent:
             for index in range(len(units)):
                 self._allocate(index)
+        self.grad_shards = list(self.buffers) if self.in_place else [
+            torch.zeros(u.shard_numel, device=self.device) for u in units]
         self.order = list(range(len(units)))[::-1]
         self._position_in_order = [self.order.index(index) for index in range(len(units))]
         for index, unit in enumerate(units):
@@ -83,8 +95,8 @@ class GradReducer:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Stage 1: backward inside only accumulates (reduce on the last micro-batch). Stage 3:
-        no effect (see the module docstring)."""
+        """Stages 0 and 1: backward inside only accumulates (reduce on the last micro-batch).
+        Stage 3: no effect (see the module docstring)."""
         previous, self._sync = self._sync, False
         try:
             yield
@@ -102,7 +114,7 @@ class GradReducer:
                                "engine.backward() to the end first")
         for shard in self.grad_shards:
             shard.zero_()
-        if self.persistent:
+        if self.persistent and not self.in_place:
             for buffer in self.buffers:
                 buffer.zero_()
         self.found_nonfinite.zero_()
@@ -150,7 +162,7 @@ class GradReducer:
             # Two-deep pipeline: the unit before the previous one finishes, the previous one
             # advances (qgZ: its inter-node all-to-all goes in flight), then this one launches.
             # (Depth 1: the previous one finishes.)
-            self._finish_inflight(keep=self.config.reduce_pipeline_depth - 1)
+            self._finish_inflight(keep=self.depth - 1)
             for _, pending in self._inflight:
                 pending.advance()
             self._inflight.append((index, self._launch(index)))
@@ -164,6 +176,8 @@ class GradReducer:
         self._streams.join(index)
         if self.dims.dp == 1:
             return Pending(lambda: flat)
+        if self.in_place:
+            return collectives.all_reduce_mean(self.comm, flat, self.dims.dp_group)
         if config.quantized_gradients:
             return collectives.reduce_scatter_quantized(
                 self.comm, flat, self.dims, config.gradient_bits, config.block_size,
@@ -178,6 +192,9 @@ class GradReducer:
             self._finish_one(*self._inflight.pop(0))
 
     def _finish_one(self, index: int, pending: Pending) -> None:
+        if self.in_place:
+            pending.wait()  # the buffer is the result
+            return
         self.grad_shards[index].add_(pending.wait())
         if self.persistent:
             self.buffers[index].zero_()  # reduced: a further synced backward starts afresh

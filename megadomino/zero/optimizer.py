@@ -1,29 +1,37 @@
-"""ZeroPlusPlus: sharded data parallelism (ZeRO stage 1 or 3) with ZeRO++'s qwZ, hpZ and qgZ.
+"""ZeroPlusPlus: the data-parallel engine. ZeRO stage 0 (plain data parallelism), 1 or 3, with
+ZeRO++'s qwZ, hpZ and qgZ at the sharded stages.
 
     engine = ZeroPlusPlus(model, dims, optimizer_factory, ZeroConfig(stage=3, ...),
                           clip_grad=1.0, loss_scaler=None)
+    engine = build_engine(model, dims, train_config, zero_config)   # as the CLI configures it
 
-The engine shards over `dims.dp_group`; tensor parallelism is orthogonal (each TP rank shards its
-own TP shards alike). It takes over the model's parameters: at stage 3 they are empty outside a
-forward or backward, so read weights through `full_state_dict()`.
+The engine works over `dims.dp_group`; tensor parallelism is orthogonal (each TP rank shards its
+own TP shards alike). It takes over the model's parameters (each unit's become views of one flat
+buffer): at stage 3 they are empty outside a forward or backward, so read weights through
+`full_state_dict()`.
 
-How a training loop uses it (the same calls as `training.ddp.GradBuffer` +
-`training.optimizer.MixedPrecisionAdamW`, which it replaces when --zero-stage is given):
+Stage 0 is Megatron's DDP: every rank holds the whole model, fp32 masters and optimizer state;
+gradients accumulate in fp32 buckets (`partition.find_buckets`, --ddp-bucket-size) that are
+all-reduced (mean) as backward completes them. Stages 1 and 3 shard by units of layers. The
+three stages share the gradient path (`grads.GradReducer`), the optimizer, its grad norm,
+clipping and fp16 loss scaling (`sharded.ShardedOptimizer`).
+
+How a training loop uses it:
 
     engine.set_lr(lr)
     for micro in range(num_micro):                  # gradients start zeroed
         with engine.no_sync() if micro < num_micro - 1 else contextlib.nullcontext():
             loss = engine(tokens, labels=labels, loss_mask=mask).sum() / mask.sum()
             engine.backward(loss / num_micro)       # not loss.backward(): fp16 scaling, reduction
-    result = engine.step()                          # training.optimizer.StepResult; zeroes grads
-    engine.loss_scaler                              # for logging, as MixedPrecisionAdamW's
+    result = engine.step()                          # loss_scaler.StepResult; zeroes grads
+    engine.loss_scaler                              # for logging (None unless fp16)
     evaluation: engine(...) (or the model itself) under torch.no_grad(): gathers as it goes
     checkpoint: engine.state_dict() / engine.load_state_dict() on every rank (sharded: each
     (TP, DP) rank saves its own), engine.full_state_dict() for the unsharded weights (the same
     on all ranks); the model's own state dicts see empty parameters at stage 3
     memory: engine.memory_stats() (bytes held; CUDA peak), beside the loop's peak-memory log
 
-`no_sync()` defers the reduction to the last micro-batch at stage 1; stage 3 reduces every
+`no_sync()` defers the reduction to the last micro-batch at stages 0 and 1; stage 3 reduces every
 backward (it has no whole-gradient buffer to accumulate in), so there it changes nothing.
 Non-trainable parameters are left alone (whole on every rank, not optimized).
 """
@@ -31,17 +39,18 @@ Non-trainable parameters are left alone (whole on every rank, not optimized).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
 
-from megadomino.config import ConfigError
-from megadomino.training.optimizer import DynamicLossScaler, StepResult
+from megadomino.config import ConfigError, TrainConfig
 from megadomino.zero.collectives import CommCounter
 from megadomino.zero.config import ZeroConfig
 from megadomino.zero.grads import GradReducer
+from megadomino.zero.loss_scaler import DynamicLossScaler, StepResult
 from megadomino.zero.params import FullParams, MemoryMeter, PartitionedParams
-from megadomino.zero.partition import FlatUnit, find_units
+from megadomino.zero.partition import FlatUnit, find_buckets, find_units
 from megadomino.zero.sharded import OptimizerFactory, ShardedOptimizer
 
 
@@ -61,19 +70,32 @@ class ZeroPlusPlus:
         self.loss_scaler = loss_scaler
         self.comm = CommCounter(dims.gpus_per_node)
         self.meter = MemoryMeter()
-        found = find_units(model, config.layers_per_unit, config.unit_params, config.min_units)
-        self.units = [FlatUnit(name, params, dims.dp, dims.dp_rank) for name, _, params in found]
-        if config.stage == 1:
-            self.params: FullParams | PartitionedParams = FullParams(self.units, dims, self.comm)
+        if config.stage == 0:
+            self.units = [FlatUnit(name, params, 1, 0)
+                          for name, params in find_buckets(model, config.bucket_numel)]
+            self.params: FullParams | PartitionedParams = FullParams(self.units, dims, self.comm,
+                                                                     gathered=False)
+            on_unit_done = None
+        elif config.stage == 1:
+            found = find_units(model, config.layers_per_unit, config.unit_params,
+                               config.min_units)
+            self.units = [FlatUnit(name, params, dims.dp, dims.dp_rank)
+                          for name, _, params in found]
+            self.params = FullParams(self.units, dims, self.comm)
             on_unit_done = None
         else:
+            found = find_units(model, config.layers_per_unit, config.unit_params,
+                               config.min_units)
+            self.units = [FlatUnit(name, params, dims.dp, dims.dp_rank)
+                          for name, _, params in found]
             self.params = PartitionedParams(self.units, [m for _, m, _ in found], model, dims,
                                             config, self.comm, self.meter)
             on_unit_done = self.params.release
         self.grads = GradReducer(self.units, dims, config, self.comm, self.meter, on_unit_done)
         self.optimizer = ShardedOptimizer(self.units, self.params.shards, self.grads.grad_shards,
                                           dims, self.comm, optimizer_factory, clip_grad,
-                                          loss_scaler, config.on_nonfinite)
+                                          loss_scaler, config.on_nonfinite,
+                                          whole=config.stage == 0)
 
     def __call__(self, *args, **kwargs):
         """The model's forward (stage 3: with the gathers its hooks issue)."""
@@ -130,6 +152,55 @@ class ZeroPlusPlus:
         self.optimizer.load_state_dict(state)
         self.params.refresh()
 
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank's optimizer state is a DP chunk (stages 1 and 3) rather than the
+        whole (stage 0)."""
+        return self.config.stage != 0
+
+    def state_by_parameter(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Stage 0: per parameter (keyed by id), its AdamW state and, for a parameter that is not
+        fp32, its fp32 master, each in the parameter's shape (references). The layout-free
+        form a checkpoint keeps by parameter name, loadable at another TP degree."""
+        if self.sharded:
+            raise RuntimeError("state_by_parameter() is stage 0's: a sharded engine's state "
+                               "is state_dict()")
+        state = self.optimizer.optimizer.state
+        entries = {}
+        for param, master in self.optimizer.pieces:
+            entry = {key: value if key == "step" else value.view(param.shape)
+                     for key, value in state.get(master, {}).items()}
+            if param.dtype != torch.float32:
+                entry["master"] = master.view(param.shape)
+            entries[id(param)] = entry
+        return entries
+
+    @torch.no_grad()
+    def load_state_by_parameter(self, entries: dict[int, dict[str, torch.Tensor]],
+                                loss_scaler: dict | None) -> None:
+        """The inverse of state_by_parameter(): masters copied in (then into the parameters),
+        AdamW state through torch's own load_state_dict (it puts `step` where the fused and
+        foreach kernels want it); parameters without an entry keep fresh state."""
+        if self.sharded:
+            raise RuntimeError("load_state_by_parameter() is stage 0's")
+        adamw = self.optimizer.optimizer
+        index = {id(m): i for i, m in enumerate(
+            m for group in adamw.param_groups for m in group["params"])}
+        torch_state = adamw.state_dict()
+        torch_state["state"] = {}
+        for param, master in self.optimizer.pieces:
+            entry = entries.get(id(param), {})
+            if "master" in entry:
+                master.copy_(entry["master"].reshape(-1))
+            moments = {key: value if key == "step" else value.reshape(master.shape)
+                       for key, value in entry.items() if key != "master"}
+            if moments:
+                torch_state["state"][index[id(master)]] = moments
+        adamw.load_state_dict(torch_state)
+        if self.loss_scaler is not None and loss_scaler is not None:
+            self.loss_scaler.load_state_dict(loss_scaler)
+        self.optimizer.copy_masters_to_shards()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded weights on CPU, the same on every rank: the model's `full_state_dict()`
         (unsharded over TP too) where it has one, else its named parameters gathered over DP."""
@@ -177,3 +248,22 @@ def layout_mismatch(saved: dict, mine: dict) -> str:
             "--zero-unit-params) it was saved with (checkpoints from before units of "
             "--zero-unit-params became the default were saved one layer a unit: "
             "--zero-layers-per-unit 1)")
+
+
+def adamw_factory(config: TrainConfig, on_cuda: bool) -> OptimizerFactory:
+    """torch's AdamW with the run's hyper-parameters: the fused kernel on CUDA, foreach on CPU."""
+    return functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay,
+                             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                             fused=True if on_cuda else None, foreach=None if on_cuda else True)
+
+
+def build_engine(model: nn.Module, dims, config: TrainConfig, zero: ZeroConfig) -> ZeroPlusPlus:
+    """The engine a run's configs describe: AdamW, clipping to --clip-grad, and a dynamic loss
+    scaler exactly when --fp16."""
+    scaler = None
+    if config.fp16:
+        scaler = DynamicLossScaler(config.initial_loss_scale, config.min_loss_scale,
+                                   config.loss_scale_window, config.hysteresis)
+    on_cuda = next(model.parameters()).is_cuda
+    return ZeroPlusPlus(model, dims, adamw_factory(config, on_cuda), zero,
+                        clip_grad=config.clip_grad, loss_scaler=scaler)

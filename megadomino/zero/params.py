@@ -1,9 +1,10 @@
-"""Where the parameters live: whole on every rank (stage 1) or partitioned and gathered per unit
-just before use (stage 3, with qwZ and hpZ).
+"""Where the parameters live: whole on every rank (stages 0 and 1) or partitioned and gathered per
+unit just before use (stage 3, with qwZ and hpZ).
 
 Both holders keep, per unit, this rank's chunk of the flat parameters in the model's dtype
 (`shards[i]`, [shard_numel]), which the optimizer's fp32 masters are copied into after a step, and
-`refresh()` makes the model see the new values (stage 1: all-gather into the parameters; stage 3:
+`refresh()` makes the model see the new values (stage 0: the shard is the whole unit, the
+parameters themselves, nothing to do; stage 1: all-gather into the parameters; stage 3:
 drop every gathered copy and hpZ secondary, so that the next gather fetches the new shards).
 
 Stage 3 mechanics. Outside a unit's use its parameters' `.data` is an empty tensor. A forward
@@ -63,10 +64,12 @@ class MemoryMeter:
 
 
 class FullParams:
-    """Stage 1: each unit's parameters are views of one flat buffer; a step all-gathers it."""
+    """Stages 0 and 1: each unit's parameters are views of one flat buffer. Stage 1 all-gathers
+    it after a step; at stage 0 (`gathered` False: units laid out over one rank) this rank's
+    shard is the whole buffer, which the step updates in place."""
 
-    def __init__(self, units: list[FlatUnit], dims, comm: CommCounter):
-        self.units, self.dims, self.comm = units, dims, comm
+    def __init__(self, units: list[FlatUnit], dims, comm: CommCounter, gathered: bool = True):
+        self.units, self.dims, self.comm, self.gathered = units, dims, comm, gathered
         self.flats = []
         for unit in units:
             flat = unit.flatten([p.detach() for p in unit.params], _dtype_of(unit))
@@ -81,7 +84,9 @@ class FullParams:
         return sum(flat.numel() * flat.element_size() for flat in self.flats)
 
     def refresh(self) -> None:
-        """All-gather every unit's shard into the model's parameters."""
+        """All-gather every unit's shard into the model's parameters (stage 1)."""
+        if not self.gathered:
+            return
         works = [self.comm.all_gather(flat, shard.clone(), self.dims.dp_group,
                                       "weights step", async_op=True)
                  for flat, shard in zip(self.flats, self.shards)]
@@ -89,10 +94,10 @@ class FullParams:
             work.wait()
 
     def materialize(self) -> None:
-        """The parameters are always whole at stage 1."""
+        """The parameters are always whole at stages 0 and 1."""
 
     def release_all(self) -> None:
-        """Nothing is gathered on demand at stage 1."""
+        """Nothing is gathered on demand at stages 0 and 1."""
 
 
 class _BeforeBackward(torch.autograd.Function):

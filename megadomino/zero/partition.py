@@ -84,6 +84,25 @@ class FlatUnit:
         return flat[self.shard_start:self.shard_start + self.shard_numel]
 
 
+def find_buckets(model: nn.Module, bucket_numel: int) -> list[tuple[str, list[nn.Parameter]]]:
+    """Stage 0's units: [(name, trainable params)] in registration order, cut into buckets of
+    about `bucket_numel` elements (Megatron's DDP buckets). Cuts are made walking the parameters
+    backwards, the order backward produces their gradients: a bucket closes once it holds
+    `bucket_numel` elements, so the last parameters' bucket (reduced first) is full and the
+    first parameters' may be smaller. Inside a bucket the parameters keep registration order."""
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    buckets, members, count = [], [], 0
+    for param in reversed(params):
+        members.append(param)
+        count += param.numel()
+        if count >= bucket_numel:
+            buckets.append(members[::-1])
+            members, count = [], 0
+    if members:
+        buckets.append(members[::-1])
+    return [(f"bucket{index}", bucket) for index, bucket in enumerate(buckets[::-1])]
+
+
 def find_units(model: nn.Module, layers_per_unit: int | None = 1, unit_params: int = 0,
                min_units: int = 1) -> list[tuple[str, tuple[nn.Module, ...], list[nn.Parameter]]]:
     """[(name, modules, trainable params)]: the root first, (model,), then every layer (a child of

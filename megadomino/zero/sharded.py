@@ -1,5 +1,7 @@
 """The sharded optimizer: fp32 master shards, the user's optimizer over them, the global step.
 
+One optimizer for every stage: at stage 0 a rank's chunk of a unit is the whole unit, so the
+same code keeps whole fp32 masters (plain data parallelism with mixed precision).
 Each rank keeps fp32 masters of its chunk of every unit (for fp32 models the parameter shard
 itself) and hands the user's optimizer one tensor per (parameter, this rank's chunk) overlap, a
 view into the masters whose `.grad` is the matching view of the reduced gradient shard (Megatron's
@@ -11,11 +13,15 @@ The step, collective over the whole world (every rank must call it):
   1. gradients of `sequence_parallel` parameters are summed over the TP group (their reduced
      shards line up across TP ranks: the layouts are identical);
   2. fp16: gradients are unscaled by the loss scale;
-  3. one all-reduce of [sum of squares, inf/NaN found] over the world gives the global grad norm
-     (Megatron's rule under TP: `tensor_model_parallel` shards counted on every TP rank,
-     replicated parameters on TP rank 0 only; DP ranks hold disjoint chunks) and a decision all
+  3. one all-reduce of [sum of squares, inf/NaN found] over the ranks that hold different
+     gradients gives the global grad norm (Megatron's rule under TP: `tensor_model_parallel`
+     shards counted on every TP rank, replicated parameters on TP rank 0 only) and a decision all
      ranks share: a non-finite step is skipped (always with a loss scaler, whose scale backs off;
-     else per `on_nonfinite`, 'error' raising FloatingPointError everywhere);
+     else per `on_nonfinite`, 'error' raising FloatingPointError everywhere). Stages 1 and 3:
+     DP ranks hold disjoint chunks, the all-reduce is over the world. Stage 0: DP ranks hold
+     the same (all-reduced) gradients, so it is over the TP group only (none at TP 1), and the
+     found flag is in it only with a loss scaler (nothing else sets it; a non-finite norm
+     skips the step all the same);
   4. clip to `clip_grad` by that norm (torch's clip_grads_with_norm_ arithmetic), optimizer step,
      masters copied into the parameter shards (the caller then refreshes the parameters).
 """
@@ -28,8 +34,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megadomino.training.optimizer import DynamicLossScaler, StepResult
 from megadomino.zero.collectives import CommCounter
+from megadomino.zero.loss_scaler import DynamicLossScaler, StepResult
 from megadomino.zero.partition import FlatUnit
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -39,12 +45,15 @@ class ShardedOptimizer:
     def __init__(self, units: list[FlatUnit], param_shards: list[torch.Tensor],
                  grad_shards: list[torch.Tensor], dims, comm: CommCounter,
                  optimizer_factory: OptimizerFactory, clip_grad: float,
-                 loss_scaler: DynamicLossScaler | None, on_nonfinite: str):
-        self.dims, self.comm, self.clip_grad = dims, comm, clip_grad
+                 loss_scaler: DynamicLossScaler | None, on_nonfinite: str, whole: bool = False):
+        """`whole`: stage 0 (every DP rank holds the whole units and the same gradients)."""
+        self.dims, self.comm, self.clip_grad, self.whole = dims, comm, clip_grad, whole
         self.loss_scaler, self.on_nonfinite = loss_scaler, on_nonfinite
         self.param_shards, self.grad_shards = param_shards, grad_shards
         self.masters = [s if s.dtype == torch.float32 else s.float() for s in param_shards]
         decayed, rest = [], []
+        self.pieces: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        """(parameter, the view of the masters holding its piece of this rank's chunk)."""
         self._counted: list[torch.Tensor] = []
         self._sequence_parallel: list[torch.Tensor] = []
         for unit, master, grad in zip(units, self.masters, grad_shards):
@@ -53,6 +62,7 @@ class ShardedOptimizer:
                 span = slice(piece.shard_start, piece.shard_start + piece.numel)
                 master_piece, grad_piece = master[span], grad[span]
                 master_piece.grad = grad_piece
+                self.pieces.append((param, master_piece))
                 (decayed if len(unit.shapes[piece.index]) >= 2 else rest).append(master_piece)
                 if getattr(param, "tensor_model_parallel", False) or dims.tp_rank == 0:
                     self._counted.append(grad_piece)
@@ -76,12 +86,7 @@ class ShardedOptimizer:
             scale = self.loss_scaler.scale
             inv_scale = torch.full((1,), 1.0 / scale, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(self.grad_shards, found, inv_scale)
-        square = torch.zeros(1, device=device)
-        if self._counted:
-            square += torch.nn.utils.get_total_norm(self._counted, norm_type=2.0).float() ** 2
-        stats = torch.cat([square, found])
-        self.comm.all_reduce(stats, dist.group.WORLD, "scalars")
-        square_total, found_total = stats.tolist()
+        square_total, found_total = self._reduce_stats(found)
         if found_total > 0 or not math.isfinite(square_total):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(found_inf=True)
@@ -98,6 +103,21 @@ class ShardedOptimizer:
         self.optimizer.step()
         self.copy_masters_to_shards()
         return StepResult(skipped=False, grad_norm=grad_norm, loss_scale=scale)
+
+    def _reduce_stats(self, found: torch.Tensor) -> tuple[float, float]:
+        """(global sum of squared gradients, ranks' found flags summed): step 3."""
+        square = torch.zeros(1, device=found.device)
+        if self._counted:
+            square += torch.nn.utils.get_total_norm(self._counted, norm_type=2.0).float() ** 2
+        if not self.whole:
+            stats = torch.cat([square, found])
+            self.comm.all_reduce(stats, dist.group.WORLD, "scalars")
+            return tuple(stats.tolist())
+        stats = square if self.loss_scaler is None else torch.cat([square, found])
+        if self.dims.tp > 1:
+            self.comm.all_reduce(stats, self.dims.tp_group, "scalars")
+        values = stats.tolist()
+        return values[0], sum(values[1:])
 
     @torch.no_grad()
     def copy_masters_to_shards(self) -> None:
