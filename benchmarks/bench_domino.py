@@ -17,7 +17,6 @@ timeline summary: compute busy time, NCCL time, and how much of NCCL ran under c
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -149,7 +148,7 @@ def bench_row(row: str, args, dims) -> dict:
                 if comm:
                     step = graphed(step)
                 else:
-                    with no_tp_communication():
+                    with no_tp_communication(dims):
                         step = graphed(step)
             except Exception as error:  # report, time eagerly
                 result["skipped"][name + " graph"] = f"{type(error).__name__}: {error}"[:300]
@@ -161,7 +160,7 @@ def bench_row(row: str, args, dims) -> dict:
             if profile:
                 result["profile"][name] = profile_summary(step)
         else:
-            with no_tp_communication():
+            with no_tp_communication(dims):
                 ms, host_ms = time_step(step, args.warmup, args.iters)
         result["ms_per_layer"][name] = ms / args.layers
         result.setdefault("host_ms_per_layer", {})[name] = host_ms / args.layers
@@ -177,29 +176,21 @@ def bench_row(row: str, args, dims) -> dict:
     if args.comm_overlap and not args.sequence_parallel:
         sp_inputs = (x.detach()[: seq // dims.tp].clone().requires_grad_(),
                      grad_out[: seq // dims.tp].contiguous())
-        # (f) with each symmetric-memory protocol of parallel/async_tp.py (env, read at capture)
-        for name, overlap, protocol in (("b_plain_tp_sp", False, "torch"),
-                                        ("f_sp_comm_overlap", True, "torch"),
-                                        ("f_sp_comm_overlap_whole_dgrad", True, "whole-dgrad"),
-                                        ("f_sp_comm_overlap_ours", True, "ours")):
-            os.environ["MEGADOMINO_FUSED_COMM"] = protocol
+        for name, overlap in (("b_plain_tp_sp", False), ("f_sp_comm_overlap", True)):
             sp_config = config.replace(sequence_parallel=True, tp_comm_overlap=overlap)
             block, forward = ours(sp_config, dims, rotary)
             if not overlap:  # the limit of the SP layout: all-gather -> repeat, RS -> slice
                 measure("a_sp_no_comm", block, forward, comm=False, inputs=sp_inputs)
             measure(name, block, forward, profile=args.profile, inputs=sp_inputs)
             del block, forward
-        os.environ.pop("MEGADOMINO_FUSED_COMM")
     ffn_local = config.ffn_hidden_size // dims.tp
-    for (n, k), ctas in itertools.product(CANDIDATES, args.overlap_ctas):
+    for n, k in CANDIDATES:
         if n > micro_batch or ffn_local % k:
             continue
-        os.environ["MEGADOMINO_OVERLAP_CTAS"] = str(ctas)
         domino_config = config.replace(domino_batch_slices=n, domino_hidden_slices=k)
         domino_config._force_runner = True  # (1, 1): the Domino runner without slicing
         block, forward = ours(domino_config, dims, rotary)
-        measure(f"e_domino_N{n}_K{k}" + (f"_ctas{ctas}" if ctas else ""), block, forward,
-                profile=args.profile)
+        measure(f"e_domino_N{n}_K{k}", block, forward, profile=args.profile)
         del block, forward
     domino = {k: v for k, v in result["ms_per_layer"].items() if k.startswith("e_")}
     if domino:
@@ -272,9 +263,6 @@ def main() -> None:
                         help="comma-separated: megatron, deepspeed (or '' for none)")
     parser.add_argument("--plans", default="",
                         help="Domino (N, K) plans to try, e.g. '1x1,2x1' (default: a sweep)")
-    parser.add_argument("--overlap-ctas", default="0",
-                        help="comma-separated max NCCL CTAs for overlapped collectives (0: "
-                             "NCCL's default), each tried with every plan")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--comm-overlap", action="store_true",
                         help="also time plain TP + SP without and with --tp-comm-overlap")
@@ -285,7 +273,6 @@ def main() -> None:
     parser.add_argument("--out", default="bench_domino.json")
     args = parser.parse_args()
     args.peers = [p for p in args.peers.split(",") if p]
-    args.overlap_ctas = [int(v) for v in args.overlap_ctas.split(",")]
     if args.plans:
         CANDIDATES[:] = [tuple(int(v) for v in plan.split("x")) for plan in args.plans.split(",")]
     rows = ROW_SETS.get(args.rows, args.rows.split(","))

@@ -14,9 +14,8 @@ input bytes read, as GPU.md reports DeepSpeed's. Each time is the median over re
 of back-to-back calls queued behind a GPU sleep (so launch overhead is not timed), inputs
 rotating between two random buffers. Every number is also a fraction of the copy bandwidth
 (x.clone) measured in the same run. --sweep also times other tile shapes (--tiles) for our ops,
-to tune the default; --ops limits the run to some ops; --ab compares a kernel switch on and off
-(e.g. the int4 decode of dequantize-reduce-quantize on int32 words vs bytes) alternately in one
-process, and --stream-ab the looping quantize programs for large blocks.
+to tune the default; --ops limits the run to some ops. (The kernel paths that `Variant` chooses
+were picked by A/B runs of this script; their numbers are in BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -197,44 +196,6 @@ class Bench:
             quant._default_tile = default_tile
 
 
-    def ab(self, group: int, attr: str, rounds: int) -> None:
-        """Every op of ours (fp16; --ops) with the kernel module's boolean switch `attr`
-        (e.g. WORD_PATH, NARROW_STORE) on and off, alternately, `rounds` times each (impl
-        "ours ATTR=True" / "ours ATTR=False")."""
-        default = getattr(quant, attr)
-        try:
-            for _ in range(rounds):
-                for value in (True, False):
-                    setattr(quant, attr, value)
-                    self.ours(group, dtypes=("fp16",), impl=f"ours {attr}={value}")
-        finally:
-            setattr(quant, attr, default)
-
-    def stream_ab(self, group: int, rounds: int) -> None:
-        """Quantize ops (fp16) in blocks >= 8192 by programs that loop over blocks, prefetching
-        (quant.STREAM_PATH), at 4 / 8 / 16 warps and 1 / 2 / 3 programs per SM, against one
-        block per program; alternately, `rounds` times."""
-        saved = (quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM, quant._default_tile,
-                 self.ops)
-        configs = [("one block per program", False, 0, None)] + [
-            (f"stream {warps} warps {per_sm}/SM", True, per_sm, (group, warps))
-            for warps in (4, 8, 16) for per_sm in (1, 2, 3)]
-        self.ops = [op for op in self.ops or ["quantize", "swizzled"]
-                    if op.startswith(("quantize", "swizzled"))]
-        if not self.ops:  # --ops names none of the quantize ops
-            self.ops = saved[3]
-            return
-        try:
-            for _ in range(rounds):
-                for impl, stream, per_sm, tile in configs:
-                    quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM = stream, per_sm
-                    quant._default_tile = (lambda *_a, t=tile: t) if tile else saved[2]
-                    self.ours(group, dtypes=("fp16",), impl=impl)
-        finally:
-            (quant.STREAM_PATH, quant.STREAM_PROGRAMS_PER_SM, quant._default_tile,
-             self.ops) = saved
-
-
 def find(rows, op, impl, group, dtype="fp16", key="tbps"):
     for row in rows:
         if (row.get("op"), row.get("impl"), row.get("group"), row.get("dtype")) == (
@@ -333,14 +294,6 @@ def main() -> None:
                         + " ".join(f"{e}x{w}" for e, w in TILES) + ")")
     parser.add_argument("--ops", nargs="+", metavar="PREFIX",
                         help="time only ops starting with one of these, e.g. 'quantize int4'")
-    parser.add_argument("--ab", nargs=2, metavar=("SWITCH", "ROUNDS"),
-                        help="also time our ops with the kernel module's boolean SWITCH "
-                             "(WORD_PATH, NARROW_STORE, STREAM_PATH, STREAM_INT4_BRANCHLESS) "
-                             "on and off, alternately, ROUNDS times each")
-    parser.add_argument("--stream-ab", type=int, default=0, metavar="ROUNDS",
-                        help="also time quantize in blocks >= 8192 by looping, prefetching "
-                             "programs (several warps and programs per SM) vs one block per "
-                             "program, alternately, ROUNDS times each")
     parser.add_argument("--full-range", action="store_true",
                         help="also time our quantizing ops with full_range=True (DeepSpeed's "
                              "levels), rows 'ours full range'")
@@ -362,10 +315,6 @@ def main() -> None:
             bench.errors(group)
         if args.sweep:
             bench.sweep(group, tuple(args.sweep_dtypes), tiles)
-        if args.ab:
-            bench.ab(group, args.ab[0], int(args.ab[1]))
-        if args.stream_ab and group >= 8192:
-            bench.stream_ab(group, args.stream_ab)
     import triton
 
     checks = targets(bench.rows, bench.copy_tbps, args.groups)

@@ -48,10 +48,11 @@ r = node * devices_per_node + local; `nodes` nodes of `devices_per_node` ranks):
 
 Dispatch: a CUDA tensor runs the Triton kernel (one launch per op over the whole buffer); a CPU
 tensor runs the torch reference (`*_reference`, in quantization_reference.py, bit-identical,
-the tests' oracle), unless `force_triton=True` or MEGADOMINO_FORCE_TRITON=1, which run the same
-Triton kernel on CPU under Triton's interpreter; that needs TRITON_INTERPRET=1 set before triton
-is first imported in the process (tests: small inputs). No op records autograd history; all
-work on the current CUDA stream.
+the tests' oracle), unless `force_triton=True`, which runs the same Triton kernel on CPU under
+Triton's interpreter; that needs TRITON_INTERPRET=1 set before triton is first imported in the
+process (tests: small inputs). No op records autograd history; all work on the current CUDA
+stream. `variant` (`Variant`) picks between code paths that give the same bits; the default is
+the fastest measured.
 
 Row layouts (zero-copy collectives). Quantized inputs and `out=` buffers are flat and
 contiguous, or [rows, ...] views whose rows are contiguous and any stride apart, each row
@@ -66,7 +67,6 @@ launch (the kernel finds partition k at (k // per row) * row stride + (k % per r
 import contextlib
 import functools
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -528,26 +528,31 @@ def _block_quant_kernel(src_ptr, src_scale_ptr, dst_ptr, dst_scale_ptr,
 INTERPRETING = HAS_TRITON and not isinstance(_block_quant_kernel, triton.runtime.JITFunction)
 
 
-# int4 -> int4 dequantize-reduce-quantize decodes int32 words where every partition and row is
-# 4-byte aligned: 12% faster than the byte decode on an H200 (BENCHMARKS.md).
-# MEGADOMINO_QUANT_WORDS=0 (or WORD_PATH = False) forces the byte decode, for comparisons.
-WORD_PATH = os.environ.get("MEGADOMINO_QUANT_WORDS", "1") == "1"
+@dataclass(frozen=True)
+class Variant:
+    """Which code path a launch takes where more than one computes the same bits. The defaults
+    are the measured winners (BENCHMARKS.md, H200); the others stay because other shapes need
+    them, and tests pass them to check every path against the reference on the same input."""
+
+    words: bool = True
+    """int4 -> int4 dequantize-reduce-quantize decodes int32 words where every partition and row
+    is 4-byte aligned: 12% faster than the byte decode."""
+    narrow_store: bool = True
+    """int4 output in blocks >= 2048 is stored in 4-byte runs, the layout it is computed in,
+    instead of 16-byte runs after a shared-memory layout conversion: +2% at 2048, +0.5% at
+    8192 (but -4% at 256 and -0.5% for int8, so only there)."""
+    stream: bool = True
+    """Quantize in blocks >= 8192 by _quantize_stream: 8 warps, as many programs as fit at once
+    (STREAM_PROGRAMS_PER_SM); int8 0.94x -> 0.97x DeepSpeed's rate, int4 0.90x -> 0.945x."""
+    stream_int4_branchless: bool = True
+    """int4 in the looping programs without the tiny-scale branch (_ratio_branchless: 64
+    registers), 3 programs per SM: 3.93 -> 4.01 TB/s at g8192, 0.957x DeepSpeed's rate."""
 
 
-# int4 output in blocks >= 2048 is stored in 4-byte runs, the layout it is computed in, instead
-# of 16-byte runs after a shared-memory layout conversion: +2% at 2048, +0.5% at 8192, but -4%
-# at 256 and -0.5% for int8, so only there (BENCHMARKS.md).
-NARROW_STORE = os.environ.get("MEGADOMINO_QUANT_NARROW_STORE", "1") == "1"
-# Quantize in blocks >= 8192 by _quantize_stream: 8 warps, as many programs as fit at once
-# (2 per SM at its 90 registers: 3 per SM queue a third program behind the others, 15% slower).
-# int8 0.94x -> 0.97x DeepSpeed's rate, int4 0.90x -> 0.945x (H200).
-STREAM_PATH = os.environ.get("MEGADOMINO_QUANT_STREAM", "1") == "1"
+BEST = Variant()
 STREAM_PROGRAMS_PER_SM = 2
-# int4 quantize in the looping programs without the tiny-scale branch (_ratio_branchless: 64
-# registers), 3 programs per SM: 3.93 -> 4.01 TB/s at g8192, 0.957x DeepSpeed's rate in the same
-# run (H200, BENCHMARKS.md). MEGADOMINO_QUANT_STREAM_INT4_BRANCHLESS=0 restores the
-# branch form (2 programs per SM).
-STREAM_INT4_BRANCHLESS = os.environ.get("MEGADOMINO_QUANT_STREAM_INT4_BRANCHLESS", "1") == "1"
+"""Looping programs per SM (at _quantize_stream's 90 registers a third program queues behind
+the other two: 15% slower)."""
 
 
 @functools.cache
@@ -557,16 +562,17 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _looping(block_pad: int, bits_in: int, bits_out: int) -> bool:
+def _looping(block_pad: int, bits_in: int, bits_out: int, stream: bool = True) -> bool:
     """Whether a launch quantizes floats by _quantize_stream's looping programs."""
-    return STREAM_PATH and bits_in == 0 and bits_out != 0 and block_pad >= 8192
+    return stream and bits_in == 0 and bits_out != 0 and block_pad >= 8192
 
 
-def _default_tile(block_pad: int, bits_in: int, bits_out: int) -> tuple[int, int]:
+def _default_tile(block_pad: int, bits_in: int, bits_out: int,
+                  stream: bool = True) -> tuple[int, int]:
     """(elements per program, num_warps), chosen from `benchmarks/bench_quant.py --sweep`
     (fp16 and bf16) on an H200 (BENCHMARKS.md): 4096 elements (several small blocks, or one
     large block) over 4 warps, except
-    - quantize floats in blocks of 8192 and more: 8 warps, looping (STREAM_PATH);
+    - quantize floats in blocks of 8192 and more: 8 warps, looping (Variant.stream);
     - quantize floats in blocks above 4096 elements (without the loop), or to int4 in blocks of
       2048 and more: 2 warps (to int4 at 2048: one block per program, 2% over two);
     - dequantize-reduce-quantize in blocks up to 2048: a warp holds a whole block, so its
@@ -575,7 +581,7 @@ def _default_tile(block_pad: int, bits_in: int, bits_out: int) -> tuple[int, int
     Fewer warps with more elements each kept winning: 8 warps per 2048-element block were
     25-30% slower than 2."""
     elements = max(block_pad, 4096)
-    if _looping(block_pad, bits_in, bits_out):
+    if _looping(block_pad, bits_in, bits_out, stream):
         return block_pad, 8  # _quantize_stream's programs
     if bits_in == 0:
         if bits_out == 4 and block_pad == 2048:
@@ -608,24 +614,24 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
             bits_in: int, bits_out: int, src_rows: _Rows | None = None,
             dst_rows: _Rows | None = None, nodes: int = 1, devices_per_node: int | None = None,
             multiplier: float = 1.0, tile: tuple[int, int] | None = None,
-            full_range: bool = False) -> None:
+            full_range: bool = False, variant: Variant = BEST) -> None:
     """One launch over all partitions; grid (program blocks, partitions). src / dst (and their
     scales) point at their first partition; `src_rows` / `dst_rows` give their layout (default:
     flat). `tile` overrides (elements per program, num_warps), for benchmarks."""
     block_pad = 1 << (block_size - 1).bit_length()  # next power of two (plain Python: cheaper)
-    elements, num_warps = tile or _default_tile(block_pad, bits_in, bits_out)
+    elements, num_warps = tile or _default_tile(block_pad, bits_in, bits_out, variant.stream)
     blocks_per_program = max(1, elements // block_pad)
     blocks_per_partition = math.ceil(partition_numel / block_size)
     src_rows = src_rows or _contiguous_rows(partition_numel, bits_in, block_size)
     dst_rows = dst_rows or _contiguous_rows(partition_numel, bits_out, block_size)
     grid = (-(-blocks_per_partition // blocks_per_program), num_partitions)
-    stream = _looping(block_pad, bits_in, bits_out)
-    branchless = stream and bits_out == 4 and STREAM_INT4_BRANCHLESS
+    stream = _looping(block_pad, bits_in, bits_out, variant.stream)
+    branchless = stream and bits_out == 4 and variant.stream_int4_branchless
     if stream:  # a few programs per SM, each looping over the blocks
         per_sm = 3 if branchless else STREAM_PROGRAMS_PER_SM
         grid = (min(grid[0], max(1, per_sm * _sm_count(src.device) // num_partitions)),
                 num_partitions)
-    words = (WORD_PATH and bits_in == 4 and bits_out == 4 and block_size % 8 == 0
+    words = (variant.words and bits_in == 4 and bits_out == 4 and block_size % 8 == 0
              and partition_numel % 8 == 0 and src_rows.stride % 4 == 0
              and dst_rows.stride % 4 == 0 and src.data_ptr() % 4 == 0
              and dst.data_ptr() % 4 == 0)
@@ -640,7 +646,7 @@ def _launch(src: Tensor, src_scales: Tensor | None, dst: Tensor, dst_scales: Ten
                                   BLOCKS_PER_PROGRAM=blocks_per_program, BITS_IN=bits_in,
                                   BITS_OUT=bits_out, SCALE_OUTPUT=multiplier != 1.0,
                                   WORDS=words, STREAM=stream,
-                                  NARROW_STORE=NARROW_STORE and bits_out == 4
+                                  NARROW_STORE=variant.narrow_store and bits_out == 4
                                   and block_pad >= 2048,
                                   BRANCHLESS=branchless, FULL_RANGE=full_range,
                                   num_warps=num_warps,
@@ -721,7 +727,7 @@ def _use_triton(t: Tensor, force_triton: bool) -> bool:
             return True
         _warn_no_triton()
         return False
-    if force_triton or os.environ.get("MEGADOMINO_FORCE_TRITON") == "1":
+    if force_triton:
         if not INTERPRETING:
             raise RuntimeError("Triton kernels on CPU tensors need triton installed and "
                                "TRITON_INTERPRET=1 set before triton is first imported")
@@ -806,7 +812,7 @@ def _fill(out: Tensor, values: Tensor) -> Tensor:
 @torch.no_grad()
 def quantize(x: Tensor, bits: int = 8, block_size: int = 2048, *,
              out: tuple[Tensor, Tensor] | None = None, force_triton: bool = False,
-             full_range: bool = False) -> tuple[Tensor, Tensor]:
+             full_range: bool = False, variant: Variant = BEST) -> tuple[Tensor, Tensor]:
     """Quantize the flattened `x` (float32/bfloat16/float16, read as is; copied only if not
     contiguous) block-wise (`full_range`: see the module docstring).
 
@@ -824,7 +830,7 @@ def quantize(x: Tensor, bits: int = 8, block_size: int = 2048, *,
         return _fill(q, q_ref), _fill(scales, s_ref)
     _launch(x, None, q, scales, num_inputs=1, num_partitions=1, partition_numel=x.numel(),
             block_size=block_size, bits_in=0, bits_out=bits, dst_rows=rows,
-            full_range=full_range)
+            full_range=full_range, variant=variant)
     return q, scales
 
 
@@ -844,8 +850,8 @@ def dequantize(q: Tensor, scales: Tensor, numel: int, bits: int = 8, block_size:
 @torch.no_grad()
 def swizzled_quantize(x: Tensor, bits: int, block_size: int, num_nodes: int,
                       devices_per_node: int, *, out: tuple[Tensor, Tensor] | None = None,
-                      force_triton: bool = False,
-                      full_range: bool = False) -> tuple[Tensor, Tensor]:
+                      force_triton: bool = False, full_range: bool = False,
+                      variant: Variant = BEST) -> tuple[Tensor, Tensor]:
     """qgZ step 1: quantize the world = num_nodes * devices_per_node partitions of the flat `x`
     (x.numel() % world == 0, P = numel / world), partition p written at position
     (p % devices_per_node) * num_nodes + p // devices_per_node (see the module docstring).
@@ -871,7 +877,7 @@ def swizzled_quantize(x: Tensor, bits: int, block_size: int, num_nodes: int,
     _launch(x, None, q, scales, num_inputs=1, num_partitions=world,
             partition_numel=partition_numel, block_size=block_size, bits_in=0, bits_out=bits,
             dst_rows=rows, nodes=num_nodes, devices_per_node=devices_per_node,
-            full_range=full_range)
+            full_range=full_range, variant=variant)
     return q, scales
 
 
@@ -895,8 +901,8 @@ def _reduce_shape(q: Tensor, scales: Tensor, num_inputs: int, partition_numel: i
 def dequantize_reduce_quantize(q: Tensor, scales: Tensor, num_inputs: int, bits_in: int,
                                bits_out: int, block_size: int, partition_numel: int, *,
                                out: tuple[Tensor, Tensor] | None = None,
-                               force_triton: bool = False,
-                               full_range: bool = False) -> tuple[Tensor, Tensor]:
+                               force_triton: bool = False, full_range: bool = False,
+                               variant: Variant = BEST) -> tuple[Tensor, Tensor]:
     """qgZ step 3, one fused launch: q holds num_inputs stacked inputs, each of the same number
     S of quantized `partition_numel`-element partitions. Partition s of the result is
     quantize(sum over inputs j of dequantize(input j, partition s)), the sum in fp32 in input
@@ -917,7 +923,8 @@ def dequantize_reduce_quantize(q: Tensor, scales: Tensor, num_inputs: int, bits_
         return _fill(q_out, q_ref), _fill(s_out, s_ref)
     _launch(q, scales, q_out, s_out, num_inputs=num_inputs, num_partitions=per_input,
             partition_numel=partition_numel, block_size=block_size, bits_in=bits_in,
-            bits_out=bits_out, src_rows=src_rows, dst_rows=dst_rows, full_range=full_range)
+            bits_out=bits_out, src_rows=src_rows, dst_rows=dst_rows, full_range=full_range,
+            variant=variant)
     return q_out, s_out
 
 

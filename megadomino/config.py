@@ -362,8 +362,9 @@ class TrainConfig:
     train_samples: int | None = None
     lr: float = 1e-4
     min_lr: float = 0.0
-    lr_decay_style: str = "cosine"
-    """'constant', 'linear' or 'cosine'."""
+    lr_decay_style: str = "linear"
+    """'constant', 'linear' (Megatron-LM's default, from Python and the CLI alike) or
+    'cosine'."""
     lr_decay_iters: int | None = None
     lr_warmup_iters: int = 0
     lr_warmup_fraction: float | None = None

@@ -370,16 +370,3 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what:
     error = (actual.double() - expected.double()).abs().max().item()
     if not error <= rel * max(scale, 1e-30):
         raise AssertionError(f"{what}: max abs error {error:.3e} > {rel:g} x max |ref| {scale:.3e}")
-
-
-def with_fused_comm(mode: str, check, *args, **kwargs) -> None:
-    """`check` with MEGADOMINO_FUSED_COMM=mode (parallel/async_tp.fused_comm_mode)."""
-    before = os.environ.get("MEGADOMINO_FUSED_COMM")
-    os.environ["MEGADOMINO_FUSED_COMM"] = mode
-    try:
-        check(*args, **kwargs)
-    finally:
-        if before is None:
-            del os.environ["MEGADOMINO_FUSED_COMM"]
-        else:
-            os.environ["MEGADOMINO_FUSED_COMM"] = before

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megadomino.config import ConfigError
+from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.training.arguments import (
     build_parser,
     parse_args,
@@ -666,3 +666,18 @@ def test_zero_stage_0_is_plain_data_parallelism_and_2_is_refused_with_its_reason
                                                                           "train.zero_stage")
     with pytest.raises(ConfigError, match="--zero-stage=2 is refused: ZeRO stage 2 .* use 1 or 3"):
         parse("--zero-stage", "2")
+
+
+def test_one_default_per_field_from_python_and_the_cli():
+    """Every field the flags leave alone has the dataclass's default: a run configured from
+    Python and one from the command line differ only in what was given (Megatron-LM's defaults,
+    e.g. linear LR decay, on both sides)."""
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=128,
+                 max_position_embeddings=128, vocab_size=512)
+    argv = [item for name, value in shape.items()
+            for item in (f"--{name.replace('_', '-')}", str(value))]
+    model_config, train_config, _ = parse_args([*argv, "--train-iters", "10", "--mock-data"],
+                                               "gpt")
+    assert train_config == TrainConfig(train_iters=10, mock_data=True)
+    assert model_config == ModelConfig(**shape)
+    assert TrainConfig().lr_decay_style == "linear"

@@ -48,6 +48,7 @@ def fixture_configs(kind: str, **overrides) -> tuple[ModelConfig, TrainConfig, l
     model = ModelConfig(**expected["model_config"])
     fields = dict(expected[kind]["train_config"])
     fields["zero_stage"] = fields["zero_stage"] or 0  # written before stage 0 had a number
+    fields.setdefault("lr_decay_style", "cosine")  # written when Python's default was cosine
     config = TrainConfig(**fields, log_interval=1, eval_interval=0,
                          eval_iters=0, mock_data=True)
     return model, dataclasses.replace(config, **overrides), expected[kind]["losses"]

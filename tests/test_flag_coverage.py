@@ -97,7 +97,7 @@ def test_local_rank_spellings_are_one_flag():
 
 def test_zero_stage_0_contradicts_the_distributed_optimizer():
     model_config, train_config, _ = parse("--zero-stage", "0")
-    assert zero_config(model_config, train_config) is None
+    assert zero_config(model_config, train_config).stage == 0
     with pytest.raises(ConfigError, match="--use-distributed-optimizer is ZeRO stage 1"):
         parse("--zero-stage", "0", "--use-distributed-optimizer")
 

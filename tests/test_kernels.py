@@ -336,18 +336,19 @@ def check_tiny_scales(device: str, force_triton: bool, bits: int,
     check_against_reference(x, bits, block_size, device, force_triton, full_range)
     if block_size < 8192:
         return
-    default = quant.STREAM_INT4_BRANCHLESS
-    try:
-        for branchless in (False, True):  # int4: both forms of the looping quantize
-            quant.STREAM_INT4_BRANCHLESS = branchless
-            check_against_reference(x, bits, block_size, device, force_triton, full_range)
-            q, scales = swizzled_quantize(x.to(device), bits, block_size, 2, 2,
-                                          force_triton=force_triton, full_range=full_range)
-            q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, 2, 2, full_range)
-            assert_same(q.cpu(), q_ref, "swizzled q")
-            assert_same(scales.cpu(), s_ref, "swizzled scales")
-    finally:
-        quant.STREAM_INT4_BRANCHLESS = default
+    for branchless in (False, True):  # int4: both forms of the looping quantize
+        variant = quant.Variant(stream_int4_branchless=branchless)
+        q, scales = quantize(x.to(device), bits, block_size, force_triton=force_triton,
+                             full_range=full_range, variant=variant)
+        q_ref, s_ref = quantize_reference(x, bits, block_size, full_range)
+        assert_same(scales, s_ref, f"scales (branchless={branchless})")
+        assert_same(q, q_ref, f"q (branchless={branchless})")
+        q, scales = swizzled_quantize(x.to(device), bits, block_size, 2, 2,
+                                      force_triton=force_triton, full_range=full_range,
+                                      variant=variant)
+        q_ref, s_ref = swizzled_quantize_reference(x, bits, block_size, 2, 2, full_range)
+        assert_same(q.cpu(), q_ref, "swizzled q")
+        assert_same(scales.cpu(), s_ref, "swizzled scales")
 
 
 def check_near_ties(device: str, force_triton: bool, bits: int,
@@ -444,7 +445,7 @@ def check_nonfinite(device: str, force_triton: bool, bits: int, dtype: str = "fp
 
 def check_int4_words(device: str, force_triton: bool) -> None:
     """int4 -> int4 dequantize-reduce-quantize over aligned partitions (multiples of 8
-    elements) takes the int32-word decode (quant.WORD_PATH); the byte decode is forced for the
+    elements) takes the int32-word decode (quant.Variant.words); the byte decode is forced for the
     same inputs: both equal the reference, with a zero block, a NaN block, scales down to
     2^-130 (subnormal) and every nibble value -8..7 (including -8, which the scheme never
     writes but a payload may hold) among the inputs."""
@@ -457,16 +458,12 @@ def check_int4_words(device: str, force_triton: bool) -> None:
     scales = torch.rand(blocks) * 2.0 ** torch.randint(-130, 10, (blocks,)).float()
     scales[5] = float("nan")
     want = dequantize_reduce_quantize_reference(q, scales, num_inputs, 4, 4, block_size, numel)
-    default = quant.WORD_PATH
-    try:
-        for words in (True, False):
-            quant.WORD_PATH = words
-            got = dequantize_reduce_quantize(q.to(device), scales.to(device), num_inputs, 4, 4,
-                                             block_size, numel, force_triton=force_triton)
-            assert_same(got[0].cpu(), want[0], f"q (words={words})")
-            assert_same(got[1].cpu(), want[1], f"scales (words={words})")
-    finally:
-        quant.WORD_PATH = default
+    for words in (True, False):
+        got = dequantize_reduce_quantize(q.to(device), scales.to(device), num_inputs, 4, 4,
+                                         block_size, numel, force_triton=force_triton,
+                                         variant=quant.Variant(words=words))
+        assert_same(got[0].cpu(), want[0], f"q (words={words})")
+        assert_same(got[1].cpu(), want[1], f"scales (words={words})")
 
 
 EXPLICIT_CHECKS = {

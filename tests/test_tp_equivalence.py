@@ -6,7 +6,6 @@ One gloo process group per world size runs every case (see dist_utils)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -215,6 +214,28 @@ def check_embedding_and_cross_entropy(dims_ref, dims_tp, sequence_parallel: bool
 SUITE = DistSuite(worlds=(2, 4))
 
 
+def check_no_communication(tp: ParallelDims) -> None:
+    """The benchmarks' no-communication limit: inside no_tp_communication(dims) the collectives
+    keep their shapes and skip their traffic (a gather repeats the local rows, a reduce-scatter
+    keeps the first chunk, an all-reduce leaves the tensor); afterwards the group is back."""
+    group = tp.tp_group
+    x = torch.full((2, 3), float(tp.tp_rank + 1))
+    with mappings.no_tp_communication(tp):
+        assert isinstance(tp.tp_group, mappings.NoCommunication)
+        gathered, _ = mappings.all_gather_dim0(x, tp.tp_group)
+        assert torch.equal(gathered, x.repeat(tp.tp, 1))
+        wide = torch.arange(2.0 * tp.tp).view(2 * tp.tp, 1)
+        scattered, _ = mappings.reduce_scatter_dim0(wide, tp.tp_group)
+        assert torch.equal(scattered, wide[:2])
+        y = x.clone()
+        assert mappings.all_reduce(y, tp.tp_group) is None and torch.equal(y, x)
+        assert mappings.split_last_dim(torch.ones(1, 2 * tp.tp), tp.tp_group).shape == (1, 2)
+    assert tp.tp_group is group
+    summed = x.clone()
+    mappings.all_reduce(summed, tp.tp_group)
+    assert torch.equal(summed, torch.full((2, 3), float(sum(range(1, tp.tp + 1)))))
+
+
 @SUITE.setup
 def _setup(world: int) -> dict:
     return {"ref": ParallelDims(tp=1), "tp": ParallelDims(tp=world)}
@@ -242,15 +263,7 @@ for family in FAMILIES:
         SUITE.case(f"{family}-recompute-full-{method}", check_recompute_with_dropout, family,
                    "full", method, C.tp)
 
+SUITE.case("no-communication-stand-in", check_no_communication, C.tp)
+
 test_tensor_parallel_matches_dense = SUITE.test()
 
-
-def test_fused_comm_mode_names_the_variable_and_the_choices(monkeypatch):
-    """A wrong MEGADOMINO_FUSED_COMM is a clear error naming what works (it is read on the GPU
-    path only, where parallel/async_tp's symmetric-memory protocols run)."""
-    from megadomino.parallel import async_tp
-    monkeypatch.setenv("MEGADOMINO_FUSED_COMM", "fastest")
-    with pytest.raises(ValueError, match="MEGADOMINO_FUSED_COMM='fastest'.*torch.*ours"):
-        async_tp.fused_comm_mode()
-    monkeypatch.delenv("MEGADOMINO_FUSED_COMM")
-    assert async_tp.fused_comm_mode() == "torch"

@@ -43,14 +43,13 @@ Recompute: with `recompute_granularity='full'` the chosen layers ('uniform': eve
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from megadomino.domino.plan import DominoPlan
-from megadomino.domino.units import Pending, WgradSink, active_sinks, domino_linear, leaf
+from megadomino.domino.units import Pending, WgradSink, domino_linear, leaf
 from megadomino.parallel import random as tp_random
 from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
 
@@ -82,25 +81,19 @@ class DominoRunner:
         self.block, self.plan = block, plan
         self.config, self.dims = block.config, block.dims
         self.sp = self.config.sequence_parallel and self.dims.tp > 1
-        self._overlap_group = None
-
-    def overlap_group(self):
-        """The group for collectives that run under compute: the TP group, or (experiment knob
-        MEGADOMINO_OVERLAP_CTAS=n) one whose NCCL kernels take at most n SMs."""
-        if self._overlap_group is None:
-            ctas = int(os.environ.get("MEGADOMINO_OVERLAP_CTAS", "0")) or None
-            self._overlap_group = self.dims.tp_group_limited(ctas)
-        return self._overlap_group
+        self.sinks: list[WgradSink] = []
+        """The sinks of the passes in progress, innermost last: a forward (or a forward re-run
+        by recompute inside a backward) queues its weight-gradient GEMMs on the last one."""
 
     def __call__(self, x: torch.Tensor, rotary) -> torch.Tensor:
         """x (s, b, h) (s/tp under sequence parallelism) -> the last layer's output."""
         if not torch.is_grad_enabled():
             sink = WgradSink(False)
-            active_sinks.append(sink)
+            self.sinks.append(sink)
             try:
                 return self._forward(x, rotary, build=False)[0]
             finally:
-                active_sinks.pop()
+                self.sinks.pop()
         anchor = torch.empty(0, device=x.device, requires_grad=True)
         return _DominoBlock.apply(x, anchor, self, rotary)
 
@@ -128,10 +121,11 @@ class DominoRunner:
         """A unit's input: the whole sequence (all-gathered under sequence parallelism)."""
         return all_gather_dim0(t.detach(), self.dims.tp_group)[0] if self.sp else t.detach()
 
-    def _reduce(self, partial: torch.Tensor, pending: Pending, overlapped: bool = True) -> None:
-        """Launch the reduction of a partial output (all-reduce, or reduce-scatter under SP);
-        `overlapped`: whether compute is scheduled under it (then on overlap_group())."""
-        group = self.overlap_group() if overlapped else self.dims.tp_group
+    def _reduce(self, partial: torch.Tensor, pending: Pending) -> None:
+        """Launch the reduction of a partial output (all-reduce, or reduce-scatter under SP) on
+        the TP group. (A second TP communicator with fewer NCCL CTAs for the overlapped ones
+        measured slower: BENCHMARKS.md.)"""
+        group = self.dims.tp_group
         if self.sp:
             pending.add(*reduce_scatter_dim0(partial.detach(), group, async_op=True))
         else:
@@ -187,9 +181,11 @@ class DominoRunner:
         attention = self.block.layers[index].self_attention
         u_full = self._gather(unit.u)
         unit.u_leaf = leaf(u_full) if build else u_full
-        qkv = domino_linear(unit.u_leaf, attention.linear_qkv.weight, attention.linear_qkv.bias)
-        unit.a = domino_linear(attention.attend(qkv, rotary), attention.linear_proj.weight)
-        self._reduce(unit.a, pending, self.plan.batch_slices > 1)
+        sink = self.sinks[-1]
+        qkv = domino_linear(sink, unit.u_leaf, attention.linear_qkv.weight,
+                            attention.linear_qkv.bias)
+        unit.a = domino_linear(sink, attention.attend(qkv, rotary), attention.linear_proj.weight)
+        self._reduce(unit.a, pending)
 
     def _glue_mid(self, index: int, unit: _Unit, reduced_a: torch.Tensor, build: bool) -> None:
         layer = self.block.layers[index]
@@ -207,21 +203,23 @@ class DominoRunner:
         ffn_local = fc2.weight.shape[1]
         chunk = ffn_local // self.plan.hidden_slices
         unit.m_parts = []
+        sink = self.sinks[-1]
         for k in range(self.plan.hidden_slices):
             start = k * chunk
             if self.config.swiglu:
-                gate = domino_linear(unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk)
-                up = domino_linear(unit.v_leaf, fc1.weight, fc1.bias, 0, ffn_local + start, chunk)
+                gate = domino_linear(sink, unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk)
+                up = domino_linear(sink, unit.v_leaf, fc1.weight, fc1.bias, 0, ffn_local + start,
+                                   chunk)
                 act = F.silu(gate) * up
             elif self.plan.hidden_slices == 1:
-                act = mlp.activation(domino_linear(unit.v_leaf, fc1.weight, fc1.bias))
+                act = mlp.activation(domino_linear(sink, unit.v_leaf, fc1.weight, fc1.bias))
             else:
                 act = mlp.activation(
-                    domino_linear(unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk))
-            part = domino_linear(act, fc2.weight, None, 1, start, chunk)
+                    domino_linear(sink, unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk))
+            part = domino_linear(sink, act, fc2.weight, None, 1, start, chunk)
             unit.m_parts.append(part)
             if pending is not None:
-                self._reduce(part, pending, self.plan.enabled)
+                self._reduce(part, pending)
 
     # ---- forward -------------------------------------------------------------------------
     def _slice(self, t: torch.Tensor | None, start: int, size: int):
@@ -373,12 +371,12 @@ class _DominoBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, runner: DominoRunner, rotary):
         sink = WgradSink(runner.plan.batch_slices > 1)
-        active_sinks.append(sink)
+        runner.sinks.append(sink)
         try:
             with torch.enable_grad():
                 output, units, outs = runner._forward(x, rotary, build=True)
         finally:
-            active_sinks.pop()
+            runner.sinks.pop()
         ctx.runner, ctx.state = runner, (units, outs, sink)
         return output
 
@@ -386,9 +384,9 @@ class _DominoBlock(torch.autograd.Function):
     def backward(ctx, grad_output):
         runner, state = ctx.runner, ctx.state
         ctx.state = None
-        active_sinks.append(state[2])
+        runner.sinks.append(state[2])
         try:
             grad_x = runner.backward(state, grad_output.contiguous())
         finally:
-            active_sinks.pop()
+            runner.sinks.pop()
         return grad_x, None, None, None

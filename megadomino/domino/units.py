@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-active_sinks: list = []
-
 
 class WgradSink:
     """Deferred weight-gradient GEMMs and the per-parameter accumulators of one backward.
@@ -57,10 +55,10 @@ class _DominoLinear(torch.autograd.Function):
     `weight` / `bias` are detached views of `param` rows/columns starting at `start` on `dim`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, param, dim, start, bias_param):
+    def forward(ctx, sink, x, weight, bias, param, dim, start, bias_param):
         ctx.save_for_backward(x, weight)
         ctx.param, ctx.dim, ctx.start, ctx.bias_param = param, dim, start, bias_param
-        ctx.sink = active_sinks[-1]
+        ctx.sink = sink
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -78,17 +76,19 @@ class _DominoLinear(torch.autograd.Function):
                 sink.add(bias_param, grad_2d.sum(0, dtype=torch.float32), 0, start)
 
         sink.deferred.append(weight_grads)
-        return grad_x, None, None, None, None, None, None
+        return None, grad_x, None, None, None, None, None, None
 
 
-def domino_linear(x, param, bias_param=None, dim: int | None = None, start: int = 0,
-            length: int | None = None):
+def domino_linear(sink: WgradSink, x, param, bias_param=None, dim: int | None = None,
+                  start: int = 0, length: int | None = None):
+    """x @ param^T (+ bias) whose weight-gradient GEMMs queue on `sink` (the runner's current
+    one: a forward re-run inside backward, for recompute, queues on the backward's)."""
     weight, bias = param.detach(), None if bias_param is None else bias_param.detach()
     if dim is not None:
         weight = weight.narrow(dim, start, length)
         if bias is not None:
             bias = bias.narrow(0, start, length)
-    return _DominoLinear.apply(x, weight, bias, param, dim, start, bias_param)
+    return _DominoLinear.apply(sink, x, weight, bias, param, dim, start, bias_param)
 
 
 class Pending:

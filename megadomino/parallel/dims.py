@@ -14,7 +14,6 @@ defaults to LOCAL_WORLD_SIZE and may be set smaller so that one host stands in f
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,9 @@ from megadomino.config import ConfigError
 class ParallelDims:
     """Create after `torch.distributed.init_process_group`; every rank must construct it alike.
     timeout: how long the groups' collectives wait for a silent rank (None: torch's default for
-    new groups, not the world group's; the launcher passes --distributed-timeout-minutes)."""
+    new groups, not the world group's; the launcher passes --distributed-timeout-minutes).
+    gpus_per_node: ranks per node (consecutive ranks share a node); None: the whole world is one
+    node. The launcher passes torchrun's LOCAL_WORLD_SIZE (or --gpus-per-node)."""
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None,
                  gpus_per_node: int | None = None, timeout: datetime.timedelta | None = None):
@@ -36,13 +37,17 @@ class ParallelDims:
         if dp is None:
             dp = world // (tp * pp) if tp >= 1 and pp >= 1 and world % (tp * pp) == 0 else -1
         check_degrees(world, tp, pp, dp)
-        if gpus_per_node is None:
-            gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if gpus_per_node is None:  # one node (the launcher passes the node's process count)
+            gpus_per_node = world
         check_gpus_per_node(world, tp, gpus_per_node)
 
         self.world_size, self.rank = world, rank
         self.tp, self.pp, self.dp = tp, pp, dp
         self.gpus_per_node = gpus_per_node
+        self.rng = None
+        """The TP RNG tracker (`parallel.random.RNGStatesTracker`) that
+        `parallel.random.model_parallel_seed` makes: dropout on TP-sharded activations draws
+        from it. None until seeded."""
         self.timeout = timeout
         grid = torch.arange(world).view(pp, dp, tp)
         (self.pp_rank, self.dp_rank, self.tp_rank), = (grid == rank).nonzero().tolist()
@@ -72,23 +77,6 @@ class ParallelDims:
         self.inter_node_group = _groups_containing(rank, inter, timeout=timeout)
         self.intra_node_rank = self.dp_rank % dp_per_node
         self.inter_node_rank = self.dp_rank // dp_per_node
-
-    def tp_group_limited(self, max_ctas: int | None):
-        """A second TP group whose NCCL kernels use at most `max_ctas` thread blocks, for
-        collectives that run under compute (fewer SMs taken from the GEMMs they overlap).
-        Collective over the world (every rank must call it alike); cached per max_ctas. Without
-        NCCL, or with max_ctas None, it is the TP group itself."""
-        if not max_ctas or dist.get_backend() != "nccl":
-            return self.tp_group
-        cache = self.__dict__.setdefault("_tp_groups_limited", {})
-        if max_ctas not in cache:
-            options = dist.ProcessGroupNCCL.Options()
-            options.config.max_ctas = max_ctas
-            grid = torch.arange(self.world_size).view(self.pp, self.dp, self.tp)
-            cache[max_ctas] = _groups_containing(
-                self.rank, [grid[p, d, :] for p in range(self.pp) for d in range(self.dp)],
-                pg_options=options, timeout=self.timeout)
-        return cache[max_ctas]
 
     @property
     def is_first_rank(self) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -113,7 +112,7 @@ def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            comm_overlap: bool = False) -> torch.Tensor:
     """Functional column-parallel linear (also used by the tied output layer). With sequence
     parallelism and comm_overlap, the all-gather is fused into the GEMM (parallel.async_tp)."""
-    if sequence_parallel and comm_overlap and dist.get_world_size(group) > 1:
+    if sequence_parallel and comm_overlap and mappings.group_size(group) > 1:
         return async_tp.all_gather_matmul(x, weight, bias, group)
     return _LinearWithAsyncGradReduce.apply(x, weight, bias, group, sequence_parallel)
 

@@ -5,9 +5,10 @@ Activations are laid out `[s, b, h]`; sequence parallelism shards dim 0 (the seq
 vocabulary / hidden shards are on the last dim. All collectives run on the caller's current
 stream and are synchronous unless a function says otherwise.
 
-`no_tp_communication()` turns every collective here into a local stand-in of the same shape (the
-benchmarks' "no-communication limit": the same math with the collectives skipped). Results are
-then wrong by design; never use it for training.
+A `NoCommunication` in place of the group turns every collective here into a local stand-in of
+the same shape (the benchmarks' "no-communication limit": the same math with the collectives
+skipped; `no_tp_communication(dims)` puts one in a ParallelDims for a while). Results are then
+wrong by design; never use it for training.
 """
 
 from __future__ import annotations
@@ -19,37 +20,53 @@ import torch.distributed as dist
 
 from megadomino.parallel.compat import all_gather_single, reduce_scatter_single
 
-_skip_communication = False
+
+class NoCommunication:
+    """Stands in for a process group: the collectives here skip their communication and do a
+    local operation of the same shape (size and rank are the group's)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
 
 
 @contextlib.contextmanager
-def no_tp_communication():
-    """Skip tensor-parallel collectives (benchmarks only: the physical limit of any overlap)."""
-    global _skip_communication
-    previous, _skip_communication = _skip_communication, True
+def no_tp_communication(dims):
+    """Inside, `dims.tp_group` is a NoCommunication (benchmarks only: the physical limit of any
+    overlap, for models built on `dims`, which read the group when they run)."""
+    group, dims.tp_group = dims.tp_group, NoCommunication(dims.tp_group)
     try:
         yield
     finally:
-        _skip_communication = previous
+        dims.tp_group = group
 
 
-def communication_skipped() -> bool:
-    return _skip_communication
+def group_size(group) -> int:
+    return group.size() if isinstance(group, NoCommunication) else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return group.rank() if isinstance(group, NoCommunication) else dist.get_rank(group)
 
 
 def all_reduce(x: torch.Tensor, group, async_op: bool = False):
     """Sum over the group, in place. Returns the work handle when async_op (None if skipped)."""
-    if _skip_communication or dist.get_world_size(group) == 1:
+    if isinstance(group, NoCommunication) or group_size(group) == 1:
         return None
     return dist.all_reduce(x, group=group, async_op=async_op)
 
 
 def all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
     """Concatenate the ranks' tensors along dim 0. Returns (output, handle)."""
-    world = dist.get_world_size(group)
+    world = group_size(group)
     if world == 1:
         return x, None
-    if _skip_communication:
+    if isinstance(group, NoCommunication):
         return x.repeat(world, *([1] * (x.dim() - 1))), None
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -59,12 +76,12 @@ def all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
 
 def reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
     """Sum over the group and keep this rank's dim-0 chunk. Returns (output, handle)."""
-    world = dist.get_world_size(group)
+    world = group_size(group)
     if world == 1:
         return x, None
     if x.shape[0] % world != 0:
         raise ValueError(f"reduce-scatter along dim 0: size {x.shape[0]} not divisible by {world}")
-    if _skip_communication:
+    if isinstance(group, NoCommunication):
         return x.narrow(0, 0, x.shape[0] // world).contiguous(), None
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -74,15 +91,15 @@ def reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
 
 def split_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """This rank's chunk of dim 0 (no communication)."""
-    world = dist.get_world_size(group)
+    world = group_size(group)
     if world == 1:
         return x
-    rank = dist.get_rank(group)
+    rank = group_rank(group)
     return x.chunk(world, dim=0)[rank].contiguous()
 
 
 def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = dist.get_world_size(group)
+    world = group_size(group)
     if world == 1:
         return x
     gathered, _ = all_gather_dim0(x.movedim(-1, 0), group)
@@ -90,10 +107,10 @@ def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = dist.get_world_size(group)
+    world = group_size(group)
     if world == 1:
         return x
-    return x.chunk(world, dim=-1)[dist.get_rank(group)].contiguous()
+    return x.chunk(world, dim=-1)[group_rank(group)].contiguous()
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
@@ -221,8 +238,8 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 
 def allreduce_sequence_parallel_grads(module: torch.nn.Module, group) -> None:
     """Sum `.grad` over the TP group for parameters marked `sequence_parallel` (their gradient is
-    partial per rank: each saw only its sequence chunk). The training loop's gradient buffer does
-    the same on its fp32 buffers; this is for plain `.grad` users."""
+    partial per rank: each saw only its sequence chunk). The data-parallel engine does the same
+    on its fp32 gradients; this is for plain `.grad` users."""
     for param in module.parameters():
         if getattr(param, "sequence_parallel", False) and param.grad is not None:
             all_reduce(param.grad, group)

@@ -91,7 +91,7 @@ def model_parallel_seed(seed: int, dims) -> RNGStatesTracker:
 def tracker_of(dims) -> RNGStatesTracker:
     """The dims' tracker; if the user never seeded, one seeded from 1234 (the default generator
     is left alone)."""
-    tracker = getattr(dims, "rng", None)
+    tracker = dims.rng
     if tracker is None:
         tracker = RNGStatesTracker()
         tracker.add(MODEL_PARALLEL_RNG, 1234 + 2718 + dims.tp_rank)

@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None, family: str,
         if flag.field is not None:
             target, name = flag.field.split(".")
             fields[target][name] = value
-    train_fields = {"lr_decay_style": "linear", **fields["train"]}  # Megatron-LM's default
+    train_fields = dict(fields["train"])
     if fields["model"].get("domino_batch_slices") == "auto":
         fields["model"]["domino_batch_slices"] = 1
         train_fields["domino_auto"] = True
@@ -244,12 +244,10 @@ def validate_world(model_config: ModelConfig, train_config: TrainConfig, world_s
         raise ConfigError(
             f"--global-batch-size={global_batch} is invalid: it must be a positive multiple of "
             f"--micro-batch-size ({micro}) x data-parallel size ({dp}) = {micro * dp}")
-    zero = zero_config(model_config, train_config)
-    if zero is not None:
-        gpus = train_config.gpus_per_node or local_world_size or world_size
-        # The DP ranks of one node, as ParallelDims cuts the grid.
-        zero.check_dims(SimpleNamespace(tp=tp, gpus_per_node=gpus,
-                                        dp_per_node=max(1, min(dp, gpus // tp))))
+    gpus = train_config.gpus_per_node or local_world_size or world_size
+    # The DP ranks of one node, as ParallelDims cuts the grid.
+    zero_config(model_config, train_config).check_dims(
+        SimpleNamespace(tp=tp, gpus_per_node=gpus, dp_per_node=max(1, min(dp, gpus // tp))))
 
 
 def render_flag_table(flags: tuple[Flag, ...] = FLAGS) -> str:

@@ -253,12 +253,7 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--tp-comm-overlap", "model.tp_comm_overlap", None,
           "With --sequence-parallel: the all-gather / reduce-scatter fused into the GEMMs (torch "
           "symmetric-memory kernels, NVLink copy engines). Host-bound in eager mode: use it with "
-          "--enable-cuda-graph, where it is the fastest TP path measured (BENCHMARKS.md). The "
-          "environment variable MEGADOMINO_FUSED_COMM picks the symmetric-memory protocol: "
-          "torch (default; torch's fused ops), whole-dgrad (the column-linear backward as one "
-          "GEMM whose reduce-scatter is pulled by copy engines beside the weight-gradient GEMM) "
-          "or ours (that, and all-gathers whose barriers run beside the local GEMM); the last "
-          "two are GPU-tested and opt-in until measured at TP=4 (BENCHMARKS.md)."),
+          "--enable-cuda-graph, where it is the fastest TP path measured (BENCHMARKS.md)."),
     _impl("--enable-cuda-graph", "model.enable_cuda_graph", None,
           "Capture the transformer layers' forward + backward of a micro-batch in CUDA graphs at "
           "start-up and replay them (megadomino/models/cuda_graph.py): host launch time drops "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_utils import C, DistSuite, with_fused_comm
+from dist_utils import C, DistSuite
 from megadomino.config import ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.loop import train
@@ -77,11 +77,6 @@ def _cases() -> dict[str, tuple]:
                 for name, (dtype, rel) in DTYPES.items():
                     add(f"{family}-tp{tp}-sp{sp}-{name}", world, check_graphed_equals_eager,
                         family, dims, dtype, rel, sp)
-                if sp and tp == world:  # our symmetric-memory protocols under capture too
-                    for mode in ("whole-dgrad", "ours"):
-                        add(f"{family}-tp{tp}-sp{sp}-fp32-{mode}", world, with_fused_comm, mode,
-                            check_graphed_equals_eager, family, dims, "float32",
-                            DTYPES["fp32"][1], sp)
                 if tp < world:  # the distributed optimizer's reducer hooks too (fp32)
                     add(f"{family}-tp{tp}-sp{sp}-fp32-zero1", world, check_graphed_equals_eager,
                         family, dims, "float32", DTYPES["fp32"][1], sp, 1)

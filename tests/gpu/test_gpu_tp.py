@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from test_tp_equivalence import FAMILIES, check_model
 
-from dist_utils import C, DistSuite, with_fused_comm
+from dist_utils import C, DistSuite
 from megadomino.parallel import ParallelDims
 
 # bf16 against the fp32 TP=1 model: bf16 rounding, not TP, sets these bounds.
@@ -34,11 +34,5 @@ for family in FAMILIES:
                tp_comm_overlap=True, **FP32)
     SUITE.case(f"{family}-comm-overlap-bf16", check_model, family, True, C.ref, C.tp, False,
                tp_comm_overlap=True, **BF16)
-    # Our symmetric-memory protocols (parallel/async_tp.fused_comm_mode).
-    for mode in ("whole-dgrad", "ours"):
-        SUITE.case(f"{family}-comm-overlap-{mode}-fp32", with_fused_comm, mode, check_model,
-                   family, True, C.ref, C.tp, False, tp_comm_overlap=True, **FP32)
-        SUITE.case(f"{family}-comm-overlap-{mode}-bf16", with_fused_comm, mode, check_model,
-                   family, True, C.ref, C.tp, False, tp_comm_overlap=True, **BF16)
 
 test_gpu_tensor_parallel_matches_dense = SUITE.test()
