@@ -21,7 +21,7 @@ DTYPES = {"fp32": ("float32", 1e-5), "bf16": ("bfloat16", 2e-2)}
 
 
 def _losses(family: str, dims: ParallelDims, dtype: str, graph: bool, sp: bool,
-            zero_stage: int | None = None) -> list[float]:
+            zero_stage: int = 0) -> list[float]:
     preset = "gpt-tiny" if family == "gpt" else "llama-tiny"
     extra = {} if family == "gpt" else {"num_query_groups": 2 if dims.tp <= 2 else dims.tp}
     model_config = ModelConfig.preset(preset, **extra, hidden_dropout=0.0, attention_dropout=0.0,
@@ -36,7 +36,7 @@ def _losses(family: str, dims: ParallelDims, dtype: str, graph: bool, sp: bool,
 
 
 def check_graphed_equals_eager(family: str, dims: ParallelDims, dtype: str, rel: float,
-                               sp: bool, zero_stage: int | None = None) -> None:
+                               sp: bool, zero_stage: int = 0) -> None:
     eager = _losses(family, dims, dtype, False, sp, zero_stage)
     graphed = _losses(family, dims, dtype, True, sp, zero_stage)
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=rel, atol=0)
