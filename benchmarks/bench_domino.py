@@ -32,8 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from timeline import graphed, profile_summary  # noqa: E402
 
 from megadomino.config import ModelConfig  # noqa: E402
-from megadomino.domino.plan import DominoPlan  # noqa: E402
-from megadomino.domino.schedule import DominoRunner  # noqa: E402
 from megadomino.models.blocks import rotary_tables  # noqa: E402
 from megadomino.models.transformer import TransformerBlock  # noqa: E402
 from megadomino.parallel import ParallelDims  # noqa: E402
@@ -105,9 +103,6 @@ def make_step(module, forward, x, grad_out, params, keep_grads=False):
 
 def ours(config, dims, rotary):
     block = TransformerBlock(config, dims, device="cuda")
-    if config.domino_batch_slices == 1 and config.domino_hidden_slices == 1 and \
-            getattr(config, "_force_runner", False):
-        block.domino = DominoRunner(block, DominoPlan(1, 1))
     # the final norm is not part of a layer: time the layers only
     def forward(inp):
         if block.domino is not None:
@@ -187,8 +182,8 @@ def bench_row(row: str, args, dims) -> dict:
     for n, k in CANDIDATES:
         if n > micro_batch or ffn_local % k:
             continue
-        domino_config = config.replace(domino_batch_slices=n, domino_hidden_slices=k)
-        domino_config._force_runner = True  # (1, 1): the Domino runner without slicing
+        domino_config = config.replace(domino_batch_slices=n, domino_hidden_slices=k,
+                                       domino_explicit_backward=True)
         block, forward = ours(domino_config, dims, rotary)
         measure(f"e_domino_N{n}_K{k}", block, forward, profile=args.profile)
         del block, forward

@@ -60,6 +60,10 @@ class ModelConfig:
     """Domino: micro-slices of each layer's batch (1 = off)."""
     domino_hidden_slices: int = 1
     """Domino: chunks of the MLP's hidden dim (1 = off)."""
+    domino_explicit_backward: bool = False
+    """Run the layers through Domino's explicit schedule (each linear's weight-gradient GEMM
+    queued behind its input-gradient collective) even with one batch and one hidden slice:
+    Domino without slicing, the plan that measured fastest of Domino's (BENCHMARKS.md)."""
     fp8: str | None = None
     """FP8 GEMMs in the transformer layers' linears: None (off), 'hybrid' (e4m3 forward, e5m2
     gradients) or 'e4m3' (megadomino/parallel/fp8.py)."""
@@ -89,7 +93,17 @@ class ModelConfig:
 
     @property
     def domino_enabled(self) -> bool:
-        return self.domino_batch_slices > 1 or self.domino_hidden_slices > 1
+        return (self.domino_explicit_backward or self.domino_batch_slices > 1
+                or self.domino_hidden_slices > 1)
+
+    @property
+    def overlap(self) -> str:
+        """The one tensor-parallel overlap in effect: 'none', 'fused-sp' (--sequence-parallel
+        --tp-comm-overlap: communication fused into the GEMMs) or 'domino NxK' (batch x hidden
+        slices under Domino's schedule; '1x1' is its unsliced explicit backward)."""
+        if self.domino_enabled:
+            return f"domino {self.domino_batch_slices}x{self.domino_hidden_slices}"
+        return "fused-sp" if self.tp_comm_overlap else "none"
 
     def padded_vocab_size(self, tp: int) -> int:
         """Megatron's padding: a multiple of make_vocab_size_divisible_by * tp."""
@@ -246,6 +260,9 @@ class ModelConfig:
                                          "its own high-precision GEMMs on the layers' weights"),
                "--domino-hidden-slices": (self.domino_hidden_slices > 1, "Domino's schedule runs "
                                           "its own high-precision GEMMs on the layers' weights"),
+               "--domino-explicit-backward": (self.domino_explicit_backward, "Domino's schedule "
+                                              "runs its own high-precision GEMMs on the layers' "
+                                              "weights"),
                "--tp-comm-overlap": (self.tp_comm_overlap, "its fused all-gather / "
                                      "reduce-scatter GEMMs are high-precision"),
                "--enable-cuda-graph": (self.enable_cuda_graph, "the FP8 path is not yet "

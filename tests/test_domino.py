@@ -30,10 +30,13 @@ def domino_config(family: str, **changes):
 
 
 def check_equal(family, dims, batch_slices, hidden_slices, sequence_parallel, recompute,
-                device: str = "cpu", params_dtype: str = "float32", rel: float = REL):
-    """Domino (N, K) against plain TP, both at dims.tp in params_dtype, same full weights."""
+                device: str = "cpu", params_dtype: str = "float32", rel: float = REL,
+                explicit_backward: bool = False):
+    """Domino (N, K) against plain TP, both at dims.tp in params_dtype, same full weights
+    (`explicit_backward`: Domino's schedule even at 1 x 1)."""
     plain = domino_config(family, sequence_parallel=sequence_parallel, params_dtype=params_dtype)
-    changes = dict(domino_batch_slices=batch_slices, domino_hidden_slices=hidden_slices)
+    changes = dict(domino_batch_slices=batch_slices, domino_hidden_slices=hidden_slices,
+                   domino_explicit_backward=explicit_backward)
     if recompute:
         changes.update(recompute_granularity="full", recompute_method="uniform",
                        recompute_num_layers=1)
@@ -41,6 +44,7 @@ def check_equal(family, dims, batch_slices, hidden_slices, sequence_parallel, re
     reference = build_model(plain, dims, family, device=device)
     model = build_model(plain.replace(**changes), dims, family, device=device)
     model.load_full_state_dict(reference.full_state_dict())
+    assert (model.decoder.domino is not None) == model.config.domino_enabled
     tokens, labels, loss_mask, _ = (t.to(device) for t in batch(plain, seed=13, b=BATCH))
     with torch.no_grad():
         assert_close(model(tokens).float(), reference(tokens).float(), rel, "logits (no grad)")
@@ -133,6 +137,9 @@ for family in FAMILIES:
     for (n, k), sp in RECOMPUTE:
         SUITE.case(f"{family}-N{n}-K{k}-sp{sp}-recompute", check_equal, family, C.dims, n, k, sp,
                    True)
+    for sp, recompute in itertools.product((False, True), (False, True)):
+        SUITE.case(f"{family}-explicit-backward-sp{sp}-recompute{recompute}", check_equal,
+                   family, C.dims, 1, 1, sp, recompute, explicit_backward=True)
     SUITE.case(f"{family}-recompute-dropout", check_recompute_dropout, family, C.dims)
     SUITE.case(f"{family}-refused", check_refused, family, C.dims)
 SUITE.case("training", check_training_matches, C.dims)

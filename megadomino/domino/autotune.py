@@ -1,6 +1,6 @@
-"""`--domino-batch-slices auto`: time a few Domino plans on the model's real shapes at start-up
-and keep the fastest; plain tensor parallelism is always one of the candidates, so auto is never
-slower than plain TP (up to timing noise).
+"""`--domino` (or `--domino-batch-slices auto`): time a few Domino plans on the model's real
+shapes at start-up and keep the fastest; plain tensor parallelism and Domino's unsliced explicit
+backward are always candidates, so auto is never slower than plain TP (up to timing noise).
 
 Every rank times every candidate (forward + backward of the decoder on a random micro-batch);
 the per-candidate times are reduced with MAX over the world (the slowest rank is the step time),
@@ -26,6 +26,12 @@ def _candidates(config, tp: int, micro_batch: int) -> list[tuple[int, int, bool]
     plans = [(1, 1, False), (1, 1, True)]
     plans += [(n, k, True) for n, k in CANDIDATES[1:] if n <= micro_batch and ffn_local % k == 0]
     return plans
+
+
+def _name(n: int, k: int, runner: bool) -> str:
+    if not runner:
+        return "plain TP"
+    return "Domino unsliced (explicit backward)" if n == k == 1 else f"Domino N={n} K={k}"
 
 
 def _time(block, x, grad, rotary, warmup: int, iters: int) -> float:
@@ -62,7 +68,7 @@ def autotune_domino(model, micro_batch_size: int, log=print, warmup: int = 2,
     plans = _candidates(config, dims.tp, micro_batch_size)
     times = []
     for n, k, runner in plans:
-        block.domino = DominoRunner(block, DominoPlan(n, k)) if runner else None
+        block.domino = DominoRunner(block, DominoPlan(n, k, runner)) if runner else None
         times.append(_time(block, x, grad, rotary, warmup, iters))
     model.zero_grad(set_to_none=True)
     measured = torch.tensor(times, device=device)
@@ -72,11 +78,12 @@ def autotune_domino(model, micro_batch_size: int, log=print, warmup: int = 2,
     if dims.world_size > 1:
         dist.broadcast(choice, src=0)
     n, k, runner = plans[int(choice)]
-    block.domino = DominoRunner(block, DominoPlan(n, k)) if runner else None
+    block.domino = DominoRunner(block, DominoPlan(n, k, runner)) if runner else None
     config.domino_batch_slices, config.domino_hidden_slices = n, k
+    config.domino_explicit_backward = runner
     if dims.rank == 0:
-        rows = ", ".join(f"{'plain TP' if not r else f'N={pn} K={pk}'}: {t:.2f} ms"
+        rows = ", ".join(f"{_name(pn, pk, r)}: {t:.2f} ms"
                          for (pn, pk, r), t in zip(plans, measured.tolist()))
-        name = "plain TP" if not runner else f"batch slices {n}, hidden slices {k}"
+        name = _name(n, k, runner)
         log(f"domino auto: {name} (decoder forward+backward per micro-batch: {rows})")
     return n, k, runner

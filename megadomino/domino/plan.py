@@ -16,14 +16,17 @@ from megadomino.config import ConfigError, ModelConfig
 class DominoPlan:
     batch_slices: int = 1
     hidden_slices: int = 1
+    explicit_backward: bool = False
+    """Run Domino's schedule even unsliced (ModelConfig.domino_explicit_backward)."""
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> DominoPlan:
-        return cls(config.domino_batch_slices, config.domino_hidden_slices)
+        return cls(config.domino_batch_slices, config.domino_hidden_slices,
+                   config.domino_explicit_backward)
 
     @property
     def enabled(self) -> bool:
-        return self.batch_slices > 1 or self.hidden_slices > 1
+        return self.explicit_backward or self.batch_slices > 1 or self.hidden_slices > 1
 
     def slice_sizes(self, batch: int) -> list[int]:
         """Sizes of the batch slices for a micro-batch of `batch` sequences."""

@@ -204,7 +204,8 @@ def zero_config(model_config: ModelConfig, train_config: TrainConfig) -> ZeroCon
                           "(or --use-distributed-optimizer) with CUDA graphs")
     if config.zero_stage == 3 and (model_config.domino_enabled or config.domino_auto):
         domino = ("--domino-batch-slices auto (it may pick a Domino plan)" if config.domino_auto
-                  else "Domino (--domino, --domino-batch-slices, --domino-hidden-slices)")
+                  else "Domino (--domino, --domino-batch-slices, --domino-hidden-slices, "
+                  "--domino-explicit-backward)")
         raise ConfigError("--zero-stage 3 gathers each layer in the layer's forward hook, which "
                           f"the Domino schedule bypasses: {domino} runs with --zero-stage 1 only")
     optional = {"hpz_partition_size": config.zeropp_hpz_partition_size,

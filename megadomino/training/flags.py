@@ -243,13 +243,20 @@ FLAGS: tuple[Flag, ...] = (
           "intra/inter-node byte counts); default LOCAL_WORLD_SIZE. Smaller lets one host stand "
           "in for several nodes."),
     _ours("--domino", "model.domino_batch_slices", None,
-          "Domino overlap with 2 batch slices (same as --domino-batch-slices 2).", const=2),
+          "Domino, the plan measured best at start-up: plain TP, Domino's unsliced explicit "
+          "backward and a few (batch x hidden) slicings are timed on the real shapes, rank 0 "
+          "picks the fastest, broadcasts and prints it (same as --domino-batch-slices auto). "
+          "Measured: slicing the batch costs more than it hides; the fastest TP path is "
+          "--sequence-parallel --tp-comm-overlap --enable-cuda-graph (BENCHMARKS.md).",
+          const="auto"),
     _ours("--domino-batch-slices", "model.domino_batch_slices", _slices_or_auto,
           "Domino: slices of each layer's batch whose TP all-reduces overlap compute (1 = off). "
-          "'auto' times plain TP and a few (N, K) on the real shapes at start-up and keeps the "
-          "fastest (rank 0 decides and prints it)."),
+          "'auto': as --domino."),
     _ours("--domino-hidden-slices", "model.domino_hidden_slices", int,
           "Domino: chunks of the MLP's hidden dim (1 = off)."),
+    _ours("--domino-explicit-backward", "model.domino_explicit_backward", None,
+          "Domino's schedule without slicing: each linear's weight-gradient GEMM runs behind its "
+          "input-gradient all-reduce (the Domino plan that measured fastest)."),
     _impl("--tp-comm-overlap", "model.tp_comm_overlap", None,
           "With --sequence-parallel: the all-gather / reduce-scatter fused into the GEMMs (torch "
           "symmetric-memory kernels, NVLink copy engines). Host-bound in eager mode: use it with "
