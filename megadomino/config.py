@@ -301,35 +301,41 @@ def _check(ok: bool, flag: str, value, expected: str) -> None:
         raise ConfigError(f"{flag}={value} is invalid: it must be {expected}")
 
 
+ARCHITECTURES: dict[str, dict] = {
+    "gpt": dict(normalization="LayerNorm", swiglu=False,
+                position_embedding_type="learned_absolute", add_bias_linear=True,
+                untie_embeddings_and_output_weights=False),
+    "llama": dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                  add_bias_linear=False, untie_embeddings_and_output_weights=True),
+}
+"""What makes a model GPT-3 or Llama-2: the one definition of each family, which the presets,
+the entry scripts' defaults (FAMILY_DEFAULTS), LlamaModel's check and the Hugging Face mapping
+use."""
+
+FAMILY_DEFAULTS: dict[str, dict] = {
+    "gpt": dict(ARCHITECTURES["gpt"], hidden_dropout=0.1, attention_dropout=0.1,
+                vocab_size=50257),
+    "llama": dict(ARCHITECTURES["llama"], hidden_dropout=0.0, attention_dropout=0.0,
+                  vocab_size=32000),
+}
+"""A family's defaults beyond its architecture: what pretrain_gpt.py / pretrain_llama.py build
+when no --model-preset says otherwise."""
+
 _GPT = dict(
-    normalization="LayerNorm",
-    swiglu=False,
-    position_embedding_type="learned_absolute",
-    add_bias_linear=True,
-    untie_embeddings_and_output_weights=False,
-    hidden_dropout=0.1,
-    attention_dropout=0.1,
+    FAMILY_DEFAULTS["gpt"],
     init_method_std=0.02,
     seq_length=2048,
     max_position_embeddings=2048,
-    vocab_size=50257,
     make_vocab_size_divisible_by=128,
     norm_epsilon=1e-5,
 )
 
 _LLAMA = dict(
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
+    FAMILY_DEFAULTS["llama"],
     rotary_base=10000.0,
-    add_bias_linear=False,
-    untie_embeddings_and_output_weights=True,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
     init_method_std=0.02,
     seq_length=4096,
     max_position_embeddings=4096,
-    vocab_size=32000,
     make_vocab_size_divisible_by=128,
     norm_epsilon=1e-5,
 )

@@ -12,14 +12,9 @@ from pathlib import Path
 import pytest
 
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
-from megadomino.training.arguments import (
-    build_parser,
-    parse_args,
-    render_flag_table,
-    validate_world,
-    zero_config,
-)
+from megadomino.training.arguments import build_parser, parse_args, render_flag_table
 from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, _count
+from megadomino.validate import validate, zero_config
 from megadomino.zero import ZeroConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -486,7 +481,7 @@ def test_cuda_graph_allows_data_parallelism():
     """TP 2 x DP 2 graphed training equals eager (tests/gpu/test_gpu_cuda_graph.py)."""
     model_config, train_config, _ = parse(*NO_DROPOUT, "--tensor-model-parallel-size", "2",
                                           "--micro-batch-size", "2", "--global-batch-size", "8")
-    validate_world(model_config, train_config, 4)
+    validate(model_config, train_config, 4)
 
 
 HPZ = ("--zero-stage", "3", "--zeropp-hpz-partition-size")
@@ -501,7 +496,7 @@ HPZ = ("--zero-stage", "3", "--zeropp-hpz-partition-size")
 def test_hpz_partition_must_be_the_node(argv, world, local, named):
     model_config, train_config, _ = parse(*argv)
     with pytest.raises(ConfigError, match=f"--zeropp-hpz-partition-size={argv[3]} .*{named}"):
-        validate_world(model_config, train_config, world, local)
+        validate(model_config, train_config, world, local)
 
 
 @pytest.mark.parametrize("argv, world, local", [
@@ -511,7 +506,7 @@ def test_hpz_partition_must_be_the_node(argv, world, local, named):
     ((*HPZ, "1"), 4, 1),
 ])
 def test_hpz_partition_of_a_node_is_accepted(argv, world, local):
-    validate_world(*parse(*argv)[:2], world, local)
+    validate(*parse(*argv)[:2], world, local)
 
 
 def test_sample_based_runs_refuse_iteration_schedules():
@@ -541,13 +536,13 @@ def test_shape_validation_names_the_flag(argv, named):
 def test_world_validation_names_the_flag(argv, world, named):
     model_config, train_config, _ = parse(*argv)
     with pytest.raises(ConfigError, match=named):
-        validate_world(model_config, train_config, world)
+        validate(model_config, train_config, world)
 
 
 def test_world_validation_accepts_a_good_layout():
     model_config, train_config, _ = parse("--tensor-model-parallel-size", "2",
                                           "--micro-batch-size", "2", "--global-batch-size", "8")
-    validate_world(model_config, train_config, 4)
+    validate(model_config, train_config, 4)
 
 
 @pytest.mark.parametrize("marker, flags", [("flag-table", FLAGS),
@@ -577,7 +572,7 @@ def test_documented_commands_are_valid(script, family):
         nodes = int(launcher[launcher.index("--nnodes") + 1]) if "--nnodes" in launcher else 1
         world = nodes * int(launcher[launcher.index("--nproc_per_node") + 1])
         model_config, train_config, _ = parse_args(argv, family)
-        validate_world(model_config, train_config, world)
+        validate(model_config, train_config, world)
 
 
 def test_entry_script_exits_2_naming_a_bad_flag():

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from megadomino.config import ConfigError
-from megadomino.training.arguments import closest_flag, parse_args, zero_config
+from megadomino.training.arguments import closest_flag, parse_args
 from megadomino.training.flags import ALIAS, FLAGS, NOTICE, REFUSED
 from megadomino.training.manual_gc import ManualGC
+from megadomino.validate import zero_config
 
 VENDORED = Path(__file__).resolve().parent / "megatron_flags"
 sys.path.insert(0, str(VENDORED))

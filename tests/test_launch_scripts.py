@@ -17,8 +17,9 @@ import pytest
 
 from megadomino.config import ModelConfig
 from megadomino.interop.hf_config import hf_config_from
-from megadomino.training.arguments import parse_args, validate_world
+from megadomino.training.arguments import parse_args
 from megadomino.training.slurm_env import apply_slurm_env, expand_tasks_per_node, first_host
+from megadomino.validate import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = {"pretrain_gpt3_6.7b": ("pretrain_gpt.py", "gpt"),
@@ -148,7 +149,7 @@ def test_sbatch_dry_run_prints_torchrun_per_node(name, slurm_env):
     args = entry_args(words, entry)
     assert args[-2:] == ["--seed", "7"]
     model_config, train_config, _ = parse_args(args, family, entry == "finetune_llama.py")
-    validate_world(model_config, train_config, 16)
+    validate(model_config, train_config, 16)
 
 
 def test_finetune_flags_carry_template_and_data(slurm_env):
@@ -170,7 +171,7 @@ def test_pretrain_with_data_and_checkpoints(slurm_env):
     assert train_config.data_path == ["0.3", "/d/web", "0.7", "/d/books"]
     assert (train_config.save, train_config.load) == ("/ckpt", "/ckpt")
     assert train_config.tensor_model_parallel_size == 2 and "--mock-data" not in args
-    validate_world(model_config, train_config, 8)
+    validate(model_config, train_config, 8)
 
 
 def test_first_node_without_scontrol(slurm_env):

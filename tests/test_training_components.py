@@ -17,9 +17,9 @@ from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.data import MockDataset
-from megadomino.training.loop import batch_plan, train_iterations
 from megadomino.training.lr_schedule import LRSchedule
 from megadomino.training.metrics import num_floating_point_operations, throughput
+from megadomino.validate import batch_plan, train_iterations
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 from megadomino.zero.loss_scaler import DynamicLossScaler
 
@@ -315,6 +315,26 @@ def _case_fp16_skip_and_master(dims: ParallelDims) -> None:
     assert fresh.optimizer.optimizer.state_dict()["state"][0]["step"] == 1
 
 
+def _case_library_runs_the_validator(dims: ParallelDims) -> None:
+    """train() refuses what the command line refuses, with the same line (megadomino.validate),
+    before it builds anything: here, configs the flags would not give."""
+    from megadomino.training.loop import train
+    from megadomino.validate import validate
+
+    model = ModelConfig.preset("gpt-tiny")
+    bad = [TrainConfig(train_iters=2, mock_data=True, bf16=True, fp16=True),
+           TrainConfig(train_iters=2, mock_data=True, global_batch_size=3),
+           TrainConfig(train_iters=2, mock_data=True, min_lr=1.0, lr=0.1),
+           TrainConfig(train_iters=2, mock_data=True, zeropp_quantized_weights=True),
+           TrainConfig(train_iters=2)]
+    for config in bad:
+        with pytest.raises(ConfigError) as cli:
+            validate(model, config, dims.world_size, dims.gpus_per_node)
+        with pytest.raises(ConfigError) as library:
+            train(model, config, dims, "gpt", log=lambda line: None)
+        assert str(library.value) == str(cli.value)
+
+
 SUITE = DistSuite(worlds=(2,))
 
 
@@ -329,6 +349,7 @@ SUITE.case("unused_param", _case_unused_param, C.data_parallel)
 SUITE.case("sequence_parallel_sum", _case_sequence_parallel_sum, C.tensor_parallel)
 SUITE.case("tp_grad_norm_and_clip", _case_tp_grad_norm_and_clip, C.tensor_parallel)
 SUITE.case("fp16_skip_and_master", _case_fp16_skip_and_master, C.data_parallel)
+SUITE.case("library_runs_the_validator", _case_library_runs_the_validator, C.data_parallel)
 
 test_distributed_case = SUITE.test()
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megadomino.config import ConfigError, ModelConfig
-from megadomino.models.llama import LLAMA_ARCHITECTURE
+from megadomino.config import ARCHITECTURES, ConfigError, ModelConfig
 
 DEFAULT_ROPE_THETA = 10000.0
 """transformers' default when a config names no rope_theta."""
@@ -42,7 +41,7 @@ def model_config_from_hf(hf_config: dict[str, Any], **overrides: Any) -> ModelCo
     heads = hf_config["num_attention_heads"]
     hidden = hf_config["hidden_size"]
     fields: dict[str, Any] = dict(
-        LLAMA_ARCHITECTURE,
+        ARCHITECTURES["llama"],
         num_layers=hf_config["num_hidden_layers"],
         hidden_size=hidden,
         ffn_hidden_size=hf_config["intermediate_size"],
@@ -70,7 +69,7 @@ def hf_config_from(config: ModelConfig, dtype: str = "float32") -> dict[str, Any
 
     The RoPE base is written both at the top level and under `rope_parameters`, so that
     transformers 4.x and 5.x read the same value."""
-    for field, value in LLAMA_ARCHITECTURE.items():
+    for field, value in ARCHITECTURES["llama"].items():
         if getattr(config, field) != value:
             raise ConfigError(f"not a Llama config: {field}={getattr(config, field)!r}, HF Llama "
                               f"needs {value!r}")

@@ -14,8 +14,9 @@ from megadomino.parallel import ParallelDims
 from megadomino.training.data import build_tokenizer, build_train_valid_test_datasets
 from megadomino.training.data.sft import build_sft_datasets
 from megadomino.training.data.tokenizer import Tokenizer
-from megadomino.training.loop import ModelInit, batch_plan, train_iterations
+from megadomino.training.loop import ModelInit
 from megadomino.training.step import Dataset
+from megadomino.validate import batch_plan, train_iterations
 
 
 def run_tokenizer(model_config: ModelConfig, train_config: TrainConfig

@@ -25,8 +25,9 @@ import torch.distributed as dist
 
 from megadomino.config import ConfigError
 from megadomino.parallel import ParallelDims
-from megadomino.training.arguments import parse_args, validate_world
+from megadomino.training.arguments import parse_args
 from megadomino.training.slurm_env import apply_slurm_env
+from megadomino.validate import validate
 
 
 def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> int:
@@ -46,7 +47,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         _default_to_single_process()
         world_size = int(os.environ["WORLD_SIZE"])
         local_size = _local_world_size(world_size)
-        validate_world(model_config, train_config, world_size, local_size)
+        validate(model_config, train_config, world_size, local_size, finetune=finetune)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -42,7 +42,6 @@ from megadomino.models import build_model
 from megadomino.models.cuda_graph import capture_layers
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
-from megadomino.training.arguments import zero_config
 from megadomino.training.checkpoint import (
     TRACKER,
     CheckpointError,
@@ -62,39 +61,12 @@ from megadomino.training.step import Dataset, Stepper
 from megadomino.training.stopping import StopConditions
 from megadomino.training.tensorboard import open_writer
 from megadomino.training.timers import Timers
+from megadomino.validate import batch_plan, train_iterations, validate, zero_config
 from megadomino.zero import ZeroPlusPlus
 from megadomino.zero.optimizer import build_engine
 
 ModelInit = Callable[[ModelConfig, ParallelDims], nn.Module]
 """Builds this rank's model from the resolved config (default: `build_model` of the family)."""
-
-
-def batch_plan(config: TrainConfig, dp: int) -> tuple[int, int]:
-    """(global batch size, micro-batches per rank per iteration); ConfigError if they don't tile.
-    Pure arithmetic: call it before any collective so every rank refuses alike."""
-    mbs = config.micro_batch_size
-    if mbs < 1:
-        raise ConfigError(f"--micro-batch-size={mbs} is invalid: it must be >= 1")
-    gbs = config.global_batch_size if config.global_batch_size is not None else mbs * dp
-    if gbs < 1 or gbs % (mbs * dp) != 0:
-        raise ConfigError(
-            f"--global-batch-size={gbs} is invalid: it must be a positive multiple of "
-            f"--micro-batch-size ({mbs}) x data-parallel size ({dp}) = {mbs * dp}")
-    return gbs, gbs // (mbs * dp)
-
-
-def train_iterations(config: TrainConfig, global_batch_size: int) -> int:
-    """--train-iters, or --train-samples // global batch size."""
-    if config.train_iters is not None:
-        iters = config.train_iters
-    elif config.train_samples is not None:
-        iters = config.train_samples // global_batch_size
-    else:
-        raise ConfigError("the run length is missing: pass --train-iters or --train-samples")
-    if iters < 1:
-        raise ConfigError(f"the run has {iters} iterations: --train-iters (or --train-samples / "
-                          f"--global-batch-size) must give at least one")
-    return iters
 
 
 def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDims,
@@ -114,9 +86,13 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     `full_state_dict()` gathers them). Raises
     NonFiniteLossError (every rank) when the loss becomes NaN or infinite.
     """
+    validate(model_config, train_config, dims.world_size, dims.gpus_per_node,
+             data_given=train_data is not None)
+    _check_grid(train_config, dims)
     gbs, num_micro = batch_plan(train_config, dims.dp)
     iters = train_iterations(train_config, gbs)
-    model_config = _check_and_resolve(model_config, train_config, dims)
+    dtype = "bfloat16" if train_config.bf16 else "float16" if train_config.fp16 else "float32"
+    model_config = model_config.replace(params_dtype=dtype)
     zero = zero_config(model_config, train_config)
     schedule = LRSchedule.from_config(train_config, iters)
     writer = open_writer(train_config.tensorboard_dir, dims.rank)
@@ -244,20 +220,12 @@ def _save(config: TrainConfig, state: TrainingState, model: nn.Module,
         log(f" saved checkpoint {path} (iteration {state.iteration})")
 
 
-def _check_and_resolve(model_config: ModelConfig, train_config: TrainConfig,
-                       dims: ParallelDims) -> ModelConfig:
-    """Refuse what the loop cannot run; the model config with params_dtype from --bf16/--fp16."""
-    if train_config.bf16 and train_config.fp16:
-        raise ConfigError("--bf16 and --fp16 are exclusive: choose one")
-    if dims.pp != 1 or train_config.pipeline_model_parallel_size != 1:
-        raise ConfigError("--pipeline-model-parallel-size > 1 is not supported: use 1")
-    if train_config.tensor_model_parallel_size != dims.tp:
-        raise ConfigError(f"--tensor-model-parallel-size={train_config.tensor_model_parallel_size}"
+def _check_grid(config: TrainConfig, dims: ParallelDims) -> None:
+    """The process grid must be the one the configs describe."""
+    if config.tensor_model_parallel_size != dims.tp:
+        raise ConfigError(f"--tensor-model-parallel-size={config.tensor_model_parallel_size}"
                           f" disagrees with the process grid's tp={dims.tp}")
-    if train_config.gpus_per_node not in (None, dims.gpus_per_node):
-        raise ConfigError(f"--gpus-per-node={train_config.gpus_per_node} disagrees with the "
-                          f"process grid's gpus_per_node={dims.gpus_per_node}")
-    dtype = "bfloat16" if train_config.bf16 else "float16" if train_config.fp16 else "float32"
-    model_config = model_config.replace(params_dtype=dtype)
-    model_config.validate(tp=dims.tp)
-    return model_config
+    if config.gpus_per_node not in (None, dims.gpus_per_node):
+        raise ConfigError(f"--gpus-per-node={config.gpus_per_node} disagrees with the process "
+                          f"grid's gpus_per_node={dims.gpus_per_node}")
+
