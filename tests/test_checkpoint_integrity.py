@@ -218,3 +218,28 @@ def root(tmp_path_factory) -> tuple[str]:
 
 test_checkpoint_integrity = SUITE.test(args_fixture="root")
 test_checkpoint_corruption = CORRUPTION.test(args_fixture="root")
+
+
+def test_disk_full_names_the_file_and_the_cause(tmp_path, monkeypatch):
+    """A save onto a full disk fails with the file, the cause and the free space, not torch's
+    "unexpected pos"; nothing is left under the final name."""
+    import errno
+    import io
+
+    from megadomino.training import checkpoint_files
+
+    class Full(io.BytesIO):
+        def write(self, data) -> int:
+            if self.tell() + len(memoryview(data).cast("B")) > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(data)
+
+        def fileno(self) -> int:
+            raise AssertionError("the write failed first")
+
+    monkeypatch.setattr(checkpoint_files, "open", lambda path, mode: Full(), raising=False)
+    target = tmp_path / "mp_rank_00" / "model_optim_rng.pt"
+    with pytest.raises(CheckpointError, match=r"could not write .*model_optim_rng.pt.tmp \(No "
+                       r"space left on device; [\d.]+ GiB free"):
+        checkpoint_files.atomic_save({"weights": torch.zeros(10_000)}, target)
+    assert not target.exists()

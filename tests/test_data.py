@@ -352,6 +352,9 @@ def test_parse_data_path_and_split():
             parse_split(bad)
     with pytest.raises(ConfigError, match="--data-path"):
         parse_data_path(["0", "A", "0", "B"])
+    # a typo in one weight is named, not taken for a prefix ("0.5x.idx is missing")
+    with pytest.raises(ConfigError, match="'0.5x' stands where a blend weight goes"):
+        parse_data_path(["0.5x", "A", "0.5", "B"])
 
 
 @pytest.mark.parametrize("count", [2, 3, 5])
@@ -497,3 +500,23 @@ test_tiny_gpt_learns_from_preprocessed_corpus_at_dp2 = SUITE.test(args_fixture="
 def test_training_at_dp2_caches_its_sample_index(corpus, train_inputs):
     check_result(SUITE.results(2, *train_inputs), "train_dp2")
     assert list((corpus["folder"] / "cache").glob("*GPTDataset-train-sample_index.npy"))
+
+
+def test_train_tokenizer_bad_input_is_one_line(tmp_path, capsys):
+    """scripts/train_tokenizer.py: a missing file, a line that is not JSON, a line without the
+    key, and a vocabulary the text cannot fill each end in one `error:` line naming the file
+    (and line, or the flag), exit status 2."""
+    script = _script("train_tokenizer")
+    (tmp_path / "bad.jsonl").write_text('{"text": "hello"}\nnot json\n')
+    (tmp_path / "nokey.jsonl").write_text('{"txt": "hello"}\n')
+    (tmp_path / "small.txt").write_text("hello world\n")
+    cases = [(tmp_path / "missing.jsonl", "100", "missing.jsonl: no such file"),
+             (tmp_path / "bad.jsonl", "100", "bad.jsonl:2: not a JSON line"),
+             (tmp_path / "nokey.jsonl", "100", "nokey.jsonl:1: no 'text' field"),
+             (tmp_path / "small.txt", "100000", "a smaller --vocab-size")]
+    for path, vocab, named in cases:
+        status = script.main(["--input", str(path), "--model-prefix", str(tmp_path / "tok"),
+                              "--vocab-size", vocab])
+        err = capsys.readouterr().err
+        assert status == 2 and err.startswith("error: ") and named in err, err
+        assert err.count("\n") == 1, err

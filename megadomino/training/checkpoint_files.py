@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 
@@ -56,12 +57,19 @@ class _Checksummed:
 
     def __init__(self, file):
         self.file, self.bytes, self.crc32 = file, 0, 0
+        self.error: OSError | None = None
+        """The write error, if one happened: torch.save reports it as its own RuntimeError
+        ("unexpected pos"), which says nothing of the cause."""
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self.crc32 = zlib.crc32(view, self.crc32)
         self.bytes += view.nbytes
-        return self.file.write(view)
+        try:
+            return self.file.write(view)
+        except OSError as err:
+            self.error = err
+            raise
 
     def __getattr__(self, name: str):
         return getattr(self.file, name)
@@ -74,9 +82,18 @@ def atomic_save(obj: dict, path: Path) -> dict:
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as raw:
         file = _Checksummed(raw)
-        torch.save(obj, file)
-        raw.flush()
-        os.fsync(raw.fileno())
+        try:
+            torch.save(obj, file)
+            raw.flush()
+            os.fsync(raw.fileno())
+        except (OSError, RuntimeError) as err:
+            cause = file.error or (err if isinstance(err, OSError) else None)
+            if cause is None:
+                raise
+            free = shutil.disk_usage(path.parent).free
+            raise CheckpointError(f"could not write {temporary} ({cause.strerror or cause}; "
+                                  f"{free / 2**30:.2f} GiB free on its device): the checkpoint "
+                                  "before it is kept") from None
     os.replace(temporary, path)
     fsync_dir(path.parent)
     return {"bytes": file.bytes, "crc32": f"{file.crc32:08x}"}

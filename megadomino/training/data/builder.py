@@ -56,6 +56,12 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
     pairs = len(data_path) % 2 == 0
     weights = [_float_or_none(w) for w in data_path[0::2]] if pairs else [None]
     if any(w is None for w in weights):
+        numbers = [w for w in weights if w is not None]
+        if pairs and numbers:  # some weights parse: the others are typos, not prefixes
+            bad = next(t for t, w in zip(data_path[0::2], weights) if w is None)
+            raise ConfigError(f"--data-path {' '.join(data_path)}: {bad!r} stands where a blend "
+                              "weight goes but is not a number: give weight prefix pairs "
+                              "(e.g. 0.3 A 0.7 B)")
         return list(data_path), None
     prefixes = list(data_path[1::2])
     if any(_float_or_none(p) is not None for p in prefixes):
