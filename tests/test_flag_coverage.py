@@ -199,3 +199,25 @@ def test_manual_gc_collects_on_its_schedule(argv, collected_at, monkeypatch):
 def test_manual_gc_options_need_manual_gc(argv):
     with pytest.raises(ConfigError, match="apply to --manual-gc: add --manual-gc"):
         parse(*argv)
+
+
+PARTLY_REFUSED = [flag for flag in FLAGS if flag.choices is not None
+                  and flag.supported is not None and flag.policy != REFUSED
+                  and set(flag.choices) - set(flag.supported)]
+
+
+def test_some_flags_have_choices_partly_refused():
+    assert {"--optimizer", "--ckpt-format", "--zero-stage"} <= {f.name for f in PARTLY_REFUSED}
+
+
+@pytest.mark.parametrize("flag", PARTLY_REFUSED, ids=lambda flag: flag.name)
+def test_help_says_which_choices_are_refused(flag):
+    """--help lists the accepted and the refused choices of a flag whose choices are partly
+    refused, and parse_args agrees: every refused choice ends in a line naming the flag."""
+    refused = [c for c in flag.choices if c not in flag.supported]
+    assert f"refused: {', '.join(str(c) for c in refused)}" in flag.help, flag.help
+    assert f"Accepted: {', '.join(str(c) for c in flag.supported)};" in flag.help, flag.help
+    for choice in refused:
+        with pytest.raises(ConfigError, match=f"^{re.escape(flag.name)}={re.escape(str(choice))}"
+                                              " is refused"):
+            parse(flag.name, str(choice))

@@ -67,12 +67,21 @@ def _case_tp_then_dp(tp: int, dp: int, sequence_parallel: bool) -> None:
     _check_same_on_every_rank(history["losses"])
     assert history["skipped_iterations"] == 0
     if dist.get_rank() == 0:
-        # per log interval an iteration line and the engine's line, then the validation line
-        assert len(lines) == 2 * (ITERS // 10) + 1, lines
-        assert all("per GPU: held" in line for line in lines[1:-1:2]), lines
-        for field in ("loss", "lr", "grad norm", "ms/iter", "tokens/s", "TFLOP/s/GPU", "MFU",
-                      "peak mem"):
-            assert field in lines[0], f"{field!r} missing from the log line {lines[0]!r}"
+        # the start-up summary (4 lines), per log interval an iteration line and the engine's
+        # line, then validation's start and result lines
+        summary, log, validation = lines[:4], lines[4:-2], lines[-2:]
+        assert [line.split(":")[0] for line in summary] == [
+            " model", " parallelism", " data parallelism", " data"], summary
+        assert f"TP {tp} x PP 1 x DP {dp}" in summary[1], summary
+        assert len(log) == 2 * (ITERS // 10), lines
+        assert all("per rank: held" in line for line in log[1::2]), lines
+        assert validation[0].startswith(f" validation at iteration {ITERS}: "), validation
+        line = log[0]
+        for field in ("loss", "lr", "grad norm", "ms/iter", "tokens/s", "peak mem"):
+            assert field in line, f"{field!r} missing from the log line {line!r}"
+        on_gpu = next(history["model"].parameters()).is_cuda
+        for field in ("TFLOP/s/GPU", "MFU"):  # GPU figures: absent from a CPU run's line
+            assert (field in line) == on_gpu, line
     world = dist.get_world_size()
     reference, _ = _run(1, world, micro_batch_size=8 // world)
     _check_same_curve(history, reference)
@@ -140,7 +149,7 @@ def test_command_line_zero(monkeypatch, capsys):
             "4", "--log-interval", "2", "--zero-stage", "3", "--zeropp-quantized-weights"]
     assert main("gpt", argv) == 0
     out = capsys.readouterr().out
-    assert len(re.findall(r"^ ZeRO-3 per GPU: held .* MB inter-node$", out, re.M)) == 2, out
+    assert len(re.findall(r"^ ZeRO-3 per rank: held .* MB inter-node$", out, re.M)) == 2, out
     assert main("gpt", [*argv, "--zeropp-hpz-partition-size", "2"]) == 2
     assert "error: --zeropp-hpz-partition-size=2 is invalid" in capsys.readouterr().err
     assert not dist.is_initialized()

@@ -52,7 +52,7 @@ def build_parser(family: str, finetune: bool = False) -> argparse.ArgumentParser
         if flag.policy == ALIAS:
             continue
         kwargs: dict[str, Any] = dict(dest=flag.dest, default=None,
-                                      help=f"[{flag.policy}] {flag.text}".replace("%", "%%"))
+                                      help=flag.help.replace("%", "%%"))
         if flag.type is not None:
             kwargs.update(type=_case_insensitive(flag), choices=flag.choices,
                           metavar=flag.metavar, nargs=flag.nargs)

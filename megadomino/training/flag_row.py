@@ -56,6 +56,18 @@ class Flag:
         names = {int: "N", float: "X", slices_or_auto: "N|auto", value: "VALUE"}
         return names.get(self.type, "NAME")
 
+    @property
+    def help(self) -> str:
+        """The --help text: the policy, the text, and for choices partly refused which work and
+        which are refused (with the reason): the help says what the policy table says."""
+        text = f"[{self.policy}] {self.text}"
+        if self.supported is not None and self.choices is not None and self.policy != REFUSED:
+            refused = [str(c) for c in self.choices if c not in self.supported]
+            if refused:
+                text += (f" Accepted: {', '.join(str(c) for c in self.supported)}; refused: "
+                         f"{', '.join(refused)} ({self.unsupported}).")
+        return text
+
     def refusal(self, value: Any) -> str | None:
         """Why the flag given with `value` is refused, or None when it works."""
         if self.supported is not None and value in self.supported:

@@ -72,7 +72,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         if train_config.hf_checkpoint is not None:
             model_init = hf_model_init(train_config.hf_checkpoint)
         train(model_config, train_config, dims, family, functools.partial(print, flush=True),
-              train_data, valid_data, model_init)
+              train_data, valid_data, model_init, _data_description(train_config))
         # Every rank done before any tears down: a gloo run whose two ranks finished apart once
         # aborted at exit ("terminate called without an active exception", CI, not reproduced).
         dist.barrier()
@@ -148,3 +148,10 @@ def _init_process_group(timeout_minutes: float) -> None:
         dist.init_process_group("nccl", timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)
+
+
+def _data_description(config) -> str:
+    """The data as the flags give it, for the start-up summary."""
+    if config.mock_data:
+        return "mock data (--mock-data)"
+    return f"--data-path {' '.join(config.data_path)} (--split {config.split})"

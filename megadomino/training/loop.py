@@ -34,6 +34,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
@@ -56,9 +58,11 @@ from megadomino.training.data.mock import MockDataset
 from megadomino.training.lr_schedule import LRSchedule
 from megadomino.training.manual_gc import ManualGC
 from megadomino.training.metrics import num_floating_point_operations
+from megadomino.training.progress import Progress
 from megadomino.training.report import NonFiniteLossError, Reporter
 from megadomino.training.step import Dataset, Stepper
 from megadomino.training.stopping import StopConditions
+from megadomino.training.summary import count_parameters, startup_lines
 from megadomino.training.tensorboard import open_writer
 from megadomino.training.timers import Timers
 from megadomino.validate import batch_plan, train_iterations, validate, zero_config
@@ -72,18 +76,19 @@ ModelInit = Callable[[ModelConfig, ParallelDims], nn.Module]
 def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDims,
           family: str = "gpt", log: Callable[[str], None] = print,
           train_data: Dataset | None = None, valid_data: Dataset | None = None,
-          model_init: ModelInit | None = None) -> dict:
+          model_init: ModelInit | None = None, data_description: str | None = None) -> dict:
     """Train a `family` model ('gpt' or 'llama') as the configs say; lines go to `log` on rank 0.
 
     Without `train_data`, both datasets are `MockDataset` splits (`train_config.mock_data`);
     with it, `valid_data` None means no evaluation.
     `model_init` replaces `build_model` (say, to start from Hugging Face weights); it runs after
-    the RNGs are seeded and before `--load`. Returns per-iteration lists `losses` (DP-averaged),
-    `lrs`, `grad_norms` (nan when a step was skipped), `eval` ({iteration, loss, ppl} dicts),
-    `skipped_iterations`, the last interval's `metrics`, `exit_reason` (None, or why an early stop
-    ended the run), the final TrainingState `state`, the `model` and the `optimizer` (the
-    ZeroPlusPlus engine: at stage 3 the model's parameters are empty outside a forward, its
-    `full_state_dict()` gathers them). Raises
+    the RNGs are seeded and before `--load`. `data_description` names the data in the start-up
+    summary (default: mock data, or the dataset's type and length). Returns per-iteration lists
+    `losses` (DP-averaged), `lrs`, `grad_norms` (nan when a step was skipped), `eval`
+    ({iteration, loss, ppl} dicts), `skipped_iterations`, the last interval's `metrics`,
+    `exit_reason` (None, or why an early stop ended the run), the final TrainingState `state`,
+    the `model` and the `optimizer` (the ZeroPlusPlus engine: at stage 3 the model's parameters
+    are empty outside a forward, its `full_state_dict()` gathers them). Raises
     NonFiniteLossError (every rank) when the loss becomes NaN or infinite.
     """
     validate(model_config, train_config, dims.world_size, dims.gpus_per_node,
@@ -96,6 +101,9 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     zero = zero_config(model_config, train_config)
     schedule = LRSchedule.from_config(train_config, iters)
     writer = open_writer(train_config.tensorboard_dir, dims.rank)
+    if data_description is None:
+        data_description = ("mock data" if train_data is None else
+                            f"{type(train_data).__name__} of {len(train_data)} samples")
     train_data, valid_data = _default_data(model_config, train_config, train_data, valid_data)
 
     model_parallel_seed(train_config.seed, dims)
@@ -104,6 +112,14 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     device = next(model.parameters()).device
     if train_config.domino_auto:  # before the gradient buffer or engine hooks the parameters
         autotune_domino(model, train_config.micro_batch_size, log)
+    parameters = count_parameters(model, dims)  # whole, before ZeRO-3 partitions them
+    if dims.rank == 0:
+        for line in startup_lines(family, model_config, train_config, parameters,
+                                  world=dims.world_size, tp=dims.tp, pp=dims.pp, dp=dims.dp,
+                                  backend=dist.get_backend(), device=_device_name(device),
+                                  zero=zero, global_batch=gbs, micro_batches=num_micro,
+                                  iterations=iters, data=data_description):
+            log(line)
     state = _resume(train_config, model, dims, log)  # the weights, before the engine takes them
     engine = build_engine(model, dims, train_config, zero)
     if state.iteration > 0 and not train_config.no_load_optim:  # resumed a training run
@@ -142,8 +158,11 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
                 if evaluating and (iteration % train_config.eval_interval == 0
                                    or iteration == iters):
                     with reporter.outside_training(), manual_gc.evaluation():
+                        progress = Progress(log if dims.rank == 0 else None,
+                                            f"validation at iteration {iteration}",
+                                            train_config.eval_iters, "batches")
                         valid_loss = step.evaluate(valid_data, state.consumed_valid_samples,
-                                                   train_config.eval_iters)
+                                                   train_config.eval_iters, progress.tick)
                     state.consumed_valid_samples += train_config.eval_iters * gbs
                     reporter.validation(iteration, valid_loss)
                 interval = train_config.save_interval
@@ -229,3 +248,6 @@ def _check_grid(config: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"--gpus-per-node={config.gpus_per_node} disagrees with the process "
                           f"grid's gpus_per_node={dims.gpus_per_node}")
 
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

@@ -121,12 +121,13 @@ class Reporter:
                 self.writer.write({"train/loss": loss}, first + offset)
             scalars = {"train/lr": metrics["lr"], "train/grad_norm": metrics["grad_norm"],
                        "throughput/tokens_per_s": metrics["tokens_per_s"],
-                       "throughput/tflops_per_gpu": metrics["tflops_per_gpu"],
                        "throughput/ms_per_iter": metrics["ms_per_iter"],
                        "memory/peak_gib": metrics["peak_memory_gib"],
                        **{f"timers/{phase}_ms": metrics[f"{phase}_ms"] for phase in PHASES}}
             if scale is not None:
                 scalars["train/loss_scale"] = scale
+            if self.device.type == "cuda":
+                scalars["throughput/tflops_per_gpu"] = metrics["tflops_per_gpu"]
             scalars.update({f"zero/{key.removeprefix('zero_')}": metrics[key]
                             for key in ZERO_SCALARS})
             self.writer.write(scalars, iteration)
@@ -153,18 +154,19 @@ class Reporter:
         stage = self.zero.config.stage
         parts = ", ".join(f"{key.replace('_', ' ')} {metrics[f'zero_{key}_mib']:.1f}"
                           for key in ZERO_HELD)
-        return (f" ZeRO-{stage} per GPU: held {metrics['zero_held_mib']:.1f} MiB ({parts}), "
+        return (f" ZeRO-{stage} per rank: held {metrics['zero_held_mib']:.1f} MiB ({parts}), "
                 f"transient peak {metrics['zero_transient_peak_mib']:.1f} MiB | per iteration: "
                 f"{metrics['zero_intra_mb_per_iter']:.2f} MB intra-node, "
                 f"{metrics['zero_inter_mb_per_iter']:.2f} MB inter-node")
 
     def _line(self, iteration: int, metrics: dict, scale: float | None) -> str:
+        # TFLOP/s and MFU are GPU figures (MFU against --peak-tflops); on CPU they say nothing.
+        flops = (f"{metrics['tflops_per_gpu']:.2f} TFLOP/s/GPU | MFU {100 * metrics['mfu']:.2f}% | "
+                 if self.device.type == "cuda" else "")
         line = (f" iteration {iteration:8d}/{self.iters:8d} | loss {metrics['loss']:.6E} | "
                 f"lr {metrics['lr']:.3E} | grad norm {metrics['grad_norm']:.3f} | "
                 f"{metrics['ms_per_iter']:.1f} ms/iter | "
-                f"{metrics['tokens_per_s']:.0f} tokens/s | "
-                f"{metrics['tflops_per_gpu']:.2f} TFLOP/s/GPU | "
-                f"MFU {100 * metrics['mfu']:.2f}% | "
+                f"{metrics['tokens_per_s']:.0f} tokens/s | {flops}"
                 f"peak mem {metrics['peak_memory_gib']:.2f} GiB")
         if scale is not None:
             line += f" | loss scale {scale:.1f} | skipped {self.skipped}"

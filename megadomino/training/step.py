@@ -17,7 +17,7 @@ loss scaling and the DP reduction inside), `step()`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -99,8 +99,10 @@ class Stepper:
         return dp_mean(loss, self.dims).item()
 
     @torch.no_grad()
-    def evaluate(self, dataset: Dataset, consumed: int, iters: int) -> float:
-        """Mean loss over `iters` global batches starting at sample `consumed`, averaged over DP."""
+    def evaluate(self, dataset: Dataset, consumed: int, iters: int,
+                 progress: Callable[[int], None] | None = None) -> float:
+        """Mean loss over `iters` global batches starting at sample `consumed`, averaged over DP;
+        `progress(done)` after each batch."""
         self.model.eval()
         total = torch.zeros((), device=self.device)
         global_batch = self.num_micro * self.mbs * self.dims.dp
@@ -108,6 +110,8 @@ class Stepper:
             for micro in range(self.num_micro):
                 total += self._loss(*self._micro_batch(dataset, consumed + batch * global_batch,
                                                        micro))
+            if progress is not None:
+                progress(batch + 1)
         self.model.train()
         return dp_mean(total / (iters * self.num_micro), self.dims).item()
 
