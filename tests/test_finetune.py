@@ -177,7 +177,8 @@ def test_finetune_llama_from_hf_checkpoint(tmp_path):
     losses = [float(m.group(1)) for line in lines
               if (m := re.search(r"iteration +\d+/ +40 \| loss (\S+)", line))]
     assert len(losses) == 4 and losses[-1] < 0.65 * losses[0], lines
-    assert sum(" | loss " in line for line in lines if "validation at iteration" in line) == 2, lines
+    results = [line for line in lines if "validation at iteration" in line and " | loss " in line]
+    assert len(results) == 2, lines
     assert all("time (ms): data" in line for line in lines if "/      40 |" in line)
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
     if not with_tensorboard:
