@@ -395,6 +395,9 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    optimizer: str = "adam"
+    """'adam' (torch's AdamW) or 'sgd' (torch's SGD with `sgd_momentum`)."""
+    sgd_momentum: float = 0.9
     clip_grad: float = 1.0
     bf16: bool = False
     fp16: bool = False
@@ -450,6 +453,12 @@ class TrainConfig:
     1, naming the silent ranks where the rendezvous store can tell); Megatron-LM's default."""
     # Logging.
     tensorboard_dir: str | None = None
+    profile: bool = False
+    """--profile: profile iterations [profile_step_start, profile_step_end) (training/profiling)."""
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    use_pytorch_profiler: bool = False
     # Domino.
     domino_auto: bool = False
     """--domino-batch-slices auto: pick the Domino plan by timing at start-up."""

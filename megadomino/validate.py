@@ -64,6 +64,11 @@ def _world_rules(model_config: ModelConfig, train_config: TrainConfig, world_siz
     global_batch, _ = batch_plan(train_config, dp)
     train_iterations(train_config, global_batch)
     validate_plan(model_config, tp, train_config.micro_batch_size)
+    if train_config.profile:
+        outside = [r for r in train_config.profile_ranks if not 0 <= r < world_size]
+        if outside:
+            raise ConfigError(f"--profile-ranks {outside[0]} is invalid: ranks are 0 to "
+                              f"{world_size - 1}")
     gpus = train_config.gpus_per_node or local_world_size or world_size
     # The DP ranks of one node, as ParallelDims cuts the grid.
     zero_config(model_config, train_config).check_dims(
@@ -177,6 +182,9 @@ def _train_rules(config: TrainConfig, finetune: bool, data_given: bool) -> None:
                           f"({config.lr})]")
     if not data_given:
         _check_data(config, finetune)
+    if config.profile and config.profile_step_end <= config.profile_step_start:
+        raise ConfigError(f"--profile-step-end={config.profile_step_end} is invalid: it must be "
+                          f"> --profile-step-start ({config.profile_step_start})")
     if config.manual_gc_interval < 0:
         raise ConfigError(f"--manual-gc-interval={config.manual_gc_interval} is invalid: it "
                           "must be >= 0")

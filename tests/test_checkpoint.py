@@ -150,6 +150,10 @@ def _case_bad_checkpoints(dims: ParallelDims, root: str) -> None:
     with pytest.raises(CheckpointError, match="no optimizer state .* --no-load-optim"):
         load_optimizer_state(f"{root}/no_optim", 3, optimizer, dims)
     assert load_checkpoint(f"{root}/no_optim", model, dims).iteration == 3
+    sgd = build_engine(build_model(MODEL, dims, "gpt"), dims,
+                       dataclasses.replace(TRAIN, optimizer="sgd"), ZeroConfig(stage=0))
+    with pytest.raises(CheckpointError, match="holds AdamW state, this run's optimizer is SGD"):
+        load_optimizer_state(f"{root}/tp2", 10, sgd, dims)
 
 
 def _case_load_semantics(dims: ParallelDims, root: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -363,3 +364,46 @@ def test_hook_streams_ignore_cpu_tensors():
     assert streams._seen == {}
     streams.join("bucket")
     streams.join("never noted")
+
+
+# ---- profiling window ----------------------------------------------------------------------------
+
+
+def test_profile_window_writes_one_trace_for_its_iterations(tmp_path):
+    """--profile --use-pytorch-profiler: iterations [start, end) on the listed ranks, one Chrome
+    trace named in the log; other ranks and runs without --profile write nothing."""
+    import json
+
+    from megadomino.training.profiling import ProfileWindow
+
+    config = TrainConfig(profile=True, use_pytorch_profiler=True, profile_step_start=2,
+                         profile_step_end=4, profile_ranks=[0, 3],
+                         tensorboard_dir=str(tmp_path / "tb"))
+    for rank, expect in ((0, True), (1, False)):
+        lines: list[str] = []
+        window = ProfileWindow(config, rank, lines.append)
+        for iteration in range(1, 6):
+            window.before(iteration)
+            torch.ones(64, 64).matmul(torch.ones(64, 64))
+            window.after(iteration)
+        window.close()
+        path = tmp_path / "tb" / f"profile_rank{rank}_iters2-4.json"
+        assert path.exists() == expect, lines
+        if expect:
+            assert lines == [f" profile of iterations [2, 4) on rank 0: {path}"]
+            assert json.loads(path.read_text())["traceEvents"]
+    off = ProfileWindow(TrainConfig(), 0, print)
+    off.before(10)
+    assert off.active is None
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(profile=True, profile_step_start=5, profile_step_end=5), "--profile-step-end=5"),
+    (dict(profile=True, profile_ranks=[4]), "--profile-ranks 4 is invalid: ranks are 0 to 1"),
+])
+def test_profile_window_is_checked(fields, named):
+    from megadomino.validate import validate
+
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        validate(ModelConfig.preset("gpt-tiny"),
+                 TrainConfig(train_iters=20, mock_data=True, **fields), 2)

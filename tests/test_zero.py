@@ -228,12 +228,19 @@ def _factory(groups: list[dict]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, foreach=True, **ADAM)
 
 
+def _sgd(groups: list[dict]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=3e-2, momentum=0.9, weight_decay=0.1, foreach=True)
+
+
+FACTORIES = {"adam": _factory, "sgd": _sgd}
+
+
 def _engine(dims: ParallelDims, clip: float = 1.0, model_overrides: dict | None = None,
-            loss_scaler=None, **zero) -> ZeroPlusPlus:
+            loss_scaler=None, optimizer: str = "adam", **zero) -> ZeroPlusPlus:
     # One layer a unit unless a case says otherwise: the tiny models would otherwise be one unit
     # (ZeroConfig.unit_params), and the cases exercise the pipeline across units.
     zero.setdefault("layers_per_unit", 1)
-    return ZeroPlusPlus(_build(dims, **(model_overrides or {})), dims, _factory,
+    return ZeroPlusPlus(_build(dims, **(model_overrides or {})), dims, FACTORIES[optimizer],
                         ZeroConfig(**zero), clip_grad=clip, loss_scaler=loss_scaler)
 
 
@@ -261,14 +268,15 @@ def _dp_mean(value: float, dims: ParallelDims) -> float:
     return tensor.item() / dims.dp
 
 
-def _plain_dp(dims: ParallelDims, steps: int, num_micro: int, clip: float, **overrides):
+def _plain_dp(dims: ParallelDims, steps: int, num_micro: int, clip: float,
+              optimizer: str = "adam", **overrides):
     """Reference, written out apart from the engine (fp32 models): autograd's gradients summed
     over the micro-batches, averaged over DP (one all-reduce per parameter), sequence-parallel
     ones summed over TP, Megatron's global norm (TP shards counted on every TP rank, the rest
     once; in float64), clipping, and torch's AdamW with weight decay on 2-D parameters only."""
     model = _build(dims, **overrides)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _factory([{"params": [p for p in params if p.ndim >= 2]},
+    optimizer = FACTORIES[optimizer]([{"params": [p for p in params if p.ndim >= 2]},
                           {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}])
     history = []
     for step in range(steps):
@@ -303,22 +311,24 @@ def _plain_dp(dims: ParallelDims, steps: int, num_micro: int, clip: float, **ove
 def _case_matches_plain_dp(dims: ParallelDims, stage: int, depth: int = 2,
                            layers_per_unit: int | None = 1, unit_layers: int | None = None,
                            units: int | None = None, bucket_numel: int | None = None,
-                           **overrides) -> None:
+                           optimizer: str = "adam", **overrides) -> None:
     """Losses, grad norms (clipping active) and final weights equal plain DP to 1e-5 (fp32),
     with two micro-batches per step; at stage 3 the engine never holds all layers at once.
     `depth`: the gradient reductions' pipeline depth (ZeroConfig.reduce_pipeline_depth);
     `layers_per_unit`: ZeroConfig's; `unit_layers`: with layers_per_unit None, unit_params is
     that many layers' parameters (`units`: how many units that makes, root included);
-    `bucket_numel`: stage 0's buckets."""
+    `bucket_numel`: stage 0's buckets; `optimizer`: 'adam' or 'sgd' (momentum)."""
     steps, num_micro = 3, 2
-    reference, expected = _plain_dp(dims, steps, num_micro, clip=0.5, **overrides)
+    reference, expected = _plain_dp(dims, steps, num_micro, clip=0.5, optimizer=optimizer,
+                                    **overrides)
     layer = reference.decoder.layers[0]
     sizing = {} if unit_layers is None else {
         "unit_params": unit_layers * sum(p.numel() for p in layer.parameters()), "min_units": 1}
     if bucket_numel is not None:
         sizing["bucket_numel"] = bucket_numel
     engine = _engine(dims, clip=0.5, stage=stage, model_overrides=overrides,
-                     reduce_pipeline_depth=depth, layers_per_unit=layers_per_unit, **sizing)
+                     reduce_pipeline_depth=depth, layers_per_unit=layers_per_unit,
+                     optimizer=optimizer, **sizing)
     layers = overrides.get("num_layers", 2)
     assert len(engine.units) == (units or 1 + -(-layers // layers_per_unit))
     got = _train(engine, dims, range(steps), num_micro)
@@ -327,7 +337,8 @@ def _case_matches_plain_dp(dims: ParallelDims, stage: int, depth: int = 2,
         assert_close(result.grad_norm, want.grad_norm, 1e-5, "grad norm")
         assert want.grad_norm > 0.5  # the clip was active
     if stage in (0, 1):  # reducing every micro-batch (no no_sync) accumulates the same grads
-        eager = _train(_engine(dims, clip=0.5, stage=stage, model_overrides=overrides), dims,
+        eager = _train(_engine(dims, clip=0.5, stage=stage, model_overrides=overrides,
+                               optimizer=optimizer), dims,
                        range(steps), num_micro, sync_every_micro=True)
         for (loss, result), (want_loss, want) in zip(eager, expected):
             assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
@@ -599,6 +610,9 @@ SUITE.case("stage0_matches_dp", _case_matches_plain_dp, C.nodes, 0, num_layers=3
 SUITE.case("stage0_tp2_sp_matches_dp", _case_matches_plain_dp, C.tp_dp, 0,
            sequence_parallel=True, units=1)
 SUITE.case("stage1_matches_dp", _case_matches_plain_dp, C.nodes, 1, num_layers=4)
+for stage in (0, 1, 3):  # --optimizer sgd: torch's SGD with momentum on the same masters
+    SUITE.case(f"stage{stage}_sgd_matches_dp", _case_matches_plain_dp, C.nodes, stage,
+               optimizer="sgd", units=1 if stage == 0 else None)
 # hidden 62: a layer's 46934 elements do not divide by DP=4 (its flat buffer is padded)
 SUITE.case("stage3_matches_dp", _case_matches_plain_dp, C.nodes, 3, num_layers=4,
            hidden_size=62, num_attention_heads=2)

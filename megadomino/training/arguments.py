@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None, family: str,
              if flag.policy != ALIAS and getattr(args, flag.dest) is not None}
     for flag, value in given.items():
         allowed = RANGES.get(flag.name)
-        if allowed is not None and value not in allowed:
+        values = value if isinstance(value, list) else [value]
+        if allowed is not None and any(v not in allowed for v in values):
             kind = "an integer " if flag.type is not float else ""
             raise ConfigError(f"{flag.name}={value} is invalid: it must be {kind}{allowed}")
         reason = flag.refusal(value)

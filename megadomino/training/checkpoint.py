@@ -233,7 +233,8 @@ def _optimizer_shard(engine: ZeroPlusPlus, model: nn.Module) -> dict:
     params = {name: {key: compact(value) for key, value in entries[id(p)].items()}
               for name, p in model.named_parameters() if id(p) in entries}
     scaler = engine.loss_scaler
-    return {"params": params, "loss_scaler": None if scaler is None else scaler.state_dict()}
+    return {"params": params, "kind": engine.optimizer_kind,
+            "loss_scaler": None if scaler is None else scaler.state_dict()}
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -311,9 +312,16 @@ def load_optimizer_state(directory: str | os.PathLike, iteration: int, engine: Z
                 + ", or load the weights only with --no-load-optim or --finetune")
         if engine.sharded:
             state = _read_sharded_state(source, head_path, saved, engine, dims, manifest)
+            kind = state.get("kind", "AdamW")
         else:
             reader = _ShardReader(source, dims, engine.model, manifest)
             state = reader.optimizer_entries(engine.model)
+            kind = head["optimizer"].get("kind", "AdamW")
+        if kind != engine.optimizer_kind:  # checkpoints before --optimizer sgd hold AdamW's
+            raise CheckpointError(
+                f"{head_path} holds {kind} state, this run's optimizer is "
+                f"{engine.optimizer_kind}: resume with the --optimizer it was saved with, or "
+                "load the weights only with --no-load-optim")
     except CheckpointError as err:
         error = str(err)
     agree(error)  # before the load, whose parameter refresh is collective

@@ -36,7 +36,7 @@ _FSDP = ("read only with Megatron FSDP (--use-megatron-fsdp, refused; --zero-sta
          "parameters here)")
 _FAULTS = "fault tolerance: a failed rank ends the run (resume with --load)"
 _TRACING = "external run telemetry is not sent; progress and times are on every log line"
-_OPTIMIZER = "read only by an --optimizer other than adam, which is refused here"
+_OPTIMIZER = "read only by an --optimizer megadomino refuses (Lion, Muon)"
 _VISION = "vision models (ViT, Swin, DINO, inpainting) are not implemented"
 _RETRIEVAL = "retrieval models (ICT, biencoder, REALM) are not implemented"
 _BERT = "BERT and T5 masked-LM models and data are not implemented"
@@ -140,7 +140,7 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     *notices(("--data-parallel-sharding-strategy", "--outer-dp-sharding-strategy",
               "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype",
               "--megatron-fsdp-main-params-dtype", "--megatron-fsdp-version"), _FSDP, value),
-    *notices(("--lion-beta1", "--lion-beta2", "--sgd-momentum", "--muon-coefficient-type",
+    *notices(("--lion-beta1", "--lion-beta2", "--muon-coefficient-type",
               "--muon-extra-scale-factor", "--muon-fp32-matmul-prec", "--muon-momentum",
               "--muon-num-ns-steps", "--muon-scalar-optimizer", "--muon-scale-mode",
               "--muon-tp-mode"), _OPTIMIZER, value),
@@ -158,8 +158,6 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
           "Megatron-LM's second spelling of --no-manual-gc-eval."),
     notice("--no-log-loss-scale-to-tensorboard",
            "with --tensorboard-dir the loss scale is always written"),
-    *notices(("--use-pytorch-profiler",), "no profiler trace is written"),
-    Flag("--profile-ranks", NOTICE, "no profiler trace is written", type=value, nargs="+"),
     # Fault tolerance, telemetry, debugging: notices.
     *notices(("--adlr-autoresume", "--enable-ft-package", "--calc-ft-timeouts",
               "--inprocess-restart", "--inprocess-empty-cuda-cache"), _FAULTS),

@@ -58,6 +58,7 @@ from megadomino.training.data.mock import MockDataset
 from megadomino.training.lr_schedule import LRSchedule
 from megadomino.training.manual_gc import ManualGC
 from megadomino.training.metrics import num_floating_point_operations
+from megadomino.training.profiling import ProfileWindow
 from megadomino.training.progress import Progress
 from megadomino.training.report import NonFiniteLossError, Reporter
 from megadomino.training.step import Dataset, Stepper
@@ -140,12 +141,15 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
 
     evaluating = (valid_data is not None and train_config.eval_iters > 0
                   and train_config.eval_interval > 0)
+    profile = ProfileWindow(train_config, dims.rank, log)
     try:
         with StopConditions(train_config, device) as stop, ManualGC(train_config) as manual_gc:
             for iteration in range(state.iteration + 1, iters + 1):
                 lr = schedule(state.scheduler_steps)
                 engine.set_lr(lr)
+                profile.before(iteration)
                 loss, result = step.train(train_data, state.consumed_train_samples)
+                profile.after(iteration)
                 state.iteration = iteration
                 state.consumed_train_samples += gbs
                 state.scheduler_steps += not result.skipped
@@ -177,6 +181,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
                         log(f" stopping: {reason}")
                     break
     finally:
+        profile.close()
         if writer is not None:
             writer.close()
     return history

@@ -140,7 +140,8 @@ class ZeroPlusPlus:
     def state_dict(self) -> dict:
         """This rank's shard: optimizer state, fp32 masters (the weights), loss scaler, layout.
         Tensors are references: serialize before the next step."""
-        return {"layout": self._layout(), **self.optimizer.state_dict()}
+        return {"layout": self._layout(), "kind": self.optimizer_kind,
+                **self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Load this rank's shard (saved by the same DP rank of the same layout), then refresh the
@@ -151,6 +152,12 @@ class ZeroPlusPlus:
         self.params.release_all()
         self.optimizer.load_state_dict(state)
         self.params.refresh()
+
+    @property
+    def optimizer_kind(self) -> str:
+        """The torch optimizer's class name ('AdamW', 'SGD'): a checkpoint's state loads only
+        into the same kind."""
+        return type(self.optimizer.optimizer).__name__
 
     @property
     def sharded(self) -> bool:
@@ -250,20 +257,25 @@ def layout_mismatch(saved: dict, mine: dict) -> str:
             "--zero-layers-per-unit 1)")
 
 
-def adamw_factory(config: TrainConfig, on_cuda: bool) -> OptimizerFactory:
-    """torch's AdamW with the run's hyper-parameters: the fused kernel on CUDA, foreach on CPU."""
+def optimizer_factory(config: TrainConfig, on_cuda: bool) -> OptimizerFactory:
+    """The run's optimizer (--optimizer) with its hyper-parameters: torch's AdamW (the fused
+    kernel on CUDA, foreach on CPU) or torch's SGD with momentum (foreach). The engine's groups
+    set weight decay 0 for 1-D parameters."""
+    if config.optimizer == "sgd":
+        return functools.partial(torch.optim.SGD, lr=config.lr, momentum=config.sgd_momentum,
+                                 weight_decay=config.weight_decay, foreach=True)
     return functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay,
                              betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                              fused=True if on_cuda else None, foreach=None if on_cuda else True)
 
 
 def build_engine(model: nn.Module, dims, config: TrainConfig, zero: ZeroConfig) -> ZeroPlusPlus:
-    """The engine a run's configs describe: AdamW, clipping to --clip-grad, and a dynamic loss
-    scaler exactly when --fp16."""
+    """The engine a run's configs describe: the optimizer --optimizer names, clipping to
+    --clip-grad, and a dynamic loss scaler exactly when --fp16."""
     scaler = None
     if config.fp16:
         scaler = DynamicLossScaler(config.initial_loss_scale, config.min_loss_scale,
                                    config.loss_scale_window, config.hysteresis)
     on_cuda = next(model.parameters()).is_cuda
-    return ZeroPlusPlus(model, dims, adamw_factory(config, on_cuda), zero,
+    return ZeroPlusPlus(model, dims, optimizer_factory(config, on_cuda), zero,
                         clip_grad=config.clip_grad, loss_scaler=scaler)
