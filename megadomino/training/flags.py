@@ -25,6 +25,7 @@ from megadomino.training.flag_row import notice as _notice
 from megadomino.training.flag_row import ours as _ours
 from megadomino.training.flag_row import refuse as _refuse
 from megadomino.training.flag_row import slices_or_auto as _slices_or_auto
+from megadomino.training.flag_row import value as _value
 from megadomino.training.flags_megatron import MEGATRON_ROWS, MOE, PIPELINE
 
 __all__ = ["ALIAS", "FINETUNE_FLAGS", "FLAGS", "IMPLEMENTED", "NOTICE", "OURS", "RANGES",
@@ -363,6 +364,8 @@ FLAGS: tuple[Flag, ...] = (
             "twice the bytes of a bf16 reduce)"),
     _notice("--log-num-zeros-in-grad", "the count of zero gradients is not logged"),
     _notice("--log-params-norm", "the parameter norm is not logged"),
+    _notice("--tiktoken-pattern", "read only by the tiktoken tokenizer, which is not implemented",
+            _value),
     _impl("--profile", "train.profile", None,
           "Profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks: "
           "with --use-pytorch-profiler a torch.profiler Chrome trace in --tensorboard-dir (or "
@@ -399,7 +402,10 @@ FLAGS: tuple[Flag, ...] = (
              "FSDP is not implemented; --zero-stage 3 shards parameters, gradients and optimizer "
              "states over the data-parallel ranks"),
 
-    *_refuse(("--rampup-batch-size",), "batch-size ramp-up is not implemented"),
+    *_refuse(("--rampup-batch-size", "--step-batch-size-schedule"),
+             "batch-size ramp-up and schedules are not implemented: the global batch is fixed"),
+    *_refuse(("--calculate-per-token-loss",),
+             "the loss is averaged per micro-batch, not per token across micro-batches"),
     *_refuse(("--lr-decay-samples", "--lr-warmup-samples"),
              "sample-based LR schedules are not implemented: use --lr-decay-iters and "
              "--lr-warmup-iters with --train-iters"),

@@ -1,0 +1,132 @@
+"""Real launch scripts, only the entry point changed: Megatron-LM's examples and DeepSpeed-Domino's
+four scripts (their entry point and arguments are transcribed in tests/launch_scripts/argv.json,
+with the repository, commit and path of each), cut to CPU sizes (the shape, batch and length
+flags get small values; data and tokenizer flags become --mock-data), run on 2 gloo ranks under
+torchrun's environment and under the deepspeed launcher's (LOCAL_SIZE, not LOCAL_WORLD_SIZE, and
+`--local_rank=N` appended to the arguments).
+
+Scripts that need a feature another issue builds stop on exactly those refusals, each a line
+naming the flag before any process group exists; REFUSED lists them in the order parse_args
+meets them (every one, found by dropping each refused flag in turn)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_utils import free_port
+from megadomino.config import ConfigError
+from megadomino.training.arguments import parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {name: entry for name, entry in json.loads(
+    (ROOT / "tests" / "launch_scripts" / "argv.json").read_text()).items() if name[0] != "_"}
+CPU = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4",
+       "--ffn-hidden-size": "128", "--seq-length": "32", "--max-position-embeddings": "32",
+       "--kv-channels": "16", "--num-query-groups": "2", "--micro-batch-size": "1",
+       "--global-batch-size": "2", "--train-iters": "2", "--train-samples": "4",
+       "--eval-iters": "1", "--eval-interval": "2", "--save-interval": "2",
+       "--log-interval": "1", "--tensor-model-parallel-size": "2", "--vocab-size": "1000"}
+"""Flags whose values are cut to CPU size (2 ranks: TP=2)."""
+DATA = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-type", "--tokenizer-model",
+        "--data-cache-path", "--split")
+"""Flags naming data the test does not have: replaced by --mock-data."""
+REFUSED = {
+    "megatron-gpt3-175b": ["--pipeline-model-parallel-size",   # the pipeline issue
+                           "--step-batch-size-schedule"],      # the Megatron features issue
+    "megatron-llama3-8b-fp8": ["--fp8-param-gather",            # the FP8 issue
+                               "--ckpt-format",                 # the Megatron features issue:
+                               "--calculate-per-token-loss",    # torch_dist checkpoints, per-token
+                               "--lr-decay-samples",            # loss, sample-based schedules,
+                               "--lr-warmup-samples",           # layernorm-1p, decoupled LR
+                               "--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr"],
+}
+
+
+def family(name: str) -> str:
+    return "llama" if SCRIPTS[name]["entry"] == "pretrain_llama.py" else "gpt"
+
+
+def cut(argv: list[str]) -> list[str]:
+    """`argv` at CPU size, its data replaced by mock data."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in DATA:
+            i += 2
+        elif argv[i] in CPU:
+            out += [argv[i], CPU[argv[i]]]
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out + ([] if "--mock-data" in out else ["--mock-data"]) + (
+        [] if "--vocab-size" in out else ["--vocab-size", "1000"])
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == flag:
+            i += 1
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_scripts_that_need_missing_features_are_refused_for_exactly_those(name):
+    argv, refused = cut(SCRIPTS[name]["argv"]), []
+    for _ in range(20):
+        try:
+            parse_args(argv, family(name))
+            break
+        except ConfigError as err:
+            flag = re.match(r"(--[a-z0-9-]+)(=\S+)? is refused: ", str(err))
+            assert flag, f"{name}: not a refusal: {err}"
+            refused.append(flag.group(1))
+            argv = _without(argv, flag.group(1))
+    assert refused == REFUSED[name]
+
+
+RUNNABLE = sorted(set(SCRIPTS) - set(REFUSED))
+
+
+def test_every_transcribed_script_is_accounted_for():
+    assert len(SCRIPTS) >= 6 and len(RUNNABLE) >= 4
+    assert all(SCRIPTS[name]["launcher"] in ("torchrun", "deepspeed") for name in SCRIPTS)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_script_trains_under_both_launchers(name, launcher, tmp_path):
+    """2 iterations on 2 gloo ranks, launched as torchrun or the deepspeed launcher would: both
+    ranks exit 0 and rank 0 logs both iterations."""
+    script = SCRIPTS[name]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("LOCAL_WORLD_SIZE", None)
+    argv = [sys.executable, str(ROOT / script["entry"]), *cut(script["argv"])]
+    ranks = []
+    for rank in range(2):
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        rank_argv = list(argv)
+        if launcher == "deepspeed":
+            rank_env["LOCAL_SIZE"] = "2"
+            rank_argv.append(f"--local_rank={rank}")
+        else:
+            rank_env["LOCAL_WORLD_SIZE"] = "2"
+        ranks.append(subprocess.Popen(rank_argv, env=rank_env, cwd=tmp_path, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(outputs)[-4000:]
+    assert re.search(r"iteration +2/ +2 \| loss", outputs[0]), outputs[0][-3000:]
