@@ -146,6 +146,10 @@ def _case_bad_checkpoints(dims: ParallelDims, root: str) -> None:
     wide, _ = _fresh(dims, MODEL.replace(hidden_size=128))
     with pytest.raises(CheckpointError, match="hidden_size=64 differs from this run's 128"):
         load_checkpoint(f"{root}/tp2", wide, dims)
+    other_vocab, _ = _fresh(dims, MODEL.replace(vocab_size=MODEL.vocab_size + 3))
+    with pytest.raises(CheckpointError, match="vocab_size=.* the tokenizer's vocabulary: was the "
+                                              "checkpoint trained with another tokenizer"):
+        load_checkpoint(f"{root}/tp2", other_vocab, dims)
     save_checkpoint(f"{root}/no_optim", TrainingState(iteration=3), model, None, dims)
     with pytest.raises(CheckpointError, match="no optimizer state .* --no-load-optim"):
         load_optimizer_state(f"{root}/no_optim", 3, optimizer, dims)

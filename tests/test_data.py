@@ -105,7 +105,7 @@ def test_bad_index_files_are_refused(tmp_path):
         (tmp_path / f"{name}.bin").write_bytes(Path(f"{prefix}.bin").read_bytes())
         with pytest.raises(ValueError, match="MMIDIDX" if name == "magic" else "truncated"):
             IndexedDataset(str(tmp_path / name))
-    with pytest.raises(FileNotFoundError, match="missing"):
+    with pytest.raises(ConfigError, match="missing"):
         IndexedDataset(str(tmp_path / "absent"))
     with pytest.raises(ValueError, match="do not fit"):
         IndexedDatasetBuilder(str(tmp_path / "x.bin"), np.uint16).add_document([70000], [1])

@@ -477,6 +477,9 @@ def _check_config(path: Path, saved: dict, current: dict) -> None:
         fields += ("max_position_embeddings",)
     for field in fields:
         if saved.get(field) != current[field]:
+            source = f"--{field.replace('_', '-')}"
+            if field == "vocab_size":  # with --tokenizer-type the tokenizer sets it
+                source = ("--vocab-size, or the tokenizer's vocabulary: was the checkpoint "
+                          "trained with another tokenizer?")
             raise CheckpointError(f"{path}: the checkpoint's {field}={saved.get(field)!r} differs "
-                                  f"from this run's {current[field]!r} (--"
-                                  f"{field.replace('_', '-')})")
+                                  f"from this run's {current[field]!r} ({source})")

@@ -149,7 +149,7 @@ def _build_split(indexed: list[IndexedDataset], weights: list[float] | None,
     def member(k: int, samples: int) -> GPTDataset:
         tokens = int(indexed[k].sequence_lengths[ranges[k][0]:ranges[k][1]].sum())
         if tokens < seq_length + 1:
-            raise ValueError(
+            raise ConfigError(
                 f"the {split} split of {indexed[k].prefix} (documents [{ranges[k][0]}, "
                 f"{ranges[k][1]}) of {len(indexed[k])}) holds {tokens} tokens, too few for one "
                 f"sample of --seq-length {seq_length} + 1: adjust --split or add data")

@@ -73,8 +73,8 @@ class IndexedDataset:
     def __init__(self, prefix: str):
         for path in (idx_path(prefix), bin_path(prefix)):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"indexed dataset file {path} is missing (data prefix "
-                                        f"{prefix!r}: pass the path without .bin / .idx)")
+                raise ConfigError(f"indexed dataset file {path} is missing (data prefix "
+                                  f"{prefix!r}: pass the path without .bin / .idx)")
         self.prefix = prefix
         index_file = idx_path(prefix)
         with open(index_file, "rb") as stream:
