@@ -100,6 +100,8 @@ def preprocess(args: argparse.Namespace) -> list[str]:
     builders = {key: IndexedDatasetBuilder(bin_path(prefix), dtype)
                 for key, prefix in zip(args.json_keys, prefixes)}
     start, total_bytes = time.time(), 0
+    if not os.path.isfile(args.input):
+        raise ConfigError(f"--input={args.input}: no such file")
     with open(args.input, encoding="utf-8") as lines:
         for count, (encoded, size) in enumerate(_encoded(args, lines), start=1):
             if isinstance(encoded, str):

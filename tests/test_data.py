@@ -520,3 +520,20 @@ def test_train_tokenizer_bad_input_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert status == 2 and err.startswith("error: ") and named in err, err
         assert err.count("\n") == 1, err
+
+
+def test_missing_tokenizer_and_input_files_are_named(tmp_path):
+    """A tokenizer file or a preprocessing input that does not exist is one ConfigError naming
+    the flag and the path, not sentencepiece's or open()'s traceback."""
+    from megadomino.training.data.tokenizer import build_tokenizer
+
+    with pytest.raises(ConfigError, match="--tokenizer-model=.*nope.model: no such file"):
+        build_tokenizer("SentencePieceTokenizer", str(tmp_path / "nope.model"))
+    with pytest.raises(ConfigError, match="--vocab-file=.*vocab.json: no such file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                        merge_file=str(tmp_path / "merges.txt"))
+    preprocess = _script("preprocess_data")
+    with pytest.raises(ConfigError, match="--input=.*missing.jsonl: no such file"):
+        preprocess.preprocess(preprocess.parse_args(
+            ["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "o"),
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]))

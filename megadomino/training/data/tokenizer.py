@@ -21,6 +21,7 @@ by either tool trains alike:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 
@@ -198,6 +199,9 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
     def need(value, flag: str):
         if value is None:
             raise ConfigError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+        local = flag != "--tokenizer-model" or tokenizer_type != "HuggingFaceTokenizer"
+        if local and flag != "--vocab-size" and not os.path.exists(value):
+            raise ConfigError(f"{flag}={value}: no such file (--tokenizer-type {tokenizer_type})")
         return value
 
     if tokenizer_type == "SentencePieceTokenizer":
