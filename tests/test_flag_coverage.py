@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megadomino.config import ConfigError
-from megadomino.training.arguments import closest_flag, parse_args
+from megadomino.training.arguments import build_parser, closest_flag, parse_args
 from megadomino.training.flags import ALIAS, FLAGS, NOTICE, REFUSED
 from megadomino.training.manual_gc import ManualGC
 from megadomino.validate import zero_config
@@ -200,23 +200,58 @@ def test_manual_gc_options_need_manual_gc(argv):
         parse(*argv)
 
 
-PARTLY_REFUSED = [flag for flag in FLAGS if flag.choices is not None
-                  and flag.supported is not None and flag.policy != REFUSED
-                  and set(flag.choices) - set(flag.supported)]
+VALUED = [flag for flag in FLAGS if flag.policy != ALIAS
+          and (flag.choices is not None or flag.supported is not None)]
+COMPANIONS = {"--recompute-granularity=full": ("--recompute-method", "uniform",
+                                              "--recompute-num-layers", "1"),
+              "--fp8-recipe": ("--fp8-format", "hybrid"),
+              "--fp8-amax-compute-algo": ("--fp8-format", "hybrid"),
+              "--zeropp-gradient-bits": ("--zero-stage", "3", "--zeropp-quantized-gradients")}
+"""Flags (or a flag=value) that parse only beside these."""
+
+
+def _values(flag) -> list:
+    """Every choice; without choices, the accepted values and one other."""
+    if flag.choices is not None:
+        return list(flag.choices)
+    first = flag.supported[0]
+    other = first + 1 if flag.type is int else first / 2 if flag.type is float else "other"
+    return [*flag.supported, other]
 
 
 def test_some_flags_have_choices_partly_refused():
-    assert {"--optimizer", "--ckpt-format", "--zero-stage"} <= {f.name for f in PARTLY_REFUSED}
+    partly = {flag.name for flag in VALUED if flag.choices is not None
+              and flag.supported is not None and set(flag.choices) - set(flag.supported)}
+    assert {"--optimizer", "--ckpt-format", "--zero-stage"} <= partly
 
 
-@pytest.mark.parametrize("flag", PARTLY_REFUSED, ids=lambda flag: flag.name)
-def test_help_says_which_choices_are_refused(flag):
-    """--help lists the accepted and the refused choices of a flag whose choices are partly
-    refused, and parse_args agrees: every refused choice ends in a line naming the flag."""
-    refused = [c for c in flag.choices if c not in flag.supported]
-    assert f"refused: {', '.join(str(c) for c in refused)}" in flag.help, flag.help
-    assert f"Accepted: {', '.join(str(c) for c in flag.supported)};" in flag.help, flag.help
-    for choice in refused:
-        with pytest.raises(ConfigError, match=f"^{re.escape(flag.name)}={re.escape(str(choice))}"
-                                              " is refused"):
-            parse(flag.name, str(choice))
+@pytest.mark.parametrize("flag", VALUED, ids=lambda flag: flag.name)
+def test_help_says_what_parse_args_accepts_and_refuses(flag):
+    """Each value of a flag with choices or with refused values: --help shows it in the usage
+    (metavar) when parse_args takes it, and names it refused, with the reason, when parse_args
+    ends in a line refusing it."""
+    action = next(a for a in build_parser("gpt")._actions if flag.name in a.option_strings)
+    shown = action.metavar.strip("{}").split(",") if flag.choices is not None else None
+    for value in _values(flag):
+        refused = flag.refusal(value) is not None
+        if refused:
+            with pytest.raises(ConfigError, match=f"^{re.escape(flag.name)}="
+                                                  f"{re.escape(str(value))} is refused: "):
+                parse(flag.name, str(value))
+        else:
+            parse(*COMPANIONS.get(f"{flag.name}={value}", COMPANIONS.get(flag.name, ())),
+                  flag.name, str(value))
+        if shown is not None:
+            assert (str(value) in shown) != refused, (value, action.metavar)
+        if flag.supported is None:
+            assert "refused" not in action.help, action.help
+        elif flag.policy == REFUSED:
+            assert action.help.endswith(f"(accepted at "
+                                        f"{', '.join(map(str, flag.supported))})"), action.help
+        elif refused and flag.choices is not None:
+            names = [str(c) for c in flag.choices if flag.refusal(c) is not None]
+            assert f"; refused: {', '.join(names)} ({flag.unsupported})." in action.help
+            assert str(value) in names
+        elif refused:
+            assert f"Values other than {', '.join(map(str, flag.supported))} are refused: " \
+                f"{flag.unsupported}." in action.help, action.help

@@ -160,10 +160,8 @@ def render_flag_table(flags: tuple[Flag, ...] = FLAGS) -> str:
         notes = flag.text
         if flag.name in RANGES:
             notes += f" Range: {RANGES[flag.name]}."
-        if flag.supported is not None:
-            values = ", ".join(str(v) for v in flag.supported)
-            notes += (f" (accepted at {values})" if flag.policy == REFUSED
-                      else f" Values other than {values} are refused: {flag.unsupported}.")
+        if flag.values_note:
+            notes += f" {flag.values_note}"
         rows.append(f"| {usage} | {flag.policy} | {sets} | {notes} |")
     return "\n".join(rows) + "\n"
 

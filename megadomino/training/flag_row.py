@@ -49,8 +49,9 @@ class Flag:
 
     @property
     def metavar(self) -> str:
-        if self.choices is not None:
-            return "{" + ",".join(str(c) for c in self.choices) + "}"
+        if self.choices is not None:  # the usage line shows only the choices that work
+            shown = self.choices if self.supported is None else self.supported
+            return "{" + ",".join(str(c) for c in shown) + "}"
         if self.type is None:
             return "..." if self.policy == REFUSED else ""
         names = {int: "N", float: "X", slices_or_auto: "N|auto", value: "VALUE"}
@@ -58,15 +59,22 @@ class Flag:
 
     @property
     def help(self) -> str:
-        """The --help text: the policy, the text, and for choices partly refused which work and
-        which are refused (with the reason): the help says what the policy table says."""
-        text = f"[{self.policy}] {self.text}"
-        if self.supported is not None and self.choices is not None and self.policy != REFUSED:
-            refused = [str(c) for c in self.choices if c not in self.supported]
-            if refused:
-                text += (f" Accepted: {', '.join(str(c) for c in self.supported)}; refused: "
-                         f"{', '.join(refused)} ({self.unsupported}).")
-        return text
+        """The --help text: the policy, the text and the values note."""
+        return " ".join(filter(None, (f"[{self.policy}] {self.text}", self.values_note)))
+
+    @property
+    def values_note(self) -> str:
+        """Which values work and which are refused, with the reason; '' when every value the
+        flag parses works. --help and docs/flags.md both say it."""
+        if self.supported is None:
+            return ""
+        accepted = ", ".join(str(v) for v in self.supported)
+        if self.policy == REFUSED:
+            return f"(accepted at {accepted})"
+        if self.choices is None:
+            return f"Values other than {accepted} are refused: {self.unsupported}."
+        refused = ", ".join(str(c) for c in self.choices if c not in self.supported)
+        return f"Accepted: {accepted}; refused: {refused} ({self.unsupported})."
 
     def refusal(self, value: Any) -> str | None:
         """Why the flag given with `value` is refused, or None when it works."""
