@@ -34,7 +34,7 @@ def run(args, tp: int, sequence_parallel: bool, variant: str) -> dict:
            "--global-batch-size", str(args.micro_batch_size * args.accumulation * args.dp),
            "--train-iters", str(args.iters), "--lr", "1e-4", "--lr-warmup-iters", "2",
            "--log-interval", str(args.log_interval), "--eval-interval", "100000",
-           "--eval-iters", "1", "--seq-length", str(args.seq_length)]
+           "--eval-iters", "1", "--seq-length", str(args.seq_length), "--peak-tflops", "989"]
     if args.num_layers:
         cmd += ["--num-layers", str(args.num_layers)]
     if sequence_parallel:

@@ -411,8 +411,9 @@ class TrainConfig:
     eval_iters: int = 100
     mock_data: bool = False
     data_path: list[str] = field(default_factory=list)
-    peak_tflops: float = 989.0
-    """Per-GPU dense bf16 peak used for MFU (H100/H200 SXM: 989)."""
+    peak_tflops: float | None = None
+    """Per-GPU peak TFLOP/s MFU is measured against; None: the GPU's dense bf16 peak where
+    training.metrics.PEAK_BF16_TFLOPS knows it, else no MFU."""
     gpus_per_node: int | None = None
     ddp_bucket_size: int = 25_000_000
     """Elements per data-parallel all-reduce bucket (--ddp-bucket-size)."""

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,12 @@ from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.data import MockDataset
 from megadomino.training.lr_schedule import LRSchedule
-from megadomino.training.metrics import num_floating_point_operations, throughput
+from megadomino.training.metrics import (
+    num_floating_point_operations,
+    peak_tflops,
+    throughput,
+)
+from megadomino.training.report import Reporter
 from megadomino.validate import batch_plan, train_iterations
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 from megadomino.zero.loss_scaler import DynamicLossScaler
@@ -120,6 +127,42 @@ def test_throughput():
     metrics = throughput(8e12, tokens_per_iteration=4096, seconds_per_iteration=2.0,
                          world_size=4, peak_tflops=10.0)
     assert metrics == pytest.approx({"tflops_per_gpu": 1.0, "mfu": 0.1, "tokens_per_s": 2048.0})
+    assert "mfu" not in throughput(8e12, 4096, 2.0, 4, peak_tflops=None)
+
+
+@pytest.mark.parametrize("device_name, given, peak", [
+    ("NVIDIA H100 80GB HBM3", None, 989.0), ("NVIDIA H100 PCIe", None, 756.0),
+    ("NVIDIA H200", None, 989.0), ("NVIDIA A100-SXM4-80GB", None, 312.0),
+    ("NVIDIA L4", None, None), ("CPU", None, None), ("NVIDIA L4", 121.0, 121.0),
+    ("NVIDIA H100 80GB HBM3", 500.0, 500.0)])
+def test_peak_is_given_or_the_gpus_own(device_name, given, peak):
+    assert peak_tflops(device_name, given) == peak
+
+
+def _bench_line_pattern() -> re.Pattern:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pretrain.py"
+    spec = importlib.util.spec_from_file_location("bench_pretrain", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LINE
+
+
+@pytest.mark.parametrize("device, peak, shown", [
+    ("cuda", 989.0, ("TFLOP/s/GPU", "MFU")), ("cuda", None, ("TFLOP/s/GPU",)), ("cpu", 989.0, ())])
+def test_iteration_line_has_the_figures_that_mean_something(device, peak, shown):
+    """TFLOP/s on a GPU only, MFU on a GPU whose peak is known; the CUDA line with both is what
+    benchmarks/bench_pretrain.py parses."""
+    reporter = Reporter.__new__(Reporter)  # _line reads only these
+    reporter.device, reporter.iters, reporter.skipped = torch.device(device), 10, 0
+    metrics = throughput(3.956e14, 8192, 0.5, world_size=8, peak_tflops=peak)  # 98.9 TFLOP/s
+    metrics.update(loss=2.5, lr=1e-4, grad_norm=1.0, ms_per_iter=500.0, peak_memory_gib=3.0,
+                   data_ms=1.0, forward_ms=2.0, backward_ms=3.0, optimizer_ms=4.0)
+    line = reporter._line(5, metrics, None)
+    for field in ("TFLOP/s/GPU", "MFU"):
+        assert (field in line) == (field in shown), line
+    if len(shown) == 2:
+        match = _bench_line_pattern().search(line)
+        assert match is not None and match.groups()[5:7] == ("98.90", "10.00"), line
 
 
 # ---- mock data and batch arithmetic ------------------------------------------------------------

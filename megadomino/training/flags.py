@@ -241,7 +241,8 @@ FLAGS: tuple[Flag, ...] = (
           "Start from a named architecture (megadomino.config.PRESETS); explicit shape flags "
           "override its fields."),
     _ours("--peak-tflops", "train.peak_tflops", float,
-          "Per-GPU peak TFLOP/s that MFU is measured against (default 989, H100/H200 bf16)."),
+          "Per-GPU peak TFLOP/s that MFU is measured against (default: the GPU's dense bf16 "
+          "peak, 989 on H100 SXM and H200, 312 on A100; on other GPUs no MFU is logged)."),
     _ours("--gpus-per-node", "train.gpus_per_node", int,
           "GPUs per node for node-aware groups (hpZ's partition, qgZ's two all-to-alls, the "
           "intra/inter-node byte counts); default LOCAL_WORLD_SIZE. Smaller lets one host stand "

@@ -57,7 +57,7 @@ from megadomino.training.checkpoint import (
 from megadomino.training.data.mock import MockDataset
 from megadomino.training.lr_schedule import LRSchedule
 from megadomino.training.manual_gc import ManualGC
-from megadomino.training.metrics import num_floating_point_operations
+from megadomino.training.metrics import num_floating_point_operations, peak_tflops
 from megadomino.training.profiling import ProfileWindow
 from megadomino.training.progress import Progress
 from megadomino.training.report import NonFiniteLossError, Reporter
@@ -137,7 +137,8 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
                "metrics": {}, "exit_reason": None, "state": state, "model": model,
                "optimizer": engine}
     reporter = Reporter(history, dims, device, log, iters, flops, gbs * model_config.seq_length,
-                        train_config.peak_tflops, timers, writer, engine)
+                        peak_tflops(_device_name(device), train_config.peak_tflops), timers,
+                        writer, engine)
 
     evaluating = (valid_data is not None and train_config.eval_iters > 0
                   and train_config.eval_interval > 0)

@@ -41,15 +41,30 @@ def num_floating_point_operations(config: ModelConfig, batch_size: int,
     return float(batch_size * s * per_token)
 
 
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+                    ("H200", 989.0), ("A100", 312.0))
+"""Dense bf16 tensor-core peak TFLOP/s per GPU (NVIDIA's data sheets), by a part of the CUDA
+device name; the first match counts."""
+
+
+def peak_tflops(device_name: str, given: float | None) -> float | None:
+    """The per-GPU peak MFU is measured against: `given` (--peak-tflops), else the GPU's dense
+    bf16 peak when PEAK_BF16_TFLOPS knows it; None (no MFU) otherwise, the CPU included."""
+    if given is not None:
+        return given
+    return next((peak for part, peak in PEAK_BF16_TFLOPS if part in device_name), None)
+
+
 def throughput(flops_per_iteration: float, tokens_per_iteration: int, seconds_per_iteration: float,
-               world_size: int, peak_tflops: float) -> dict[str, float]:
-    """TFLOP/s per GPU (Megatron: total model FLOPs / time / world size), MFU, global tokens/s."""
+               world_size: int, peak_tflops: float | None) -> dict[str, float]:
+    """TFLOP/s per GPU (Megatron: total model FLOPs / time / world size), global tokens/s, and
+    MFU when the peak is known."""
     tflops_per_gpu = flops_per_iteration / (seconds_per_iteration * world_size) / 1e12
-    return {
-        "tflops_per_gpu": tflops_per_gpu,
-        "mfu": tflops_per_gpu / peak_tflops,
-        "tokens_per_s": tokens_per_iteration / seconds_per_iteration,
-    }
+    metrics = {"tflops_per_gpu": tflops_per_gpu,
+               "tokens_per_s": tokens_per_iteration / seconds_per_iteration}
+    if peak_tflops is not None:
+        metrics["mfu"] = tflops_per_gpu / peak_tflops
+    return metrics
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -41,7 +41,7 @@ class Reporter:
 
     def __init__(self, history: dict, dims: ParallelDims, device: torch.device,
                  log: Callable[[str], None], iters: int, flops_per_iteration: float,
-                 tokens_per_iteration: int, peak_tflops: float, timers: Timers,
+                 tokens_per_iteration: int, peak_tflops: float | None, timers: Timers,
                  writer: ScalarWriter | None, zero: ZeroPlusPlus):
         self.history, self.dims, self.device, self.log = history, dims, device, log
         self.iters, self.flops = iters, flops_per_iteration
@@ -160,9 +160,11 @@ class Reporter:
                 f"{metrics['zero_inter_mb_per_iter']:.2f} MB inter-node")
 
     def _line(self, iteration: int, metrics: dict, scale: float | None) -> str:
-        # TFLOP/s and MFU are GPU figures (MFU against --peak-tflops); on CPU they say nothing.
-        flops = (f"{metrics['tflops_per_gpu']:.2f} TFLOP/s/GPU | MFU {100 * metrics['mfu']:.2f}% | "
+        # TFLOP/s is a GPU figure, MFU one against a known peak; on CPU they say nothing.
+        flops = (f"{metrics['tflops_per_gpu']:.2f} TFLOP/s/GPU | "
                  if self.device.type == "cuda" else "")
+        if flops and "mfu" in metrics:
+            flops += f"MFU {100 * metrics['mfu']:.2f}% | "
         line = (f" iteration {iteration:8d}/{self.iters:8d} | loss {metrics['loss']:.6E} | "
                 f"lr {metrics['lr']:.3E} | grad norm {metrics['grad_norm']:.3f} | "
                 f"{metrics['ms_per_iter']:.1f} ms/iter | "
