@@ -1,6 +1,6 @@
 """A run says what it is: the start-up summary's lines (pure), its parameter count against the
-dense model's at TP=2 with a padded vocabulary (2 gloo ranks), and progress lines for a long
-phase (a fake clock)."""
+dense model's at TP=2 with a padded vocabulary, logged by rank 0 only from train() (2 gloo
+ranks), and progress lines for a long phase (a fake clock)."""
 
 from __future__ import annotations
 
@@ -10,24 +10,59 @@ from dist_utils import C, DistSuite
 from megadomino.config import ModelConfig, TrainConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
+from megadomino.training.loop import train
 from megadomino.training.progress import Progress
 from megadomino.training.summary import count_parameters, startup_lines
 from megadomino.zero import ZeroConfig
 
 
+def _lines(model: ModelConfig, train_config: TrainConfig, zero: ZeroConfig, **grid) -> str:
+    world = grid.get("world", 8)
+    return "\n".join(startup_lines(
+        "llama", model, train_config, 123_456, world=world, tp=grid.get("tp", 2), pp=1,
+        dp=grid.get("dp", 4), backend="nccl", device="NVIDIA H100", zero=zero,
+        global_batch=grid.get("global_batch", 16), micro_batches=grid.get("micro_batches", 2),
+        iterations=train_config.train_iters, data="mock data"))
+
+
+def _assert_says(text: str, parts: tuple[str, ...]) -> None:
+    for part in parts:
+        assert part in text, (part, text)
+
+
 def test_startup_lines_name_what_the_run_is():
     model = ModelConfig.preset("llama-tiny", sequence_parallel=True, domino_batch_slices=2)
-    train = TrainConfig(bf16=True, micro_batch_size=2, train_iters=10, mock_data=True)
-    lines = startup_lines("llama", model, train, 123_456, world=8, tp=2, pp=1, dp=4,
-                          backend="nccl", device="NVIDIA H100", zero=ZeroConfig(stage=3),
-                          global_batch=16, micro_batches=2, iterations=10, data="mock data")
-    text = "\n".join(lines)
-    for part in ("llama, 2 layers, hidden 64", "(padded to 512)", "123.46K parameters",
-                 "8 ranks = TP 2 x PP 1 x DP 4, nccl on NVIDIA H100",
-                 "TP overlap: domino 2x1, sequence parallel", "ZeRO stage 3", "precision: bf16",
-                 "global batch 16 = micro-batch 2 x 2 micro-batches x DP 4 (1024 tokens)",
-                 "10 iterations"):
-        assert part in text, (part, text)
+    train_config = TrainConfig(bf16=True, micro_batch_size=2, train_iters=10, mock_data=True)
+    text = _lines(model, train_config, ZeroConfig(stage=3))
+    assert text.count("\n") == 3 and text.startswith(" model: llama, ")
+    _assert_says(text, (
+        "llama, 2 layers, hidden 64, 4 heads (2 key/value groups), ffn 176, seq 64, vocab 512 "
+        "(padded to 512): 123,456 parameters (123K)",
+        "8 ranks = TP 2 x PP 1 x DP 4, nccl on NVIDIA H100",
+        "TP overlap: domino 2x1; sequence parallel",
+        "ZeRO stage 3 (parameters, gradients, optimizer states and fp32 masters sharded over DP,"
+        " units of 200M parameters)", "precision: bf16",
+        "data: mock data; global batch 16 = micro-batch 2 x 2 micro-batches x DP 4 (1,024 tokens)",
+        "10 iterations"))
+
+
+def test_startup_lines_name_the_engine_options_and_the_layout():
+    model = ModelConfig.preset("llama-tiny", tp_comm_overlap=True, sequence_parallel=True,
+                               recompute_granularity="full", recompute_method="uniform",
+                               recompute_num_layers=1, fp8="hybrid")
+    train_config = TrainConfig(micro_batch_size=1, train_iters=1, mock_data=True)
+    zero = ZeroConfig(stage=1, quantized_gradients=True, gradient_bits=8, layers_per_unit=2)
+    text = _lines(model, train_config, zero, world=1, tp=1, dp=1, global_batch=1,
+                  micro_batches=1)
+    _assert_says(text, (
+        "1 rank = TP 1 x PP 1 x DP 1", "TP overlap: fused-sp; sequence parallel, recompute full "
+        "(uniform, 1 layer)", "ZeRO stage 1 (optimizer states and fp32 masters sharded over DP, "
+        "qgZ int8 gradients, blocks of 2048, 2 layers a unit)",
+        "precision: fp32, FP8 hybrid (delayed scaling)", "x 1 micro-batch x DP 1 (64 tokens); "
+        "1 iteration"))
+    plain = _lines(model, train_config, ZeroConfig(stage=0, bucket_numel=40_000_000))
+    assert "ZeRO stage 0 (plain data parallelism: all-reduce in buckets of 40M elements, " \
+        "overlapped with backward)" in plain, plain
 
 
 def test_progress_speaks_only_for_long_phases():
@@ -49,17 +84,40 @@ def test_progress_speaks_only_for_long_phases():
     Progress(None, "other ranks say nothing", 3, "batches").tick(1)
 
 
-def check_parameter_count(dims: ParallelDims, dense: ParallelDims) -> None:
-    """At TP=2 with vocabulary 301 (padded rows on one rank) and an untied output layer, the
-    count equals the TP=1 model's numel less its vocabulary padding rows (two weights of
-    hidden-size rows)."""
-    config = ModelConfig.preset("gpt-tiny", vocab_size=301,
-                                untie_embeddings_and_output_weights=True)
-    padding = (config.padded_vocab_size(1) - 301) * config.hidden_size * 2
+# ---- 2 gloo ranks ------------------------------------------------------------------------------
+
+CONFIG = ModelConfig.preset("gpt-tiny", vocab_size=301, untie_embeddings_and_output_weights=True,
+                            seq_length=16)
+"""Vocabulary 301: padded rows on one TP rank only; untied: two padded weights."""
+
+
+def _dense_count(dense: ParallelDims) -> int:
+    """The TP=1 model's numel less its vocabulary padding rows (two weights of hidden-size
+    rows)."""
+    padding = (CONFIG.padded_vocab_size(1) - CONFIG.vocab_size) * CONFIG.hidden_size * 2
     assert padding > 0
-    want = sum(p.numel() for p in build_model(config, dense, "gpt").parameters()) - padding
-    assert count_parameters(build_model(config, dims, "gpt"), dims) == want
-    assert dist.get_world_size() == 2
+    return sum(p.numel() for p in build_model(CONFIG, dense, "gpt").parameters()) - padding
+
+
+def check_parameter_count(dims: ParallelDims, dense: ParallelDims) -> None:
+    assert dist.get_world_size() == 2 and dims.tp == 2
+    assert count_parameters(build_model(CONFIG, dims, "gpt"), dims) == _dense_count(dense)
+
+
+def check_only_rank_0_says_it(dims: ParallelDims, dense: ParallelDims) -> None:
+    """train() at TP=2: rank 0 logs the summary with the dense model's count, rank 1 nothing."""
+    lines: list[str] = []
+    train_config = TrainConfig(tensor_model_parallel_size=2, micro_batch_size=2, train_iters=1,
+                               eval_iters=0, mock_data=True)
+    train(CONFIG, train_config, dims, "gpt", log=lines.append)
+    if dims.rank != 0:
+        assert lines == [], lines
+        return
+    model_line = lines[0]
+    assert model_line.startswith(" model: gpt, 2 layers, hidden 64"), lines
+    assert f": {_dense_count(dense):,} parameters (" in model_line, model_line
+    assert lines[1].startswith(" parallelism: 2 ranks = TP 2 x PP 1 x DP 1, gloo on CPU"), lines
+    assert lines[3].startswith(" data: mock data; global batch 2 = micro-batch 2 x "), lines
 
 
 SUITE = DistSuite(worlds=(2,))
@@ -71,5 +129,6 @@ def _setup(world: int) -> dict:
 
 
 SUITE.case("parameter-count", check_parameter_count, C.tp, C.dense)
+SUITE.case("only-rank-0", check_only_rank_0_says_it, C.tp, C.dense)
 
 test_run_summary = SUITE.test()

@@ -30,19 +30,40 @@ def count_parameters(model: nn.Module, dims) -> int:
     return int(total.item()) + replicated
 
 
-def _count(n: int) -> str:
+def _count(n: float) -> str:
+    """Three significant digits and a unit: 136960 -> '137K', 1.3e9 -> '1.3B'."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
+            return f"{n / size:.3g}{unit}"
+    return f"{n:g}"
+
+
+def _plural(n: int, noun: str, nouns: str | None = None) -> str:
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
 
 
 def _zero(zero: ZeroConfig) -> str:
+    """The engine's stage and the options in effect."""
     if zero.stage == 0:
-        return "ZeRO stage 0 (plain data parallelism: bucketed all-reduce during backward)"
-    options = [name for name, on in (("qwZ", zero.quantized_weights), ("hpZ", zero.hpz),
-                                     ("qgZ", zero.quantized_gradients)) if on]
-    return f"ZeRO stage {zero.stage}" + (f" with {', '.join(options)}" if options else "")
+        return (f"ZeRO stage 0 (plain data parallelism: all-reduce in buckets of "
+                f"{_count(zero.bucket_numel)} elements, overlapped with backward)")
+    sharded = ("optimizer states and fp32 masters" if zero.stage == 1
+               else "parameters, gradients, optimizer states and fp32 masters")
+    options = [f"{sharded} sharded over DP"]
+    if zero.quantized_weights:
+        options.append(f"qwZ int{zero.weight_bits} weights")
+    if zero.hpz:
+        options.append(f"hpZ secondary copy over {zero.hpz_partition_size} ranks")
+    if zero.quantized_gradients:
+        options.append(f"qgZ int{zero.gradient_bits} gradients")
+    if zero.quantized_weights or zero.quantized_gradients:
+        options.append(f"blocks of {zero.block_size}" + (
+            ", full range" if zero.quantize_full_range else ""))
+    if zero.reduce_dtype != "float32":
+        options.append(f"gradients reduced in {zero.reduce_dtype}")
+    options.append(f"{_plural(zero.layers_per_unit, 'layer')} a unit" if zero.layers_per_unit
+                   else f"units of {_count(zero.unit_params)} parameters")
+    return f"ZeRO stage {zero.stage} ({', '.join(options)})"
 
 
 def startup_lines(family: str, model: ModelConfig, train: TrainConfig, parameters: int, *,
@@ -53,21 +74,28 @@ def startup_lines(family: str, model: ModelConfig, train: TrainConfig, parameter
     precision = "bf16" if train.bf16 else "fp16 (dynamic loss scaling)" if train.fp16 else "fp32"
     if model.fp8 is not None:
         precision += f", FP8 {model.fp8} ({model.fp8_recipe} scaling) in the layers' linears"
-    layout = ["sequence parallel" if model.sequence_parallel else None,
-              "CUDA graphs" if model.enable_cuda_graph else None,
-              f"recompute {model.recompute_granularity}" if model.recompute_granularity else None]
-    overlap = model.overlap + ("".join(f", {x}" for x in layout if x))
+    overlap = model.overlap
     if train.domino_auto:
         overlap += " (--domino: the fastest plan is timed at start-up)"
+    recompute = model.recompute_granularity
+    if recompute == "full":
+        recompute += (f" ({model.recompute_method}, "
+                      f"{_plural(model.recompute_num_layers, 'layer')})")
+    layout = [x for x in ("sequence parallel" if model.sequence_parallel else None,
+                          "CUDA graphs" if model.enable_cuda_graph else None,
+                          f"recompute {recompute}" if recompute else None) if x]
+    if layout:
+        overlap += f"; {', '.join(layout)}"
     return [
         f" model: {family}, {model.num_layers} layers, hidden {model.hidden_size}, "
         f"{model.num_attention_heads} heads ({model.num_query_groups} key/value groups), "
         f"ffn {model.ffn_hidden_size}, seq {model.seq_length}, vocab {model.vocab_size} "
-        f"(padded to {model.padded_vocab_size(tp)}): {_count(parameters)} parameters",
-        f" parallelism: {world} ranks = TP {tp} x PP {pp} x DP {dp}, {backend} on {device}; "
-        f"TP overlap: {overlap}",
+        f"(padded to {model.padded_vocab_size(tp)}): {parameters:,} parameters "
+        f"({_count(parameters)})",
+        f" parallelism: {_plural(world, 'rank')} = TP {tp} x PP {pp} x DP {dp}, {backend} on "
+        f"{device}; TP overlap: {overlap}",
         f" data parallelism: {_zero(zero)}; precision: {precision}",
         f" data: {data}; global batch {global_batch} = micro-batch {train.micro_batch_size} x "
-        f"{micro_batches} micro-batches x DP {dp} ({global_batch * model.seq_length} tokens); "
-        f"{iterations} iterations",
+        f"{_plural(micro_batches, 'micro-batch', 'micro-batches')} x DP {dp} "
+        f"({global_batch * model.seq_length:,} tokens); {_plural(iterations, 'iteration')}",
     ]
