@@ -109,8 +109,9 @@ test_train_e2e = SUITE.test()
 
 
 def test_command_line_trains_on_data_path_and_resumes(tmp_path, monkeypatch, capsys):
-    """pretrain_gpt.py's main on a --data-path corpus: stops at --exit-interval after saving,
-    then --load resumes at the next iteration."""
+    """pretrain_gpt.py's main on a --data-path corpus, which the start-up summary names: stops at
+    --exit-interval after saving, then --load resumes at the next iteration; saving and loading
+    say where they start."""
     rng = np.random.default_rng(0)
     builder = IndexedDatasetBuilder(str(tmp_path / "corpus.bin"))
     for _ in range(40):
@@ -130,9 +131,12 @@ def test_command_line_trains_on_data_path_and_resumes(tmp_path, monkeypatch, cap
     assert main("gpt", [*argv, "--exit-interval", "4"]) == 0
     first = capsys.readouterr().out
     assert "no checkpoint in --load" in first and "stopping: --exit-interval=4" in first
+    assert f"\n data: --data-path {tmp_path / 'corpus'} (--split 90,10,0); " in first, first
+    saved = tmp_path / "ckpt" / "iter_0000004"
+    assert f" saving checkpoint {saved}\n saved checkpoint {saved} (iteration 4)\n" in first
     assert main("gpt", argv) == 0
     second = capsys.readouterr().out
-    assert re.search(r"loaded checkpoint .*iter_0000004 \(iteration 4\)", second), second
+    assert f" loading checkpoint {saved}\n loaded checkpoint {saved} (iteration 4)\n" in second
     iterations = [int(i) for i in re.findall(r" iteration +(\d+)/", first + second)]
     assert iterations == [2, 4, 6, 8], first + second
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "8"

@@ -48,6 +48,7 @@ from megadomino.training.checkpoint import (
     TRACKER,
     CheckpointError,
     TrainingState,
+    checkpoint_dir,
     latest_iteration,
     load_checkpoint,
     load_optimizer_state,
@@ -208,6 +209,8 @@ def _resume(config: TrainConfig, model: nn.Module, dims: ParallelDims,
     load_checkpoint); the engine's state loads once it is built."""
     if config.load is None:
         return TrainingState()
+    if dims.rank == 0 and (saved := latest_iteration(config.load)) is not None:
+        log(f" loading checkpoint {checkpoint_dir(config.load, saved)}")  # a large one: minutes
     state = load_checkpoint(config.load, model, dims, load_rng=not config.no_load_rng,
                             finetune=config.finetune, log=log)
     if state is not None:
@@ -228,6 +231,8 @@ def _save(config: TrainConfig, state: TrainingState, model: nn.Module,
     (`probe`: the last batch again) gives a finite loss. The step that produced the weights may
     have diverged though its own loss, taken before it, was finite: then NonFiniteLossError, and
     the iteration file keeps naming the last good checkpoint, which a requeued job resumes."""
+    if dims.rank == 0:  # a large checkpoint takes minutes
+        log(f" saving checkpoint {checkpoint_dir(config.save, state.iteration)}")
     path = save_checkpoint(config.save, state, model, engine, dims,
                            save_rng=not config.no_save_rng, save_optim=not config.no_save_optim,
                            promote=False)
