@@ -1,6 +1,6 @@
 """The README works as written: every Python block runs (one process, gloo without CUDA), and
-every shell command names files that exist, with the entry scripts' flags parsing and validating
-for the world the command launches (no training)."""
+every shell command, in a bash block or inline in the prose, names files that exist, with the
+entry scripts' flags parsing and validating for the world the command launches (no training)."""
 
 from __future__ import annotations
 
@@ -26,16 +26,26 @@ def _blocks(language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```$", README, re.M | re.S)
 
 
+def _words(line: str) -> list[str]:
+    words = shlex.split(line, comments=True)
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        words = words[1:]  # VAR=value prefixes
+    return words
+
+
 def _commands() -> list[list[str]]:
-    """Each shell command of the bash blocks, continuations joined, comments dropped."""
+    """Each shell command of the bash blocks, continuations joined, comments dropped; then each
+    inline one of the prose that runs a script (`torchrun ... pretrain_gpt.py ...`)."""
     commands = []
     for block in _blocks("bash"):
         for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
-                words = words[1:]  # VAR=value prefixes
-            if words:
+            if words := _words(line):
                 commands.append(words)
+    prose = re.sub(r"^```.*?^```$", "", README, flags=re.M | re.S)
+    for span in re.findall(r"`((?:torchrun|python3?|bash) [^`]+)`", prose):
+        words = _words(" ".join(span.split()))
+        if any(word.endswith((".py", ".sh")) for word in words):
+            commands.append(words)
     return commands
 
 
@@ -49,8 +59,8 @@ def test_python_blocks_run(index, tmp_path):
     script.write_text(_blocks("python")[index])
     env = {name: value for name, value in os.environ.items()
            if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
