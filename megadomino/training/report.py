@@ -4,8 +4,8 @@ Each iteration's loss and grad norm stay device tensors until a log boundary (no
 step); there the interval's losses are averaged over DP in one all-reduce, checked for NaN/inf
 (every rank sees the same DP mean, so every rank stops alike), and rank 0 logs one line and writes
 the scalars. Rank 0 adds a second line from the data-parallel engine (every ZeRO stage, 0
-included): what it holds per GPU and the bytes per training step it handed to collectives inside
-and across nodes (evaluation and checkpoint traffic left out).
+included): what it holds per GPU and, at DP > 1, the bytes per training step it handed to
+collectives inside and across nodes (evaluation and checkpoint traffic left out).
 """
 
 from __future__ import annotations
@@ -154,10 +154,12 @@ class Reporter:
         stage = self.zero.config.stage
         parts = ", ".join(f"{key.replace('_', ' ')} {metrics[f'zero_{key}_mib']:.1f}"
                           for key in ZERO_HELD)
-        return (f" ZeRO-{stage} per rank: held {metrics['zero_held_mib']:.1f} MiB ({parts}), "
-                f"transient peak {metrics['zero_transient_peak_mib']:.1f} MiB | per iteration: "
-                f"{metrics['zero_intra_mb_per_iter']:.2f} MB intra-node, "
-                f"{metrics['zero_inter_mb_per_iter']:.2f} MB inter-node")
+        line = (f" ZeRO-{stage} per rank: held {metrics['zero_held_mib']:.1f} MiB ({parts}), "
+                f"transient peak {metrics['zero_transient_peak_mib']:.1f} MiB")
+        if self.dims.dp == 1:  # no data-parallel traffic to count
+            return line
+        return (line + f" | per iteration: {metrics['zero_intra_mb_per_iter']:.2f} MB "
+                f"intra-node, {metrics['zero_inter_mb_per_iter']:.2f} MB inter-node")
 
     def _line(self, iteration: int, metrics: dict, scale: float | None) -> str:
         # TFLOP/s is a GPU figure, MFU one against a known peak; on CPU they say nothing.
