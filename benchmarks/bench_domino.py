@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from timeline import graphed, profile_summary  # noqa: E402
 
-from megadomino.config import ModelConfig  # noqa: E402
+from megadomino.config import DominoPlan, ModelConfig, ParallelConfig  # noqa: E402
 from megadomino.models.blocks import rotary_tables  # noqa: E402
 from megadomino.models.transformer import TransformerBlock  # noqa: E402
 from megadomino.parallel import ParallelDims  # noqa: E402
@@ -101,8 +101,8 @@ def make_step(module, forward, x, grad_out, params, keep_grads=False):
     return step
 
 
-def ours(config, dims, rotary):
-    block = TransformerBlock(config, dims, device="cuda")
+def ours(config, dims, rotary, parallel: ParallelConfig):
+    block = TransformerBlock(config, dims, parallel, device="cuda")
     # the final norm is not part of a layer: time the layers only
     def forward(inp):
         if block.domino is not None:
@@ -115,8 +115,8 @@ def ours(config, dims, rotary):
 
 
 def bench_row(row: str, args, dims) -> dict:
-    config, family, micro_batch = model_config(row, args.layers,
-                                               sequence_parallel=args.sequence_parallel)
+    config, family, micro_batch = model_config(row, args.layers)
+    layout = ParallelConfig(sequence_parallel=args.sequence_parallel)
     seq, hidden = config.seq_length, config.hidden_size
     local_seq = seq // dims.tp if args.sequence_parallel else seq
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -164,7 +164,7 @@ def bench_row(row: str, args, dims) -> dict:
             f"(host {host_ms / args.layers:.3f})")
 
     model_parallel_seed(1, dims)
-    block, forward = ours(config, dims, rotary)
+    block, forward = ours(config, dims, rotary, layout)
     measure("a_no_comm", block, forward, comm=False)
     measure("b_plain_tp", block, forward, profile=args.profile)
     del block, forward
@@ -172,8 +172,8 @@ def bench_row(row: str, args, dims) -> dict:
         sp_inputs = (x.detach()[: seq // dims.tp].clone().requires_grad_(),
                      grad_out[: seq // dims.tp].contiguous())
         for name, overlap in (("b_plain_tp_sp", False), ("f_sp_comm_overlap", True)):
-            sp_config = config.replace(sequence_parallel=True, tp_comm_overlap=overlap)
-            block, forward = ours(sp_config, dims, rotary)
+            sp = ParallelConfig(sequence_parallel=True, tp_comm_overlap=overlap)
+            block, forward = ours(config, dims, rotary, sp)
             if not overlap:  # the limit of the SP layout: all-gather -> repeat, RS -> slice
                 measure("a_sp_no_comm", block, forward, comm=False, inputs=sp_inputs)
             measure(name, block, forward, profile=args.profile, inputs=sp_inputs)
@@ -182,9 +182,9 @@ def bench_row(row: str, args, dims) -> dict:
     for n, k in CANDIDATES:
         if n > micro_batch or ffn_local % k:
             continue
-        domino_config = config.replace(domino_batch_slices=n, domino_hidden_slices=k,
-                                       domino_explicit_backward=True)
-        block, forward = ours(domino_config, dims, rotary)
+        domino = ParallelConfig(sequence_parallel=args.sequence_parallel,
+                                domino=DominoPlan(n, k, explicit_backward=True))
+        block, forward = ours(config, dims, rotary, domino)
         measure(f"e_domino_N{n}_K{k}", block, forward, profile=args.profile)
         del block, forward
     domino = {k: v for k, v in result["ms_per_layer"].items() if k.startswith("e_")}

@@ -28,25 +28,35 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megadomino.config import ModelConfig, TrainConfig  # noqa: E402
+from megadomino.config import (  # noqa: E402
+    Config,
+    DataConfig,
+    FP8Recipe,
+    LoggingConfig,
+    ModelConfig,
+    PrecisionConfig,
+    RuntimeConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 from megadomino.models.transformer import TransformerBlock  # noqa: E402
 from megadomino.parallel import ParallelDims  # noqa: E402
 from megadomino.training.loop import train  # noqa: E402
 
-VARIANTS = {"bf16": {}, "fp8 delayed": dict(fp8="hybrid", fp8_recipe="delayed"),
-            "fp8 tensorwise": dict(fp8="hybrid", fp8_recipe="tensorwise")}
+VARIANTS = {"bf16": None, "fp8 delayed": FP8Recipe("hybrid", "delayed"),
+            "fp8 tensorwise": FP8Recipe("hybrid", "tensorwise")}
 
 
-def layer_config(layers: int, **fp8) -> ModelConfig:
+def layer_config(layers: int) -> ModelConfig:
     """GPT-3 6.7B's layer shape (ffn 4 x 4096 = 16384), bf16 parameters, dropout 0."""
     return ModelConfig.preset("gpt3-6.7b", num_layers=layers, hidden_dropout=0.0,
-                              attention_dropout=0.0, params_dtype="bfloat16", **fp8)
+                              attention_dropout=0.0, params_dtype="bfloat16")
 
 
-def time_layers(config: ModelConfig, dims: ParallelDims, micro_batch: int, warmup: int,
-                iters: int) -> list[float]:
+def time_layers(config: ModelConfig, fp8: FP8Recipe | None, dims: ParallelDims,
+                micro_batch: int, warmup: int, iters: int) -> list[float]:
     """forward + backward times (ms) of config's layers on x [s, b, h], after warmup."""
-    block = TransformerBlock(config, dims, device="cuda")
+    block = TransformerBlock(config, dims, fp8=fp8, device="cuda")
     x = torch.randn(config.seq_length, micro_batch, config.hidden_size, device="cuda",
                     dtype=torch.bfloat16, requires_grad=True)
     grad_out = torch.randn_like(x)
@@ -79,13 +89,16 @@ def convergence(args, dims: ParallelDims) -> dict:
                                hidden_size=args.tiny_hidden, num_attention_heads=4,
                                seq_length=args.tiny_seq, max_position_embeddings=args.tiny_seq,
                                hidden_dropout=0.0, attention_dropout=0.0)
-    config = TrainConfig(micro_batch_size=8, global_batch_size=8, train_iters=args.steps,
-                         lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, lr_decay_style="cosine",
-                         log_interval=args.steps, eval_interval=args.steps, eval_iters=1,
-                         mock_data=True, bf16=True, seed=1234)
+    schedule = ScheduleConfig(micro_batch_size=8, global_batch_size=8, train_iters=args.steps,
+                              lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, lr_decay_style="cosine",
+                              eval_interval=args.steps, eval_iters=1)
     curves = {}
-    for name, fp8 in (("bf16", None), ("fp8 hybrid", "hybrid")):
-        history = train(model.replace(fp8=fp8), config, dims, "gpt", log=lambda line: None)
+    for name, fp8 in (("bf16", None), ("fp8 hybrid", FP8Recipe("hybrid"))):
+        config = Config(model, train=TrainConfig(
+            schedule=schedule, precision=PrecisionConfig(bf16=True, fp8=fp8),
+            data=DataConfig(mock_data=True), logging=LoggingConfig(log_interval=args.steps),
+            runtime=RuntimeConfig(seed=1234)))
+        history = train(config, dims, "gpt", log=lambda line: None)
         curves[name] = history["losses"]
     bf16, fp8 = curves["bf16"], curves["fp8 hybrid"]
     tail_bf16, tail_fp8 = statistics.mean(bf16[-50:]), statistics.mean(fp8[-50:])
@@ -128,7 +141,7 @@ def main() -> None:
 
     rows = {}
     for name, fp8 in VARIANTS.items():
-        times = time_layers(layer_config(args.layers, **fp8), dims, args.micro_batch,
+        times = time_layers(layer_config(args.layers), fp8, dims, args.micro_batch,
                             args.warmup, args.iters)
         torch.cuda.empty_cache()  # the variant's layers are freed: give the next one the memory
         rows[name] = {"step_ms": times, "median_ms": statistics.median(times),

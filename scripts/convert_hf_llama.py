@@ -67,7 +67,7 @@ def saved_model_config(load_dir: str) -> ModelConfig:
 def megadomino_to_hf(load_dir: str, hf_dir: str, dims: ParallelDims, dtype: str | None,
                      max_shard_bytes: int) -> None:
     """Write the latest checkpoint of `load_dir` as an HF Llama directory `hf_dir`."""
-    config = saved_model_config(load_dir).replace(sequence_parallel=False)
+    config = saved_model_config(load_dir)
     model = LlamaModel(config, dims, device="cpu")
     checkpoint.load_checkpoint(load_dir, model, dims, load_rng=False,
                                finetune=True, log=lambda line: print(line, flush=True))

@@ -131,10 +131,10 @@ def record(kind: str) -> list[list]:
     from megadomino.training.arguments import parse_args
     from megadomino.training.loop import train
 
-    model_config, train_config, _ = parse_args([*BASE, *CONFIGS[kind]], "gpt")
+    config, _ = parse_args([*BASE, *CONFIGS[kind]], "gpt")
     dims = ParallelDims(tp=2)
     with CollectiveTrace() as trace:
-        train(model_config, train_config, dims, "gpt", log=lambda line: None)
+        train(config, dims, "gpt", log=lambda line: None)
     return trace.events
 
 

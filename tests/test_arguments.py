@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from configs import make_config
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
+from megadomino.config.validate import validate
 from megadomino.training.arguments import build_parser, parse_args, render_flag_table
 from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, _count
-from megadomino.validate import validate, zero_config
 from megadomino.zero import ZeroConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,10 +26,12 @@ def parse(*argv: str, family: str = "gpt", base: list[str] = BASE):
     return parse_args([*base, *argv], family)
 
 
-def field(configs, path: str):
-    model_config, train_config, _ = configs
-    target, name = path.split(".")
-    return getattr(model_config if target == "model" else train_config, name)
+def field(parsed, path: str):
+    """The value at `path` ('parallel.zero.stage') of parse_args's config."""
+    value = parsed[0]
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
 
 
 RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "block",
@@ -57,114 +60,116 @@ MAPPED = [
     (("--init-method-std", "0.01"), "model.init_method_std", 0.01),
     (("--vocab-size", "1000"), "model.vocab_size", 1000),
     (("--make-vocab-size-divisible-by", "64"), "model.make_vocab_size_divisible_by", 64),
-    (("--tensor-model-parallel-size", "2"), "train.tensor_model_parallel_size", 2),
-    (("--pipeline-model-parallel-size", "1"), "train.pipeline_model_parallel_size", 1),
-    (("--tensor-model-parallel-size", "2", "--sequence-parallel"), "model.sequence_parallel",
+    (("--tensor-model-parallel-size", "2"), "parallel.tensor_model_parallel_size", 2),
+    (("--pipeline-model-parallel-size", "1"), "parallel.pipeline_model_parallel_size", 1),
+    (("--tensor-model-parallel-size", "2", "--sequence-parallel"), "parallel.sequence_parallel",
      True),
-    (RECOMPUTE, "model.recompute_granularity", "full"),
-    (RECOMPUTE, "model.recompute_method", "block"),
-    (RECOMPUTE, "model.recompute_num_layers", 2),
-    (("--recompute-activations",), "model.recompute_granularity", "selective"),
-    (("--ddp-bucket-size", "1000"), "train.ddp_bucket_size", 1000),
-    (("--micro-batch-size", "2"), "train.micro_batch_size", 2),
-    (("--global-batch-size", "16"), "train.global_batch_size", 16),
-    (("--train-iters", "7"), "train.train_iters", 7),
-    (("--manual-gc",), "train.manual_gc", True),
-    (("--profile",), "train.profile", True),
-    (("--profile", "--profile-step-start", "3"), "train.profile_step_start", 3),
-    (("--profile", "--profile-step-end", "15"), "train.profile_step_end", 15),
-    (("--profile", "--profile-ranks", "0", "1"), "train.profile_ranks", [0, 1]),
-    (("--profile", "--use-pytorch-profiler"), "train.use_pytorch_profiler", True),
-    (("--manual-gc", "--manual-gc-interval", "5"), "train.manual_gc_interval", 5),
-    (("--manual-gc", "--no-manual-gc-eval"), "train.manual_gc_eval", False),
-    (("--lr", "3e-4"), "train.lr", 3e-4),
-    (("--min-lr", "1e-5"), "train.min_lr", 1e-5),
-    (("--lr-decay-style", "cosine"), "train.lr_decay_style", "cosine"),
-    (("--optimizer", "sgd"), "train.optimizer", "sgd"),
-    (("--optimizer", "SGD", "--sgd-momentum", "0.8"), "train.sgd_momentum", 0.8),
-    (("--lr-decay-iters", "8"), "train.lr_decay_iters", 8),
-    (("--lr-warmup-iters", "2"), "train.lr_warmup_iters", 2),
-    (("--lr-warmup-fraction", "0.1"), "train.lr_warmup_fraction", 0.1),
-    (("--weight-decay", "0.1"), "train.weight_decay", 0.1),
-    (("--adam-beta1", "0.8"), "train.adam_beta1", 0.8),
-    (("--adam-beta2", "0.95"), "train.adam_beta2", 0.95),
-    (("--adam-eps", "1e-6"), "train.adam_eps", 1e-6),
-    (("--clip-grad", "0.5"), "train.clip_grad", 0.5),
-    (("--bf16",), "train.bf16", True),
-    (("--fp16",), "train.fp16", True),
-    (("--initial-loss-scale", "65536"), "train.initial_loss_scale", 65536.0),
-    (("--min-loss-scale", "2"), "train.min_loss_scale", 2.0),
-    (("--loss-scale-window", "500"), "train.loss_scale_window", 500),
-    (("--hysteresis", "3"), "train.hysteresis", 3),
-    (("--fp8-format", "e4m3"), "model.fp8", "e4m3"),
-    (("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"), "model.fp8_recipe", "tensorwise"),
-    (("--fp8-format", "hybrid", "--fp8-amax-history-len", "16"), "model.fp8_amax_history_len", 16),
-    (("--fp8-format", "hybrid", "--fp8-amax-compute-algo", "max"), "model.fp8_amax_compute_algo",
-     "max"),
-    (("--fp8-format", "hybrid", "--fp8-margin", "1"), "model.fp8_margin", 1),
-    (("--fp8-format", "hybrid", "--fp8-interval", "4"), "model.fp8_interval", 4),
-    (("--seed", "7"), "train.seed", 7),
-    (("--log-interval", "5"), "train.log_interval", 5),
-    (("--eval-interval", "50"), "train.eval_interval", 50),
-    (("--eval-iters", "3"), "train.eval_iters", 3),
-    (("--mock-data",), "train.mock_data", True),
-    (("--peak-tflops", "312"), "train.peak_tflops", 312.0),
-    (("--gpus-per-node", "4"), "train.gpus_per_node", 4),
-    (("--domino",), "train.domino_auto", True),
-    (("--domino-explicit-backward",), "model.domino_explicit_backward", True),
-    (("--domino", "--domino-batch-slices", "4"), "model.domino_batch_slices", 4),
-    (("--domino-hidden-slices", "2"), "model.domino_hidden_slices", 2),
-    (("--domino-batch-slices", "auto"), "train.domino_auto", True),
+    (RECOMPUTE, "parallel.recompute_granularity", "full"),
+    (RECOMPUTE, "parallel.recompute_method", "block"),
+    (RECOMPUTE, "parallel.recompute_num_layers", 2),
+    (("--recompute-activations",), "parallel.recompute_granularity", "selective"),
+    (("--ddp-bucket-size", "1000"), "parallel.zero.bucket_numel", 1000),
+    (("--micro-batch-size", "2"), "train.schedule.micro_batch_size", 2),
+    (("--global-batch-size", "16"), "train.schedule.global_batch_size", 16),
+    (("--train-iters", "7"), "train.schedule.train_iters", 7),
+    (("--manual-gc",), "train.runtime.manual_gc", True),
+    (("--profile",), "train.logging.profile", True),
+    (("--profile", "--profile-step-start", "3"), "train.logging.profile_step_start", 3),
+    (("--profile", "--profile-step-end", "15"), "train.logging.profile_step_end", 15),
+    (("--profile", "--profile-ranks", "0", "1"), "train.logging.profile_ranks", [0, 1]),
+    (("--profile", "--use-pytorch-profiler"), "train.logging.use_pytorch_profiler", True),
+    (("--manual-gc", "--manual-gc-interval", "5"), "train.runtime.manual_gc_interval", 5),
+    (("--manual-gc", "--no-manual-gc-eval"), "train.runtime.manual_gc_eval", False),
+    (("--lr", "3e-4"), "train.schedule.lr", 3e-4),
+    (("--min-lr", "1e-5"), "train.schedule.min_lr", 1e-5),
+    (("--lr-decay-style", "cosine"), "train.schedule.lr_decay_style", "cosine"),
+    (("--optimizer", "sgd"), "train.optimizer.optimizer", "sgd"),
+    (("--optimizer", "SGD", "--sgd-momentum", "0.8"), "train.optimizer.sgd_momentum", 0.8),
+    (("--lr-decay-iters", "8"), "train.schedule.lr_decay_iters", 8),
+    (("--lr-warmup-iters", "2"), "train.schedule.lr_warmup_iters", 2),
+    (("--lr-warmup-fraction", "0.1"), "train.schedule.lr_warmup_fraction", 0.1),
+    (("--weight-decay", "0.1"), "train.optimizer.weight_decay", 0.1),
+    (("--adam-beta1", "0.8"), "train.optimizer.adam_beta1", 0.8),
+    (("--adam-beta2", "0.95"), "train.optimizer.adam_beta2", 0.95),
+    (("--adam-eps", "1e-6"), "train.optimizer.adam_eps", 1e-6),
+    (("--clip-grad", "0.5"), "train.optimizer.clip_grad", 0.5),
+    (("--bf16",), "train.precision.bf16", True),
+    (("--fp16",), "train.precision.fp16", True),
+    (("--initial-loss-scale", "65536"), "train.precision.initial_loss_scale", 65536.0),
+    (("--min-loss-scale", "2"), "train.precision.min_loss_scale", 2.0),
+    (("--loss-scale-window", "500"), "train.precision.loss_scale_window", 500),
+    (("--hysteresis", "3"), "train.precision.hysteresis", 3),
+    (("--fp8-format", "e4m3"), "train.precision.fp8.format", "e4m3"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"), "train.precision.fp8.recipe",
+     "tensorwise"),
+    (("--fp8-format", "hybrid", "--fp8-amax-history-len", "16"),
+     "train.precision.fp8.amax_history_len", 16),
+    (("--fp8-format", "hybrid", "--fp8-amax-compute-algo", "max"),
+     "train.precision.fp8.amax_compute_algo", "max"),
+    (("--fp8-format", "hybrid", "--fp8-margin", "1"), "train.precision.fp8.margin", 1),
+    (("--fp8-format", "hybrid", "--fp8-interval", "4"), "train.precision.fp8.interval", 4),
+    (("--seed", "7"), "train.runtime.seed", 7),
+    (("--log-interval", "5"), "train.logging.log_interval", 5),
+    (("--eval-interval", "50"), "train.schedule.eval_interval", 50),
+    (("--eval-iters", "3"), "train.schedule.eval_iters", 3),
+    (("--mock-data",), "train.data.mock_data", True),
+    (("--peak-tflops", "312"), "train.logging.peak_tflops", 312.0),
+    (("--gpus-per-node", "4"), "parallel.gpus_per_node", 4),
+    (("--domino",), "parallel.domino_auto", True),
+    (("--domino-explicit-backward",), "parallel.domino.explicit_backward", True),
+    (("--domino", "--domino-batch-slices", "4"), "parallel.domino.batch_slices", 4),
+    (("--domino-hidden-slices", "2"), "parallel.domino.hidden_slices", 2),
+    (("--domino-batch-slices", "auto"), "parallel.domino_auto", True),
     (("--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"),
-     "model.tp_comm_overlap", True),
+     "parallel.tp_comm_overlap", True),
     (("--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0"),
-     "model.enable_cuda_graph", True),
-    (("--save", "/ckpt"), "train.save", "/ckpt"),
-    (("--save-interval", "50"), "train.save_interval", 50),
-    (("--load", "/ckpt"), "train.load", "/ckpt"),
-    (("--load", "/ckpt", "--finetune"), "train.finetune", True),
-    (("--load", "/ckpt", "--no-load-optim"), "train.no_load_optim", True),
-    (("--load", "/ckpt", "--no-load-rng"), "train.no_load_rng", True),
-    (("--no-save-optim",), "train.no_save_optim", True),
-    (("--no-save-rng",), "train.no_save_rng", True),
-    (("--load", "/ckpt", "--exit-on-missing-checkpoint"), "train.exit_on_missing_checkpoint",
-     True),
-    (("--exit-signal-handler",), "train.exit_signal_handler", True),
-    (("--exit-duration-in-mins", "230"), "train.exit_duration_in_mins", 230),
-    (("--distributed-timeout-minutes", "0.5"), "train.distributed_timeout_minutes", 0.5),
+     "parallel.enable_cuda_graph", True),
+    (("--save", "/ckpt"), "train.checkpoint.save", "/ckpt"),
+    (("--save-interval", "50"), "train.checkpoint.save_interval", 50),
+    (("--load", "/ckpt"), "train.checkpoint.load", "/ckpt"),
+    (("--load", "/ckpt", "--finetune"), "train.checkpoint.finetune", True),
+    (("--load", "/ckpt", "--no-load-optim"), "train.checkpoint.no_load_optim", True),
+    (("--load", "/ckpt", "--no-load-rng"), "train.checkpoint.no_load_rng", True),
+    (("--no-save-optim",), "train.checkpoint.no_save_optim", True),
+    (("--no-save-rng",), "train.checkpoint.no_save_rng", True),
+    (("--load", "/ckpt", "--exit-on-missing-checkpoint"),
+     "train.checkpoint.exit_on_missing_checkpoint", True),
+    (("--exit-signal-handler",), "train.runtime.exit_signal_handler", True),
+    (("--exit-duration-in-mins", "230"), "train.runtime.exit_duration_in_mins", 230),
+    (("--distributed-timeout-minutes", "0.5"), "train.runtime.distributed_timeout_minutes", 0.5),
     (("--layernorm-epsilon", "1e-6"), "model.norm_epsilon", 1e-6),
-    (("--exit-interval", "1000"), "train.exit_interval", 1000),
-    (("--tensorboard-dir", "/tb"), "train.tensorboard_dir", "/tb"),
-    (("--use-distributed-optimizer",), "train.zero_stage", 1),
-    (("--zero-stage", "3"), "train.zero_stage", 3),
-    (("--zero-stage", "3", "--zeropp-quantized-weights"), "train.zeropp_quantized_weights", True),
-    (("--zero-stage", "3", "--zeropp-hpz-partition-size", "2"), "train.zeropp_hpz_partition_size",
+    (("--exit-interval", "1000"), "train.runtime.exit_interval", 1000),
+    (("--tensorboard-dir", "/tb"), "train.logging.tensorboard_dir", "/tb"),
+    (("--use-distributed-optimizer",), "parallel.zero.stage", 1),
+    (("--zero-stage", "3"), "parallel.zero.stage", 3),
+    (("--zero-stage", "3", "--zeropp-quantized-weights"), "parallel.zero.quantized_weights", True),
+    (("--zero-stage", "3", "--zeropp-hpz-partition-size", "2"), "parallel.zero.hpz_partition_size",
      2),
-    (("--zero-stage", "1", "--zeropp-quantized-gradients"), "train.zeropp_quantized_gradients",
+    (("--zero-stage", "1", "--zeropp-quantized-gradients"), "parallel.zero.quantized_gradients",
      True),
     (("--zero-stage", "1", "--zeropp-quantized-gradients", "--zeropp-gradient-bits", "8"),
-     "train.zeropp_gradient_bits", 8),
+     "parallel.zero.gradient_bits", 8),
     (("--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-block-size", "256"),
-     "train.zeropp_block_size", 256),
-    (("--zero-stage", "3", "--zero-layers-per-unit", "4"), "train.zero_layers_per_unit", 4),
-    (("--zero-stage", "3", "--zero-unit-params", "5e7"), "train.zero_unit_params", 50_000_000),
+     "parallel.zero.block_size", 256),
+    (("--zero-stage", "3", "--zero-layers-per-unit", "4"), "parallel.zero.layers_per_unit", 4),
+    (("--zero-stage", "3", "--zero-unit-params", "5e7"), "parallel.zero.unit_params", 50_000_000),
     (("--zero-stage", "1", "--zeropp-quantized-gradients", "--zeropp-quantize-full-range"),
-     "train.zeropp_quantize_full_range", True),
-    (("--zero-stage", "1", "--zero-unit-params", "123456"), "train.zero_unit_params", 123456),
+     "parallel.zero.quantize_full_range", True),
+    (("--zero-stage", "1", "--zero-unit-params", "123456"), "parallel.zero.unit_params", 123456),
 ]
 
 DATA = ["--model-preset", "gpt-tiny", "--train-iters", "10", "--tokenizer-type",
         "GPT2BPETokenizer", "--vocab-file", "vocab.json", "--merge-file", "merges.txt"]
 DATA_MAPPED = [
-    (("--data-path", "0.3", "a", "0.7", "b"), "train.data_path", ["0.3", "a", "0.7", "b"]),
-    (("--data-path", "a", "--split", "98,2,0"), "train.split", "98,2,0"),
-    (("--data-path", "a", "--tokenizer-type", "Llama2Tokenizer"), "train.tokenizer_type",
+    (("--data-path", "0.3", "a", "0.7", "b"), "train.data.data_path", ["0.3", "a", "0.7", "b"]),
+    (("--data-path", "a", "--split", "98,2,0"), "train.data.split", "98,2,0"),
+    (("--data-path", "a", "--tokenizer-type", "Llama2Tokenizer"), "train.data.tokenizer_type",
      "Llama2Tokenizer"),
-    (("--data-path", "a", "--vocab-file", "v.json"), "train.vocab_file", "v.json"),
-    (("--data-path", "a", "--merge-file", "m.txt"), "train.merge_file", "m.txt"),
-    (("--data-path", "a", "--tokenizer-model", "m.model"), "train.tokenizer_model", "m.model"),
-    (("--data-path", "a", "--eod-mask-loss"), "train.eod_mask_loss", True),
-    (("--data-path", "a", "--data-cache-path", "/cache"), "train.data_cache_path", "/cache"),
+    (("--data-path", "a", "--vocab-file", "v.json"), "train.data.vocab_file", "v.json"),
+    (("--data-path", "a", "--merge-file", "m.txt"), "train.data.merge_file", "m.txt"),
+    (("--data-path", "a", "--tokenizer-model", "m.model"), "train.data.tokenizer_model", "m.model"),
+    (("--data-path", "a", "--eod-mask-loss"), "train.data.eod_mask_loss", True),
+    (("--data-path", "a", "--data-cache-path", "/cache"), "train.data.data_cache_path", "/cache"),
 ]
 
 
@@ -181,8 +186,8 @@ def test_data_flag_sets_its_field(argv, path, expected):
 
 FINETUNE = ["--model-preset", "llama-tiny", "--train-iters", "10", "--mock-data"]
 FINETUNE_MAPPED = [
-    (("--hf-checkpoint", "/hf"), "train.hf_checkpoint", "/hf"),
-    (("--prompt-template", "[INST] {prompt} [/INST]"), "train.prompt_template",
+    (("--hf-checkpoint", "/hf"), "train.checkpoint.hf_checkpoint", "/hf"),
+    (("--prompt-template", "[INST] {prompt} [/INST]"), "train.data.prompt_template",
      "[INST] {prompt} [/INST]"),
 ]
 
@@ -206,16 +211,16 @@ def test_every_mapped_flag_is_tested():
 
 def test_train_samples():
     configs = parse("--train-samples", "640", base=["--model-preset", "gpt-tiny", "--mock-data"])
-    assert field(configs, "train.train_samples") == 640
-    assert field(configs, "train.train_iters") is None
+    assert field(configs, "train.schedule.train_samples") == 640
+    assert field(configs, "train.schedule.train_iters") is None
 
 
 def test_megatron_defaults_and_no_notices():
-    model_config, train_config, notices = parse()
+    config, notices = parse()
     assert notices == []
-    assert train_config.lr_decay_style == "linear"
-    assert train_config.tensor_model_parallel_size == 1
-    assert model_config.num_query_groups == model_config.num_attention_heads
+    assert config.train.schedule.lr_decay_style == "linear"
+    assert config.parallel.tensor_model_parallel_size == 1
+    assert config.model.num_query_groups == config.model.num_attention_heads
 
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -232,8 +237,8 @@ SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
                    hidden_dropout=0.0, ffn_hidden_size=128, vocab_size=32000)),
 ])
 def test_family_defaults(family, expected):
-    model_config, _, _ = parse_args(SHAPE, family)
-    assert {name: getattr(model_config, name) for name in expected} == expected
+    config, _ = parse_args(SHAPE, family)
+    assert {name: getattr(config.model, name) for name in expected} == expected
 
 
 def test_shape_flags_required_without_preset():
@@ -242,24 +247,24 @@ def test_shape_flags_required_without_preset():
 
 
 def test_preset_with_overrides():
-    model_config, _, _ = parse("--num-layers", "4", base=["--model-preset", "gpt3-1.3b",
+    config, _ = parse("--num-layers", "4", base=["--model-preset", "gpt3-1.3b",
                                                           "--mock-data", "--train-iters", "1"])
-    assert (model_config.num_layers, model_config.hidden_size) == (4, 2048)
-    model_config, _, _ = parse("--hidden-size", "128")
-    assert (model_config.ffn_hidden_size, model_config.kv_channels) == (512, 32)
-    model_config, _, _ = parse_args(["--model-preset", "llama2-70b", "--mock-data",
+    assert (config.model.num_layers, config.model.hidden_size) == (4, 2048)
+    config, _ = parse("--hidden-size", "128")
+    assert (config.model.ffn_hidden_size, config.model.kv_channels) == (512, 32)
+    config, _ = parse_args(["--model-preset", "llama2-70b", "--mock-data",
                                      "--train-iters", "1"], "gpt")
-    assert (model_config.num_query_groups, model_config.normalization) == (8, "RMSNorm")
-    model_config, _, _ = parse_args(["--model-preset", "llama-tiny", "--mock-data",
+    assert (config.model.num_query_groups, config.model.normalization) == (8, "RMSNorm")
+    config, _ = parse_args(["--model-preset", "llama-tiny", "--mock-data",
                                      "--train-iters", "1", "--num-attention-heads", "8"], "llama")
-    assert model_config.num_query_groups == 8
+    assert config.model.num_query_groups == 8
     with pytest.raises(ConfigError, match="--model-preset 'nope' is unknown"):
         parse(base=["--model-preset", "nope", "--mock-data", "--train-iters", "1"])
 
 
 def test_group_query_attention_alone_means_one_group():
-    model_config, _, _ = parse("--group-query-attention")
-    assert model_config.num_query_groups == 1
+    config, _ = parse("--group-query-attention")
+    assert config.model.num_query_groups == 1
 
 
 def _example_value(flag) -> list[str]:
@@ -273,14 +278,14 @@ NOTICES = [flag for flag in FLAGS if flag.policy == NOTICE]
 
 @pytest.mark.parametrize("flag", NOTICES, ids=[flag.name for flag in NOTICES])
 def test_notice_flag_is_accepted_with_one_notice(flag):
-    _, _, notices = parse(flag.name, *_example_value(flag))
+    _, notices = parse(flag.name, *_example_value(flag))
     assert notices == [f"{flag.name}: {flag.text}"]
     assert "\n" not in notices[0]
 
 
 def test_sequence_parallel_is_dropped_at_tp1_with_a_notice():
-    model_config, _, notices = parse("--sequence-parallel")
-    assert model_config.sequence_parallel is False
+    config, notices = parse("--sequence-parallel")
+    assert config.parallel.sequence_parallel is False
     assert notices == ["--sequence-parallel: dropped, it has no effect with "
                        "--tensor-model-parallel-size 1"]
 
@@ -319,7 +324,7 @@ def test_refusals_give_the_reason(argv, reason):
                                   ("--rotary-percent", "1.0"), ("--optimizer", "adam"),
                                   ("--ckpt-format", "torch")])
 def test_values_that_ask_for_nothing_are_accepted(argv):
-    assert parse(*argv)[2] == []
+    assert parse(*argv)[1] == []
 
 
 def test_no_data_source_is_refused():
@@ -394,24 +399,27 @@ def test_zero_flags_make_the_engine_config():
     zero_pp = ("--zero-stage", "3", "--zeropp-quantized-weights", "--zeropp-hpz-partition-size",
                "2", "--zeropp-quantized-gradients", "--zeropp-gradient-bits", "8",
                "--zeropp-block-size", "256")
-    model_config, train_config, notices = parse(*zero_pp)
+    config, notices = parse(*zero_pp)
     assert notices == []
-    assert zero_config(model_config, train_config) == ZeroConfig(
+    assert config.parallel.zero == ZeroConfig(
         stage=3, quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
         gradient_bits=8, block_size=256)
-    assert zero_config(*parse("--zero-stage", "3")[:2]) == ZeroConfig(stage=3)
-    assert zero_config(*parse("--zero-stage", "1", "--zero-layers-per-unit", "3")[:2]) == \
+
+    def zero(*argv: str) -> ZeroConfig:
+        return parse(*argv)[0].parallel.zero
+
+    assert zero("--zero-stage", "3") == ZeroConfig(stage=3)
+    assert zero("--zero-stage", "1", "--zero-layers-per-unit", "3") == \
         ZeroConfig(stage=1, layers_per_unit=3)
-    assert zero_config(*parse("--use-distributed-optimizer")[:2]) == ZeroConfig(stage=1)
-    assert zero_config(*parse("--zero-stage", "3", "--zero-unit-params", "1e6")[:2]) == \
+    assert zero("--use-distributed-optimizer") == ZeroConfig(stage=1)
+    assert zero("--zero-stage", "3", "--zero-unit-params", "1e6") == \
         ZeroConfig(stage=3, unit_params=1_000_000)
     assert ZeroConfig().layers_per_unit is None and ZeroConfig().unit_params == 200_000_000
-    assert zero_config(*parse("--zero-stage", "3", "--zeropp-quantized-weights",
-                              "--zeropp-quantize-full-range")[:2]) == \
+    assert zero("--zero-stage", "3", "--zeropp-quantized-weights",
+                "--zeropp-quantize-full-range") == \
         ZeroConfig(stage=3, quantized_weights=True, quantize_full_range=True)
-    assert zero_config(*parse()[:2]) == ZeroConfig(stage=0)  # plain data parallelism
-    assert zero_config(*parse("--ddp-bucket-size", "1000")[:2]) == ZeroConfig(stage=0,
-                                                                              bucket_numel=1000)
+    assert zero() == ZeroConfig(stage=0)  # plain data parallelism
+    assert zero("--ddp-bucket-size", "1000") == ZeroConfig(stage=0, bucket_numel=1000)
     # Domino runs with stage 1
     parse("--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--domino")
 
@@ -486,9 +494,9 @@ def test_cuda_graph_rules(argv, named):
 
 def test_cuda_graph_allows_data_parallelism():
     """TP 2 x DP 2 graphed training equals eager (tests/gpu/test_gpu_cuda_graph.py)."""
-    model_config, train_config, _ = parse(*NO_DROPOUT, "--tensor-model-parallel-size", "2",
+    config, _ = parse(*NO_DROPOUT, "--tensor-model-parallel-size", "2",
                                           "--micro-batch-size", "2", "--global-batch-size", "8")
-    validate(model_config, train_config, 4)
+    validate(config, 4)
 
 
 HPZ = ("--zero-stage", "3", "--zeropp-hpz-partition-size")
@@ -501,9 +509,9 @@ HPZ = ("--zero-stage", "3", "--zeropp-hpz-partition-size")
      "ranks per node \\(2: --gpus-per-node 4 / tensor-parallel 2"),
 ])
 def test_hpz_partition_must_be_the_node(argv, world, local, named):
-    model_config, train_config, _ = parse(*argv)
+    config, _ = parse(*argv)
     with pytest.raises(ConfigError, match=f"--zeropp-hpz-partition-size={argv[3]} .*{named}"):
-        validate(model_config, train_config, world, local)
+        validate(config, world, local)
 
 
 @pytest.mark.parametrize("argv, world, local", [
@@ -513,7 +521,7 @@ def test_hpz_partition_must_be_the_node(argv, world, local, named):
     ((*HPZ, "1"), 4, 1),
 ])
 def test_hpz_partition_of_a_node_is_accepted(argv, world, local):
-    validate(*parse(*argv)[:2], world, local)
+    validate(parse(*argv)[0], world, local)
 
 
 def test_sample_based_runs_refuse_iteration_schedules():
@@ -541,15 +549,15 @@ def test_shape_validation_names_the_flag(argv, named):
     (("--tensor-model-parallel-size", "4", "--gpus-per-node", "2"), 8, "--gpus-per-node=2"),
 ])
 def test_world_validation_names_the_flag(argv, world, named):
-    model_config, train_config, _ = parse(*argv)
+    config, _ = parse(*argv)
     with pytest.raises(ConfigError, match=named):
-        validate(model_config, train_config, world)
+        validate(config, world)
 
 
 def test_world_validation_accepts_a_good_layout():
-    model_config, train_config, _ = parse("--tensor-model-parallel-size", "2",
+    config, _ = parse("--tensor-model-parallel-size", "2",
                                           "--micro-batch-size", "2", "--global-batch-size", "8")
-    validate(model_config, train_config, 4)
+    validate(config, 4)
 
 
 @pytest.mark.parametrize("marker, flags", [("flag-table", FLAGS),
@@ -578,8 +586,8 @@ def test_documented_commands_are_valid(script, family):
         launcher, argv = words[:words.index(script)], words[words.index(script) + 1:]
         nodes = int(launcher[launcher.index("--nnodes") + 1]) if "--nnodes" in launcher else 1
         world = nodes * int(launcher[launcher.index("--nproc_per_node") + 1])
-        model_config, train_config, _ = parse_args(argv, family)
-        validate(model_config, train_config, world)
+        config, _ = parse_args(argv, family)
+        validate(config, world)
 
 
 def test_entry_script_exits_2_naming_a_bad_flag():
@@ -652,7 +660,7 @@ def test_an_unwritable_save_directory_is_refused_at_start(tmp_path):
 @pytest.mark.parametrize("argv", [("--local_rank=3",), ("--local_rank", "3"), ("--local-rank=3",)])
 def test_the_deepspeed_launchers_local_rank_is_accepted(argv):
     """The deepspeed launcher appends --local_rank=N to every rank's command line."""
-    _, _, notices = parse(*argv)
+    _, notices = parse(*argv)
     assert [notice.split(":")[0] for notice in notices] == ["--local-rank"]
 
 
@@ -669,10 +677,10 @@ def test_the_node_size_comes_from_torchrun_or_the_deepspeed_launcher(monkeypatch
 
 
 def test_zero_stage_0_is_plain_data_parallelism_and_2_is_refused_with_its_reason():
-    assert field(parse("--zero-stage", "0"), "train.zero_stage") == 0
-    assert field(parse(), "train.zero_stage") == 0
-    assert field(parse("--zero-stage", "0"), "train.zero_stage") == field(parse(),
-                                                                          "train.zero_stage")
+    assert field(parse("--zero-stage", "0"), "parallel.zero.stage") == 0
+    assert field(parse(), "parallel.zero.stage") == 0
+    assert field(parse("--zero-stage", "0"), "parallel.zero.stage") == field(parse(),
+                                                                          "parallel.zero.stage")
     with pytest.raises(ConfigError, match="--zero-stage=2 is refused: ZeRO stage 2 .* use 1 or 3"):
         parse("--zero-stage", "2")
 
@@ -685,8 +693,6 @@ def test_one_default_per_field_from_python_and_the_cli():
                  max_position_embeddings=128, vocab_size=512)
     argv = [item for name, value in shape.items()
             for item in (f"--{name.replace('_', '-')}", str(value))]
-    model_config, train_config, _ = parse_args([*argv, "--train-iters", "10", "--mock-data"],
-                                               "gpt")
-    assert train_config == TrainConfig(train_iters=10, mock_data=True)
-    assert model_config == ModelConfig(**shape)
-    assert TrainConfig().lr_decay_style == "linear"
+    config, _ = parse_args([*argv, "--train-iters", "10", "--mock-data"], "gpt")
+    assert config == make_config(ModelConfig(**shape), train_iters=10, mock_data=True)
+    assert TrainConfig().schedule.lr_decay_style == "linear"

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from configs import make_config, with_leaves
 from dist_utils import C, DistSuite, shared_copy
-from megadomino.config import ModelConfig, TrainConfig
+from megadomino.config import Config, ModelConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.training import checkpoint
@@ -28,20 +29,19 @@ from megadomino.training.checkpoint import (
 )
 from megadomino.training.loop import train
 from megadomino.training.report import NonFiniteLossError
-from megadomino.zero import ZeroConfig
 from megadomino.zero.optimizer import build_engine
 
 MODEL = ModelConfig.preset("gpt-tiny", seq_length=32)  # dropout 0.1: resume must restore RNGs
-TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=20, lr=5e-3,
+TRAIN = make_config(MODEL, micro_batch_size=2, global_batch_size=4, train_iters=20, lr=5e-3,
                     lr_warmup_iters=2, log_interval=5, eval_interval=10, eval_iters=1,
                     mock_data=True)
 
 
 def _train(dims: ParallelDims, model_config: ModelConfig = MODEL, log=None, model_init=None,
            **overrides) -> dict:
-    config = dataclasses.replace(TRAIN, tensor_model_parallel_size=dims.tp, **overrides)
-    return train(model_config, config, dims, "gpt", log=log or (lambda line: None),
-                 model_init=model_init)
+    config = with_leaves(dataclasses.replace(TRAIN, model=model_config),
+                         tensor_model_parallel_size=dims.tp, **overrides)
+    return train(config, dims, "gpt", log=log or (lambda line: None), model_init=model_init)
 
 
 def _case_resume_tp2(dims: ParallelDims, root: str) -> None:
@@ -90,7 +90,7 @@ def _case_tp2_to_tp1(tp2: ParallelDims, tp1: ParallelDims, root: str) -> None:
 
 def _fresh(dims: ParallelDims, model_config: ModelConfig = MODEL):
     model = build_model(model_config, dims, "gpt")
-    return model, build_engine(model, dims, TRAIN, ZeroConfig(stage=0))
+    return model, build_engine(model, dims, TRAIN)
 
 
 def _case_crash_during_save(dims: ParallelDims, root: str) -> None:
@@ -154,8 +154,7 @@ def _case_bad_checkpoints(dims: ParallelDims, root: str) -> None:
     with pytest.raises(CheckpointError, match="no optimizer state .* --no-load-optim"):
         load_optimizer_state(f"{root}/no_optim", 3, optimizer, dims)
     assert load_checkpoint(f"{root}/no_optim", model, dims).iteration == 3
-    sgd = build_engine(build_model(MODEL, dims, "gpt"), dims,
-                       dataclasses.replace(TRAIN, optimizer="sgd"), ZeroConfig(stage=0))
+    sgd = build_engine(build_model(MODEL, dims, "gpt"), dims, with_leaves(TRAIN, optimizer="sgd"))
     with pytest.raises(CheckpointError, match="holds AdamW state, this run's optimizer is SGD"):
         load_optimizer_state(f"{root}/tp2", 10, sgd, dims)
 
@@ -169,7 +168,7 @@ def _case_load_semantics(dims: ParallelDims, root: str) -> None:
     reference = build_model(MODEL, dims, "gpt")
     assert load_checkpoint(f"{root}/tp2", reference, dims).iteration == 10
     assert torch.equal(torch.get_rng_state(), saved["rng"][0]["torch"])
-    reference_engine = build_engine(reference, dims, TRAIN, ZeroConfig(stage=0))
+    reference_engine = build_engine(reference, dims, TRAIN)
     assert not reference_engine.optimizer.optimizer.state
     load_optimizer_state(f"{root}/tp2", 10, reference_engine, dims)
     assert reference_engine.optimizer.optimizer.state
@@ -177,7 +176,7 @@ def _case_load_semantics(dims: ParallelDims, root: str) -> None:
         torch.manual_seed(99)
         model = build_model(MODEL, dims, "gpt")
         state = load_checkpoint(f"{root}/tp2", model, dims, **kwargs)
-        engine = build_engine(model, dims, TRAIN, ZeroConfig(stage=0))
+        engine = build_engine(model, dims, TRAIN)
         assert state.iteration == iteration and not engine.optimizer.optimizer.state
         for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
             assert torch.equal(param, expected), name
@@ -196,8 +195,8 @@ def _case_exit_duration_and_missing_load(dims: ParallelDims, root: str) -> None:
 
 def _case_nan_stops(dims: ParallelDims, root: str) -> None:
     """A NaN loss stops the run on every rank before any checkpoint is written."""
-    def poisoned(model_config: ModelConfig, model_dims: ParallelDims):
-        model = build_model(model_config, model_dims, "gpt")
+    def poisoned(config: Config, model_dims: ParallelDims):
+        model = build_model(config.model, model_dims, "gpt")
         with torch.no_grad():
             model.decoder.final_layernorm.weight.fill_(float("nan"))
         return model

@@ -6,7 +6,6 @@ weights gave a finite loss."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import json
@@ -19,8 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from configs import make_config, with_leaves
 from dist_utils import C, DistSuite, shared_copy
-from megadomino.config import ModelConfig, TrainConfig
+from megadomino.config import Config, ModelConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.training.checkpoint import (
@@ -42,25 +42,38 @@ FIXTURES = {"plain": FIXTURE, "zero1": FIXTURE, "plain_bf16": PRE_ENGINE, "zero3
 """Each committed checkpoint and the fixture directory holding it (see fixtures/README.md)."""
 
 
-def fixture_configs(kind: str, **overrides) -> tuple[ModelConfig, TrainConfig, list[float]]:
-    """The model and training configs the fixture `kind` was written with, and its run's losses."""
+def _leaf(name: str) -> str:
+    """The tree's leaf for a flat field name the fixtures' expected.json was written with."""
+    for prefix in ("domino_", "fp8_", "zero_"):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return {"fp8": "format"}.get(name, name)
+
+
+def fixture_configs(kind: str, **overrides) -> tuple[Config, list[float]]:
+    """The config the fixture `kind` was written with, and its run's losses."""
     expected = json.loads((FIXTURES[kind] / "expected.json").read_text())
-    model = ModelConfig(**expected["model_config"])
+    model_fields = dict(expected["model_config"])
+    layers = {name: model_fields.pop(name) for name in list(model_fields)
+              if name not in ModelConfig.__dataclass_fields__}
+    if layers.get("fp8") is None:  # FP8 off: its recipe fields were defaults
+        layers = {name: value for name, value in layers.items() if not name.startswith("fp8")}
     fields = dict(expected[kind]["train_config"])
     fields["zero_stage"] = fields["zero_stage"] or 0  # written before stage 0 had a number
     fields.setdefault("lr_decay_style", "cosine")  # written when Python's default was cosine
-    config = TrainConfig(**fields, log_interval=1, eval_interval=0,
-                         eval_iters=0, mock_data=True)
-    return model, dataclasses.replace(config, **overrides), expected[kind]["losses"]
+    leaves = {_leaf(name): value for name, value in {**layers, **fields}.items()}
+    config = make_config(ModelConfig(**model_fields), **leaves, log_interval=1,
+                         eval_interval=0, eval_iters=0, mock_data=True)
+    return with_leaves(config, **overrides), expected[kind]["losses"]
 
 
 def check_fixture_resumes(kind: str, root: str) -> None:
     """The fixture's iteration-2 checkpoint resumed at its TP=2 x DP=2 gives the losses of
     iterations 3 and 4 of the run that wrote it, bit for bit."""
     directory = shared_copy(FIXTURES[kind] / kind, f"{root}/resume-{kind}")
-    model, config, losses = fixture_configs(kind, tensor_model_parallel_size=2, load=directory)
+    config, losses = fixture_configs(kind, tensor_model_parallel_size=2, load=directory)
     lines: list[str] = []
-    history = train(model, config, ParallelDims(tp=2), "gpt", log=lines.append)
+    history = train(config, ParallelDims(tp=2), "gpt", log=lines.append)
     assert history["losses"] == losses[2:], (history["losses"], losses)
     notices = [line for line in lines if "manifest.json (saved before checkpoints" in line]
     has_manifest = (FIXTURES[kind] / kind / "iter_0000002" / "manifest.json").exists()
@@ -71,8 +84,8 @@ def check_fixture_other_tp(root: str) -> None:
     """The plain fixture loads at TP=1 x DP=4 (weights and AdamW state re-sharded) and trains on
     with finite losses near the original run's."""
     directory = shared_copy(FIXTURE / "plain", f"{root}/tp1")
-    model, config, losses = fixture_configs("plain", load=directory)
-    history = train(model, config, ParallelDims(tp=1), "gpt", log=lambda line: None)
+    config, losses = fixture_configs("plain", load=directory)
+    history = train(config, ParallelDims(tp=1), "gpt", log=lambda line: None)
     assert all(math.isfinite(loss) for loss in history["losses"]), history["losses"]
     assert abs(history["losses"][-1] - losses[-1]) < 0.05, (history["losses"], losses)
 
@@ -105,7 +118,7 @@ def check_manifest_and_corruption(tp: ParallelDims, dense: ParallelDims, root: s
     """The manifest lists each shard with its true size and CRC-32; a flipped byte in one shard
     fails every load path with an error naming that shard; so does a corrupt manifest."""
     model = build_model(SMALL, tp)
-    optimizer = build_engine(model, tp, TrainConfig(lr=1e-2), ZeroConfig(stage=0))
+    optimizer = build_engine(model, tp, make_config(SMALL, lr=1e-2))
     target = save_checkpoint(f"{root}/good", TrainingState(iteration=3), model, optimizer, tp)
     files = json.loads((target / "manifest.json").read_text())["files"]
     shards = [f"mp_rank_0{rank}/model_optim_rng.pt" for rank in range(2)]
@@ -161,13 +174,12 @@ def check_diverged_step_is_not_latest(dims: ParallelDims, root: str) -> None:
     """--lr 1e35 --save-interval 1: the step's own loss is finite, the weights it writes are not;
     the run stops and the iteration file still names the last good checkpoint, which resumes to
     finite losses. From scratch, no checkpoint is named at all."""
-    config = TrainConfig(micro_batch_size=1, global_batch_size=dims.dp, lr=1e-3, log_interval=1,
-                         eval_interval=0, eval_iters=0, mock_data=True, save_interval=1,
-                         tensor_model_parallel_size=dims.tp)
+    config = make_config(SMALL, micro_batch_size=1, global_batch_size=dims.dp, lr=1e-3,
+                         log_interval=1, eval_interval=0, eval_iters=0, mock_data=True,
+                         save_interval=1, tensor_model_parallel_size=dims.tp)
 
     def run(**overrides) -> dict:
-        return train(SMALL, dataclasses.replace(config, **overrides), dims, "gpt",
-                     log=lambda line: None)
+        return train(with_leaves(config, **overrides), dims, "gpt", log=lambda line: None)
 
     directory = f"{root}/diverge"
     run(train_iters=3, save=directory)

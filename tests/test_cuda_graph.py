@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import free_port
-from megadomino.config import ConfigError, ModelConfig
+from megadomino.config import ConfigError, ModelConfig, ParallelConfig
 from megadomino.models import build_model
 from megadomino.models.cuda_graph import GraphedLayers, _LayerStack, capture_layers
 from megadomino.parallel import ParallelDims
@@ -31,10 +31,10 @@ def single_process_group():
 
 def _model(family: str = "llama"):
     preset = "gpt-tiny" if family == "gpt" else "llama-tiny"
-    config = ModelConfig.preset(preset, hidden_dropout=0.0, attention_dropout=0.0,
-                                enable_cuda_graph=True)
+    config = ModelConfig.preset(preset, hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
-    return build_model(config, ParallelDims(tp=1), family, device="cpu")
+    return build_model(config, ParallelDims(tp=1), family, device="cpu",
+                       parallel=ParallelConfig(enable_cuda_graph=True))
 
 
 def test_capture_refuses_cpu():

@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from configs import make_config
 from dist_utils import C, DistSuite, check_result
-from megadomino.config import ConfigError, ModelConfig, TrainConfig
+from megadomino.config import ConfigError, ModelConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.data import (
     GPTDataset,
@@ -459,10 +460,10 @@ def _case_train_dp2(prefix: str, vocab_size: int, eod: int, cache_dir: str) -> N
     reads = _Recording(train_data)
     model_config = ModelConfig.preset("gpt-tiny", vocab_size=vocab_size, seq_length=32,
                                       hidden_dropout=0.0, attention_dropout=0.0)
-    train_config = TrainConfig(micro_batch_size=2, global_batch_size=gbs, train_iters=iters,
-                               lr=5e-3, min_lr=5e-4, lr_warmup_iters=3, log_interval=10,
-                               eval_interval=iters, eval_iters=1)
-    history = train(model_config, train_config, ParallelDims(tp=1, dp=2), "gpt",
+    config = make_config(model_config, micro_batch_size=2, global_batch_size=gbs,
+                         train_iters=iters, lr=5e-3, min_lr=5e-4, lr_warmup_iters=3,
+                         log_interval=10, eval_interval=iters, eval_iters=1)
+    history = train(config, ParallelDims(tp=1, dp=2), "gpt",
                     log=lambda line: None, train_data=reads, valid_data=valid_data)
     first, last = history["losses"][0], sum(history["losses"][-5:]) / 5
     assert first > 5.0, f"initial loss {first} should be near ln({vocab_size})"

@@ -11,8 +11,10 @@ import itertools
 import torch
 from test_tp_equivalence import FAMILIES, batch, loss_and_grads, tiny_config
 
+from configs import make_config, parallel_config
 from dist_utils import C, DistSuite, assert_close
-from megadomino.config import ConfigError, TrainConfig
+from megadomino.config import ConfigError
+from megadomino.config.validate import validate_layers
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
@@ -34,17 +36,19 @@ def check_equal(family, dims, batch_slices, hidden_slices, sequence_parallel, re
                 explicit_backward: bool = False):
     """Domino (N, K) against plain TP, both at dims.tp in params_dtype, same full weights
     (`explicit_backward`: Domino's schedule even at 1 x 1)."""
-    plain = domino_config(family, sequence_parallel=sequence_parallel, params_dtype=params_dtype)
-    changes = dict(domino_batch_slices=batch_slices, domino_hidden_slices=hidden_slices,
-                   domino_explicit_backward=explicit_backward)
+    plain = domino_config(family, params_dtype=params_dtype)
+    tp_only = dict(sequence_parallel=sequence_parallel)
+    domino = dict(tp_only, batch_slices=batch_slices, hidden_slices=hidden_slices,
+                  explicit_backward=explicit_backward)
     if recompute:
-        changes.update(recompute_granularity="full", recompute_method="uniform",
-                       recompute_num_layers=1)
+        domino.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
     torch.manual_seed(7)
-    reference = build_model(plain, dims, family, device=device)
-    model = build_model(plain.replace(**changes), dims, family, device=device)
+    reference = build_model(plain, dims, family, device=device,
+                            parallel=parallel_config(**tp_only))
+    model = build_model(plain, dims, family, device=device, parallel=parallel_config(**domino))
     model.load_full_state_dict(reference.full_state_dict())
-    assert (model.decoder.domino is not None) == model.config.domino_enabled
+    assert (model.decoder.domino is not None) == model.parallel.domino.enabled
     tokens, labels, loss_mask, _ = (t.to(device) for t in batch(plain, seed=13, b=BATCH))
     with torch.no_grad():
         assert_close(model(tokens).float(), reference(tokens).float(), rel, "logits (no grad)")
@@ -58,16 +62,17 @@ def check_equal(family, dims, batch_slices, hidden_slices, sequence_parallel, re
 
 def check_recompute_dropout(family, dims):
     """Under Domino, full recompute restores each unit's RNG: same loss and grads as without."""
-    config = domino_config(family, hidden_dropout=0.3, attention_dropout=0.3, num_layers=3,
-                           sequence_parallel=True, domino_batch_slices=2, domino_hidden_slices=2)
+    config = domino_config(family, hidden_dropout=0.3, attention_dropout=0.3, num_layers=3)
     tokens, labels, loss_mask, _ = batch(config, seed=5, b=BATCH)
     results = []
     for recompute in (None, "full"):
-        changes = dict(recompute_granularity=recompute)
+        changes = dict(sequence_parallel=True, batch_slices=2, hidden_slices=2,
+                       recompute_granularity=recompute)
         if recompute:
             changes.update(recompute_method="block", recompute_num_layers=2)
         model_parallel_seed(21, dims)
-        model = build_model(config.replace(**changes), dims, family, device="cpu")
+        model = build_model(config, dims, family, device="cpu",
+                            parallel=parallel_config(**changes))
         results.append(loss_and_grads(model, dims, tokens, labels, loss_mask))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b)
@@ -76,8 +81,9 @@ def check_recompute_dropout(family, dims):
 
 
 def check_refused(family, dims):
-    config = domino_config(family, domino_batch_slices=BATCH + 1)
-    model = build_model(config, dims, family, device="cpu")
+    config = domino_config(family)
+    model = build_model(config, dims, family, device="cpu",
+                        parallel=parallel_config(batch_slices=BATCH + 1))
     tokens = batch(config, seed=1, b=BATCH)[0]
     try:
         model(tokens)
@@ -86,7 +92,7 @@ def check_refused(family, dims):
     else:
         raise AssertionError("6 batch slices of a batch of 5 was accepted")
     try:
-        domino_config(family, domino_hidden_slices=5).validate(dims.tp)
+        validate_layers(config, parallel_config(hidden_slices=5), dims.tp)
     except ConfigError as error:
         assert "--domino-hidden-slices=5" in str(error), str(error)
     else:
@@ -94,23 +100,20 @@ def check_refused(family, dims):
 
 
 def run_training(dims, iters: int, **changes):
-    model_config = domino_config("gpt", **{k: v for k, v in changes.items()
-                                           if k.startswith("domino_batch")
-                                           or k.startswith("domino_hidden")})
-    train_config = TrainConfig(
-        tensor_model_parallel_size=dims.tp, micro_batch_size=4, global_batch_size=4 * dims.dp,
-        train_iters=iters, lr=5e-3, min_lr=5e-4, lr_warmup_iters=2, log_interval=1,
-        eval_interval=iters, eval_iters=1, mock_data=True,
-        domino_auto=changes.get("domino_auto", False))
+    config = make_config(
+        domino_config("gpt"), tensor_model_parallel_size=dims.tp, micro_batch_size=4,
+        global_batch_size=4 * dims.dp, train_iters=iters, lr=5e-3, min_lr=5e-4,
+        lr_warmup_iters=2, log_interval=1, eval_interval=iters, eval_iters=1, mock_data=True,
+        **changes)
     lines: list[str] = []
-    history = train(model_config, train_config, dims, "gpt", log=lines.append)
+    history = train(config, dims, "gpt", log=lines.append)
     return history["losses"], lines
 
 
 def check_training_matches(dims):
     """A few dozen steps with Domino give plain TP's losses (1e-5 relative)."""
     plain, _ = run_training(dims, 24)
-    domino, _ = run_training(dims, 24, domino_batch_slices=3, domino_hidden_slices=2)
+    domino, _ = run_training(dims, 24, batch_slices=3, hidden_slices=2)
     assert plain[-1] < plain[0] - 0.5, plain
     for step, (a, b) in enumerate(zip(domino, plain)):
         assert abs(a - b) <= REL * abs(b), (step, a, b)

@@ -18,13 +18,13 @@ import torch
 from safetensors.torch import save_file
 
 from megadomino.config import ConfigError, ModelConfig
+from megadomino.config.validate import validate
 from megadomino.interop.hf import hf_shapes
 from megadomino.interop.hf_config import hf_config_from
 from megadomino.training.arguments import parse_args
 from megadomino.training.data.sft import SFTDataset, build_sft_datasets, read_examples
 from megadomino.training.data.tokenizer import NullTokenizer, Tokenizer
 from megadomino.training.tensorboard import open_writer
-from megadomino.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,10 +133,10 @@ def test_documented_commands_are_valid(tmp_path):
         launcher, argv = words[:script], words[script + 1:]
         nodes = int(launcher[launcher.index("--nnodes") + 1]) if "--nnodes" in launcher else 1
         world = nodes * int(launcher[launcher.index("--nproc_per_node") + 1])
-        model_config, train_config, _ = parse_args(argv, "llama", finetune=True)
-        validate(model_config, train_config, world)
-        if train_config.hf_checkpoint is not None:
-            assert (model_config.num_layers, model_config.hidden_size) == (32, 4096)
+        config, _ = parse_args(argv, "llama", finetune=True)
+        validate(config, world)
+        if config.train.checkpoint.hf_checkpoint is not None:
+            assert (config.model.num_layers, config.model.hidden_size) == (32, 4096)
 
 
 def _sft_corpus(path: Path, count: int) -> None:

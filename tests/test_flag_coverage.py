@@ -14,7 +14,6 @@ from megadomino.config import ConfigError
 from megadomino.training.arguments import build_parser, closest_flag, parse_args
 from megadomino.training.flags import ALIAS, FLAGS, NOTICE, REFUSED
 from megadomino.training.manual_gc import ManualGC
-from megadomino.validate import zero_config
 
 VENDORED = Path(__file__).resolve().parent / "megatron_flags"
 sys.path.insert(0, str(VENDORED))
@@ -92,19 +91,19 @@ def test_hints_only_where_likely_right(typed, hint):
 
 
 def test_local_rank_spellings_are_one_flag():
-    _, _, notices = parse("--local_rank=3", "--local-rank", "4")
+    _, notices = parse("--local_rank=3", "--local-rank", "4")
     assert notices == [f"--local-rank: {ROWS['--local-rank'].text}"]
 
 
 def test_zero_stage_0_contradicts_the_distributed_optimizer():
-    model_config, train_config, _ = parse("--zero-stage", "0")
-    assert zero_config(model_config, train_config).stage == 0
+    config, _ = parse("--zero-stage", "0")
+    assert config.parallel.zero.stage == 0
     with pytest.raises(ConfigError, match="--use-distributed-optimizer is ZeRO stage 1"):
         parse("--zero-stage", "0", "--use-distributed-optimizer")
 
 
 def test_notices_are_grouped_by_reason_once():
-    _, _, notices = parse("--lion-beta1", "0.9", "--no-bias-gelu-fusion", "--lion-beta2",
+    _, notices = parse("--lion-beta1", "0.9", "--no-bias-gelu-fusion", "--lion-beta2",
                           "0.99", "--no-rope-fusion", "--ddp-num-buckets", "4")
     assert sorted(notices) == sorted([
         f"--lion-beta1, --lion-beta2: {ROWS['--lion-beta2'].text}",
@@ -113,7 +112,7 @@ def test_notices_are_grouped_by_reason_once():
 
 
 def test_notices_take_the_values_megatron_gives_them():
-    _, _, notices = parse("--empty-unused-memory-level", "2", "--cuda-graph-scope", "attn",
+    _, notices = parse("--empty-unused-memory-level", "2", "--cuda-graph-scope", "attn",
                           "mlp")
     assert sorted(line.split(":")[0] for line in notices) == [
         "--cuda-graph-scope", "--empty-unused-memory-level"]
@@ -124,7 +123,7 @@ def test_notices_take_the_values_megatron_gives_them():
 @pytest.mark.parametrize("choice, spelled", [("rmsnorm", "RMSNorm"), ("layernorm", "LayerNorm"),
                                               ("RMSNorm", "RMSNorm")])
 def test_choices_in_any_case(choice, spelled):
-    assert parse("--normalization", choice)[0].normalization == spelled
+    assert parse("--normalization", choice)[0].model.normalization == spelled
 
 
 def test_other_choices_stay_errors():
@@ -133,14 +132,14 @@ def test_other_choices_stay_errors():
 
 
 def test_num_key_value_heads_is_grouped_query_attention():
-    model_config, _, _ = parse("--num-key-value-heads", "2")
-    assert model_config.num_query_groups == 2
+    config, _ = parse("--num-key-value-heads", "2")
+    assert config.model.num_query_groups == 2
 
 
 def test_llama_model_belongs_to_pretrain_llama():
     assert parse_args(["--llama-model", "--num-layers", "2", "--hidden-size", "64",
                        "--num-attention-heads", "4", "--seq-length", "32", "--mock-data",
-                       "--train-iters", "1"], "llama")[0].swiglu
+                       "--train-iters", "1"], "llama")[0].model.swiglu
     with pytest.raises(ConfigError, match="--llama-model asks for a Llama model: use "
                                           "pretrain_llama.py"):
         parse("--llama-model")
@@ -177,12 +176,12 @@ def test_counts_by_policy_cover_the_table():
     (("--manual-gc", "--manual-gc-interval", "2", "--no-manual-gc-eval"), ["start", 2, 4]),
 ])
 def test_manual_gc_collects_on_its_schedule(argv, collected_at, monkeypatch):
-    train_config = parse(*argv)[1]
+    runtime = parse(*argv)[0].train.runtime
     collections, moment = [], ["start"]
     monkeypatch.setattr(gc, "collect", lambda: collections.append(moment[0]))
     assert gc.isenabled()
-    with ManualGC(train_config) as manual_gc:
-        assert gc.isenabled() != train_config.manual_gc
+    with ManualGC(runtime) as manual_gc:
+        assert gc.isenabled() != runtime.manual_gc
         for iteration in range(1, 5):
             moment[0] = iteration
             manual_gc.after_iteration(iteration)

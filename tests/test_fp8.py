@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import warnings
 
 import pytest
 import torch
 from torch import nn
 
+from configs import make_config, with_leaves
 from dist_utils import C, DistSuite, assert_close
-from megadomino.config import ConfigError, ModelConfig, TrainConfig
+from megadomino.config import ConfigError, FP8Recipe, ModelConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims, fp8
 from megadomino.parallel.fp8 import (
@@ -28,7 +28,6 @@ from megadomino.parallel.fp8 import (
     GRAD,
     INPUT,
     WEIGHT,
-    FP8Recipe,
     FP8State,
     current_scale,
     fp8_linear,
@@ -239,22 +238,22 @@ def test_refusals_name_the_flag(argv, named):
 
 
 def test_flags_set_the_config():
-    model_config, _, _ = parse_args([*BASE, "--fp8-format", "e4m3", "--fp8-amax-history-len",
-                                     "16", "--fp8-amax-compute-algo", "max", "--fp8-margin", "2",
-                                     "--fp8-interval", "3"], "gpt")
-    assert FP8Recipe.from_config(model_config) == FP8Recipe("e4m3", "delayed", 16, "max", 2, 3)
-    model_config, _, _ = parse_args([*BASE, "--fp8-format", "hybrid", "--fp8-recipe",
-                                     "tensorwise", "--recompute-granularity", "full",
-                                     "--recompute-method", "uniform", "--recompute-num-layers",
-                                     "1"], "gpt")
-    assert model_config.fp8_recipe == "tensorwise"
-    assert FP8Recipe.from_config(parse_args(BASE, "gpt")[0]) is None
+    config, _ = parse_args([*BASE, "--fp8-format", "e4m3", "--fp8-amax-history-len", "16",
+                            "--fp8-amax-compute-algo", "max", "--fp8-margin", "2",
+                            "--fp8-interval", "3"], "gpt")
+    assert config.train.precision.fp8 == FP8Recipe("e4m3", "delayed", 16, "max", 2, 3)
+    config, _ = parse_args([*BASE, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                            "--recompute-granularity", "full", "--recompute-method", "uniform",
+                            "--recompute-num-layers", "1"], "gpt")
+    assert config.train.precision.fp8.recipe == "tensorwise"
+    assert parse_args(BASE, "gpt")[0].train.precision.fp8 is None
 
 
 # Distributed (gloo): TP=2 against TP=1, training, exact resume from a checkpoint.
 
 FP8_MODEL = ModelConfig.preset("gpt-tiny", seq_length=32, hidden_dropout=0.0,
-                               attention_dropout=0.0, init_method_std=0.05, fp8="hybrid")
+                               attention_dropout=0.0, init_method_std=0.05)
+"""Trained with --fp8-format hybrid (FP8Recipe("hybrid"))."""
 REL_DELAYED = 1e-5
 """TP=2 against TP=1 under delayed scaling, relative to max |logit|: the amaxes are max-reduced
 over TP, so both cast the same numbers and differ only in summation order (as without FP8)."""
@@ -264,13 +263,13 @@ def _case_tp2_forward_matches_tp1(ref: ParallelDims, tp: ParallelDims, recipe: s
     """Three forwards (delayed: the 2nd and 3rd cast with scales from the steps before). Under
     tensorwise each rank scales its own weight and input shards, so TP=2 rounds differently:
     its distance to TP=1 must stay within 1.5x FP8's own error (TP=1 FP8 against fp32)."""
-    config = FP8_MODEL.replace(fp8_recipe=recipe)
+    config, scaling = FP8_MODEL, FP8Recipe("hybrid", recipe)
     torch.manual_seed(7)
-    reference = build_model(config, ref, "gpt")
+    reference = build_model(config, ref, "gpt", fp8=scaling)
     full = reference.full_state_dict()
-    model = build_model(config, tp, "gpt")
+    model = build_model(config, tp, "gpt", fp8=scaling)
     model.load_full_state_dict(full)
-    high = build_model(config.replace(fp8=None), ref, "gpt")
+    high = build_model(config, ref, "gpt")
     high.load_full_state_dict(full)
     tokens = torch.randint(0, config.vocab_size, (4, config.seq_length),
                            generator=torch.Generator().manual_seed(11))
@@ -283,19 +282,19 @@ def _case_tp2_forward_matches_tp1(ref: ParallelDims, tp: ParallelDims, recipe: s
         assert_close(logits, ref_logits, rel, f"logits, {recipe} step {step + 1}")
 
 
-TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, train_iters=12, lr=5e-3,
+TRAIN = make_config(FP8_MODEL, micro_batch_size=2, global_batch_size=4, train_iters=12, lr=5e-3,
                     lr_warmup_iters=2, log_interval=100, eval_interval=100, eval_iters=1,
-                    mock_data=True)
+                    mock_data=True, format="hybrid")
 
 
-def _train(model_config: ModelConfig, dims: ParallelDims, **overrides) -> dict:
-    config = dataclasses.replace(TRAIN, tensor_model_parallel_size=dims.tp, **overrides)
-    return train(model_config, config, dims, "gpt", log=lambda line: None)
+def _train(dims: ParallelDims, **overrides) -> dict:
+    config = with_leaves(TRAIN, tensor_model_parallel_size=dims.tp, **overrides)
+    return train(config, dims, "gpt", log=lambda line: None)
 
 
 def _case_learns(dims: ParallelDims) -> None:
     """10 steps, --fp8-format hybrid (delayed): the loss falls from ln(512) = 6.24."""
-    losses = _train(FP8_MODEL, dims, train_iters=10)["losses"]
+    losses = _train(dims, train_iters=10)["losses"]
     assert losses[0] > 5.5, losses
     assert sum(losses[-3:]) / 3 < 0.9 * losses[0], f"the loss did not fall: {losses}"
 
@@ -304,16 +303,15 @@ def _case_resume_exact(dims: ParallelDims, root: str) -> None:
     """12 steps straight == 6 (saved) + resume + 6, bit for bit, with a 4-step max history at
     DP=2 (each DP rank's scaling state is its own); without restoring that state the resumed
     losses differ, so the test can tell."""
-    config = FP8_MODEL.replace(fp8_amax_history_len=4, fp8_amax_compute_algo="max",
-                               fp8_margin=1)
-    straight = _train(config, dims)
-    first = _train(config, dims, save=f"{root}/fp8", exit_interval=6)
-    resumed = _train(config, dims, load=f"{root}/fp8")
+    history = dict(amax_history_len=4, amax_compute_algo="max", margin=1)
+    straight = _train(dims, **history)
+    first = _train(dims, **history, save=f"{root}/fp8", exit_interval=6)
+    resumed = _train(dims, **history, load=f"{root}/fp8")
     assert first["losses"] + resumed["losses"] == straight["losses"]
     load_fp8 = checkpoint._ShardReader._load_fp8
     checkpoint._ShardReader._load_fp8 = lambda self, model: None
     try:
-        fresh = _train(config, dims, load=f"{root}/fp8")
+        fresh = _train(dims, **history, load=f"{root}/fp8")
     finally:
         checkpoint._ShardReader._load_fp8 = load_fp8
     assert fresh["losses"] != straight["losses"][6:]

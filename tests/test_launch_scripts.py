@@ -16,10 +16,10 @@ import sys
 import pytest
 
 from megadomino.config import ModelConfig
+from megadomino.config.validate import validate
 from megadomino.interop.hf_config import hf_config_from
 from megadomino.training.arguments import parse_args
 from megadomino.training.slurm_env import apply_slurm_env, expand_tasks_per_node, first_host
-from megadomino.validate import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = {"pretrain_gpt3_6.7b": ("pretrain_gpt.py", "gpt"),
@@ -148,8 +148,8 @@ def test_sbatch_dry_run_prints_torchrun_per_node(name, slurm_env):
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "nodeA:29500", entry]
     args = entry_args(words, entry)
     assert args[-2:] == ["--seed", "7"]
-    model_config, train_config, _ = parse_args(args, family, entry == "finetune_llama.py")
-    validate(model_config, train_config, 16)
+    config, _ = parse_args(args, family, entry == "finetune_llama.py")
+    validate(config, 16)
 
 
 def test_finetune_flags_carry_template_and_data(slurm_env):
@@ -167,11 +167,12 @@ def test_pretrain_with_data_and_checkpoints(slurm_env):
     words = dry_run("scripts/slurm/pretrain_gpt3_6.7b.sbatch", env)
     assert words[words.index("--nproc_per_node") + 1] == "4"
     args = entry_args(words, "pretrain_gpt.py")
-    model_config, train_config, _ = parse_args(args, "gpt")
-    assert train_config.data_path == ["0.3", "/d/web", "0.7", "/d/books"]
-    assert (train_config.save, train_config.load) == ("/ckpt", "/ckpt")
-    assert train_config.tensor_model_parallel_size == 2 and "--mock-data" not in args
-    validate(model_config, train_config, 8)
+    config, _ = parse_args(args, "gpt")
+    assert config.train.data.data_path == ["0.3", "/d/web", "0.7", "/d/books"]
+    checkpoint = config.train.checkpoint
+    assert (checkpoint.save, checkpoint.load) == ("/ckpt", "/ckpt")
+    assert config.parallel.tensor_model_parallel_size == 2 and "--mock-data" not in args
+    validate(config, 8)
 
 
 def test_first_node_without_scontrol(slurm_env):
@@ -218,13 +219,14 @@ def test_sft_recipe_dry_run_steps(slurm_env, tmp_path):
     steps = [shlex.split(line) for line in done.stdout.splitlines()]
     assert [step[0] for step in steps] == ["torchrun", "python3", "cp"], steps
     args = entry_args(steps[0], "finetune_llama.py")
-    _, train_config, _ = parse_args(args, "llama", True)
-    assert train_config.lr == 1e-5
-    assert train_config.save == os.path.join(env["WORK_DIR"], "checkpoint")
+    config, _ = parse_args(args, "llama", True)
+    assert config.train.schedule.lr == 1e-5
+    save = config.train.checkpoint.save
+    assert save == os.path.join(env["WORK_DIR"], "checkpoint")
     assert args[args.index("--tokenizer-model") + 1] == os.path.join(env["HF_DIR"],
                                                                      "tokenizer.model")
     assert steps[1][1:] == ["scripts/convert_hf_llama.py", "megadomino-to-hf", "--load",
-                            train_config.save, "--hf-dir", os.path.join(env["WORK_DIR"], "hf")]
+                            save, "--hf-dir", os.path.join(env["WORK_DIR"], "hf")]
 
 
 def test_sft_recipe_demo_builds_its_inputs_first(slurm_env, tmp_path):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from megadomino.config.validate import validate
 from megadomino.training.arguments import parse_args
-from megadomino.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -93,7 +93,7 @@ def test_shell_commands_name_real_files_and_parse(words, tmp_path, monkeypatch):
     family, finetune = ENTRY_POINTS[name]
     monkeypatch.chdir(tmp_path)  # --save / --load directories are checked writable
     argv = words[words.index(script) + 1:]
-    model_config, train_config, _ = parse_args(argv, family, finetune)
+    config, _ = parse_args(argv, family, finetune)
     if words[0] == "torchrun":
         world, per_node = _torchrun_world(words[:words.index(script)])
-        validate(model_config, train_config, world, per_node, finetune=finetune)
+        validate(config, world, per_node, finetune=finetune)

@@ -6,23 +6,23 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from configs import make_config
 from dist_utils import C, DistSuite
-from megadomino.config import ModelConfig, TrainConfig
+from megadomino.config import Config, ModelConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.training.loop import train
 from megadomino.training.progress import Progress
 from megadomino.training.summary import count_parameters, startup_lines
-from megadomino.zero import ZeroConfig
 
 
-def _lines(model: ModelConfig, train_config: TrainConfig, zero: ZeroConfig, **grid) -> str:
+def _lines(config: Config, **grid) -> str:
     world = grid.get("world", 8)
     return "\n".join(startup_lines(
-        "llama", model, train_config, 123_456, world=world, tp=grid.get("tp", 2), pp=1,
-        dp=grid.get("dp", 4), backend="nccl", device="NVIDIA H100", zero=zero,
+        "llama", config, 123_456, world=world, tp=grid.get("tp", 2), pp=1,
+        dp=grid.get("dp", 4), backend="nccl", device="NVIDIA H100",
         global_batch=grid.get("global_batch", 16), micro_batches=grid.get("micro_batches", 2),
-        iterations=train_config.train_iters, data="mock data"))
+        iterations=config.train.schedule.train_iters, data="mock data"))
 
 
 def _assert_says(text: str, parts: tuple[str, ...]) -> None:
@@ -31,9 +31,10 @@ def _assert_says(text: str, parts: tuple[str, ...]) -> None:
 
 
 def test_startup_lines_name_what_the_run_is():
-    model = ModelConfig.preset("llama-tiny", sequence_parallel=True, domino_batch_slices=2)
-    train_config = TrainConfig(bf16=True, micro_batch_size=2, train_iters=10, mock_data=True)
-    text = _lines(model, train_config, ZeroConfig(stage=3))
+    config = make_config(ModelConfig.preset("llama-tiny"), sequence_parallel=True,
+                         batch_slices=2, bf16=True, micro_batch_size=2, train_iters=10,
+                         mock_data=True, stage=3)
+    text = _lines(config)
     assert text.count("\n") == 3 and text.startswith(" model: llama, ")
     _assert_says(text, (
         "llama, 2 layers, hidden 64, 4 heads (2 key/value groups), ffn 176, seq 64, vocab 512 "
@@ -47,20 +48,20 @@ def test_startup_lines_name_what_the_run_is():
 
 
 def test_startup_lines_name_the_engine_options_and_the_layout():
-    model = ModelConfig.preset("llama-tiny", tp_comm_overlap=True, sequence_parallel=True,
-                               recompute_granularity="full", recompute_method="uniform",
-                               recompute_num_layers=1, fp8="hybrid")
-    train_config = TrainConfig(micro_batch_size=1, train_iters=1, mock_data=True)
-    zero = ZeroConfig(stage=1, quantized_gradients=True, gradient_bits=8, layers_per_unit=2)
-    text = _lines(model, train_config, zero, world=1, tp=1, dp=1, global_batch=1,
-                  micro_batches=1)
+    layout = dict(tp_comm_overlap=True, sequence_parallel=True, recompute_granularity="full",
+                  recompute_method="uniform", recompute_num_layers=1, format="hybrid",
+                  micro_batch_size=1, train_iters=1, mock_data=True)
+    config = make_config(ModelConfig.preset("llama-tiny"), **layout, stage=1,
+                         quantized_gradients=True, gradient_bits=8, layers_per_unit=2)
+    text = _lines(config, world=1, tp=1, dp=1, global_batch=1, micro_batches=1)
     _assert_says(text, (
         "1 rank = TP 1 x PP 1 x DP 1", "TP overlap: fused-sp; sequence parallel, recompute full "
         "(uniform, 1 layer)", "ZeRO stage 1 (optimizer states and fp32 masters sharded over DP, "
         "qgZ int8 gradients, blocks of 2048, 2 layers a unit)",
         "precision: fp32, FP8 hybrid (delayed scaling)", "x 1 micro-batch x DP 1 (64 tokens); "
         "1 iteration"))
-    plain = _lines(model, train_config, ZeroConfig(stage=0, bucket_numel=40_000_000))
+    plain = _lines(make_config(ModelConfig.preset("llama-tiny"), **layout,
+                               bucket_numel=40_000_000))
     assert "ZeRO stage 0 (plain data parallelism: all-reduce in buckets of 40M elements, " \
         "overlapped with backward)" in plain, plain
 
@@ -107,9 +108,9 @@ def check_parameter_count(dims: ParallelDims, dense: ParallelDims) -> None:
 def check_only_rank_0_says_it(dims: ParallelDims, dense: ParallelDims) -> None:
     """train() at TP=2: rank 0 logs the summary with the dense model's count, rank 1 nothing."""
     lines: list[str] = []
-    train_config = TrainConfig(tensor_model_parallel_size=2, micro_batch_size=2, train_iters=1,
-                               eval_iters=0, mock_data=True)
-    train(CONFIG, train_config, dims, "gpt", log=lines.append)
+    config = make_config(CONFIG, tensor_model_parallel_size=2, micro_batch_size=2,
+                         train_iters=1, eval_iters=0, mock_data=True)
+    train(config, dims, "gpt", log=lines.append)
     if dims.rank != 0:
         assert lines == [], lines
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from configs import parallel_config
 from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ModelConfig
 from megadomino.models import build_model
@@ -66,9 +67,9 @@ def check_model(family: str, sequence_parallel: bool, dims_ref, dims_tp, explici
     torch.manual_seed(7)
     reference = build_model(config, dims_ref, family, device=device)
     full = reference.full_state_dict()
-    model = build_model(config.replace(sequence_parallel=sequence_parallel,
-                                       tp_comm_overlap=comm_overlap,
-                                       params_dtype=params_dtype), dims_tp, family, device=device)
+    parallel = parallel_config(sequence_parallel=sequence_parallel, tp_comm_overlap=comm_overlap)
+    model = build_model(config.replace(params_dtype=params_dtype), dims_tp, family,
+                        device=device, parallel=parallel)
     model.load_full_state_dict(full)
     tokens, labels, loss_mask, position_ids = (t.to(device) for t in batch(config, seed=11))
     if not explicit_positions:
@@ -96,16 +97,16 @@ def check_init_is_tp_independent(family: str, dims_ref, dims_tp):
 
 def check_recompute_with_dropout(family: str, granularity: str, method: str, dims_tp):
     """Recompute must replay the exact dropout masks (both RNG streams), so grads are equal."""
-    config = tiny_config(family, hidden_dropout=0.2, attention_dropout=0.2, num_layers=3,
-                         sequence_parallel=True)
+    config = tiny_config(family, hidden_dropout=0.2, attention_dropout=0.2, num_layers=3)
     tokens, labels, loss_mask, _ = batch(config, seed=3)
     results = []
     for recompute in (None, granularity):
-        changes = dict(recompute_granularity=recompute)
+        changes = dict(sequence_parallel=True, recompute_granularity=recompute)
         if recompute == "full":
             changes.update(recompute_method=method, recompute_num_layers=2)
         model_parallel_seed(9, dims_tp)
-        model = build_model(config.replace(**changes), dims_tp, family, device="cpu")
+        model = build_model(config, dims_tp, family, device="cpu",
+                            parallel=parallel_config(**changes))
         results.append(loss_and_grads(model, dims_tp, tokens, labels, loss_mask))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b)

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from configs import make_config
 from dist_utils import DistSuite, free_port
-from megadomino.config import ModelConfig, TrainConfig
+from megadomino.config import ModelConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.data import IndexedDatasetBuilder
 from megadomino.training.launch import main
@@ -27,13 +28,14 @@ def _run(tp: int, dp: int, micro_batch_size: int, iters: int = ITERS, sequence_p
          **train_overrides) -> tuple[dict, list[str]]:
     dims = ParallelDims(tp=tp, dp=dp)
     model_config = ModelConfig.preset("gpt-tiny", hidden_dropout=0.0, attention_dropout=0.0,
-                                      seq_length=32, sequence_parallel=sequence_parallel)
-    train_config = TrainConfig(
-        tensor_model_parallel_size=tp, micro_batch_size=micro_batch_size, global_batch_size=8,
-        train_iters=iters, lr=5e-3, min_lr=5e-4, lr_warmup_iters=3, log_interval=10,
-        eval_interval=iters, eval_iters=2, mock_data=True, **train_overrides)
+                                      seq_length=32)
+    config = make_config(
+        model_config, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+        micro_batch_size=micro_batch_size, global_batch_size=8, train_iters=iters, lr=5e-3,
+        min_lr=5e-4, lr_warmup_iters=3, log_interval=10, eval_interval=iters, eval_iters=2,
+        mock_data=True, **train_overrides)
     lines: list[str] = []
-    history = train(model_config, train_config, dims, "gpt", log=lines.append)
+    history = train(config, dims, "gpt", log=lines.append)
     return history, lines
 
 

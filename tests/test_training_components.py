@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from configs import make_config
 from dist_utils import C, DistSuite, assert_close
-from megadomino.config import ConfigError, ModelConfig, TrainConfig
+from megadomino.config import ConfigError, LoggingConfig, ModelConfig, ScheduleConfig
+from megadomino.config.validate import batch_plan, train_iterations
 from megadomino.parallel import ParallelDims
 from megadomino.training.data import MockDataset
 from megadomino.training.lr_schedule import LRSchedule
@@ -27,7 +29,6 @@ from megadomino.training.metrics import (
     throughput,
 )
 from megadomino.training.report import Reporter
-from megadomino.validate import batch_plan, train_iterations
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 from megadomino.zero.loss_scaler import DynamicLossScaler
 
@@ -55,8 +56,8 @@ def test_lr_cosine_shape():
 
 
 def test_lr_from_config_defaults_and_warmup_fraction():
-    config = TrainConfig(lr=1.0, min_lr=0.0, lr_decay_style="linear", lr_warmup_fraction=0.1,
-                         lr_warmup_iters=99)
+    config = ScheduleConfig(lr=1.0, min_lr=0.0, lr_decay_style="linear", lr_warmup_fraction=0.1,
+                            lr_warmup_iters=99)
     schedule = LRSchedule.from_config(config, train_iters=50)
     assert (schedule.warmup_iters, schedule.decay_iters) == (5.0, 50)
 
@@ -181,13 +182,13 @@ def test_mock_data_is_deterministic_progressions():
 
 
 def test_batch_plan():
-    assert batch_plan(TrainConfig(micro_batch_size=2, global_batch_size=12), dp=3) == (12, 2)
-    assert batch_plan(TrainConfig(micro_batch_size=2), dp=3) == (6, 1)
+    assert batch_plan(ScheduleConfig(micro_batch_size=2, global_batch_size=12), dp=3) == (12, 2)
+    assert batch_plan(ScheduleConfig(micro_batch_size=2), dp=3) == (6, 1)
     with pytest.raises(ConfigError, match="--global-batch-size=10 .*--micro-batch-size"):
-        batch_plan(TrainConfig(micro_batch_size=2, global_batch_size=10), dp=3)
-    assert train_iterations(TrainConfig(train_samples=100), global_batch_size=12) == 8
+        batch_plan(ScheduleConfig(micro_batch_size=2, global_batch_size=10), dp=3)
+    assert train_iterations(ScheduleConfig(train_samples=100), global_batch_size=12) == 8
     with pytest.raises(ConfigError, match="--train-iters"):
-        train_iterations(TrainConfig(), global_batch_size=12)
+        train_iterations(ScheduleConfig(), global_batch_size=12)
 
 
 # ---- distributed cases (2 ranks) ---------------------------------------------------------------
@@ -360,22 +361,23 @@ def _case_fp16_skip_and_master(dims: ParallelDims) -> None:
 
 
 def _case_library_runs_the_validator(dims: ParallelDims) -> None:
-    """train() refuses what the command line refuses, with the same line (megadomino.validate),
-    before it builds anything: here, configs the flags would not give."""
+    """train() refuses what the command line refuses, with the same line
+    (megadomino.config.validate), before it builds anything: here, configs the flags would not
+    give."""
+    from megadomino.config.validate import validate
     from megadomino.training.loop import train
-    from megadomino.validate import validate
 
     model = ModelConfig.preset("gpt-tiny")
-    bad = [TrainConfig(train_iters=2, mock_data=True, bf16=True, fp16=True),
-           TrainConfig(train_iters=2, mock_data=True, global_batch_size=3),
-           TrainConfig(train_iters=2, mock_data=True, min_lr=1.0, lr=0.1),
-           TrainConfig(train_iters=2, mock_data=True, zeropp_quantized_weights=True),
-           TrainConfig(train_iters=2)]
+    bad = [make_config(model, train_iters=2, mock_data=True, bf16=True, fp16=True),
+           make_config(model, train_iters=2, mock_data=True, global_batch_size=3),
+           make_config(model, train_iters=2, mock_data=True, min_lr=1.0, lr=0.1),
+           make_config(model, train_iters=2, mock_data=True, stage=3, batch_slices=2),
+           make_config(model, train_iters=2)]
     for config in bad:
         with pytest.raises(ConfigError) as cli:
-            validate(model, config, dims.world_size, dims.gpus_per_node)
+            validate(config, dims.world_size, dims.gpus_per_node)
         with pytest.raises(ConfigError) as library:
-            train(model, config, dims, "gpt", log=lambda line: None)
+            train(config, dims, "gpt", log=lambda line: None)
         assert str(library.value) == str(cli.value)
 
 
@@ -419,9 +421,9 @@ def test_profile_window_writes_one_trace_for_its_iterations(tmp_path):
 
     from megadomino.training.profiling import ProfileWindow
 
-    config = TrainConfig(profile=True, use_pytorch_profiler=True, profile_step_start=2,
-                         profile_step_end=4, profile_ranks=[0, 3],
-                         tensorboard_dir=str(tmp_path / "tb"))
+    config = LoggingConfig(profile=True, use_pytorch_profiler=True, profile_step_start=2,
+                           profile_step_end=4, profile_ranks=[0, 3],
+                           tensorboard_dir=str(tmp_path / "tb"))
     for rank, expect in ((0, True), (1, False)):
         lines: list[str] = []
         window = ProfileWindow(config, rank, lines.append)
@@ -435,7 +437,7 @@ def test_profile_window_writes_one_trace_for_its_iterations(tmp_path):
         if expect:
             assert lines == [f" profile of iterations [2, 4) on rank 0: {path}"]
             assert json.loads(path.read_text())["traceEvents"]
-    off = ProfileWindow(TrainConfig(), 0, print)
+    off = ProfileWindow(LoggingConfig(), 0, print)
     off.before(10)
     assert off.active is None
 
@@ -445,8 +447,8 @@ def test_profile_window_writes_one_trace_for_its_iterations(tmp_path):
     (dict(profile=True, profile_ranks=[4]), "--profile-ranks 4 is invalid: ranks are 0 to 1"),
 ])
 def test_profile_window_is_checked(fields, named):
-    from megadomino.validate import validate
+    from megadomino.config.validate import validate
 
     with pytest.raises(ConfigError, match=re.escape(named)):
-        validate(ModelConfig.preset("gpt-tiny"),
-                 TrainConfig(train_iters=20, mock_data=True, **fields), 2)
+        validate(make_config(ModelConfig.preset("gpt-tiny"), train_iters=20, mock_data=True,
+                             **fields), 2)

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from configs import make_config
 from dist_utils import C, DistSuite, assert_close
-from megadomino.config import ModelConfig, TrainConfig
+from megadomino.config import ModelConfig
 from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.training.checkpoint import (
@@ -81,11 +82,10 @@ def check_loss_is_cross_entropy_of_logits(vocab: int, tp: ParallelDims,
 def check_pad_rows_stay_zero(dims: ParallelDims, untied: bool, zero_stage: int) -> None:
     """Training (AdamW, weight decay, clipping) leaves every padding row exactly zero."""
     config = tiny(320, untie_embeddings_and_output_weights=untied, init_method_std=0.02)
-    train_config = TrainConfig(micro_batch_size=2, global_batch_size=2 * dims.dp, train_iters=4,
-                               lr=1e-2, weight_decay=0.1, log_interval=2, eval_interval=0,
-                               eval_iters=0, mock_data=True, tensor_model_parallel_size=dims.tp,
-                               zero_stage=zero_stage)
-    history = train(config, train_config, dims, "gpt", log=lambda line: None)
+    run = make_config(config, micro_batch_size=2, global_batch_size=2 * dims.dp, train_iters=4,
+                      lr=1e-2, weight_decay=0.1, log_interval=2, eval_interval=0, eval_iters=0,
+                      mock_data=True, tensor_model_parallel_size=dims.tp, stage=zero_stage)
+    history = train(run, dims, "gpt", log=lambda line: None)
     assert all(math.isfinite(loss) for loss in history["losses"])
     model = history["model"]
     for weight in (model.word_embeddings.weight, model.output_weight):
@@ -105,7 +105,7 @@ def check_old_checkpoint_pad_rows(tp: ParallelDims, dense: ParallelDims, root: s
     at the saved TP degree and at TP=1, and rank 0 says so in one line."""
     config = tiny(320)
     model = build_model(config, tp)
-    engine = build_engine(model, tp, TrainConfig(lr=1e-2), ZeroConfig(stage=0))
+    engine = build_engine(model, tp, make_config(config, lr=1e-2))
     _step(model, engine.step, engine.backward)
     weight = model.word_embeddings.weight
     state = engine.state_by_parameter()[id(weight)]
@@ -117,7 +117,7 @@ def check_old_checkpoint_pad_rows(tp: ParallelDims, dense: ParallelDims, root: s
         fresh = build_model(config, dims)
         lines: list[str] = []
         load_checkpoint(f"{root}/old", fresh, dims, log=lines.append)
-        fresh_engine = build_engine(fresh, dims, TrainConfig(lr=1e-2), ZeroConfig(stage=0))
+        fresh_engine = build_engine(fresh, dims, make_config(config, lr=1e-2))
         load_optimizer_state(f"{root}/old", 1, fresh_engine, dims, log=lines.append)
         loaded = fresh.word_embeddings.weight
         assert not pad_rows(loaded, dims).count_nonzero()

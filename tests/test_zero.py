@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from configs import layer_options
 from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ConfigError, ModelConfig
 from megadomino.models import build_model
@@ -55,9 +56,9 @@ def test_config_refuses(fields, flag):
 
 def test_hpz_partition_must_be_the_node():
     dims = type("Dims", (), dict(dp_per_node=4, gpus_per_node=4, tp=1))()
-    ZeroConfig(hpz_partition_size=4).check_dims(dims)
+    ZeroConfig(stage=3, hpz_partition_size=4).check_dims(dims)
     with pytest.raises(ConfigError, match="per node \\(4"):
-        ZeroConfig(hpz_partition_size=2).check_dims(dims)
+        ZeroConfig(stage=3, hpz_partition_size=2).check_dims(dims)
 
 
 def test_flat_unit_layout_pads_and_pieces_cover_the_shard():
@@ -211,10 +212,11 @@ DATA = MockDataset(SEQ, 512, seed=7)
 
 
 def _build(dims: ParallelDims, **overrides) -> nn.Module:
+    fields, parallel, _ = layer_options(overrides)
     config = ModelConfig.preset("gpt-tiny", hidden_dropout=0.0, attention_dropout=0.0,
-                                seq_length=SEQ, **overrides)
+                                seq_length=SEQ, **fields)
     model_parallel_seed(1234, dims)
-    return build_model(config, dims, "gpt", device="cpu")
+    return build_model(config, dims, "gpt", device="cpu", parallel=parallel)
 
 
 def _batch(dims: ParallelDims, step: int, micro: int = 0, num_micro: int = 1, mbs: int = 2):
@@ -239,7 +241,11 @@ def _engine(dims: ParallelDims, clip: float = 1.0, model_overrides: dict | None 
             loss_scaler=None, optimizer: str = "adam", **zero) -> ZeroPlusPlus:
     # One layer a unit unless a case says otherwise: the tiny models would otherwise be one unit
     # (ZeroConfig.unit_params), and the cases exercise the pipeline across units.
-    zero.setdefault("layers_per_unit", 1)
+    zero.setdefault("stage", 3)
+    if zero["stage"] == 0:  # stage 0 has buckets, not units
+        zero.pop("layers_per_unit", None)
+    else:
+        zero.setdefault("layers_per_unit", 1)
     return ZeroPlusPlus(_build(dims, **(model_overrides or {})), dims, FACTORIES[optimizer],
                         ZeroConfig(**zero), clip_grad=clip, loss_scaler=loss_scaler)
 

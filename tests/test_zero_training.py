@@ -47,8 +47,8 @@ def _train(dims: ParallelDims, *flags: str, iters: int = 10, micro_batch_size: i
     """pretrain_gpt.py's flags (BASE, then `flags`) through parse_args into `train`."""
     argv = [*BASE, "--train-iters", str(iters), "--micro-batch-size", str(micro_batch_size),
             "--tensor-model-parallel-size", str(dims.tp), *flags]
-    model_config, train_config, _ = parse_args(argv, "gpt")
-    return train(model_config, train_config, dims, "gpt", log=log or (lambda line: None))
+    config, _ = parse_args(argv, "gpt")
+    return train(config, dims, "gpt", log=log or (lambda line: None))
 
 
 def _check_same_losses(got: dict, want: dict, rel: float) -> None:

@@ -1,5 +1,6 @@
-"""Domino (arXiv 2409.15241): tensor-parallel communication hidden behind computation."""
+"""Domino (arXiv 2409.15241): tensor-parallel communication hidden behind computation. Its plan
+(DominoPlan) is a section of the configuration (megadomino.config.ParallelConfig.domino)."""
 
-from megadomino.domino.plan import DominoPlan, validate_plan
+from megadomino.config import DominoPlan
 
-__all__ = ["DominoPlan", "validate_plan"]
+__all__ = ["DominoPlan"]

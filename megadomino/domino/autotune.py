@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megadomino.domino.plan import DominoPlan
+from megadomino.config import DominoPlan
 from megadomino.domino.schedule import DominoRunner
 
 # (N, K); (1, 1) is the plain TP path, "1x1-runner" Domino's explicit backward without slicing.
@@ -52,10 +52,10 @@ def _time(block, x, grad, rotary, warmup: int, iters: int) -> float:
 
 
 def autotune_domino(model, micro_batch_size: int, log=print, warmup: int = 2,
-                    iters: int = 5) -> tuple[int, int, bool]:
-    """Time the candidate plans on `model.decoder` and install the fastest. Returns
-    (batch_slices, hidden_slices, runner): runner False means plain TP. Gradients the timing left
-    on the parameters are cleared."""
+                    iters: int = 5) -> DominoPlan:
+    """Time the candidate plans on `model.decoder` and install the fastest. Returns its
+    DominoPlan: DominoPlan() (not enabled) is plain TP. Gradients the timing left on the
+    parameters are cleared."""
     block, config, dims = model.decoder, model.config, model.dims
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -78,12 +78,11 @@ def autotune_domino(model, micro_batch_size: int, log=print, warmup: int = 2,
     if dims.world_size > 1:
         dist.broadcast(choice, src=0)
     n, k, runner = plans[int(choice)]
-    block.domino = DominoRunner(block, DominoPlan(n, k, runner)) if runner else None
-    config.domino_batch_slices, config.domino_hidden_slices = n, k
-    config.domino_explicit_backward = runner
+    plan = DominoPlan(n, k, runner)
+    block.domino = DominoRunner(block, plan) if runner else None
     if dims.rank == 0:
         rows = ", ".join(f"{_name(pn, pk, r)}: {t:.2f} ms"
                          for (pn, pk, r), t in zip(plans, measured.tolist()))
         name = _name(n, k, runner)
         log(f"domino auto: {name} (decoder forward+backward per micro-batch: {rows})")
-    return n, k, runner
+    return plan

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from megadomino.domino.plan import DominoPlan
+from megadomino.config import DominoPlan
 from megadomino.domino.units import Pending, WgradSink, domino_linear, leaf
 from megadomino.parallel import random as tp_random
 from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
@@ -80,7 +80,8 @@ class DominoRunner:
     def __init__(self, block, plan: DominoPlan):
         self.block, self.plan = block, plan
         self.config, self.dims = block.config, block.dims
-        self.sp = self.config.sequence_parallel and self.dims.tp > 1
+        self.parallel = block.parallel
+        self.sp = self.parallel.sequence_parallel and self.dims.tp > 1
         self.sinks: list[WgradSink] = []
         """The sinks of the passes in progress, innermost last: a forward (or a forward re-run
         by recompute inside a backward) queues its weight-gradient GEMMs on the last one."""
@@ -99,7 +100,7 @@ class DominoRunner:
 
     # ---- helpers -------------------------------------------------------------------------
     def _recomputed(self, layer_index: int) -> bool:
-        config = self.config
+        config = self.parallel
         if config.recompute_granularity != "full" or not self.block.training:
             return False
         return config.recompute_method == "uniform" or layer_index < config.recompute_num_layers

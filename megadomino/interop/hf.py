@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megadomino.config import ConfigError, ModelConfig
+from megadomino.config import ConfigError, FP8Recipe, ModelConfig, ParallelConfig
 from megadomino.interop.hf_config import hf_config_from, model_config_from_hf
 from megadomino.models.blocks import DTYPES
 from megadomino.models.gpt import full_shape, gather_full
@@ -178,12 +178,15 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
-               device: torch.device | str | None = None, **config_overrides: Any) -> LlamaModel:
+               device: torch.device | str | None = None, *,
+               parallel: ParallelConfig | None = None, fp8: FP8Recipe | None = None,
+               **config_overrides: Any) -> LlamaModel:
     """A LlamaModel holding this rank's shards of the HF Llama checkpoint in `hf_dir`.
 
     `params_dtype`: 'float32' (default), 'bfloat16', 'float16' or the torch dtype. `device`: the
-    model's default (the current CUDA device, else CPU) when None. Keyword `config_overrides`
-    replace ModelConfig fields (seq_length, sequence_parallel, ...). Not
+    model's default (the current CUDA device, else CPU) when None. `parallel` and `fp8`: how its
+    layers run (LlamaModel's). Keyword `config_overrides` replace ModelConfig fields
+    (seq_length, ...). Not
     collective: each rank reads its own slices. Raises ConfigError for an unsupported config and
     FileNotFoundError / KeyError / ValueError naming a missing file, a missing tensor or a shape
     that contradicts config.json."""
@@ -194,7 +197,7 @@ def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
     config = model_config_from_hf(read_hf_config(hf_dir), **config_overrides)
     reader = SafetensorsReader(hf_dir)
     _check_tensors(reader, config, hf_dir)
-    model = LlamaModel(config, dims, device)
+    model = LlamaModel(config, dims, device, parallel=parallel, fp8=fp8)
     layout = weight_layout(config)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -35,7 +35,7 @@ def rope_theta_from_hf(hf_config: dict[str, Any]) -> float:
 
 def model_config_from_hf(hf_config: dict[str, Any], **overrides: Any) -> ModelConfig:
     """A Llama ModelConfig from a parsed HF config.json; keyword `overrides` replace fields
-    (e.g. seq_length, sequence_parallel, params_dtype). seq_length defaults to
+    (e.g. seq_length, params_dtype). seq_length defaults to
     max_position_embeddings."""
     _refuse_unsupported(hf_config)
     heads = hf_config["num_attention_heads"]

@@ -11,15 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megadomino.config import ModelConfig
+from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
 from megadomino.parallel import random as tp_random
-from megadomino.parallel.fp8 import FP8Recipe
 from megadomino.parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_norm(config: ModelConfig, device=None) -> nn.Module:
+def build_norm(config: ModelConfig, sequence_parallel: bool = False, device=None) -> nn.Module:
     """LayerNorm (weight and bias) or RMSNorm (weight); under sequence parallelism the params are
     marked `sequence_parallel` (each rank sees part of the sequence: its gradient is partial)."""
     dtype = DTYPES[config.params_dtype]
@@ -29,7 +28,7 @@ def build_norm(config: ModelConfig, device=None) -> nn.Module:
     else:
         norm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon, device=device, dtype=dtype)
     for param in norm.parameters():
-        param.sequence_parallel = config.sequence_parallel
+        param.sequence_parallel = sequence_parallel
     return norm
 
 
@@ -56,24 +55,25 @@ class Attention(nn.Module):
     one v head, so a contiguous split of the output rows gives each TP rank whole groups.
     """
 
-    def __init__(self, config: ModelConfig, dims, device=None):
+    def __init__(self, config: ModelConfig, dims, parallel: ParallelConfig,
+                 fp8: FP8Recipe | None = None, device=None):
         super().__init__()
         dtype = DTYPES[config.params_dtype]
         self.config, self.dims = config, dims
+        self.selective_recompute = parallel.recompute_granularity == "selective"
         self.head_dim = config.kv_channels
         self.heads_local = config.num_attention_heads // dims.tp
         self.groups_local = config.num_query_groups // dims.tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim
-        sp = config.sequence_parallel and dims.tp > 1
-        fp8 = FP8Recipe.from_config(config)
+        sp, overlap = parallel.sequence_parallel and dims.tp > 1, parallel.tp_comm_overlap
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, dims, bias=config.add_bias_linear,
-            sequence_parallel=sp, comm_overlap=config.tp_comm_overlap,
+            sequence_parallel=sp, comm_overlap=overlap,
             init_std=config.init_method_std, fp8=fp8, device=device, dtype=dtype)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, dims,
-            bias=config.add_bias_linear, sequence_parallel=sp, comm_overlap=config.tp_comm_overlap,
+            bias=config.add_bias_linear, sequence_parallel=sp, comm_overlap=overlap,
             init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
             device=device, dtype=dtype)
 
@@ -105,7 +105,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # (s, b, heads, d) -> (b, heads, s, d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if self.config.recompute_granularity == "selective" and self.training:
+        if self.selective_recompute and self.training:
             context = tp_random.checkpoint(self.core, self.dims, q, k, v)
         else:
             context = self.core(q, k, v)
@@ -124,21 +124,21 @@ class MLP(nn.Module):
     local fc1 output is [gate_local, up_local].
     """
 
-    def __init__(self, config: ModelConfig, dims, device=None):
+    def __init__(self, config: ModelConfig, dims, parallel: ParallelConfig,
+                 fp8: FP8Recipe | None = None, device=None):
         super().__init__()
         dtype = DTYPES[config.params_dtype]
         self.config = config
-        sp = config.sequence_parallel and dims.tp > 1
+        sp, overlap = parallel.sequence_parallel and dims.tp > 1, parallel.tp_comm_overlap
         stripes = 2 if config.swiglu else 1
-        fp8 = FP8Recipe.from_config(config)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, stripes * config.ffn_hidden_size, dims,
             bias=config.add_bias_linear, sequence_parallel=sp,
-            comm_overlap=config.tp_comm_overlap, init_std=config.init_method_std,
+            comm_overlap=overlap, init_std=config.init_method_std,
             stripes=stripes, fp8=fp8, device=device, dtype=dtype)
         self.linear_fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, dims, bias=config.add_bias_linear,
-            sequence_parallel=sp, comm_overlap=config.tp_comm_overlap,
+            sequence_parallel=sp, comm_overlap=overlap,
             init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
             device=device, dtype=dtype)
 

@@ -20,7 +20,7 @@ while the embedding's run on the main stream: the hooks join the streams a bucke
 came from before its DP reduction is enqueued (`parallel.streams`; without that join, TP 2 x
 DP 2 drifted from eager training by 1e-4 relative, scripts/debug/cuda_graph_dp_drift.py).
 
-Limits, refused up front by `ModelConfig.validate` / the training arguments with the flag named:
+Limits, refused up front by the validator (megadomino.config.validate) with the flag named:
 dropout must be 0 (the model-parallel RNG tracker swaps generator states, which a graph cannot
 capture), no activation recompute (it saves and restores RNG states), no Domino slicing (its
 schedule hands parameter gradients to autograd from inside its backward), no ZeRO stage 3 (its
@@ -82,8 +82,8 @@ def _workspace_guard(model):
     """still_valid() for GraphedLayers: with fused SP communication, the TP group's
     symmetric-memory workspace (a torch-internal table; no guard where it is absent) must stay
     the tensor the capture used, since the graphs hold its address."""
-    config, dims = model.config, model.dims
-    if not (config.tp_comm_overlap and model.sequence_parallel and dims.tp > 1):
+    dims = model.dims
+    if not (model.parallel.tp_comm_overlap and model.sequence_parallel and dims.tp > 1):
         return lambda: True
     from torch.distributed import _symmetric_memory as symm_mem
     table = getattr(symm_mem, "_group_name_to_workspace_tensor", None)

@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megadomino.config import ModelConfig
+from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
+from megadomino.config.validate import validate_layers
 from megadomino.models.blocks import DTYPES, rotary_tables
 from megadomino.models.transformer import TransformerBlock
 from megadomino.parallel import mappings
@@ -44,13 +45,15 @@ def default_device() -> torch.device:
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config: ModelConfig, dims, device=None):
+    def __init__(self, config: ModelConfig, dims, device=None, *,
+                 parallel: ParallelConfig | None = None, fp8: FP8Recipe | None = None):
         super().__init__()
-        config.validate(dims.tp)
+        parallel = parallel or ParallelConfig()
+        validate_layers(config, parallel, dims.tp, fp8)
         device = torch.device(device) if device is not None else default_device()
         dtype = DTYPES[config.params_dtype]
-        self.config, self.dims = config, dims
-        self.sequence_parallel = config.sequence_parallel and dims.tp > 1
+        self.config, self.dims, self.parallel = config, dims, parallel
+        self.sequence_parallel = parallel.sequence_parallel and dims.tp > 1
         self.padded_vocab_size = config.padded_vocab_size(dims.tp)
         std = config.init_method_std
         self.word_embeddings = VocabParallelEmbedding(
@@ -63,7 +66,7 @@ class GPTModel(nn.Module):
             init_sharded_(self.position_embeddings.weight,
                           tuple(self.position_embeddings.weight.shape), std, _Replicated())
             self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
-        self.decoder = TransformerBlock(config, dims, device)
+        self.decoder = TransformerBlock(config, dims, parallel, fp8, device)
         self.output_weight = None
         if config.untie_embeddings_and_output_weights:
             self.output_weight = nn.Parameter(
@@ -113,7 +116,7 @@ class GPTModel(nn.Module):
         weight = self.output_weight if self.output_weight is not None \
             else self.word_embeddings.weight
         return column_parallel_matmul(hidden, weight, None, self.dims.tp_group,
-                                      self.sequence_parallel, self.config.tp_comm_overlap)
+                                      self.sequence_parallel, self.parallel.tp_comm_overlap)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None,

@@ -3,15 +3,16 @@ embeddings with base `rotary_base`, grouped-query attention, no biases, untied o
 
 from __future__ import annotations
 
-from megadomino.config import ARCHITECTURES, ConfigError, ModelConfig
+from megadomino.config import ARCHITECTURES, ConfigError, FP8Recipe, ModelConfig, ParallelConfig
 from megadomino.models.gpt import GPTModel
 
 
 class LlamaModel(GPTModel):
-    def __init__(self, config: ModelConfig, dims, device=None):
+    def __init__(self, config: ModelConfig, dims, device=None, *,
+                 parallel: ParallelConfig | None = None, fp8: FP8Recipe | None = None):
         for field, value in ARCHITECTURES["llama"].items():
             if getattr(config, field) != value:
                 raise ConfigError(
                     f"LlamaModel needs {field}={value!r}, got {getattr(config, field)!r}: start "
                     f"from ModelConfig.preset('llama2-7b') or 'llama-tiny', or use GPTModel")
-        super().__init__(config, dims, device)
+        super().__init__(config, dims, device, parallel=parallel, fp8=fp8)

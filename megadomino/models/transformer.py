@@ -1,7 +1,7 @@
 """TransformerLayer (one pre-norm block) and TransformerBlock (the stack, final norm, recompute).
 
 A layer's forward is two residual lines; the parallel linears inside hide their collectives. With
-Domino on (domino_batch_slices or domino_hidden_slices > 1) the block hands its layers to the
+Domino on (ParallelConfig.domino, a DominoPlan) the block hands its layers to the
 Domino schedule (megadomino/domino/schedule.py), which runs the same weights and math in slices.
 """
 
@@ -11,21 +11,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megadomino.config import ModelConfig
-from megadomino.domino.plan import DominoPlan
+from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
 from megadomino.domino.schedule import DominoRunner
 from megadomino.models.blocks import MLP, Attention, build_norm
 from megadomino.parallel import random as tp_random
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dims, device=None):
+    def __init__(self, config: ModelConfig, dims, parallel: ParallelConfig | None = None,
+                 fp8: FP8Recipe | None = None, device=None):
         super().__init__()
+        parallel = parallel or ParallelConfig()
         self.config, self.dims = config, dims
-        self.input_layernorm = build_norm(config, device)
-        self.self_attention = Attention(config, dims, device)
-        self.pre_mlp_layernorm = build_norm(config, device)
-        self.mlp = MLP(config, dims, device)
+        self.sequence_parallel = parallel.sequence_parallel and dims.tp > 1
+        sp = parallel.sequence_parallel
+        self.input_layernorm = build_norm(config, sp, device)
+        self.self_attention = Attention(config, dims, parallel, fp8, device)
+        self.pre_mlp_layernorm = build_norm(config, sp, device)
+        self.mlp = MLP(config, dims, parallel, fp8, device)
 
     def hidden_dropout(self, x: torch.Tensor) -> torch.Tensor:
         """Dropout on the residual stream. Replicated over TP ranks it uses the default generator
@@ -33,7 +36,7 @@ class TransformerLayer(nn.Module):
         p = self.config.hidden_dropout
         if not self.training or p == 0.0:
             return x
-        if self.config.sequence_parallel and self.dims.tp > 1:
+        if self.sequence_parallel:
             with tp_random.tracker_of(self.dims).fork():
                 return F.dropout(x, p, training=True)
         return F.dropout(x, p, training=True)
@@ -49,15 +52,17 @@ class TransformerBlock(nn.Module):
     'uniform' checkpoints chunks of `recompute_num_layers` layers, 'block' checkpoints each of the
     first `recompute_num_layers` layers."""
 
-    def __init__(self, config: ModelConfig, dims, device=None):
+    def __init__(self, config: ModelConfig, dims, parallel: ParallelConfig | None = None,
+                 fp8: FP8Recipe | None = None, device=None):
         super().__init__()
-        self.config, self.dims = config, dims
+        parallel = parallel or ParallelConfig()
+        self.config, self.dims, self.parallel = config, dims, parallel
         self.layers = nn.ModuleList(
-            TransformerLayer(config, dims, device) for _ in range(config.num_layers))
-        self.final_layernorm = build_norm(config, device)
-        plan = DominoPlan.from_config(config)
+            TransformerLayer(config, dims, parallel, fp8, device)
+            for _ in range(config.num_layers))
+        self.final_layernorm = build_norm(config, parallel.sequence_parallel, device)
         # Not a submodule: the runner only schedules these layers.
-        self.domino = DominoRunner(self, plan) if plan.enabled else None
+        self.domino = DominoRunner(self, parallel.domino) if parallel.domino.enabled else None
 
     def _run(self, start: int, end: int):
         def run(x, *rotary):
@@ -77,7 +82,7 @@ class TransformerBlock(nn.Module):
         self.__dict__["_graphed_layers"] = graphed
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        config = self.config
+        config = self.parallel
         if self.domino is not None:
             return self.final_layernorm(self.domino(x, rotary))
         rotary_args = tuple(rotary) if rotary is not None else ()

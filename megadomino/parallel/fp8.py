@@ -35,47 +35,18 @@ Scaling recipes, per tensor role (input, weight, output gradient):
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+from megadomino.config.train import E4M3, E5M2, FP8Recipe
+
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
 INPUT, WEIGHT, GRAD = 0, 1, 2
 """Tensor roles: the columns of FP8State's amax history and scales."""
 
 _warned_shapes: set[tuple[int, int, int]] = set()
-
-
-@dataclass(frozen=True)
-class FP8Recipe:
-    """How the linears cast to FP8 (the ModelConfig fp8* fields, Megatron-LM's defaults)."""
-
-    format: str = "hybrid"
-    """'hybrid': e4m3 forward, e5m2 gradients; 'e4m3': e4m3 everywhere."""
-    recipe: str = "delayed"
-    """'delayed' or 'tensorwise'."""
-    amax_history_len: int = 1
-    amax_compute_algo: str = "most_recent"
-    """'max' or 'most_recent' (delayed)."""
-    margin: int = 0
-    """Scales are divided by 2^margin (delayed): headroom for amax growth between updates."""
-    interval: int = 1
-    """Steps between scale updates (delayed)."""
-
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return E5M2 if self.format == "hybrid" else E4M3
-
-    @classmethod
-    def from_config(cls, config) -> FP8Recipe | None:
-        """The recipe a ModelConfig asks for; None without --fp8-format."""
-        if config.fp8 is None:
-            return None
-        return cls(config.fp8, config.fp8_recipe, config.fp8_amax_history_len,
-                   config.fp8_amax_compute_algo, config.fp8_margin, config.fp8_interval)
 
 
 def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megadomino.config import FP8Recipe
 from megadomino.parallel import async_tp, mappings
-from megadomino.parallel.fp8 import FP8Recipe, FP8State, fp8_linear
+from megadomino.parallel.fp8 import FP8State, fp8_linear
 from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
 
 

@@ -1,12 +1,14 @@
-"""Megatron-LM's command line, mapped onto ModelConfig and TrainConfig by one explicit flag policy.
+"""Megatron-LM's command line, mapped onto the configuration tree (megadomino.config.Config) by
+one explicit flag policy.
 
 Every flag megadomino knows is a row of `FLAGS` (and, for finetune_llama.py, `FINETUNE_FLAGS`) in
 `megadomino.training.flags`, under one of five policies: implemented, alias, ours, notice, refused.
 Anything else is an error naming the flag. `docs/flags.md` holds the same tables, rendered by
 `render_flag_table()`; a test keeps them equal. Here are the checks on the flags themselves
-(ranges, policies, spellings); what the resulting configs must meet is `megadomino.validate`'s,
-which parse_args runs. All of it is pure arithmetic on the flags (and, for --hf-checkpoint, a
-read of its config.json), so every rank refuses alike before any process group exists.
+(ranges, policies, spellings); what the resulting config must meet is the validator's
+(`megadomino.config.validate`), which parse_args runs. All of it is pure arithmetic on the flags
+(and, for --hf-checkpoint, a read of its config.json), so every rank refuses alike before any
+process group exists.
 """
 
 from __future__ import annotations
@@ -17,9 +19,17 @@ import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from megadomino.config import FAMILY_DEFAULTS, ConfigError, ModelConfig, TrainConfig
+from megadomino.config import (
+    FAMILY_DEFAULTS,
+    Config,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    build,
+)
+from megadomino.config.validate import validate
 from megadomino.training.flags import ALIAS, FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, Flag
-from megadomino.validate import validate
 
 _REQUIRED_WITHOUT_PRESET = ("--num-layers", "--hidden-size", "--num-attention-heads",
                             "--seq-length")
@@ -79,11 +89,11 @@ def _case_insensitive(flag: Flag) -> Callable[[str], Any]:
 
 
 def parse_args(argv: list[str] | None, family: str,
-               finetune: bool = False) -> tuple[ModelConfig, TrainConfig, list[str]]:
+               finetune: bool = False) -> tuple[Config, list[str]]:
     """Parse Megatron-LM flags (argv None: sys.argv[1:]) for a 'gpt' or 'llama' model; with
     `finetune`, finetune_llama.py's flags too, and the architecture may come from --hf-checkpoint.
 
-    Returns the configs and the notices to print once (rank 0). Raises ConfigError naming the flag
+    Returns the config and the notices to print once (rank 0). Raises ConfigError naming the flag
     for an unknown flag, a refused one, or a combination that cannot run at its TP size.
     """
     if family not in FAMILY_DEFAULTS:
@@ -107,40 +117,47 @@ def parse_args(argv: list[str] | None, family: str,
     if args.llama_model and family != "llama":
         raise ConfigError("--llama-model asks for a Llama model: use pretrain_llama.py, whose "
                           "defaults are Llama's (RMSNorm, SwiGLU, RoPE)")
-    fields: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
+    fields: dict[str, Any] = {"model": {}, "parallel": {"domino": {}, "zero": {}},
+                              "train": {"precision": {}, "checkpoint": {}}}
     for flag, value in given.items():  # in FLAGS order: later rows win
         if flag.field is not None:
-            target, name = flag.field.split(".")
-            fields[target][name] = value
-    train_fields = dict(fields["train"])
-    if fields["model"].get("domino_batch_slices") == "auto":
-        fields["model"]["domino_batch_slices"] = 1
-        train_fields["domino_auto"] = True
+            *sections, name = flag.field.split(".")
+            target = fields
+            for section in sections:
+                target = target.setdefault(section, {})
+            target[name] = value
+    parallel, model_fields = fields["parallel"], fields["model"]
+    if parallel["domino"].get("batch_slices") == "auto":
+        del parallel["domino"]["batch_slices"]
+        parallel["domino_auto"] = True
+    zero = parallel["zero"]
     if args.use_distributed_optimizer:  # Megatron-LM's distributed optimizer is ZeRO stage 1
-        if train_fields.get("zero_stage", 1) != 1:
+        if zero.get("stage", 1) != 1:
             raise ConfigError(f"--use-distributed-optimizer is ZeRO stage 1 and contradicts "
-                              f"--zero-stage {train_fields['zero_stage']}: give one of them")
-        train_fields["zero_stage"] = 1
-    if train_fields.get("zero_stage", 0) != 0 and "ddp_bucket_size" in train_fields:
+                              f"--zero-stage {zero['stage']}: give one of them")
+        zero["stage"] = 1
+    if zero.get("stage", 0) != 0 and "bucket_numel" in zero:
         raise ConfigError("--ddp-bucket-size sizes plain data parallelism's all-reduce buckets; "
                           "--zero-stage reduces layer by layer: drop one of them")
-    _check_fp8_flags(fields["model"])
-    train_config = TrainConfig(**train_fields)
-    tp = train_config.tensor_model_parallel_size
+    _check_fp8_flags(fields["train"]["precision"].get("fp8"))
+    tp = parallel.get("tensor_model_parallel_size", 1)
     # Megatron-DeepSpeed's --num-key-value-heads means grouped-query attention on its own.
     group_query_attention = args.group_query_attention or args.num_key_value_heads is not None
-    notices += _apply_model_rules(group_query_attention, fields["model"], tp)
+    notices += _apply_model_rules(group_query_attention, model_fields, parallel, tp)
+    hf_checkpoint = fields["train"]["checkpoint"].get("hf_checkpoint")
     if args.model_preset is not None:
-        model_config = ModelConfig.preset(args.model_preset, **fields["model"])
-    elif train_config.hf_checkpoint is not None:
-        model_config = _model_config_from_hf(train_config.hf_checkpoint, fields["model"])
+        model_config = ModelConfig.preset(args.model_preset, **model_fields)
+    elif hf_checkpoint is not None:
+        model_config = _model_config_from_hf(hf_checkpoint, model_fields)
     else:
         missing = [f.name for f in FLAGS if f.name in _REQUIRED_WITHOUT_PRESET and f not in given]
         if missing:
             raise ConfigError(f"{', '.join(missing)} required (or give --model-preset NAME)")
-        model_config = ModelConfig(**{**FAMILY_DEFAULTS[family], **fields["model"]})
-    validate(model_config, train_config, finetune=finetune)
-    return model_config, train_config, notices
+        model_config = ModelConfig(**{**FAMILY_DEFAULTS[family], **model_fields})
+    config = Config(model_config, build(ParallelConfig, parallel),
+                    build(TrainConfig, fields["train"]))
+    validate(config, finetune=finetune)
+    return config, notices
 
 
 def render_flag_table(flags: tuple[Flag, ...] = FLAGS) -> str:
@@ -153,8 +170,7 @@ def render_flag_table(flags: tuple[Flag, ...] = FLAGS) -> str:
             continue
         sets = ""
         if flag.field is not None:
-            config, name = flag.field.split(".")
-            sets = f"`{'ModelConfig' if config == 'model' else 'TrainConfig'}.{name}`"
+            sets = f"`{flag.field}`"
             if flag.type is None:
                 sets += f" = `{flag.const!r}`"
         notes = flag.text
@@ -222,33 +238,35 @@ def _grouped_notices(flags: list[Flag]) -> list[str]:
 
 
 def _apply_model_rules(group_query_attention: bool, model_fields: dict[str, Any],
-                       tp: int) -> list[str]:
-    """Megatron-LM's cross-flag rules for the architecture; edits `model_fields`, returns
-    notices."""
+                       parallel_fields: dict[str, Any], tp: int) -> list[str]:
+    """Megatron-LM's cross-flag rules for the architecture and how its layers run; edits the
+    fields, returns notices."""
     if group_query_attention:
         model_fields.setdefault("num_query_groups", 1)  # Megatron-LM's --num-query-groups default
     elif "num_query_groups" in model_fields:
         raise ConfigError("--num-query-groups is read only with --group-query-attention "
                           "(Megatron-LM would ignore it): add --group-query-attention")
-    if model_fields.get("recompute_granularity") == "selective" and model_fields.get(
+    if parallel_fields.get("recompute_granularity") == "selective" and parallel_fields.get(
             "recompute_method"):
         raise ConfigError("--recompute-method applies to --recompute-granularity full only")
-    if tp == 1 and model_fields.get("sequence_parallel"):
-        model_fields["sequence_parallel"] = False
+    if tp == 1 and parallel_fields.get("sequence_parallel"):
+        parallel_fields["sequence_parallel"] = False
         return ["--sequence-parallel: dropped, it has no effect with "
                 "--tensor-model-parallel-size 1"]
     return []
 
 
-def _check_fp8_flags(model_fields: dict[str, Any]) -> None:
+def _check_fp8_flags(fp8_fields: dict[str, Any] | None) -> None:
     """The --fp8-* options need --fp8-format; the delayed-scaling ones need that recipe."""
-    options = [name for name in ("fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo",
-                                 "fp8_margin", "fp8_interval") if name in model_fields]
-    if options and model_fields.get("fp8") is None:
-        raise ConfigError(f"--{options[0].replace('_', '-')} configures FP8 training: add "
+    if fp8_fields is None:
+        return
+    options = [name for name in ("recipe", "amax_history_len", "amax_compute_algo", "margin",
+                                 "interval") if name in fp8_fields]
+    if options and fp8_fields.get("format") is None:
+        raise ConfigError(f"--fp8-{options[0].replace('_', '-')} configures FP8 training: add "
                           "--fp8-format hybrid (or e4m3)")
-    if model_fields.get("fp8_recipe") == "tensorwise":
-        delayed = [name for name in options if name != "fp8_recipe"]
+    if fp8_fields.get("recipe") == "tensorwise":
+        delayed = [name for name in options if name != "recipe"]
         if delayed:
-            raise ConfigError(f"--{delayed[0].replace('_', '-')} applies to --fp8-recipe "
+            raise ConfigError(f"--fp8-{delayed[0].replace('_', '-')} applies to --fp8-recipe "
                               "delayed; tensorwise scales each tensor by its own amax")

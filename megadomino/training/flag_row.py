@@ -29,7 +29,8 @@ class Flag:
     """What the flag does (implemented, ours, alias), the notice (notice) or the reason
     (refused)."""
     field: str | None = None
-    """'model.<ModelConfig field>' or 'train.<TrainConfig field>'; None: parse_args handles it."""
+    """The field's path in megadomino.config.Config ('model.num_layers', 'parallel.zero.stage',
+    'train.schedule.lr'); None: parse_args handles it."""
     type: Callable[[str], Any] | None = None
     """Parses the value; None for a switch, which stores `const` (refused switches swallow
     whatever values follow them)."""

@@ -86,69 +86,76 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--make-vocab-size-divisible-by", "model.make_vocab_size_divisible_by", int,
           "Pad the vocabulary to a multiple of this times TP."),
     # Parallelism and memory.
-    _impl("--tensor-model-parallel-size", "train.tensor_model_parallel_size", int,
+    _impl("--tensor-model-parallel-size", "parallel.tensor_model_parallel_size", int,
           "Tensor-parallel degree."),
-    _impl("--pipeline-model-parallel-size", "train.pipeline_model_parallel_size", int,
+    _impl("--pipeline-model-parallel-size", "parallel.pipeline_model_parallel_size", int,
           "Pipeline-parallel degree.", supported=(1,),
           unsupported="pipeline parallelism is not implemented yet"),
-    _impl("--sequence-parallel", "model.sequence_parallel", None,
+    _impl("--sequence-parallel", "parallel.sequence_parallel", None,
           "Shard norm and dropout activations over TP ranks; dropped with a notice at TP 1, as in "
           "Megatron-LM."),
-    _impl("--recompute-granularity", "model.recompute_granularity", str,
+    _impl("--recompute-granularity", "parallel.recompute_granularity", str,
           "Recompute whole layers (full) or the attention core (selective).",
           choices=("full", "selective")),
-    _impl("--recompute-method", "model.recompute_method", str,
+    _impl("--recompute-method", "parallel.recompute_method", str,
           "Which layers full recompute covers.", choices=("uniform", "block")),
-    _impl("--recompute-num-layers", "model.recompute_num_layers", int,
+    _impl("--recompute-num-layers", "parallel.recompute_num_layers", int,
           "Layers per recompute chunk (uniform) or recomputed layers (block)."),
-    _impl("--recompute-activations", "model.recompute_granularity", None,
+    _impl("--recompute-activations", "parallel.recompute_granularity", None,
           "Megatron-LM's shorthand for --recompute-granularity selective.", const="selective"),
-    _impl("--ddp-bucket-size", "train.ddp_bucket_size", int,
+    _impl("--ddp-bucket-size", "parallel.zero.bucket_numel", int,
           "Elements per data-parallel all-reduce bucket at --zero-stage 0, plain data "
           "parallelism (stages 1 and 3 reduce layer by layer)."),
     # Batch, optimizer and schedule.
-    _impl("--micro-batch-size", "train.micro_batch_size", int, "Samples per forward (default 1)."),
-    _impl("--global-batch-size", "train.global_batch_size", int,
+    _impl("--micro-batch-size", "train.schedule.micro_batch_size", int,
+          "Samples per forward (default 1)."),
+    _impl("--global-batch-size", "train.schedule.global_batch_size", int,
           "Samples per step; default micro x DP. Must be a multiple of micro x DP."),
-    _impl("--train-iters", "train.train_iters", int, "Run length in steps (or --train-samples)."),
-    _impl("--train-samples", "train.train_samples", int, "Run length in samples."),
-    _impl("--optimizer", "train.optimizer", str,
+    _impl("--train-iters", "train.schedule.train_iters", int,
+          "Run length in steps (or --train-samples)."),
+    _impl("--train-samples", "train.schedule.train_samples", int, "Run length in samples."),
+    _impl("--optimizer", "train.optimizer.optimizer", str,
           "Optimizer: adam (AdamW, as Megatron-LM's adam) or sgd (with --sgd-momentum).",
           choices=("adam", "sgd", "muon", "dist_muon"), supported=("adam", "sgd"),
           unsupported="Muon is not implemented: use adam or sgd"),
-    _impl("--sgd-momentum", "train.sgd_momentum", float,
+    _impl("--sgd-momentum", "train.optimizer.sgd_momentum", float,
           "SGD momentum (default 0.9, Megatron-LM's), with --optimizer sgd."),
-    _impl("--lr", "train.lr", float, "Peak learning rate (default 1e-4)."),
-    _impl("--min-lr", "train.min_lr", float, "Learning rate at the end of decay."),
-    _impl("--lr-decay-style", "train.lr_decay_style", str,
+    _impl("--lr", "train.schedule.lr", float, "Peak learning rate (default 1e-4)."),
+    _impl("--min-lr", "train.schedule.min_lr", float, "Learning rate at the end of decay."),
+    _impl("--lr-decay-style", "train.schedule.lr_decay_style", str,
           "Decay shape (default linear, as in Megatron-LM).",
           choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
           supported=("constant", "linear", "cosine"),
           unsupported="only constant, linear and cosine decay are implemented"),
-    _impl("--lr-decay-iters", "train.lr_decay_iters", int, "Decay length; default the whole run."),
-    _impl("--lr-warmup-iters", "train.lr_warmup_iters", int, "Linear warmup steps."),
-    _impl("--lr-warmup-fraction", "train.lr_warmup_fraction", float,
+    _impl("--lr-decay-iters", "train.schedule.lr_decay_iters", int,
+          "Decay length; default the whole run."),
+    _impl("--lr-warmup-iters", "train.schedule.lr_warmup_iters", int, "Linear warmup steps."),
+    _impl("--lr-warmup-fraction", "train.schedule.lr_warmup_fraction", float,
           "Warmup as a fraction of the decay steps."),
-    _impl("--weight-decay", "train.weight_decay", float, "AdamW weight decay."),
-    _impl("--adam-beta1", "train.adam_beta1", float, "Adam beta1."),
-    _impl("--adam-beta2", "train.adam_beta2", float, "Adam beta2."),
-    _impl("--adam-eps", "train.adam_eps", float, "Adam epsilon."),
-    _impl("--clip-grad", "train.clip_grad", float, "Global gradient-norm clip (0 = off)."),
+    _impl("--weight-decay", "train.optimizer.weight_decay", float, "AdamW weight decay."),
+    _impl("--adam-beta1", "train.optimizer.adam_beta1", float, "Adam beta1."),
+    _impl("--adam-beta2", "train.optimizer.adam_beta2", float, "Adam beta2."),
+    _impl("--adam-eps", "train.optimizer.adam_eps", float, "Adam epsilon."),
+    _impl("--clip-grad", "train.optimizer.clip_grad", float,
+          "Global gradient-norm clip (0 = off)."),
     # Precision.
-    _impl("--bf16", "train.bf16", None, "bf16 parameters, fp32 main grads and master weights."),
-    _impl("--fp16", "train.fp16", None, "fp16 parameters with dynamic loss scaling."),
-    _impl("--initial-loss-scale", "train.initial_loss_scale", float, "fp16: first loss scale."),
-    _impl("--min-loss-scale", "train.min_loss_scale", float, "fp16: loss-scale floor."),
-    _impl("--loss-scale-window", "train.loss_scale_window", int,
+    _impl("--bf16", "train.precision.bf16", None,
+          "bf16 parameters, fp32 main grads and master weights."),
+    _impl("--fp16", "train.precision.fp16", None, "fp16 parameters with dynamic loss scaling."),
+    _impl("--initial-loss-scale", "train.precision.initial_loss_scale", float,
+          "fp16: first loss scale."),
+    _impl("--min-loss-scale", "train.precision.min_loss_scale", float, "fp16: loss-scale floor."),
+    _impl("--loss-scale-window", "train.precision.loss_scale_window", int,
           "fp16: clean steps before the scale grows."),
-    _impl("--hysteresis", "train.hysteresis", int, "fp16: overflows tolerated before shrinking."),
+    _impl("--hysteresis", "train.precision.hysteresis", int,
+          "fp16: overflows tolerated before shrinking."),
     # FP8 GEMMs in the transformer layers' linears (megadomino/parallel/fp8.py).
-    _impl("--fp8-format", "model.fp8", str,
+    _impl("--fp8-format", "train.precision.fp8.format", str,
           "FP8 GEMMs (torch._scaled_mm, per-tensor scales) in the layers' column- and "
           "row-parallel linears: hybrid casts activations and weights to e4m3 and gradients to "
           "e5m2, e4m3 casts all three to e4m3. Master weights stay fp32; embeddings and the "
           "output layer stay in high precision.", choices=("e4m3", "hybrid")),
-    _impl("--fp8-recipe", "model.fp8_recipe", str,
+    _impl("--fp8-recipe", "train.precision.fp8.recipe", str,
           "Scaling (with --fp8-format): delayed (default; scales from an amax history, updated "
           "between steps) or tensorwise (each tensor scaled by its own amax).",
           choices=("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
@@ -156,83 +163,85 @@ FLAGS: tuple[Flag, ...] = (
           unsupported="only per-tensor scaling is implemented: mxfp8 needs the block-scaled "
                       "MMA of Blackwell GPUs, blockwise (1x128 / 128x128 scales) and custom "
                       "recipes are not written here"),
-    _impl("--fp8-amax-history-len", "model.fp8_amax_history_len", int,
+    _impl("--fp8-amax-history-len", "train.precision.fp8.amax_history_len", int,
           "delayed: steps of amax history (default 1)."),
-    _impl("--fp8-amax-compute-algo", "model.fp8_amax_compute_algo", str,
+    _impl("--fp8-amax-compute-algo", "train.precision.fp8.amax_compute_algo", str,
           "delayed: the amax a scale is computed from, the history's max or its newest entry "
           "(default most_recent).", choices=("max", "most_recent")),
-    _impl("--fp8-margin", "model.fp8_margin", int,
+    _impl("--fp8-margin", "train.precision.fp8.margin", int,
           "delayed: scales are divided by 2^margin (default 0)."),
-    _impl("--fp8-interval", "model.fp8_interval", int,
+    _impl("--fp8-interval", "train.precision.fp8.interval", int,
           "delayed: steps between scale updates (default 1)."),
     *_refuse(("--fp8-param-gather",),
              "FP8 parameters are not implemented: weights are kept in fp32/bf16 and cast to FP8 "
              "at each GEMM, so parameter all-gathers (ZeRO) move fp32/bf16"),
     # Seed, logging, evaluation, data.
-    _impl("--seed", "train.seed", int, "Random seed."),
-    _impl("--log-interval", "train.log_interval", int, "Steps between log lines."),
-    _impl("--eval-interval", "train.eval_interval", int, "Steps between evaluations."),
-    _impl("--eval-iters", "train.eval_iters", int, "Batches per evaluation."),
-    _impl("--mock-data", "train.mock_data", None,
+    _impl("--seed", "train.runtime.seed", int, "Random seed."),
+    _impl("--log-interval", "train.logging.log_interval", int, "Steps between log lines."),
+    _impl("--eval-interval", "train.schedule.eval_interval", int, "Steps between evaluations."),
+    _impl("--eval-iters", "train.schedule.eval_iters", int, "Batches per evaluation."),
+    _impl("--mock-data", "train.data.mock_data", None,
           "Learnable synthetic data instead of --data-path."),
-    _impl("--data-path", "train.data_path", str,
+    _impl("--data-path", "train.data.data_path", str,
           "Indexed dataset prefix(es) (PREFIX.bin / PREFIX.idx): one, several (blended by size) "
           "or weighted pairs `0.3 A 0.7 B`. finetune_llama.py: JSONL files of "
           "{\"prompt\", \"response\"}.", nargs="+"),
-    _impl("--split", "train.split", str,
+    _impl("--split", "train.data.split", str,
           "Train,valid,test weights of every dataset's documents (default 969,30,1)."),
-    _impl("--tokenizer-type", "train.tokenizer_type", str,
+    _impl("--tokenizer-type", "train.data.tokenizer_type", str,
           "Tokenizer (required with --data-path); its vocabulary sets the model's.",
           choices=_TOKENIZER_TYPES,
           supported=("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
                      "HuggingFaceTokenizer", "Llama2Tokenizer", "NullTokenizer"),
           unsupported="that tokenizer type is not implemented"),
-    _impl("--tokenizer-model", "train.tokenizer_model", str,
+    _impl("--tokenizer-model", "train.data.tokenizer_model", str,
           "sentencepiece model file, or a local Hugging Face tokenizer directory."),
-    _impl("--vocab-file", "train.vocab_file", str, "GPT2BPETokenizer: vocab.json."),
-    _impl("--merge-file", "train.merge_file", str, "GPT2BPETokenizer: merges.txt."),
-    _impl("--eod-mask-loss", "train.eod_mask_loss", None,
+    _impl("--vocab-file", "train.data.vocab_file", str, "GPT2BPETokenizer: vocab.json."),
+    _impl("--merge-file", "train.data.merge_file", str, "GPT2BPETokenizer: merges.txt."),
+    _impl("--eod-mask-loss", "train.data.eod_mask_loss", None,
           "Leave end-of-document tokens out of the loss."),
-    _impl("--data-cache-path", "train.data_cache_path", str,
+    _impl("--data-cache-path", "train.data.data_cache_path", str,
           "Where dataset index files are cached (default: index-cache beside the data)."),
     # Checkpoints.
-    _impl("--save", "train.save", str,
+    _impl("--save", "train.checkpoint.save", str,
           "Checkpoint directory (Megatron-LM's layout: iter_NNNNNNN/mp_rank_XX/"
           "model_optim_rng.pt, latest_checkpointed_iteration.txt written last); saved every "
           "--save-interval, at the end and when an --exit-* condition stops the run."),
-    _impl("--save-interval", "train.save_interval", int, "Iterations between checkpoints."),
-    _impl("--load", "train.load", str,
+    _impl("--save-interval", "train.checkpoint.save_interval", int,
+          "Iterations between checkpoints."),
+    _impl("--load", "train.checkpoint.load", str,
           "Resume from the checkpoint this directory's iteration file names: model, optimizer, "
           "LR schedule, loss scaler, counters, RNG states. At another TP degree the model and "
           "optimizer are re-sharded (the RNG streams restart from --seed). No checkpoint there: "
           "a fresh start."),
-    _impl("--finetune", "train.finetune", None,
+    _impl("--finetune", "train.checkpoint.finetune", None,
           "With --load: weights only; the iteration, optimizer and RNG start fresh."),
-    _impl("--no-load-optim", "train.no_load_optim", None,
+    _impl("--no-load-optim", "train.checkpoint.no_load_optim", None,
           "With --load: keep a fresh optimizer and loss scaler."),
-    _impl("--no-load-rng", "train.no_load_rng", None,
+    _impl("--no-load-rng", "train.checkpoint.no_load_rng", None,
           "With --load: keep the RNG streams seeded from --seed."),
-    _impl("--no-save-optim", "train.no_save_optim", None,
+    _impl("--no-save-optim", "train.checkpoint.no_save_optim", None,
           "Leave the optimizer out of checkpoints (they then load with --no-load-optim)."),
-    _impl("--no-save-rng", "train.no_save_rng", None, "Leave the RNG states out of checkpoints."),
-    _impl("--exit-on-missing-checkpoint", "train.exit_on_missing_checkpoint", None,
+    _impl("--no-save-rng", "train.checkpoint.no_save_rng", None,
+          "Leave the RNG states out of checkpoints."),
+    _impl("--exit-on-missing-checkpoint", "train.checkpoint.exit_on_missing_checkpoint", None,
           "With --load: an error, not a fresh start, when the directory holds no checkpoint."),
     _impl("--ckpt-format", None, str, "Checkpoint format.",
           choices=("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
           supported=("torch",),
           unsupported="only the torch format (one file per tensor-parallel rank) is implemented"),
     # Stopping early.
-    _impl("--exit-signal-handler", "train.exit_signal_handler", None,
+    _impl("--exit-signal-handler", "train.runtime.exit_signal_handler", None,
           "On SIGTERM (SLURM pre-emption): finish the iteration, save (with --save) and exit 0."),
-    _impl("--exit-duration-in-mins", "train.exit_duration_in_mins", int,
+    _impl("--exit-duration-in-mins", "train.runtime.exit_duration_in_mins", int,
           "Save (with --save) and exit 0 once the run has trained this long."),
-    _impl("--distributed-timeout-minutes", "train.distributed_timeout_minutes", float,
+    _impl("--distributed-timeout-minutes", "train.runtime.distributed_timeout_minutes", float,
           "How long a collective waits for a rank that stopped answering (default 10); then "
           "every rank still running exits 1, naming the silent ranks where it can tell."),
-    _impl("--exit-interval", "train.exit_interval", int,
+    _impl("--exit-interval", "train.runtime.exit_interval", int,
           "Save (with --save) and exit 0 at the first iteration that is a multiple of this."),
     # Logging.
-    _impl("--tensorboard-dir", "train.tensorboard_dir", str,
+    _impl("--tensorboard-dir", "train.logging.tensorboard_dir", str,
           "TensorBoard scalars (rank 0): loss, lr, grad norm, loss scale, throughput, peak "
           "memory, per-phase times, validation loss and perplexity. Needs the tensorboard "
           "package."),
@@ -240,33 +249,33 @@ FLAGS: tuple[Flag, ...] = (
     _ours("--model-preset", None, str,
           "Start from a named architecture (megadomino.config.PRESETS); explicit shape flags "
           "override its fields."),
-    _ours("--peak-tflops", "train.peak_tflops", float,
+    _ours("--peak-tflops", "train.logging.peak_tflops", float,
           "Per-GPU peak TFLOP/s that MFU is measured against (default: the GPU's dense bf16 "
           "peak, 989 on H100 SXM and H200, 312 on A100; on other GPUs no MFU is logged)."),
-    _ours("--gpus-per-node", "train.gpus_per_node", int,
+    _ours("--gpus-per-node", "parallel.gpus_per_node", int,
           "GPUs per node for node-aware groups (hpZ's partition, qgZ's two all-to-alls, the "
           "intra/inter-node byte counts); default LOCAL_WORLD_SIZE. Smaller lets one host stand "
           "in for several nodes."),
-    _ours("--domino", "model.domino_batch_slices", None,
+    _ours("--domino", "parallel.domino.batch_slices", None,
           "Domino, the plan measured best at start-up: plain TP, Domino's unsliced explicit "
           "backward and a few (batch x hidden) slicings are timed on the real shapes, rank 0 "
           "picks the fastest, broadcasts and prints it (same as --domino-batch-slices auto). "
           "Measured: slicing the batch costs more than it hides; the fastest TP path is "
           "--sequence-parallel --tp-comm-overlap --enable-cuda-graph (BENCHMARKS.md).",
           const="auto"),
-    _ours("--domino-batch-slices", "model.domino_batch_slices", _slices_or_auto,
+    _ours("--domino-batch-slices", "parallel.domino.batch_slices", _slices_or_auto,
           "Domino: slices of each layer's batch whose TP all-reduces overlap compute (1 = off). "
           "'auto': as --domino."),
-    _ours("--domino-hidden-slices", "model.domino_hidden_slices", int,
+    _ours("--domino-hidden-slices", "parallel.domino.hidden_slices", int,
           "Domino: chunks of the MLP's hidden dim (1 = off)."),
-    _ours("--domino-explicit-backward", "model.domino_explicit_backward", None,
+    _ours("--domino-explicit-backward", "parallel.domino.explicit_backward", None,
           "Domino's schedule without slicing: each linear's weight-gradient GEMM runs behind its "
           "input-gradient all-reduce (the Domino plan that measured fastest)."),
-    _impl("--tp-comm-overlap", "model.tp_comm_overlap", None,
+    _impl("--tp-comm-overlap", "parallel.tp_comm_overlap", None,
           "With --sequence-parallel: the all-gather / reduce-scatter fused into the GEMMs (torch "
           "symmetric-memory kernels, NVLink copy engines). Host-bound in eager mode: use it with "
           "--enable-cuda-graph, where it is the fastest TP path measured (BENCHMARKS.md)."),
-    _impl("--enable-cuda-graph", "model.enable_cuda_graph", None,
+    _impl("--enable-cuda-graph", "parallel.enable_cuda_graph", None,
           "Capture the transformer layers' forward + backward of a micro-batch in CUDA graphs at "
           "start-up and replay them (megadomino/models/cuda_graph.py): host launch time drops "
           "out of the step. Needs CUDA, dropout 0, no recompute, no Domino slicing, no ZeRO "
@@ -277,7 +286,7 @@ FLAGS: tuple[Flag, ...] = (
           "Shard the optimizer states and fp32 master weights over the data-parallel ranks "
           "(ZeRO stage 1: gradients reduce-scattered, parameters all-gathered after the step); "
           "the same as --zero-stage 1."),
-    _ours("--zero-stage", "train.zero_stage", int,
+    _ours("--zero-stage", "parallel.zero.stage", int,
           "ZeRO over the data-parallel group (Megatron-DeepSpeed's name): 0 is plain data "
           "parallelism (the default), 1 shards optimizer states and fp32 masters, 3 "
           "parameters and gradients too (each layer gathered just before use, the next one "
@@ -286,34 +295,34 @@ FLAGS: tuple[Flag, ...] = (
           unsupported="ZeRO stage 2 (sharded gradients, replicated parameters) is not "
                       "implemented: stage 1 shards the optimizer, stage 3 the parameters and "
                       "gradients too; use 1 or 3"),
-    _ours("--zeropp-quantized-weights", "train.zeropp_quantized_weights", None,
+    _ours("--zeropp-quantized-weights", "parallel.zero.quantized_weights", None,
           "ZeRO++ qwZ (--zero-stage 3): the forward all-gather sends int8 block-quantized "
           "weights."),
-    _ours("--zeropp-hpz-partition-size", "train.zeropp_hpz_partition_size", int,
+    _ours("--zeropp-hpz-partition-size", "parallel.zero.hpz_partition_size", int,
           "ZeRO++ hpZ (--zero-stage 3): 1 (off) or the data-parallel ranks per node "
           "(--gpus-per-node / tensor-parallel size), which then keep a secondary copy of each "
           "gathered layer so that backward gathers inside the node."),
-    _ours("--zeropp-quantized-gradients", "train.zeropp_quantized_gradients", None,
+    _ours("--zeropp-quantized-gradients", "parallel.zero.quantized_gradients", None,
           "ZeRO++ qgZ (--zero-stage 1 or 3): the gradient reduce-scatter becomes a quantized "
           "all-to-all inside the node, then across nodes."),
-    _ours("--zeropp-gradient-bits", "train.zeropp_gradient_bits", int,
+    _ours("--zeropp-gradient-bits", "parallel.zero.gradient_bits", int,
           "qgZ's gradient precision (default 4); needs --zeropp-quantized-gradients.",
           choices=(4, 8)),
-    _ours("--zeropp-block-size", "train.zeropp_block_size", int,
+    _ours("--zeropp-block-size", "parallel.zero.block_size", int,
           "Elements per quantization block, one fp32 scale each, for qwZ and qgZ (default "
           "2048, even); needs one of them."),
-    _ours("--zeropp-quantize-full-range", "train.zeropp_quantize_full_range", None,
+    _ours("--zeropp-quantize-full-range", "parallel.zero.quantize_full_range", None,
           "qwZ and qgZ quantize as DeepSpeed's quantizer does, with every two's-complement "
           "level (scale absmax / 2^(bits-1), q in [-2^(bits-1), 2^(bits-1) - 1]) instead of the "
           "default symmetric +-(2^(bits-1) - 1): int4's error about 12% lower (BENCHMARKS.md); "
           "needs one of them."),
-    _ours("--zero-layers-per-unit", "train.zero_layers_per_unit", int,
+    _ours("--zero-layers-per-unit", "parallel.zero.layers_per_unit", int,
           "Consecutive layers the ZeRO engine gathers and reduces as one unit (default: as many "
           "as hold --zero-unit-params parameters). More: fewer, larger collectives and kernel "
           "launches, so less host time a step (what a small micro-batch waits on; "
           "BENCHMARKS.md), for more memory (stage 3 holds about two units' gathered weights). "
           "Needs --zero-stage."),
-    _ours("--zero-unit-params", "train.zero_unit_params", _count,
+    _ours("--zero-unit-params", "parallel.zero.unit_params", _count,
           "Without --zero-layers-per-unit: a ZeRO unit takes consecutive layers until it holds "
           "this many parameters per GPU (default 2e8, like DeepSpeed's bucket sizes) or a sixth "
           "of the layers, so that at least six units pipeline (four layers of GPT-3 1.3B, one "
@@ -367,17 +376,17 @@ FLAGS: tuple[Flag, ...] = (
     _notice("--log-params-norm", "the parameter norm is not logged"),
     _notice("--tiktoken-pattern", "read only by the tiktoken tokenizer, which is not implemented",
             _value),
-    _impl("--profile", "train.profile", None,
+    _impl("--profile", "train.logging.profile", None,
           "Profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks: "
           "with --use-pytorch-profiler a torch.profiler Chrome trace in --tensorboard-dir (or "
           "./profile), else cudaProfilerStart/Stop for nsys (megadomino/training/profiling.py)."),
-    _impl("--profile-step-start", "train.profile_step_start", int,
+    _impl("--profile-step-start", "train.logging.profile_step_start", int,
           "First profiled iteration (default 10)."),
-    _impl("--profile-step-end", "train.profile_step_end", int,
+    _impl("--profile-step-end", "train.logging.profile_step_end", int,
           "Iteration the profile stops before (default 12)."),
-    _impl("--profile-ranks", "train.profile_ranks", int, "Ranks that profile (default 0).",
+    _impl("--profile-ranks", "train.logging.profile_ranks", int, "Ranks that profile (default 0).",
           nargs="+"),
-    _impl("--use-pytorch-profiler", "train.use_pytorch_profiler", None,
+    _impl("--use-pytorch-profiler", "train.logging.use_pytorch_profiler", None,
           "With --profile: torch.profiler's trace instead of the CUDA profiler API."),
     # Refused, with the reason.
     Flag("--context-parallel-size", REFUSED, "context parallelism is not implemented", type=int,
@@ -429,10 +438,10 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 FINETUNE_FLAGS: tuple[Flag, ...] = (
-    _ours("--hf-checkpoint", "train.hf_checkpoint", str,
+    _ours("--hf-checkpoint", "train.checkpoint.hf_checkpoint", str,
           "Start from this Hugging Face Llama directory (config.json + safetensors); it also "
           "gives the architecture, which explicit shape flags may only repeat."),
-    _ours("--prompt-template", "train.prompt_template", str,
+    _ours("--prompt-template", "train.data.prompt_template", str,
           "How a prompt is laid out before its response, with {prompt} where it goes, e.g. "
           "'[INST] {prompt} [/INST]' (default '{prompt}')."),
 )

@@ -146,13 +146,13 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
               "--muon-tp-mode"), _OPTIMIZER, value),
     *notices(("--muon-nesterov", "--muon-no-split-qkv", "--muon-use-syrk"), _OPTIMIZER),
     # Memory, logging, profiling (Megatron-LM's dataclass-made flags, common in scripts).
-    impl("--manual-gc", "train.manual_gc", None,
+    impl("--manual-gc", "train.runtime.manual_gc", None,
          "Python's automatic garbage collector off for the run: every rank collects at the start, "
          "every --manual-gc-interval iterations and around evaluation, so that no rank pauses "
          "alone while the others wait in a collective."),
-    impl("--manual-gc-interval", "train.manual_gc_interval", int,
+    impl("--manual-gc-interval", "train.runtime.manual_gc_interval", int,
          "With --manual-gc: iterations between collections (default 0: only at the start)."),
-    impl("--no-manual-gc-eval", "train.manual_gc_eval", None,
+    impl("--no-manual-gc-eval", "train.runtime.manual_gc_eval", None,
          "With --manual-gc: no collection around evaluation.", const=False),
     alias("--disable-manual-gc-eval", "--no-manual-gc-eval",
           "Megatron-LM's second spelling of --no-manual-gc-eval."),

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from megadomino.config import ConfigError
+from megadomino.config.validate import validate
 from megadomino.parallel import ParallelDims
 from megadomino.training.arguments import parse_args
 from megadomino.training.slurm_env import apply_slurm_env
-from megadomino.validate import validate
 
 
 def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> int:
@@ -38,16 +38,16 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     process. Returns the exit status.
     """
     try:
-        model_config, train_config, notices = parse_args(argv, family, finetune)
+        config, notices = parse_args(argv, family, finetune)
         # Imported only once the flags are good: a flag error never depends on the model code.
         from megadomino.training.inputs import run_tokenizer
 
-        model_config, tokenizer = run_tokenizer(model_config, train_config)
+        config, tokenizer = run_tokenizer(config)
         apply_slurm_env(os.environ)  # started by srun directly: torchrun's variables from SLURM's
         _default_to_single_process()
         world_size = int(os.environ["WORLD_SIZE"])
         local_size = _local_world_size(world_size)
-        validate(model_config, train_config, world_size, local_size, finetune=finetune)
+        validate(config, world_size, local_size, finetune=finetune)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -59,20 +59,19 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     from megadomino.training.loop import train
     from megadomino.training.report import NonFiniteLossError
 
-    _init_process_group(train_config.distributed_timeout_minutes)
+    parallel, timeout = config.parallel, config.train.runtime.distributed_timeout_minutes
+    _init_process_group(timeout)
     try:
-        dims = ParallelDims(tp=train_config.tensor_model_parallel_size,
-                            pp=train_config.pipeline_model_parallel_size,
-                            gpus_per_node=train_config.gpus_per_node or local_size,
-                            timeout=datetime.timedelta(
-                                minutes=train_config.distributed_timeout_minutes))
-        train_data, valid_data = build_datasets(model_config, train_config, dims, tokenizer,
-                                                finetune)
+        dims = ParallelDims(tp=parallel.tensor_model_parallel_size,
+                            pp=parallel.pipeline_model_parallel_size,
+                            gpus_per_node=parallel.gpus_per_node or local_size,
+                            timeout=datetime.timedelta(minutes=timeout))
+        train_data, valid_data = build_datasets(config, dims, tokenizer, finetune)
         model_init = None
-        if train_config.hf_checkpoint is not None:
-            model_init = hf_model_init(train_config.hf_checkpoint)
-        train(model_config, train_config, dims, family, functools.partial(print, flush=True),
-              train_data, valid_data, model_init, _data_description(train_config))
+        if config.train.checkpoint.hf_checkpoint is not None:
+            model_init = hf_model_init(config.train.checkpoint.hf_checkpoint)
+        train(config, dims, family, functools.partial(print, flush=True), train_data,
+              valid_data, model_init, _data_description(config.train.data))
         # Every rank done before any tears down: a gloo run whose two ranks finished apart once
         # aborted at exit ("terminate called without an active exception", CI, not reproduced).
         dist.barrier()
@@ -85,7 +84,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     except RuntimeError as err:
         if not _collective_timed_out(err):
             raise  # our own bugs keep their tracebacks
-        print(f"error: {_stall_message(train_config.distributed_timeout_minutes)}",
+        print(f"error: {_stall_message(timeout)}",
               file=sys.stderr, flush=True)
         return 1
     finally:

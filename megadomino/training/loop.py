@@ -31,6 +31,7 @@ the process group chose the backend to match.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -38,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megadomino.config import ConfigError, ModelConfig, TrainConfig
+from megadomino.config import CheckpointConfig, Config, ConfigError, ParallelConfig
+from megadomino.config.validate import batch_plan, train_iterations, validate
 from megadomino.domino.autotune import autotune_domino
 from megadomino.models import build_model
 from megadomino.models.cuda_graph import capture_layers
@@ -67,21 +69,20 @@ from megadomino.training.stopping import StopConditions
 from megadomino.training.summary import count_parameters, startup_lines
 from megadomino.training.tensorboard import open_writer
 from megadomino.training.timers import Timers
-from megadomino.validate import batch_plan, train_iterations, validate, zero_config
 from megadomino.zero import ZeroPlusPlus
 from megadomino.zero.optimizer import build_engine
 
-ModelInit = Callable[[ModelConfig, ParallelDims], nn.Module]
+ModelInit = Callable[[Config, ParallelDims], nn.Module]
 """Builds this rank's model from the resolved config (default: `build_model` of the family)."""
 
 
-def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDims,
-          family: str = "gpt", log: Callable[[str], None] = print,
-          train_data: Dataset | None = None, valid_data: Dataset | None = None,
-          model_init: ModelInit | None = None, data_description: str | None = None) -> dict:
-    """Train a `family` model ('gpt' or 'llama') as the configs say; lines go to `log` on rank 0.
+def train(config: Config, dims: ParallelDims, family: str = "gpt",
+          log: Callable[[str], None] = print, train_data: Dataset | None = None,
+          valid_data: Dataset | None = None, model_init: ModelInit | None = None,
+          data_description: str | None = None) -> dict:
+    """Train a `family` model ('gpt' or 'llama') as `config` says; lines go to `log` on rank 0.
 
-    Without `train_data`, both datasets are `MockDataset` splits (`train_config.mock_data`);
+    Without `train_data`, both datasets are `MockDataset` splits (`config.train.data.mock_data`);
     with it, `valid_data` None means no evaluation.
     `model_init` replaces `build_model` (say, to start from Hugging Face weights); it runs after
     the RNGs are seeded and before `--load`. `data_description` names the data in the start-up
@@ -93,59 +94,66 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     are empty outside a forward, its `full_state_dict()` gathers them). Raises
     NonFiniteLossError (every rank) when the loss becomes NaN or infinite.
     """
-    validate(model_config, train_config, dims.world_size, dims.gpus_per_node,
-             data_given=train_data is not None)
-    _check_grid(train_config, dims)
-    gbs, num_micro = batch_plan(train_config, dims.dp)
-    iters = train_iterations(train_config, gbs)
-    dtype = "bfloat16" if train_config.bf16 else "float16" if train_config.fp16 else "float32"
-    model_config = model_config.replace(params_dtype=dtype)
-    zero = zero_config(model_config, train_config)
-    schedule = LRSchedule.from_config(train_config, iters)
-    writer = open_writer(train_config.tensorboard_dir, dims.rank)
+    validate(config, dims.world_size, dims.gpus_per_node, data_given=train_data is not None)
+    _check_grid(config.parallel, dims)
+    train_config = config.train
+    schedule_config, logging = train_config.schedule, train_config.logging
+    checkpoint = train_config.checkpoint
+    gbs, num_micro = batch_plan(schedule_config, dims.dp)
+    iters = train_iterations(schedule_config, gbs)
+    mbs = schedule_config.micro_batch_size
+    config = dataclasses.replace(config, model=config.model.replace(
+        params_dtype=train_config.precision.params_dtype))
+    model_config = config.model
+    schedule = LRSchedule.from_config(schedule_config, iters)
+    writer = open_writer(logging.tensorboard_dir, dims.rank)
     if data_description is None:
         data_description = ("mock data" if train_data is None else
                             f"{type(train_data).__name__} of {len(train_data)} samples")
-    train_data, valid_data = _default_data(model_config, train_config, train_data, valid_data)
+    train_data, valid_data = _default_data(config, train_data, valid_data)
 
-    model_parallel_seed(train_config.seed, dims)
-    model = (model_init or (lambda config, d: build_model(config, d, family)))(model_config, dims)
+    model_parallel_seed(train_config.runtime.seed, dims)
+    model = (model_init or (lambda c, d: _build_model(c, d, family)))(config, dims)
     model.train()
     device = next(model.parameters()).device
-    if train_config.domino_auto:  # before the gradient buffer or engine hooks the parameters
-        autotune_domino(model, train_config.micro_batch_size, log)
+    if config.parallel.domino_auto:  # before the engine hooks the parameters
+        plan = autotune_domino(model, mbs, log)
+        # the plan that runs; domino_auto stays, the summary says the plan was timed
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                          domino=plan))
     parameters = count_parameters(model, dims)  # whole, before ZeRO-3 partitions them
     if dims.rank == 0:
-        for line in startup_lines(family, model_config, train_config, parameters,
-                                  world=dims.world_size, tp=dims.tp, pp=dims.pp, dp=dims.dp,
-                                  backend=dist.get_backend(), device=_device_name(device),
-                                  zero=zero, global_batch=gbs, micro_batches=num_micro,
-                                  iterations=iters, data=data_description):
+        for line in startup_lines(family, config, parameters, world=dims.world_size, tp=dims.tp,
+                                  pp=dims.pp, dp=dims.dp, backend=dist.get_backend(),
+                                  device=_device_name(device), global_batch=gbs,
+                                  micro_batches=num_micro, iterations=iters,
+                                  data=data_description):
             log(line)
-    state = _resume(train_config, model, dims, log)  # the weights, before the engine takes them
-    engine = build_engine(model, dims, train_config, zero)
-    if state.iteration > 0 and not train_config.no_load_optim:  # resumed a training run
-        load_optimizer_state(train_config.load, state.iteration, engine, dims, log)
-    if model_config.enable_cuda_graph:
+    state = _resume(checkpoint, model, dims, log)  # the weights, before the engine takes them
+    engine = build_engine(model, dims, config)
+    if state.iteration > 0 and not checkpoint.no_load_optim:  # resumed a training run
+        load_optimizer_state(checkpoint.load, state.iteration, engine, dims, log)
+    if config.parallel.enable_cuda_graph:
         # After the engine: it re-points the parameters into its flat buffers, and the graphs
         # read the parameters' storage as it is at capture.
-        capture_layers(model, train_config.micro_batch_size, log=log)
+        capture_layers(model, mbs, log=log)
     timers = Timers(device)
-    step = Stepper(model, engine, dims, train_config.micro_batch_size, num_micro, device, timers)
+    step = Stepper(model, engine, dims, mbs, num_micro, device, timers)
     padded_vocab = model_config.padded_vocab_size(dims.tp)
     flops = num_floating_point_operations(model_config, gbs, padded_vocab)
     history = {"losses": [], "lrs": [], "grad_norms": [], "eval": [], "skipped_iterations": 0,
                "metrics": {}, "exit_reason": None, "state": state, "model": model,
                "optimizer": engine}
     reporter = Reporter(history, dims, device, log, iters, flops, gbs * model_config.seq_length,
-                        peak_tflops(_device_name(device), train_config.peak_tflops), timers,
+                        peak_tflops(_device_name(device), logging.peak_tflops), timers,
                         writer, engine)
 
-    evaluating = (valid_data is not None and train_config.eval_iters > 0
-                  and train_config.eval_interval > 0)
-    profile = ProfileWindow(train_config, dims.rank, log)
+    eval_iters, eval_interval = schedule_config.eval_iters, schedule_config.eval_interval
+    evaluating = valid_data is not None and eval_iters > 0 and eval_interval > 0
+    profile = ProfileWindow(logging, dims.rank, log)
     try:
-        with StopConditions(train_config, device) as stop, ManualGC(train_config) as manual_gc:
+        with StopConditions(train_config.runtime, device) as stop, \
+                ManualGC(train_config.runtime) as manual_gc:
             for iteration in range(state.iteration + 1, iters + 1):
                 lr = schedule(state.scheduler_steps)
                 engine.set_lr(lr)
@@ -159,23 +167,22 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
                 manual_gc.after_iteration(iteration)
                 reason = stop.reason(iteration)
                 last = iteration == iters or reason is not None
-                if iteration % train_config.log_interval == 0 or last:
+                if iteration % logging.log_interval == 0 or last:
                     reporter.flush(iteration)
-                if evaluating and (iteration % train_config.eval_interval == 0
-                                   or iteration == iters):
+                if evaluating and (iteration % eval_interval == 0 or iteration == iters):
                     with reporter.outside_training(), manual_gc.evaluation():
                         progress = Progress(log if dims.rank == 0 else None,
                                             f"validation at iteration {iteration}",
-                                            train_config.eval_iters, "batches")
+                                            eval_iters, "batches")
                         valid_loss = step.evaluate(valid_data, state.consumed_valid_samples,
-                                                   train_config.eval_iters, progress.tick)
-                    state.consumed_valid_samples += train_config.eval_iters * gbs
+                                                   eval_iters, progress.tick)
+                    state.consumed_valid_samples += eval_iters * gbs
                     reporter.validation(iteration, valid_loss)
-                interval = train_config.save_interval
-                if train_config.save and (last or interval and iteration % interval == 0):
+                interval = checkpoint.save_interval
+                if checkpoint.save and (last or interval and iteration % interval == 0):
                     reporter.check_finite(iteration)  # never save a diverged model
                     with reporter.outside_training():
-                        _save(train_config, state, model, engine, dims, log,
+                        _save(checkpoint, state, model, engine, dims, log,
                               lambda: step.probe(train_data, state.consumed_train_samples - gbs))
                 if reason is not None:
                     history["exit_reason"] = reason
@@ -189,20 +196,25 @@ def train(model_config: ModelConfig, train_config: TrainConfig, dims: ParallelDi
     return history
 
 
-def _default_data(model_config: ModelConfig, train_config: TrainConfig,
-                  train_data: Dataset | None,
+def _build_model(config: Config, dims: ParallelDims, family: str) -> nn.Module:
+    return build_model(config.model, dims, family, parallel=config.parallel,
+                       fp8=config.train.precision.fp8)
+
+
+def _default_data(config: Config, train_data: Dataset | None,
                   valid_data: Dataset | None) -> tuple[Dataset, Dataset | None]:
     """The datasets given (valid None: no evaluation), or mock train and valid splits."""
     if train_data is not None:
         return train_data, valid_data
-    if not train_config.mock_data:
+    if not config.train.data.mock_data:
         raise ConfigError("no training data: pass --mock-data, or build datasets from "
                           "--data-path and hand them to train()")
-    seq, vocab, seed = model_config.seq_length, model_config.vocab_size, train_config.seed
+    seq, vocab = config.model.seq_length, config.model.vocab_size
+    seed = config.train.runtime.seed
     return MockDataset(seq, vocab, seed, "train"), MockDataset(seq, vocab, seed, "valid")
 
 
-def _resume(config: TrainConfig, model: nn.Module, dims: ParallelDims,
+def _resume(config: CheckpointConfig, model: nn.Module, dims: ParallelDims,
             log: Callable[[str], None]) -> TrainingState:
     """The state to start from: fresh (iteration 0: also after --finetune or a release
     checkpoint), or what --load's checkpoint holds: the weights, counters and RNG states (see
@@ -224,7 +236,7 @@ def _resume(config: TrainConfig, model: nn.Module, dims: ParallelDims,
     return TrainingState()
 
 
-def _save(config: TrainConfig, state: TrainingState, model: nn.Module,
+def _save(config: CheckpointConfig, state: TrainingState, model: nn.Module,
           engine: ZeroPlusPlus, dims: ParallelDims,
           log: Callable[[str], None], probe: Callable[[], float]) -> None:
     """Save, then promote the checkpoint to latest once a forward pass from the saved weights
@@ -250,8 +262,8 @@ def _save(config: TrainConfig, state: TrainingState, model: nn.Module,
         log(f" saved checkpoint {path} (iteration {state.iteration})")
 
 
-def _check_grid(config: TrainConfig, dims: ParallelDims) -> None:
-    """The process grid must be the one the configs describe."""
+def _check_grid(config: ParallelConfig, dims: ParallelDims) -> None:
+    """The process grid must be the one the config describes."""
     if config.tensor_model_parallel_size != dims.tp:
         raise ConfigError(f"--tensor-model-parallel-size={config.tensor_model_parallel_size}"
                           f" disagrees with the process grid's tp={dims.tp}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from megadomino.config import ConfigError, TrainConfig
+from megadomino.config import ConfigError, ScheduleConfig
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -34,7 +34,7 @@ class LRSchedule:
         self.decay_style = decay_style
 
     @classmethod
-    def from_config(cls, config: TrainConfig, train_iters: int) -> LRSchedule:
+    def from_config(cls, config: ScheduleConfig, train_iters: int) -> LRSchedule:
         """Megatron's defaults: decay over --lr-decay-iters or else the whole run; a warmup
         fraction, when given, is a fraction of the decay iterations and wins over --lr-warmup-iters.
         """

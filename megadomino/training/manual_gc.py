@@ -6,7 +6,7 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-from megadomino.config import TrainConfig
+from megadomino.config import RuntimeConfig
 
 
 class ManualGC:
@@ -16,7 +16,7 @@ class ManualGC:
     unless --no-manual-gc-eval, before and after evaluation. The collector is enabled again on
     exit if it was before."""
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: RuntimeConfig):
         self.enabled, self.interval = config.manual_gc, config.manual_gc_interval
         self.around_evaluation = config.manual_gc_eval
         self._was_enabled = gc.isenabled()

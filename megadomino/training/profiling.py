@@ -12,14 +12,14 @@ from collections.abc import Callable
 
 import torch
 
-from megadomino.config import TrainConfig
+from megadomino.config import LoggingConfig
 
 
 class ProfileWindow:
     """`before(iteration)` and `after(iteration)` around each iteration; `close()` at the end
     (a run that stops inside the window still writes its trace)."""
 
-    def __init__(self, config: TrainConfig, rank: int, log: Callable[[str], None]):
+    def __init__(self, config: LoggingConfig, rank: int, log: Callable[[str], None]):
         self.on = config.profile and rank in config.profile_ranks
         self.start, self.end = config.profile_step_start, config.profile_step_end
         self.torch_profiler, self.rank, self.log = config.use_pytorch_profiler, rank, log

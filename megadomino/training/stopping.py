@@ -15,14 +15,14 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from megadomino.config import TrainConfig
+from megadomino.config import RuntimeConfig
 
 
 class StopConditions:
     """`with StopConditions(config, device) as stop:` installs the SIGTERM handler (if asked) and
     restores the previous one on exit; `stop.reason(iteration)` says why to stop, or None."""
 
-    def __init__(self, config: TrainConfig, device: torch.device):
+    def __init__(self, config: RuntimeConfig, device: torch.device):
         self.config, self.device = config, device
         self.started = time.monotonic()
         self.signalled = False

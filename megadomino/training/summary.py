@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megadomino.config import ModelConfig, TrainConfig
+from megadomino.config import Config, ZeroConfig
 from megadomino.training.pad_rows import first_pad_row
-from megadomino.zero.config import ZeroConfig
 
 
 def count_parameters(model: nn.Module, dims) -> int:
@@ -66,23 +65,25 @@ def _zero(zero: ZeroConfig) -> str:
     return f"ZeRO stage {zero.stage} ({', '.join(options)})"
 
 
-def startup_lines(family: str, model: ModelConfig, train: TrainConfig, parameters: int, *,
-                  world: int, tp: int, pp: int, dp: int, backend: str, device: str,
-                  zero: ZeroConfig, global_batch: int, micro_batches: int, iterations: int,
-                  data: str) -> list[str]:
+def startup_lines(family: str, config: Config, parameters: int, *, world: int, tp: int, pp: int,
+                  dp: int, backend: str, device: str, global_batch: int, micro_batches: int,
+                  iterations: int, data: str) -> list[str]:
     """The start-up summary, one line per subject."""
-    precision = "bf16" if train.bf16 else "fp16 (dynamic loss scaling)" if train.fp16 else "fp32"
-    if model.fp8 is not None:
-        precision += f", FP8 {model.fp8} ({model.fp8_recipe} scaling) in the layers' linears"
-    overlap = model.overlap
-    if train.domino_auto:
+    model, parallel, train = config.model, config.parallel, config.train
+    bits = train.precision
+    precision = "bf16" if bits.bf16 else "fp16 (dynamic loss scaling)" if bits.fp16 else "fp32"
+    if bits.fp8 is not None:
+        precision += (f", FP8 {bits.fp8.format} ({bits.fp8.recipe} scaling) in the layers' "
+                      "linears")
+    overlap = parallel.overlap
+    if parallel.domino_auto:
         overlap += " (--domino: the fastest plan is timed at start-up)"
-    recompute = model.recompute_granularity
+    recompute = parallel.recompute_granularity
     if recompute == "full":
-        recompute += (f" ({model.recompute_method}, "
-                      f"{_plural(model.recompute_num_layers, 'layer')})")
-    layout = [x for x in ("sequence parallel" if model.sequence_parallel else None,
-                          "CUDA graphs" if model.enable_cuda_graph else None,
+        recompute += (f" ({parallel.recompute_method}, "
+                      f"{_plural(parallel.recompute_num_layers, 'layer')})")
+    layout = [x for x in ("sequence parallel" if parallel.sequence_parallel else None,
+                          "CUDA graphs" if parallel.enable_cuda_graph else None,
                           f"recompute {recompute}" if recompute else None) if x]
     if layout:
         overlap += f"; {', '.join(layout)}"
@@ -94,8 +95,9 @@ def startup_lines(family: str, model: ModelConfig, train: TrainConfig, parameter
         f"({_count(parameters)})",
         f" parallelism: {_plural(world, 'rank')} = TP {tp} x PP {pp} x DP {dp}, {backend} on "
         f"{device}; TP overlap: {overlap}",
-        f" data parallelism: {_zero(zero)}; precision: {precision}",
-        f" data: {data}; global batch {global_batch} = micro-batch {train.micro_batch_size} x "
+        f" data parallelism: {_zero(parallel.zero)}; precision: {precision}",
+        f" data: {data}; global batch {global_batch} = micro-batch "
+        f"{train.schedule.micro_batch_size} x "
         f"{_plural(micro_batches, 'micro-batch', 'micro-batches')} x DP {dp} "
         f"({global_batch * model.seq_length:,} tokens); {_plural(iterations, 'iteration')}",
     ]

@@ -2,8 +2,8 @@
 hierarchical partitioning (hpZ) and quantized gradients (qgZ): `ZeroPlusPlus(model, dims,
 optimizer_factory, ZeroConfig(...))`. See optimizer.py for how a training loop drives it."""
 
+from megadomino.config import ZeroConfig
 from megadomino.zero.collectives import CommCounter
-from megadomino.zero.config import ZeroConfig
 from megadomino.zero.optimizer import ZeroPlusPlus
 
 __all__ = ["CommCounter", "ZeroConfig", "ZeroPlusPlus"]

@@ -52,10 +52,10 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from megadomino.config import REDUCE_DTYPES, ZeroConfig
 from megadomino.parallel.streams import HookStreams, weak_grad_hook
 from megadomino.zero import collectives
 from megadomino.zero.collectives import CommCounter, Pending
-from megadomino.zero.config import REDUCE_DTYPES, ZeroConfig
 from megadomino.zero.params import MemoryMeter
 from megadomino.zero.partition import FlatUnit
 

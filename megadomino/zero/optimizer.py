@@ -3,7 +3,7 @@ ZeRO++'s qwZ, hpZ and qgZ at the sharded stages.
 
     engine = ZeroPlusPlus(model, dims, optimizer_factory, ZeroConfig(stage=3, ...),
                           clip_grad=1.0, loss_scaler=None)
-    engine = build_engine(model, dims, train_config, zero_config)   # as the CLI configures it
+    engine = build_engine(model, dims, config)   # as a megadomino.config.Config describes it
 
 The engine works over `dims.dp_group`; tensor parallelism is orthogonal (each TP rank shards its
 own TP shards alike). It takes over the model's parameters (each unit's become views of one flat
@@ -44,9 +44,8 @@ import functools
 import torch
 from torch import nn
 
-from megadomino.config import ConfigError, TrainConfig
+from megadomino.config import Config, ConfigError, OptimizerConfig, ZeroConfig
 from megadomino.zero.collectives import CommCounter
-from megadomino.zero.config import ZeroConfig
 from megadomino.zero.grads import GradReducer
 from megadomino.zero.loss_scaler import DynamicLossScaler, StepResult
 from megadomino.zero.params import FullParams, MemoryMeter, PartitionedParams
@@ -63,7 +62,7 @@ class ZeroPlusPlus:
                  config: ZeroConfig, *, clip_grad: float = 0.0,
                  loss_scaler: DynamicLossScaler | None = None):
         config.check_dims(dims)
-        if config.stage == 3 and getattr(getattr(model, "config", None), "domino_enabled", False):
+        if config.stage == 3 and getattr(getattr(model, "decoder", None), "domino", None):
             raise ConfigError("--zero-stage 3 gathers each layer in the layer's forward hook, "
                               "which the Domino schedule bypasses: use --zero-stage 1 with Domino")
         self.model, self.dims, self.config = model, dims, config
@@ -257,25 +256,27 @@ def layout_mismatch(saved: dict, mine: dict) -> str:
             "--zero-layers-per-unit 1)")
 
 
-def optimizer_factory(config: TrainConfig, on_cuda: bool) -> OptimizerFactory:
+def optimizer_factory(config: OptimizerConfig, lr: float, on_cuda: bool) -> OptimizerFactory:
     """The run's optimizer (--optimizer) with its hyper-parameters: torch's AdamW (the fused
     kernel on CUDA, foreach on CPU) or torch's SGD with momentum (foreach). The engine's groups
-    set weight decay 0 for 1-D parameters."""
+    set weight decay 0 for 1-D parameters; the schedule sets `lr` each step."""
     if config.optimizer == "sgd":
-        return functools.partial(torch.optim.SGD, lr=config.lr, momentum=config.sgd_momentum,
+        return functools.partial(torch.optim.SGD, lr=lr, momentum=config.sgd_momentum,
                                  weight_decay=config.weight_decay, foreach=True)
-    return functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay,
+    return functools.partial(torch.optim.AdamW, lr=lr, weight_decay=config.weight_decay,
                              betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
                              fused=True if on_cuda else None, foreach=None if on_cuda else True)
 
 
-def build_engine(model: nn.Module, dims, config: TrainConfig, zero: ZeroConfig) -> ZeroPlusPlus:
-    """The engine a run's configs describe: the optimizer --optimizer names, clipping to
-    --clip-grad, and a dynamic loss scaler exactly when --fp16."""
-    scaler = None
-    if config.fp16:
-        scaler = DynamicLossScaler(config.initial_loss_scale, config.min_loss_scale,
-                                   config.loss_scale_window, config.hysteresis)
+def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
+    """The engine a run's config describes: its ZeRO stage and options, the optimizer
+    --optimizer names, clipping to --clip-grad, and a dynamic loss scaler exactly when --fp16."""
+    train = config.train
+    precision, scaler = train.precision, None
+    if precision.fp16:
+        scaler = DynamicLossScaler(precision.initial_loss_scale, precision.min_loss_scale,
+                                   precision.loss_scale_window, precision.hysteresis)
     on_cuda = next(model.parameters()).is_cuda
-    return ZeroPlusPlus(model, dims, optimizer_factory(config, on_cuda), zero,
-                        clip_grad=config.clip_grad, loss_scaler=scaler)
+    factory = optimizer_factory(train.optimizer, train.schedule.lr, on_cuda)
+    return ZeroPlusPlus(model, dims, factory, config.parallel.zero,
+                        clip_grad=train.optimizer.clip_grad, loss_scaler=scaler)

@@ -41,9 +41,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megadomino.config import ZeroConfig
 from megadomino.zero import collectives
 from megadomino.zero.collectives import CommCounter, Pending
-from megadomino.zero.config import ZeroConfig
 from megadomino.zero.partition import FlatUnit
 
 

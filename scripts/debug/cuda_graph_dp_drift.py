@@ -18,7 +18,15 @@ import os
 import torch
 import torch.distributed as dist
 
-from megadomino.config import ModelConfig, TrainConfig
+from megadomino.config import (
+    Config,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.streams import HookStreams
 from megadomino.training.loop import train
@@ -26,12 +34,14 @@ from megadomino.training.loop import train
 
 def run(dims: ParallelDims, graph: bool, iters: int) -> dict:
     model_config = ModelConfig.preset("gpt-tiny", hidden_dropout=0.0, attention_dropout=0.0,
-                                      seq_length=64, params_dtype="float32",
-                                      enable_cuda_graph=graph)
-    train_config = TrainConfig(tensor_model_parallel_size=2, micro_batch_size=2,
-                               global_batch_size=2 * dims.dp, train_iters=iters, lr=3e-3,
-                               lr_warmup_iters=1, log_interval=100, mock_data=True)
-    return train(model_config, train_config, dims, "gpt", log=lambda _line: None)
+                                      seq_length=64, params_dtype="float32")
+    schedule = ScheduleConfig(micro_batch_size=2, global_batch_size=2 * dims.dp,
+                              train_iters=iters, lr=3e-3, lr_warmup_iters=1)
+    config = Config(model_config,
+                    ParallelConfig(tensor_model_parallel_size=2, enable_cuda_graph=graph),
+                    TrainConfig(schedule=schedule, data=DataConfig(mock_data=True),
+                                logging=LoggingConfig(log_interval=100)))
+    return train(config, dims, "gpt", log=lambda _line: None)
 
 
 def main() -> None:

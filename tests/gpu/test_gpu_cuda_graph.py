@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from configs import make_config
 from dist_utils import C, DistSuite
-from megadomino.config import ModelConfig, TrainConfig
+from megadomino.config import ModelConfig
 from megadomino.parallel import ParallelDims
 from megadomino.training.loop import train
 
@@ -25,13 +26,13 @@ def _losses(family: str, dims: ParallelDims, dtype: str, graph: bool, sp: bool,
     preset = "gpt-tiny" if family == "gpt" else "llama-tiny"
     extra = {} if family == "gpt" else {"num_query_groups": 2 if dims.tp <= 2 else dims.tp}
     model_config = ModelConfig.preset(preset, **extra, hidden_dropout=0.0, attention_dropout=0.0,
-                                      seq_length=64, params_dtype=dtype, sequence_parallel=sp,
-                                      tp_comm_overlap=sp, enable_cuda_graph=graph)
-    train_config = TrainConfig(tensor_model_parallel_size=dims.tp, micro_batch_size=2,
-                               global_batch_size=4 * dims.dp, train_iters=ITERS, lr=3e-3,
-                               lr_warmup_iters=2, log_interval=ITERS, mock_data=True,
-                               bf16=dtype == "bfloat16", zero_stage=zero_stage)
-    history = train(model_config, train_config, dims, family, log=lambda _line: None)
+                                      seq_length=64, params_dtype=dtype)
+    config = make_config(model_config, sequence_parallel=sp, tp_comm_overlap=sp,
+                         enable_cuda_graph=graph, tensor_model_parallel_size=dims.tp,
+                         micro_batch_size=2, global_batch_size=4 * dims.dp, train_iters=ITERS,
+                         lr=3e-3, lr_warmup_iters=2, log_interval=ITERS, mock_data=True,
+                         bf16=dtype == "bfloat16", stage=zero_stage)
+    history = train(config, dims, family, log=lambda _line: None)
     return history["losses"]
 
 

@@ -1,5 +1,6 @@
-"""ZeroConfig: which ZeRO stage (0: plain data parallelism), and which of ZeRO++'s three
-communication cuts are on.
+"""ZeroConfig, the data-parallel engine's section of ParallelConfig: which ZeRO stage (0: plain
+data parallelism), and which of ZeRO++'s three communication cuts are on. An option left at its
+default counts as not asked for.
 
 Field names follow the command-line flags that set them (`--zero-stage`,
 `--zeropp-quantized-weights`, `--zeropp-hpz-partition-size`, `--zeropp-quantized-gradients`,
@@ -12,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from megadomino.config import _check
+from megadomino.config.check import ConfigError, check
 
 REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class ZeroConfig:
-    stage: int = 3
+    stage: int = 0
     """0: plain data parallelism (every rank holds everything; gradients all-reduced in buckets
     overlapped with backward, Megatron's DDP). 1: optimizer states and fp32 masters sharded over
     DP, gradients reduce-scattered, parameters all-gathered after the step (Megatron's
@@ -77,47 +78,66 @@ class ZeroConfig:
     or 'error' (FloatingPointError on every rank)."""
 
     def __post_init__(self) -> None:
-        _check(self.stage in (0, 1, 3), "--zero-stage", self.stage, "0, 1 or 3")
-        _check(isinstance(self.bucket_numel, int) and self.bucket_numel >= 1, "--ddp-bucket-size",
+        check(self.stage in (0, 1, 3), "--zero-stage", self.stage, "0, 1 or 3")
+        check(isinstance(self.bucket_numel, int) and self.bucket_numel >= 1, "--ddp-bucket-size",
                self.bucket_numel, "an integer >= 1")
-        _check(self.weight_bits in (4, 8), "weight_bits", self.weight_bits, "4 or 8")
-        _check(self.gradient_bits in (4, 8), "--zeropp-gradient-bits", self.gradient_bits,
+        check(self.weight_bits in (4, 8), "weight_bits", self.weight_bits, "4 or 8")
+        check(self.gradient_bits in (4, 8), "--zeropp-gradient-bits", self.gradient_bits,
                "4 or 8")
         # Even, so that int4 halves pack into whole bytes inside every block.
-        _check(self.block_size >= 2 and self.block_size % 2 == 0, "--zeropp-block-size",
+        check(self.block_size >= 2 and self.block_size % 2 == 0, "--zeropp-block-size",
                self.block_size, "an even integer >= 2")
-        _check(self.hpz_partition_size >= 1, "--zeropp-hpz-partition-size",
+        check(self.hpz_partition_size >= 1, "--zeropp-hpz-partition-size",
                self.hpz_partition_size, ">= 1")
-        _check(self.reduce_dtype in REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype,
+        check(self.reduce_dtype in REDUCE_DTYPES, "reduce_dtype", self.reduce_dtype,
                f"one of {sorted(REDUCE_DTYPES)}")
-        _check(self.reduce_pipeline_depth in (1, 2), "reduce_pipeline_depth",
+        check(self.reduce_pipeline_depth in (1, 2), "reduce_pipeline_depth",
                self.reduce_pipeline_depth, "1 or 2")
-        _check(self.layers_per_unit is None
+        check(self.layers_per_unit is None
                or (isinstance(self.layers_per_unit, int) and self.layers_per_unit >= 1),
                "--zero-layers-per-unit", self.layers_per_unit, "an integer >= 1 (or none: "
                "units of --zero-unit-params parameters)")
-        _check(isinstance(self.unit_params, int) and self.unit_params >= 1, "--zero-unit-params",
+        check(isinstance(self.unit_params, int) and self.unit_params >= 1, "--zero-unit-params",
                self.unit_params, "an integer >= 1")
-        _check(isinstance(self.min_units, int) and self.min_units >= 1, "min_units",
+        check(isinstance(self.min_units, int) and self.min_units >= 1, "min_units",
                self.min_units, "an integer >= 1")
-        _check(self.on_nonfinite in ("skip", "error"), "on_nonfinite", self.on_nonfinite,
+        check(self.on_nonfinite in ("skip", "error"), "on_nonfinite", self.on_nonfinite,
                "'skip' or 'error'")
-        _check(not self.quantize_full_range or self.quantized_weights
-               or self.quantized_gradients, "--zeropp-quantize-full-range", True,
-               "used with --zeropp-quantized-weights or --zeropp-quantized-gradients")
+        if self.quantize_full_range and not (self.quantized_weights or self.quantized_gradients):
+            raise ConfigError("--zeropp-quantize-full-range sets how qwZ and qgZ quantize: add "
+                              "--zeropp-quantized-weights or --zeropp-quantized-gradients")
+        options = {"--zeropp-quantized-weights": self.quantized_weights,
+                   "--zeropp-hpz-partition-size": self.hpz,
+                   "--zeropp-quantized-gradients": self.quantized_gradients,
+                   "--zeropp-gradient-bits": self.gradient_bits != ZeroConfig.gradient_bits,
+                   "--zeropp-block-size": self.block_size != ZeroConfig.block_size,
+                   "--zeropp-quantize-full-range": self.quantize_full_range,
+                   "--zero-layers-per-unit": self.layers_per_unit is not None,
+                   "--zero-unit-params": self.unit_params != ZeroConfig.unit_params}
         if self.stage == 0:
-            for flag, on in (("--zeropp-quantized-weights", self.quantized_weights),
-                             ("--zeropp-hpz-partition-size", self.hpz),
-                             ("--zeropp-quantized-gradients", self.quantized_gradients)):
-                _check(not on, flag, True, "used with --zero-stage 1 or 3 (stage 0 all-reduces "
-                       "whole gradients and never gathers parameters)")
-            _check(self.reduce_dtype == "float32", "reduce_dtype", self.reduce_dtype,
-                   "'float32' at stage 0")
+            flag = next((flag for flag, on in options.items() if on), None)
+            if flag is not None:
+                raise ConfigError(f"{flag} is a ZeRO option: add --zero-stage 3 (or --zero-stage "
+                                  "1 for --zeropp-quantized-gradients, --zero-layers-per-unit "
+                                  "and --zero-unit-params)")
+            check(self.reduce_dtype == "float32", "reduce_dtype", self.reduce_dtype,
+                  "'float32' at stage 0")
+        if options["--zeropp-gradient-bits"] and not self.quantized_gradients:
+            raise ConfigError("--zeropp-gradient-bits sets qgZ's precision: add "
+                              "--zeropp-quantized-gradients")
+        quantized = self.quantized_weights or self.quantized_gradients
+        if options["--zeropp-block-size"] and not quantized:
+            raise ConfigError("--zeropp-block-size sets the blocks of qwZ and qgZ: add "
+                              "--zeropp-quantized-weights or --zeropp-quantized-gradients")
+        if options["--zero-layers-per-unit"] and options["--zero-unit-params"]:
+            raise ConfigError(f"--zero-layers-per-unit {self.layers_per_unit} fixes the layers a "
+                              f"unit, --zero-unit-params {self.unit_params} sizes units by "
+                              "parameters: give one of them")
         if self.stage == 1:
-            _check(not self.quantized_weights, "--zeropp-quantized-weights", True,
+            check(not self.quantized_weights, "--zeropp-quantized-weights", True,
                    "off at --zero-stage 1 (parameters are not partitioned, nothing is gathered "
                    "before use)")
-            _check(self.hpz_partition_size == 1, "--zeropp-hpz-partition-size",
+            check(self.hpz_partition_size == 1, "--zeropp-hpz-partition-size",
                    self.hpz_partition_size, "1 at --zero-stage 1")
 
     @property
@@ -128,7 +148,7 @@ class ZeroConfig:
         """Refuse an hpZ partition that is not one node's DP ranks (the only secondary group the
         process grid provides)."""
         if self.hpz:
-            _check(self.hpz_partition_size == dims.dp_per_node, "--zeropp-hpz-partition-size",
+            check(self.hpz_partition_size == dims.dp_per_node, "--zeropp-hpz-partition-size",
                    self.hpz_partition_size,
                    f"1 or the data-parallel ranks per node ({dims.dp_per_node}: "
                    f"--gpus-per-node {dims.gpus_per_node} / tensor-parallel {dims.tp})")

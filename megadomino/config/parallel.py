@@ -1,0 +1,89 @@
+"""How the layers run across GPUs: the parallel degrees, sequence parallelism, the one
+tensor-parallel overlap (none, fused SP communication or Domino with its plan), CUDA graphs,
+activation recompute, and the data-parallel engine (ZeroConfig).
+
+Rules that involve the architecture or the precision are the validator's (config/validate.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megadomino.config.check import ConfigError, check
+from megadomino.config.zero import ZeroConfig
+
+
+@dataclass(frozen=True)
+class DominoPlan:
+    """Domino's slicing: N batch slices x K hidden (ffn) slices under its explicit schedule.
+
+    Batch slices may be uneven: b=5, N=2 gives sizes [3, 2] (the first b % N slices get one
+    more). Hidden slices cut this rank's ffn columns into K equal chunks (K divides ffn / tp).
+    """
+
+    batch_slices: int = 1
+    hidden_slices: int = 1
+    explicit_backward: bool = False
+    """Run Domino's schedule (each linear's weight-gradient GEMM queued behind its input-gradient
+    collective) even with one batch and one hidden slice: Domino without slicing."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.explicit_backward or self.batch_slices > 1 or self.hidden_slices > 1
+
+    def slice_sizes(self, batch: int) -> list[int]:
+        """Sizes of the batch slices for a micro-batch of `batch` sequences."""
+        if self.batch_slices > batch:
+            raise ConfigError(
+                f"--domino-batch-slices={self.batch_slices} is invalid: it must be at most the "
+                f"micro-batch size ({batch})")
+        base, extra = divmod(batch, self.batch_slices)
+        return [base + (1 if i < extra else 0) for i in range(self.batch_slices)]
+
+    def validate(self, ffn_hidden_size: int, tp: int, micro_batch_size: int | None = None) -> None:
+        """Refuse a plan that cannot run, naming the flag."""
+        check(self.batch_slices >= 1, "--domino-batch-slices", self.batch_slices,
+              "a positive integer")
+        ffn_local = ffn_hidden_size // tp
+        check(self.hidden_slices >= 1 and ffn_local % self.hidden_slices == 0,
+              "--domino-hidden-slices", self.hidden_slices,
+              f"a divisor of the per-rank ffn size ({ffn_hidden_size} / tp {tp} = {ffn_local})")
+        if micro_batch_size is not None:
+            self.slice_sizes(micro_batch_size)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism and overlap, under Megatron-LM's flag names."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
+    """With sequence parallelism: fuse the all-gather / reduce-scatter into the GEMMs
+    (symmetric-memory kernels over NVLink copy engines; parallel/async_tp.py)."""
+    domino: DominoPlan = field(default_factory=DominoPlan)
+    """Domino's plan; DominoPlan() (the default) is off."""
+    domino_auto: bool = False
+    """--domino: time plain TP and Domino's plans at start-up and run the fastest."""
+    enable_cuda_graph: bool = False
+    """Capture the layers' forward + backward in CUDA graphs (megadomino/models/cuda_graph.py)."""
+    recompute_granularity: str | None = None
+    """None, 'full' (whole layers) or 'selective' (the attention core)."""
+    recompute_method: str | None = None
+    """With 'full': 'uniform' or 'block' (Megatron semantics)."""
+    recompute_num_layers: int | None = None
+    gpus_per_node: int | None = None
+    """GPUs per node for node-aware groups; None: the launcher's LOCAL_WORLD_SIZE."""
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """The data-parallel engine: ZeRO stage 0 (plain data parallelism), 1 or 3, ZeRO++'s
+    options."""
+
+    @property
+    def overlap(self) -> str:
+        """The one tensor-parallel overlap in effect: 'none', 'fused-sp' (--sequence-parallel
+        --tp-comm-overlap: communication fused into the GEMMs) or 'domino NxK' (batch x hidden
+        slices under Domino's schedule; '1x1' is its unsliced explicit backward)."""
+        if self.domino.enabled:
+            return f"domino {self.domino.batch_slices}x{self.domino.hidden_slices}"
+        return "fused-sp" if self.tp_comm_overlap else "none"

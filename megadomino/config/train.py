@@ -1,0 +1,166 @@
+"""The training run's sections, under Megatron-LM's flag names: optimizer, schedule (batches,
+run length, learning rate, evaluation), precision (fp16/bf16, loss scaling, FP8), data,
+checkpoint, logging, and the process's runtime (seed, garbage collection, stopping, timeouts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"
+    """'adam' (torch's AdamW) or 'sgd' (torch's SGD with `sgd_momentum`)."""
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    """The global gradient norm is clipped to this (0: no clipping)."""
+
+
+@dataclass
+class ScheduleConfig:
+    """How long, in what batches, at what learning rate, evaluated how often."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    """Defaults to micro_batch_size * data-parallel size (no accumulation)."""
+    train_iters: int | None = None
+    train_samples: int | None = None
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    """'constant', 'linear' (Megatron-LM's default, from Python and the CLI alike) or
+    'cosine'."""
+    lr_decay_iters: int | None = None
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None
+    eval_interval: int = 1000
+    eval_iters: int = 100
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """How the transformer layers' linears cast to FP8 (Megatron-LM's defaults)."""
+
+    format: str = "hybrid"
+    """'hybrid': e4m3 forward, e5m2 gradients; 'e4m3': e4m3 everywhere."""
+    recipe: str = "delayed"
+    """'delayed' (scales from an amax history) or 'tensorwise' (from each tensor's amax)."""
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    """'max' (of the history) or 'most_recent' (delayed)."""
+    margin: int = 0
+    """Scales are divided by 2^margin (delayed): headroom for amax growth between updates."""
+    interval: int = 1
+    """Steps between scale updates (delayed)."""
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return E5M2 if self.format == "hybrid" else E4M3
+
+
+@dataclass
+class PrecisionConfig:
+    bf16: bool = False
+    fp16: bool = False
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    fp8: FP8Recipe | None = None
+    """FP8 GEMMs in the transformer layers' linears (megadomino/parallel/fp8.py); None: off."""
+
+    @property
+    def params_dtype(self) -> str:
+        """The dtype the model's parameters are created in."""
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+
+@dataclass
+class DataConfig:
+    mock_data: bool = False
+    data_path: list[str] = field(default_factory=list)
+    split: str = "969, 30, 1"
+    """Train/valid/test weights of --data-path's documents (Megatron-LM's default)."""
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    eod_mask_loss: bool = False
+    """Leave end-of-document tokens out of the loss."""
+    data_cache_path: str | None = None
+    prompt_template: str = "{prompt}"
+    """Fine-tuning: how a prompt is laid out before its response; must contain '{prompt}'."""
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    finetune: bool = False
+    """Load weights only: iteration, optimizer and RNG start fresh."""
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    exit_on_missing_checkpoint: bool = False
+    hf_checkpoint: str | None = None
+    """A Hugging Face Llama directory to start from (megadomino.interop.hf.load_llama)."""
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 100
+    tensorboard_dir: str | None = None
+    peak_tflops: float | None = None
+    """Per-GPU peak TFLOP/s MFU is measured against; None: the GPU's dense bf16 peak where
+    training.metrics.PEAK_BF16_TFLOPS knows it, else no MFU."""
+    profile: bool = False
+    """Profile iterations [profile_step_start, profile_step_end) (training/profiling.py)."""
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    use_pytorch_profiler: bool = False
+
+
+@dataclass
+class RuntimeConfig:
+    """The process: its seed, Python's garbage collector, when to stop, how long to wait."""
+
+    seed: int = 1234
+    manual_gc: bool = False
+    """Python's garbage collector off, collecting on a schedule (megadomino.training.manual_gc)."""
+    manual_gc_interval: int = 0
+    """With manual_gc: iterations between collections (0: only at the start)."""
+    manual_gc_eval: bool = True
+    """With manual_gc: also collect before and after each evaluation."""
+    exit_signal_handler: bool = False
+    """On SIGTERM: save a checkpoint at the end of the iteration and stop."""
+    exit_duration_in_mins: float | None = None
+    exit_interval: int | None = None
+    distributed_timeout_minutes: float = 10.0
+    """How long a collective waits for a rank that stopped answering before the run ends (exit
+    1, naming the silent ranks where the rendezvous store can tell); Megatron-LM's default."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a training run that is neither the architecture nor how it is laid out
+    across GPUs."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

@@ -1,0 +1,269 @@
+"""The one validator: every rule a configuration must meet, each checked once, in pure
+arithmetic on the config tree (and a look at --save's directory), so that every rank refuses
+alike with one line naming the flag before any collective starts. The command line runs it after
+parsing (`training.arguments.parse_args`) and again with the world size at launch; the library's
+`training.loop.train` runs it with the process grid's world before it builds anything.
+
+    validate(config)                                   # the configuration alone
+    validate(config, world_size, gpus_per_node)        # and the process grid
+
+Rules within one section live with the section (ModelConfig.validate, ZeroConfig, DominoPlan);
+the rules across sections are here. Also here: the arithmetic the loop derives from a valid
+config (`batch_plan`, `train_iterations`).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+from megadomino.config.check import ConfigError, check
+from megadomino.config.model import ModelConfig
+from megadomino.config.parallel import ParallelConfig
+from megadomino.config.train import FP8Recipe, ScheduleConfig, TrainConfig
+from megadomino.config.tree import Config
+from megadomino.parallel.dims import check_degrees, check_gpus_per_node
+
+
+def validate(config: Config, world_size: int | None = None, gpus_per_node: int | None = None, *,
+             finetune: bool = False, data_given: bool = False) -> None:
+    """Raise ConfigError (naming the flag, the value and what works) if `config` cannot run;
+    with `world_size`, also on that many ranks, `gpus_per_node` of them a node (None: all of
+    them, unless --gpus-per-node says otherwise). `finetune`: finetune_llama.py's rules;
+    `data_given`: datasets are handed to train(), so no data flag is needed."""
+    _train_rules(config.train, finetune, data_given)
+    _parallel_rules(config.model, config.parallel, config.train.precision.fp8)
+    if world_size is not None:
+        _world_rules(config, world_size, gpus_per_node)
+
+
+def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe | None) -> None:
+    """The layers at the run's TP degree, and what ZeRO and the start-up Domino tuner allow
+    beside them."""
+    if parallel.pipeline_model_parallel_size != 1:
+        raise ConfigError("--pipeline-model-parallel-size > 1 is not supported: use 1")
+    validate_layers(model, parallel, parallel.tensor_model_parallel_size, fp8)
+    domino = parallel.domino
+    if parallel.domino_auto and fp8 is not None:
+        raise ConfigError("--domino-batch-slices auto may pick a Domino plan, whose schedule "
+                          "runs high-precision GEMMs: it is off with --fp8-format")
+    if parallel.enable_cuda_graph and parallel.domino_auto:
+        raise ConfigError("--domino-batch-slices auto may pick a Domino plan, which "
+                          "--enable-cuda-graph cannot capture: give one of them")
+    if parallel.zero.stage == 3 and parallel.enable_cuda_graph:
+        raise ConfigError("--enable-cuda-graph captures the layers, but --zero-stage 3 gathers "
+                          "each layer's parameters from host-side hooks: use --zero-stage 1 "
+                          "(or --use-distributed-optimizer) with CUDA graphs")
+    if parallel.zero.stage == 3 and (domino.enabled or parallel.domino_auto):
+        which = ("--domino-batch-slices auto (it may pick a Domino plan)" if parallel.domino_auto
+                 else "Domino (--domino, --domino-batch-slices, --domino-hidden-slices, "
+                 "--domino-explicit-backward)")
+        raise ConfigError("--zero-stage 3 gathers each layer in the layer's forward hook, which "
+                          f"the Domino schedule bypasses: {which} runs with --zero-stage 1 only")
+
+
+def validate_layers(model: ModelConfig, parallel: ParallelConfig, tp: int,
+                    fp8: FP8Recipe | None = None) -> None:
+    """The architecture at tensor-parallel degree `tp`, and the way `parallel` runs its layers
+    (recompute, the TP overlap, sequence parallelism, CUDA graphs) and `fp8` casts their GEMMs:
+    what a model checks when it is built."""
+    model.validate(tp=tp)
+    check(parallel.recompute_granularity in (None, "full", "selective"),
+          "--recompute-granularity", parallel.recompute_granularity, "'full' or 'selective'")
+    if parallel.recompute_granularity == "full":
+        check(parallel.recompute_method in ("uniform", "block"), "--recompute-method",
+              parallel.recompute_method,
+              "'uniform' or 'block' (required with --recompute-granularity full)")
+        n = parallel.recompute_num_layers
+        check(n is not None and 1 <= n <= model.num_layers, "--recompute-num-layers", n,
+              f"an integer in [1, --num-layers ({model.num_layers})]")
+    domino = parallel.domino
+    domino.validate(model.ffn_hidden_size, tp)
+    check(not parallel.tp_comm_overlap or parallel.sequence_parallel, "--tp-comm-overlap",
+          parallel.tp_comm_overlap,
+          "used with --sequence-parallel (it fuses sequence-parallel collectives)")
+    check(not (parallel.tp_comm_overlap and domino.enabled), "--tp-comm-overlap",
+          parallel.tp_comm_overlap,
+          "off with Domino (--domino-*): they are two ways to overlap the same collectives")
+    if parallel.sequence_parallel:
+        check(model.seq_length % tp == 0, "--seq-length", model.seq_length,
+              f"a multiple of --tensor-model-parallel-size ({tp}) with --sequence-parallel")
+    if parallel.enable_cuda_graph:
+        for flag, value in (("--hidden-dropout", model.hidden_dropout),
+                            ("--attention-dropout", model.attention_dropout)):
+            check(value == 0.0, flag, value, "0 with --enable-cuda-graph (the model-parallel "
+                  "RNG tracker swaps generator states, which a CUDA graph cannot capture)")
+        check(parallel.recompute_granularity is None, "--recompute-granularity",
+              parallel.recompute_granularity, "unset with --enable-cuda-graph (recompute saves "
+              "and restores RNG states, which a CUDA graph cannot capture)")
+        check(not domino.enabled, "--enable-cuda-graph", True,
+              "off with Domino slicing (--domino-*): its schedule hands parameter gradients "
+              "to autograd inside its backward; use --sequence-parallel --tp-comm-overlap "
+              "--enable-cuda-graph for overlapped communication under graphs")
+    if fp8 is not None:
+        _fp8_rules(parallel, fp8)
+
+
+def _fp8_rules(parallel: ParallelConfig, fp8: FP8Recipe) -> None:
+    """FP8's recipe, and what runs beside it: the paths that run their own high-precision GEMMs
+    are off with it."""
+    check(fp8.format in ("hybrid", "e4m3"), "--fp8-format", fp8.format, "'hybrid' or 'e4m3'")
+    check(fp8.recipe in ("delayed", "tensorwise"), "--fp8-recipe", fp8.recipe,
+          "'delayed' or 'tensorwise'")
+    check(fp8.amax_history_len >= 1, "--fp8-amax-history-len", fp8.amax_history_len,
+          "a positive integer")
+    check(fp8.amax_compute_algo in ("max", "most_recent"), "--fp8-amax-compute-algo",
+          fp8.amax_compute_algo, "'max' or 'most_recent'")
+    check(fp8.margin >= 0, "--fp8-margin", fp8.margin, "a non-negative integer")
+    check(fp8.interval >= 1, "--fp8-interval", fp8.interval, "a positive integer")
+    domino = "Domino's schedule runs its own high-precision GEMMs on the layers' weights"
+    plan = parallel.domino
+    why = {"--domino-batch-slices": (plan.batch_slices, plan.batch_slices > 1, domino),
+           "--domino-hidden-slices": (plan.hidden_slices, plan.hidden_slices > 1, domino),
+           "--domino-explicit-backward": (True, plan.explicit_backward, domino),
+           "--tp-comm-overlap": (True, parallel.tp_comm_overlap,
+                                 "its fused all-gather / reduce-scatter GEMMs are high-precision"),
+           "--enable-cuda-graph": (True, parallel.enable_cuda_graph,
+                                   "the FP8 path is not yet verified under CUDA graph capture")}
+    for flag, (value, on, reason) in why.items():
+        check(not on, flag, value, f"off with --fp8-format: {reason}")
+    check(not (fp8.recipe == "delayed" and parallel.recompute_granularity == "full"),
+          "--recompute-granularity", parallel.recompute_granularity,
+          "not 'full' with --fp8-recipe delayed: the recomputed forward would advance the "
+          "delayed-scaling state a second time (use selective, or --fp8-recipe tensorwise)")
+
+
+
+
+def _world_rules(config: Config, world_size: int, local_world_size: int | None) -> None:
+    """On `world_size` ranks, `local_world_size` of them a node (None: all of them) unless
+    --gpus-per-node says otherwise: the world must tile into TP x PP x DP, a TP group must fit in
+    a node, the Domino plan in the micro-batch, the global batch must be a multiple of micro batch
+    x DP and give at least one iteration, and hpZ's partition must be a node's DP ranks."""
+    parallel, schedule, logging = config.parallel, config.train.schedule, config.train.logging
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    dp = world_size // (tp * pp) if tp >= 1 and pp >= 1 and world_size % (tp * pp) == 0 else -1
+    check_degrees(world_size, tp, pp, dp)
+    if parallel.gpus_per_node is not None:
+        check_gpus_per_node(world_size, tp, parallel.gpus_per_node)
+    global_batch, _ = batch_plan(schedule, dp)
+    train_iterations(schedule, global_batch)
+    parallel.domino.validate(config.model.ffn_hidden_size, tp, schedule.micro_batch_size)
+    if logging.profile:
+        outside = [r for r in logging.profile_ranks if not 0 <= r < world_size]
+        if outside:
+            raise ConfigError(f"--profile-ranks {outside[0]} is invalid: ranks are 0 to "
+                              f"{world_size - 1}")
+    gpus = parallel.gpus_per_node or local_world_size or world_size
+    # The DP ranks of one node, as ParallelDims cuts the grid.
+    parallel.zero.check_dims(
+        SimpleNamespace(tp=tp, gpus_per_node=gpus, dp_per_node=max(1, min(dp, gpus // tp))))
+
+
+def batch_plan(config: ScheduleConfig, dp: int) -> tuple[int, int]:
+    """(global batch size, micro-batches per rank per iteration); ConfigError if they don't tile
+    (the rule validate() checks with the world)."""
+    mbs = config.micro_batch_size
+    if mbs < 1:
+        raise ConfigError(f"--micro-batch-size={mbs} is invalid: it must be >= 1")
+    gbs = config.global_batch_size if config.global_batch_size is not None else mbs * dp
+    if gbs < 1 or gbs % (mbs * dp) != 0:
+        raise ConfigError(
+            f"--global-batch-size={gbs} is invalid: it must be a positive multiple of "
+            f"--micro-batch-size ({mbs}) x data-parallel size ({dp}) = {mbs * dp}")
+    return gbs, gbs // (mbs * dp)
+
+
+def train_iterations(config: ScheduleConfig, global_batch_size: int) -> int:
+    """--train-iters, or --train-samples // global batch size."""
+    if config.train_iters is not None:
+        iters = config.train_iters
+    elif config.train_samples is not None:
+        iters = config.train_samples // global_batch_size
+    else:
+        raise ConfigError("the run length is missing: pass --train-iters or --train-samples")
+    if iters < 1:
+        raise ConfigError(f"the run has {iters} iterations: --train-iters (or --train-samples / "
+                          f"--global-batch-size) must give at least one")
+    return iters
+
+
+def _train_rules(train: TrainConfig, finetune: bool, data_given: bool) -> None:
+    """Megatron-LM's cross-flag rules for the run length, schedule, precision, data, logging,
+    runtime and checkpoints."""
+    schedule, runtime, logging = train.schedule, train.runtime, train.logging
+    checkpoint = train.checkpoint
+    if train.precision.bf16 and train.precision.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive: choose one")
+    if (schedule.train_iters is None) == (schedule.train_samples is None):
+        raise ConfigError("give exactly one of --train-iters and --train-samples")
+    for name in ("train_iters", "train_samples"):
+        value = getattr(schedule, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={value} is invalid: it must be >= 1")
+    if schedule.train_samples is not None and (schedule.lr_decay_iters is not None
+                                               or schedule.lr_warmup_iters != 0):
+        raise ConfigError("--lr-decay-iters and --lr-warmup-iters count steps: with "
+                          "--train-samples use --lr-warmup-fraction, or use --train-iters")
+    if schedule.lr_warmup_fraction is not None and schedule.lr_warmup_iters != 0:
+        raise ConfigError("give one of --lr-warmup-fraction and --lr-warmup-iters, not both")
+    if not 0.0 <= schedule.min_lr <= schedule.lr:
+        raise ConfigError(f"--min-lr={schedule.min_lr} is invalid: it must be in [0, --lr "
+                          f"({schedule.lr})]")
+    if not data_given:
+        _check_data(train, finetune)
+    if logging.profile and logging.profile_step_end <= logging.profile_step_start:
+        raise ConfigError(f"--profile-step-end={logging.profile_step_end} is invalid: it must "
+                          f"be > --profile-step-start ({logging.profile_step_start})")
+    if runtime.manual_gc_interval < 0:
+        raise ConfigError(f"--manual-gc-interval={runtime.manual_gc_interval} is invalid: it "
+                          "must be >= 0")
+    if not runtime.manual_gc and (runtime.manual_gc_interval or not runtime.manual_gc_eval):
+        raise ConfigError("--manual-gc-interval and --no-manual-gc-eval apply to --manual-gc: "
+                          "add --manual-gc")
+    for name, value in (("save_interval", checkpoint.save_interval),
+                        ("exit_interval", runtime.exit_interval)):
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={value} is invalid: it must be >= 1")
+    if not runtime.distributed_timeout_minutes > 0:
+        raise ConfigError(f"--distributed-timeout-minutes={runtime.distributed_timeout_minutes} "
+                          "is invalid: it must be > 0 (fractions of a minute are fine)")
+    if runtime.exit_duration_in_mins is not None and runtime.exit_duration_in_mins < 0:
+        raise ConfigError(f"--exit-duration-in-mins={runtime.exit_duration_in_mins} is invalid: "
+                          "it must be >= 0")
+    if checkpoint.save is not None:
+        _check_writable(checkpoint.save)
+    if checkpoint.load is None:
+        for name in ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint"):
+            if getattr(checkpoint, name):
+                raise ConfigError(f"--{name.replace('_', '-')} applies to --load: give --load DIR")
+
+
+def _check_writable(save: str) -> None:
+    """--save must be a directory this process can write, or creatable in one: found at start-up
+    rather than at the first save, hours in."""
+    path = os.path.abspath(save)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"--save={save} is invalid: {path} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--save={save} is invalid: {path} is not writable by this user")
+
+
+def _check_data(train: TrainConfig, finetune: bool) -> None:
+    config = train.data
+    if config.mock_data and config.data_path:
+        raise ConfigError("--mock-data and --data-path exclude each other: choose one")
+    if not config.mock_data and not config.data_path:
+        raise ConfigError("no data source: pass --data-path (with --tokenizer-type) or "
+                          "--mock-data")
+    if config.data_path and config.tokenizer_type is None:
+        raise ConfigError("--data-path needs --tokenizer-type (and its files): the tokenizer "
+                          "gives the end-of-document id and the vocabulary size")
+    if finetune and config.eod_mask_loss:
+        raise ConfigError("--eod-mask-loss is refused by finetune_llama.py: a response's "
+                          "end-of-document token is what teaches the model to stop")
+    if finetune and "{prompt}" not in config.prompt_template:
+        raise ConfigError(f"--prompt-template={config.prompt_template!r} is invalid: it must "
+                          "contain {prompt}")
