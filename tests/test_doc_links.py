@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```$", re.M | re.S)
+RAW_NAME = re.compile(r"[\w.\-]+_20\d\d-\d\d-\d\d\w*\.(?:json|txt|tgz)")  # name_YYYY-MM-DD*.ext
 
 
 def _markdown_files() -> list[Path]:
@@ -70,7 +71,7 @@ def test_relative_links_resolve(path):
 def test_raw_results_named_by_the_benchmark_documents_exist():
     named = set()
     for path in _benchmark_documents():
-        named |= set(re.findall(r"[\w.\-]+_20\d\d-\d\d-\d\d\w*\.(?:json|txt|tgz)", path.read_text()))
+        named |= set(RAW_NAME.findall(path.read_text()))
     missing = sorted(name for name in named if not (RESULTS / name).exists())
     assert named and not missing, missing
 
@@ -85,3 +86,14 @@ def test_every_raw_result_is_cited():
     uncited = sorted(path.name for path in RESULTS.iterdir() if path.name not in cited)
     assert not uncited, ("cite these in BENCHMARKS.md or a report under benchmarks/reports/, or "
                          f"delete them: {uncited}")
+
+
+def test_the_code_cites_reports_that_exist():
+    cited = {}
+    for folder in ("megadomino", "kernels", "benchmarks", "scripts", "tests"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".sh", ".sbatch") and path.is_file():
+                for name in re.findall(r"benchmarks/reports/[\w.\-]+\.md", path.read_text()):
+                    cited.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    missing = {name: paths for name, paths in cited.items() if not (ROOT / name).is_file()}
+    assert cited and not missing, missing
