@@ -1,5 +1,6 @@
 """Do NVLink copy-engine transfers slow the GEMMs they overlap? (The question behind (f)'s chunk
-GEMMs running 17% longer than whole GEMMs inside the fused TP path: BENCHMARKS.md.)
+GEMMs running 17% longer than whole GEMMs inside the fused TP path; the answer is in
+benchmarks/reports/2026-11-22-tp-comm-overlap-h200.md.)
 
 Each rank times a GPT-3 6.7B layer's 8 TP GEMMs (TP = --tp shapes, 8192 rows, bf16) on its
 compute stream, CUDA events, median of --iters:

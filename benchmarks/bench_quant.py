@@ -15,7 +15,8 @@ of back-to-back calls queued behind a GPU sleep (so launch overhead is not timed
 rotating between two random buffers. Every number is also a fraction of the copy bandwidth
 (x.clone) measured in the same run. --sweep also times other tile shapes (--tiles) for our ops,
 to tune the default; --ops limits the run to some ops. (The kernel paths that `Variant` chooses
-were picked by A/B runs of this script; their numbers are in BENCHMARKS.md.)
+were picked by A/B runs of this script; their numbers are in
+benchmarks/reports/2026-11-22-zeropp-quantization-kernels.md.)
 """
 
 from __future__ import annotations
@@ -205,7 +206,8 @@ def find(rows, op, impl, group, dtype="fp16", key="tbps"):
 
 
 def targets(rows: list[dict], copy_tbps: float, groups: list[int]) -> list[dict]:
-    """The issue's targets, each with the numbers it was judged on."""
+    """The kernels' targets (against DeepSpeed's quantizer and the copy rate), each with the
+    numbers it was judged on."""
     checks = []
 
     def check(name, ok, **numbers):

@@ -14,7 +14,7 @@ configuration was built (`leftover_gib`: the configurations run before it left m
 more with each one). `--profile` adds one profiled step per configuration (busy/idle times and
 the top kernels, benchmarks/timeline.py). Over NVLink the
 links are not the bottleneck, so ZeRO++'s step time over ZeRO-3's is its quantization overhead
-(issue 4: under 5%); the bytes each configuration sends are printed beside it (the engine's
+(the target: under 5%); the bytes each configuration sends are printed beside it (the engine's
 CommCounter, per rank, per step).
 """
 
@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="pass over the configurations this many times (each built afresh): "
                              "medians over passes, since one pass to the next drifts by 10%% at "
-                             "micro-batch 1 (BENCHMARKS.md)")
+                             "micro-batch 1")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--profile", action="store_true",
                         help="add one profiled step per config: kernel timeline summary")

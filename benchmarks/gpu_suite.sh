@@ -19,7 +19,7 @@
 #                GPT-3 1.3B at micro-batch 4 (GPU-bound), with the one-deep reducer beside
 #                (rows named "... xK": K layers a unit; the others units of 2e8 parameters, the
 #                default: 4 layers at 1.3B)
-#   zero-mb1     the same at micro-batch 1 (host-bound: BENCHMARKS.md)
+#   zero-mb1     the same at micro-batch 1 (host-bound: the slowest rank's Python sets the pace)
 #   zero-6.7b    GPT-3 6.7B at micro-batch 1 (the default makes one layer a unit there), K = 2
 #   zero-rounds  default units vs one layer a unit, ZeRO-3 and ZeRO++ (and ZeRO++ with
 #                DeepSpeed's levels), micro-batch 1 (3 passes) and 4 (2 passes): medians that

@@ -1,6 +1,7 @@
 """Host (Python) time of the quantization wrappers per call, with the Triton launch stubbed out:
 what a small-micro-batch ZeRO++ step pays per quantize / reduce call before the kernel launch
-itself (BENCHMARKS.md, fifth session). Runs on CPU, no GPU needed.
+itself (its numbers: benchmarks/reports/2026-11-22-zero-engine-nvlink.md). Runs on CPU, no GPU
+needed.
 
     python benchmarks/quant_host_overhead.py [--calls 2000]
 """

@@ -43,8 +43,9 @@ class ZeroConfig:
     quantize_full_range: bool = False
     """qwZ and qgZ quantize with every two's-complement level, as DeepSpeed's quantizer: scale
     absmax / 2^(bits-1), q in [-2^(bits-1), 2^(bits-1) - 1] (the block's positive maximum
-    clipped one step). Off: the issue's fixed scheme, absmax / (2^(bits-1) - 1), q within
-    +-(2^(bits-1) - 1). int4's error is about 12% lower with it (BENCHMARKS.md)."""
+    clipped one step). Off: the symmetric scheme, absmax / (2^(bits-1) - 1), q within
+    +-(2^(bits-1) - 1). int4's error is about 12% lower with it and its int4 kernels up to 15%
+    slower (BENCHMARKS.md, "ZeRO++ quantization kernels")."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit (layer) while this one computes."""
     reduce_dtype: str = "float32"
@@ -64,15 +65,17 @@ class ZeroConfig:
     unit_params: int = 200_000_000
     """With `layers_per_unit` None: a unit takes consecutive layers of one list until it holds at
     least this many parameters (this rank's, after tensor parallelism), like DeepSpeed's bucket
-    sizes. 2e8 is measured (BENCHMARKS.md): GPT-3 1.3B's 50M-parameter layers go four to a
-    unit (0.65-0.85x the step time at micro-batch 1), 6.7B's 201M-parameter layers stay one to a
-    unit, so that the transient memory stays what a layer of 2e8 parameters needs."""
+    sizes. 2e8 is measured (BENCHMARKS.md, "Data parallelism"; the study:
+    benchmarks/reports/2026-11-22-zero-engine-nvlink.md): GPT-3 1.3B's 50M-parameter layers go
+    four to a unit (0.65-0.85x the step time at micro-batch 1), 6.7B's 201M-parameter layers stay
+    one to a unit, so that the transient memory stays what a layer of 2e8 parameters needs."""
     min_units: int = 6
     """With `layers_per_unit` None: a unit takes at most 1/min_units of its list's layers (at
     least one), so that a list of small layers still makes min_units units. Gathers are
     prefetched a unit ahead and gradient reductions run two units deep, so only several units
     overlap communication with compute: a small model made one unit ran 1.3-1.4x slower over a
-    100 Mbit/s link than one layer a unit (BENCHMARKS.md). GPT-3 1.3B's 24 layers: at most 4."""
+    100 Mbit/s link than one layer a unit (benchmarks/reports/2026-11-22-zero-slow-link-netns.md).
+    GPT-3 1.3B's 24 layers: at most 4."""
     on_nonfinite: str = "skip"
     """A step whose gradients hold inf/NaN on any rank: 'skip' it (the fp16 loss scaler backs off)
     or 'error' (FloatingPointError on every rank)."""

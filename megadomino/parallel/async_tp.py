@@ -3,7 +3,7 @@
 column-parallel GEMM and the reduce-scatter after a row-parallel GEMM are cut into per-rank
 chunks that move over NVLink copy engines while the GEMM computes the chunks already there,
 forward and backward. Copy engines take no SMs from the GEMMs they overlap, which is where
-NCCL-beside-GEMM overlap loses on these GPUs (BENCHMARKS.md).
+NCCL-beside-GEMM overlap loses on these GPUs (benchmarks/reports/2026-11-22-domino-slicing-h200.md).
 
     column:  y = all_gather_s(x_shard) @ W^T     backward: dx_shard = reduce_scatter_s(dy @ W)
     row:     y_shard = reduce_scatter_s(x @ W^T) backward: dx = all_gather_s(dy_shard) @ W
@@ -16,7 +16,8 @@ memory); elsewhere (CPU tests) the same autograd math runs on plain collectives.
 The fused ops are torch's (`torch.ops.symm_mem`). Two protocols of our own that took barriers
 off the compute stream (a whole input-gradient GEMM whose reduce-scatter copy engines pull
 during the weight-gradient GEMM; a local-first all-gather-matmul) measured within noise of
-torch's at TP=2 and TP=4, or slower, and were removed (BENCHMARKS.md keeps the numbers).
+torch's at TP=2 and TP=4, or slower, and were removed (their numbers:
+benchmarks/reports/2026-11-22-tp-comm-overlap-h200.md).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ buffer whose row per peer is [q | fp32 scales], each section padded to 16 bytes,
 `PayloadLayout`). What a ring algorithm puts on the wire differs by the forwarding it does;
 `benchmarks/bench_zero_netns.sh` sets the two side by side.
 
-The quantization scheme is the kernels' (`megadomino.kernels.quantization`, issue 4 item 5):
+The quantization scheme is the kernels' (`megadomino.kernels.quantization` specifies it):
 symmetric (or, with `full_range`, every two's-complement level as DeepSpeed's quantizer), one
 fp32 scale per block of `block_size` elements, int4 packed two per byte, and each
 rank's chunk quantized on its own (its blocks restart at the chunk; a trailing partial block has

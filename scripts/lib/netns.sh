@@ -38,8 +38,9 @@ netns_pair_up() {
 }
 
 # limit_link NAMESPACE VETH RATE: netem (rate, 1 ms delay) as NETWORK.md says; where the kernel
-# lacks netem (ours, 2026-11-22), a token bucket (tbf) at the same rate without the delay (the
-# burst covers one 64 KB segmentation-offload packet, which a smaller bucket would drop forever).
+# lacks netem (some builds leave it out), a token bucket (tbf) at the same rate without the delay
+# (the burst covers one 64 KB segmentation-offload packet, which a smaller bucket would drop
+# forever).
 limit_link() {
   if [ "$3" = none ]; then
     ip netns exec "$1" tc qdisc del dev "$2" root 2>/dev/null || true
