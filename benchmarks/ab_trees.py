@@ -88,18 +88,22 @@ def main() -> int:
     parser.add_argument("--preset", default="gpt3-1.3b")
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--groups", nargs="+", default=["256", "2048", "8192"])
+    parser.add_argument("--benches", nargs="+", choices=("quant", "pretrain"),
+                        default=["quant", "pretrain"], help="which benchmarks to run")
     parser.add_argument("--out", default="ab_trees.json")
     args = parser.parse_args()
     trees = {"before": Path(args.before), "after": Path(args.after)}
     envs = {name: prepare(tree) for name, tree in trees.items()}
     samples: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
     scratch = Path(tempfile.mkdtemp())
-    benches = [
-        (["benchmarks/bench_quant.py", "--no-deepspeed", "--groups", *args.groups], quant_rows,
-         900),
-        (["benchmarks/bench_pretrain.py", "--preset", args.preset, "--tp", "1", "--iters",
-          str(args.iters), "--log-interval", "5", "--micro-batch-size", "4"], pretrain_rows, 900),
-    ]
+    benches = {
+        "quant": (["benchmarks/bench_quant.py", "--no-deepspeed", "--groups", *args.groups],
+                  quant_rows, 900),
+        "pretrain": (["benchmarks/bench_pretrain.py", "--preset", args.preset, "--tp", "1",
+                      "--iters", str(args.iters), "--log-interval", "5", "--micro-batch-size",
+                      "4"], pretrain_rows, 900),
+    }
+    benches = [benches[name] for name in args.benches]
     report = []
     for round_ in range(args.rounds):
         order = ["before", "after"] if round_ % 2 == 0 else ["after", "before"]
