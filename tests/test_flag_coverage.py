@@ -96,6 +96,18 @@ def test_local_rank_spellings_are_one_flag():
     assert notices == [f"--local-rank: {ROWS['--local-rank'].text}"]
 
 
+def test_second_spellings_of_dataclass_made_flags_are_their_rows():
+    assert parse("--persistent-save-interval", "7")[1].save_interval == 7
+    _, _, notices = parse("--override-opt_param-scheduler", "--disable-tp-comm-overlap-ag",
+                          "--no-tp-comm-bulk-wgrad")
+    overlap = ROWS["--no-tp-comm-bulk-wgrad"].text
+    assert sorted(notices) == sorted([
+        f"--override-opt-param-scheduler: {ROWS['--override-opt-param-scheduler'].text}",
+        f"--no-tp-comm-bulk-wgrad, --no-tp-comm-overlap-ag: {overlap}"])
+    with pytest.raises(ConfigError, match="^--no-fp8-wgrad is refused: under --fp8-format"):
+        parse("--disable-fp8-wgrad")
+
+
 def test_zero_stage_0_contradicts_the_distributed_optimizer():
     model_config, train_config, _ = parse("--zero-stage", "0")
     assert zero_config(model_config, train_config).stage == 0
@@ -153,6 +165,11 @@ def test_llama_model_belongs_to_pretrain_llama():
     (("--dataloader-type", "cyclic"), "only the single"),
     (("--reset-position-ids",), "documents packed in one sample attend across"),
     (("--checkpoint-activations",), "use --recompute-activations"),
+    (("--moe-router-score-function", "sigmoid"), "Mixture-of-Experts is not implemented"),
+    (("--fp32-residual-connection",), "the residual stream has the parameters' dtype"),
+    (("--softmax-type", "learnable"), "softmax offsets are not implemented"),
+    (("--no-rl-partial-rollouts",), "reinforcement learning"),
+    (("--padded-vocab-size", "50304"), "always padded to a multiple"),
 ])
 def test_refusals_fit_their_flag(argv, reason):
     with pytest.raises(ConfigError, match="is refused: .*" + re.escape(reason)):
