@@ -38,11 +38,14 @@ def parse(*argv: str, family: str = "gpt"):
 
 
 def test_vendored_lists_name_their_source():
-    header = (VENDORED / "megatron_lm_flags.txt").read_text().splitlines()[:2]
+    lines = (VENDORED / "megatron_lm_flags.txt").read_text().splitlines()
+    header = [line for line in lines if line.startswith("#")]
+    assert lines[:len(header)] == header
     assert "github.com/NVIDIA/Megatron-LM" in header[0]
     assert "megatron/training/arguments.py" in header[0]
     assert re.search(r"commit [0-9a-f]{40}\b", header[0])
-    assert len(MEGATRON) > 350 and MEGATRON == sorted(set(MEGATRON))
+    assert all(any(path in line for line in header) for path in extract.CONFIG_PATHS)
+    assert len(MEGATRON) > 850 and MEGATRON == sorted(set(MEGATRON))
     for line in (VENDORED / "renamed_and_forks.txt").read_text().splitlines():
         assert line.startswith("#") or re.fullmatch(r"--[\w-]+  # \S.*", line), line
     assert not set(OLD_AND_FORKS) & set(MEGATRON)
@@ -55,6 +58,58 @@ def test_extract_reads_option_strings_not_help():
               "    group.add_argument(\n        \"--switch\", action='store_true')\n"
               "    parser.add_argument('positional')\n")
     assert extract.flag_names(source) == ["--a-flag", "--a_flag", "--switch"]
+
+
+def test_extract_adds_the_no_spelling_of_boolean_optional_actions():
+    source = ("group.add_argument('--overlap', action=argparse.BooleanOptionalAction)\n"
+              "group.add_argument('--plain', action='store_true')\n")
+    assert extract.flag_names(source) == ["--no-overlap", "--overlap", "--plain"]
+
+
+ARGUMENTS_PY = """
+def _add_model_args(parser):
+    exclude = ["hidden_fn", "skipped"]
+    ArgumentGroupFactory(ModelConfig, exclude=exclude).build_group(parser, "model")
+
+def _add_log_args(parser):
+    ArgumentGroupFactory(LogConfig, exclude=["quiet"]).build_group(parser, "logging")
+"""
+CONFIG_PY = '''
+@dataclass
+class BaseConfig:
+    tensor_size: int = 1
+    fused: bool = True
+    """A docstring is no field."""
+
+@dataclass(kw_only=True)
+class ModelConfig(BaseConfig):
+    num_layers: int = field(default=0, metadata={"argparse_meta": {"default": None}})
+    fused: bool = False
+    hidden_fn: Callable = gelu
+    skipped: int = 3
+    cpu_init: Optional[bool] = None
+    bias: bool = field(default=True, metadata={"argparse_meta": {"arg_names": ["--no-bias"]}})
+    derived: int | None = field(init=False, default=None)
+    recipe: Literal["a", "b"] | None = None
+    modules: list[str] = field(default_factory=list)
+    names: ClassVar[tuple] = ()
+
+@dataclass
+class LogConfig:
+    quiet: bool = False
+    log_everything: bool = field(default_factory=lambda: True)
+'''
+
+
+def test_extract_names_dataclass_fields_as_argument_group_factory_does():
+    """Every field not excluded and not init=False; a bool is --name if its default is False,
+    else (None and default_factory included) --no-name and --disable-name; argparse_meta's
+    arg_names win; a subclass's field replaces its base's; a callable must be excluded."""
+    assert extract.factory_flag_names(ARGUMENTS_PY, [CONFIG_PY]) == [
+        "--disable-cpu-init", "--disable-log-everything", "--fused", "--modules", "--no-bias",
+        "--no-cpu-init", "--no-log-everything", "--num-layers", "--recipe", "--tensor-size"]
+    with pytest.raises(extract.TypeInferenceError, match="Callable"):
+        extract.factory_flag_names(ARGUMENTS_PY.replace('"hidden_fn", ', ""), [CONFIG_PY])
 
 
 @pytest.mark.parametrize("source", ["megatron", "renamed_and_forks"])
