@@ -37,11 +37,14 @@ def parse(*argv: str, family: str = "gpt"):
 
 
 def test_vendored_lists_name_their_source():
-    header = (VENDORED / "megatron_lm_flags.txt").read_text().splitlines()[:2]
+    lines = (VENDORED / "megatron_lm_flags.txt").read_text().splitlines()
+    header = [line for line in lines if line.startswith("#")]
+    assert lines[:len(header)] == header
     assert "github.com/NVIDIA/Megatron-LM" in header[0]
     assert "megatron/training/arguments.py" in header[0]
     assert re.search(r"commit [0-9a-f]{40}\b", header[0])
-    assert len(MEGATRON) > 350 and MEGATRON == sorted(set(MEGATRON))
+    assert all(any(path in line for line in header) for path in extract.CONFIG_PATHS)
+    assert len(MEGATRON) > 850 and MEGATRON == sorted(set(MEGATRON))
     for line in (VENDORED / "renamed_and_forks.txt").read_text().splitlines():
         assert line.startswith("#") or re.fullmatch(r"--[\w-]+  # \S.*", line), line
     assert not set(OLD_AND_FORKS) & set(MEGATRON)
@@ -54,6 +57,58 @@ def test_extract_reads_option_strings_not_help():
               "    group.add_argument(\n        \"--switch\", action='store_true')\n"
               "    parser.add_argument('positional')\n")
     assert extract.flag_names(source) == ["--a-flag", "--a_flag", "--switch"]
+
+
+def test_extract_adds_the_no_spelling_of_boolean_optional_actions():
+    source = ("group.add_argument('--overlap', action=argparse.BooleanOptionalAction)\n"
+              "group.add_argument('--plain', action='store_true')\n")
+    assert extract.flag_names(source) == ["--no-overlap", "--overlap", "--plain"]
+
+
+ARGUMENTS_PY = """
+def _add_model_args(parser):
+    exclude = ["hidden_fn", "skipped"]
+    ArgumentGroupFactory(ModelConfig, exclude=exclude).build_group(parser, "model")
+
+def _add_log_args(parser):
+    ArgumentGroupFactory(LogConfig, exclude=["quiet"]).build_group(parser, "logging")
+"""
+CONFIG_PY = '''
+@dataclass
+class BaseConfig:
+    tensor_size: int = 1
+    fused: bool = True
+    """A docstring is no field."""
+
+@dataclass(kw_only=True)
+class ModelConfig(BaseConfig):
+    num_layers: int = field(default=0, metadata={"argparse_meta": {"default": None}})
+    fused: bool = False
+    hidden_fn: Callable = gelu
+    skipped: int = 3
+    cpu_init: Optional[bool] = None
+    bias: bool = field(default=True, metadata={"argparse_meta": {"arg_names": ["--no-bias"]}})
+    derived: int | None = field(init=False, default=None)
+    recipe: Literal["a", "b"] | None = None
+    modules: list[str] = field(default_factory=list)
+    names: ClassVar[tuple] = ()
+
+@dataclass
+class LogConfig:
+    quiet: bool = False
+    log_everything: bool = field(default_factory=lambda: True)
+'''
+
+
+def test_extract_names_dataclass_fields_as_argument_group_factory_does():
+    """Every field not excluded and not init=False; a bool is --name if its default is False,
+    else (None and default_factory included) --no-name and --disable-name; argparse_meta's
+    arg_names win; a subclass's field replaces its base's; a callable must be excluded."""
+    assert extract.factory_flag_names(ARGUMENTS_PY, [CONFIG_PY]) == [
+        "--disable-cpu-init", "--disable-log-everything", "--fused", "--modules", "--no-bias",
+        "--no-cpu-init", "--no-log-everything", "--num-layers", "--recipe", "--tensor-size"]
+    with pytest.raises(extract.TypeInferenceError, match="Callable"):
+        extract.factory_flag_names(ARGUMENTS_PY.replace('"hidden_fn", ', ""), [CONFIG_PY])
 
 
 @pytest.mark.parametrize("source", ["megatron", "renamed_and_forks"])
@@ -93,6 +148,18 @@ def test_hints_only_where_likely_right(typed, hint):
 def test_local_rank_spellings_are_one_flag():
     _, notices = parse("--local_rank=3", "--local-rank", "4")
     assert notices == [f"--local-rank: {ROWS['--local-rank'].text}"]
+
+
+def test_second_spellings_of_dataclass_made_flags_are_their_rows():
+    assert parse("--persistent-save-interval", "7")[1].save_interval == 7
+    _, _, notices = parse("--override-opt_param-scheduler", "--disable-tp-comm-overlap-ag",
+                          "--no-tp-comm-bulk-wgrad")
+    overlap = ROWS["--no-tp-comm-bulk-wgrad"].text
+    assert sorted(notices) == sorted([
+        f"--override-opt-param-scheduler: {ROWS['--override-opt-param-scheduler'].text}",
+        f"--no-tp-comm-bulk-wgrad, --no-tp-comm-overlap-ag: {overlap}"])
+    with pytest.raises(ConfigError, match="^--no-fp8-wgrad is refused: under --fp8-format"):
+        parse("--disable-fp8-wgrad")
 
 
 def test_zero_stage_0_contradicts_the_distributed_optimizer():
@@ -152,6 +219,11 @@ def test_llama_model_belongs_to_pretrain_llama():
     (("--dataloader-type", "cyclic"), "only the single"),
     (("--reset-position-ids",), "documents packed in one sample attend across"),
     (("--checkpoint-activations",), "use --recompute-activations"),
+    (("--moe-router-score-function", "sigmoid"), "Mixture-of-Experts is not implemented"),
+    (("--fp32-residual-connection",), "the residual stream has the parameters' dtype"),
+    (("--softmax-type", "learnable"), "softmax offsets are not implemented"),
+    (("--no-rl-partial-rollouts",), "reinforcement learning"),
+    (("--padded-vocab-size", "50304"), "always padded to a multiple"),
 ])
 def test_refusals_fit_their_flag(argv, reason):
     with pytest.raises(ConfigError, match="is refused: .*" + re.escape(reason)):

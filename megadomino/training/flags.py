@@ -4,8 +4,10 @@
 `FLAGS` is what pretrain_gpt.py and pretrain_llama.py take; finetune_llama.py takes
 `FINETUNE_FLAGS` too. The rows here are the flags megadomino implements and the notices and
 refusals written with them; `flags_megatron.MEGATRON_ROWS` covers the rest of Megatron-LM's
-command line (and the old and fork names launch scripts still pass). `RANGES` bounds the numeric
-flags. `megadomino.training.arguments` parses them; docs/flags.md renders them.
+command line (and the old and fork names launch scripts still pass), and
+`flags_megatron_config.MEGATRON_CONFIG_ROWS` the flags it makes of its config dataclasses.
+`RANGES` bounds the numeric flags. `megadomino.training.arguments` parses them; docs/flags.md
+renders them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megadomino.training.flag_row import refuse as _refuse
 from megadomino.training.flag_row import slices_or_auto as _slices_or_auto
 from megadomino.training.flag_row import value as _value
 from megadomino.training.flags_megatron import MEGATRON_ROWS, MOE, PIPELINE
+from megadomino.training.flags_megatron_config import MEGATRON_CONFIG_ROWS
 
 __all__ = ["ALIAS", "FINETUNE_FLAGS", "FLAGS", "IMPLEMENTED", "NOTICE", "OURS", "RANGES",
            "REFUSED", "Flag"]
@@ -435,6 +438,7 @@ FLAGS: tuple[Flag, ...] = (
     *_refuse(("--distribute-saved-activations",), "distributed activation recompute is not "
              "implemented"),
     *MEGATRON_ROWS,
+    *MEGATRON_CONFIG_ROWS,
 )
 
 FINETUNE_FLAGS: tuple[Flag, ...] = (
