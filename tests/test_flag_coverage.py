@@ -151,8 +151,8 @@ def test_local_rank_spellings_are_one_flag():
 
 
 def test_second_spellings_of_dataclass_made_flags_are_their_rows():
-    assert parse("--persistent-save-interval", "7")[1].save_interval == 7
-    _, _, notices = parse("--override-opt_param-scheduler", "--disable-tp-comm-overlap-ag",
+    assert parse("--persistent-save-interval", "7")[0].train.checkpoint.save_interval == 7
+    _, notices = parse("--override-opt_param-scheduler", "--disable-tp-comm-overlap-ag",
                           "--no-tp-comm-bulk-wgrad")
     overlap = ROWS["--no-tp-comm-bulk-wgrad"].text
     assert sorted(notices) == sorted([
