@@ -9,24 +9,15 @@ torch's CUDA wheels pin their own triton (torch 2.11: 3.6.0); its CPU wheel brin
 `test` extra adds triton, whose interpreter runs every kernel on CPU (TRITON_INTERPRET=1).
 """
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="megadomino",
     version="0.1.0",
     description="Tensor-parallel LLM training with communication hidden behind computation",
     python_requires=">=3.10",
-    packages=[
-        "megadomino",
-        "megadomino.parallel",
-        "megadomino.models",
-        "megadomino.domino",
-        "megadomino.zero",
-        "megadomino.training",
-        "megadomino.training.data",
-        "megadomino.interop",
-        "megadomino.kernels",
-    ],
+    # every package under megadomino/ (kernels/ is mapped in below)
+    packages=[*find_packages(include=["megadomino", "megadomino.*"]), "megadomino.kernels"],
     package_dir={"megadomino.kernels": "kernels"},
     install_requires=[
         "torch>=2.11",

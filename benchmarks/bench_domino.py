@@ -34,6 +34,7 @@ from timeline import graphed, profile_summary  # noqa: E402
 from megadomino.config import DominoPlan, ModelConfig, ParallelConfig  # noqa: E402
 from megadomino.models.blocks import rotary_tables  # noqa: E402
 from megadomino.models.transformer import TransformerBlock  # noqa: E402
+from megadomino.overlap.domino.schedule import DominoRunner  # noqa: E402
 from megadomino.parallel import ParallelDims  # noqa: E402
 from megadomino.parallel.mappings import no_tp_communication  # noqa: E402
 from megadomino.parallel.random import model_parallel_seed  # noqa: E402
@@ -103,14 +104,12 @@ def make_step(module, forward, x, grad_out, params, keep_grads=False):
 
 def ours(config, dims, rotary, parallel: ParallelConfig):
     block = TransformerBlock(config, dims, parallel, device="cuda")
+    if parallel.domino.enabled:
+        block.runner = DominoRunner(block, parallel.domino)
+
     # the final norm is not part of a layer: time the layers only
     def forward(inp):
-        if block.domino is not None:
-            return block.domino(inp, rotary)
-        out = inp
-        for layer in block.layers:
-            out = layer(out, rotary)
-        return out
+        return block.run(inp, rotary) if block.runner is None else block.runner(inp, rotary)
     return block, forward
 
 

@@ -11,8 +11,8 @@ import functools
 
 import torch
 
+from megadomino.build import build_model
 from megadomino.config import ModelConfig
-from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
 from megadomino.training.data import MockDataset

@@ -35,8 +35,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megadomino.build import build_model
 from megadomino.config import ModelConfig
-from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
 from megadomino.zero import ZeroConfig, ZeroPlusPlus

@@ -10,8 +10,9 @@ tensor argument. Outside a phase (set-up, checkpoints, log lines) nothing is rec
 The trace is the protocol: two engines with equal traces issue the same collectives, on the same
 groups, with the same bytes, in the same order against the backward.
 
-`python tests/collective_trace.py --write` rewrites tests/fixtures/collective_trace.json from the
-code as it is (only when a change of protocol is intended: say so in the commit).
+`python tests/collective_trace.py --write [KIND ...]` rewrites tests/fixtures/collective_trace.json
+(the traces of KIND, default all of CONFIGS) from the code as it is (only when a change of
+protocol is intended, or a configuration is added: say so in the commit).
 """
 
 from __future__ import annotations
@@ -112,8 +113,12 @@ CONFIGS = {
     "plain": ["--ddp-bucket-size", "700"],
     "zero1": ["--zero-stage", "1", "--zero-unit-params", "700"],
     "zero3": ["--zero-stage", "3", "--zero-layers-per-unit", "1"],
+    "domino": ["--ddp-bucket-size", "700", "--micro-batch-size", "2", "--global-batch-size",
+               "8", "--domino-batch-slices", "2", "--domino-hidden-slices", "2"],
 }
-"""The engines traced, as pretrain_gpt.py flags after BASE."""
+"""The configurations traced, as pretrain_gpt.py flags after BASE: the data-parallel engines,
+and Domino's schedule (N=2 batch slices x K=2 hidden slices, whose TP collectives are its
+protocol)."""
 
 BASE = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "8", "--max-position-embeddings", "8", "--vocab-size", "101",
@@ -138,8 +143,8 @@ def record(kind: str) -> list[list]:
     return trace.events
 
 
-def _write_case(out_dir: str, rank: int) -> None:
-    traces = {kind: record(kind) for kind in CONFIGS}
+def _write_case(out_dir: str, rank: int, kinds: list[str]) -> None:
+    traces = {kind: record(kind) for kind in kinds}
     Path(out_dir, f"trace{rank}.json").write_text(json.dumps(traces))
 
 
@@ -148,14 +153,16 @@ if __name__ == "__main__":
 
     from dist_utils import C, DistSuite, check_result, run_world
 
-    if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/collective_trace.py --write")
+    if sys.argv[1:2] != ["--write"] or not set(sys.argv[2:]) <= set(CONFIGS):
+        sys.exit(f"usage: python tests/collective_trace.py --write [{' | '.join(CONFIGS)} ...]")
+    kinds = sys.argv[2:] or list(CONFIGS)
     with tempfile.TemporaryDirectory() as out:
         suite = DistSuite(worlds=(4,))
-        suite.case("write", _write_case, out, C.rank, timeout=600)
+        suite.case("write", _write_case, out, C.rank, kinds, timeout=600)
         check_result(run_world(suite, 4), "write")
         ranks = [json.loads(Path(out, f"trace{r}.json").read_text()) for r in range(4)]
-    expected = {kind: {str(r): ranks[r][kind] for r in range(4)} for kind in CONFIGS}
+    expected = json.loads(EXPECTED.read_text()) if EXPECTED.exists() else {}
+    expected.update({kind: {str(r): ranks[r][kind] for r in range(4)} for kind in kinds})
     EXPECTED.write_text(json.dumps(expected, indent=0) + "\n")
     print(f"wrote {EXPECTED}: " + ", ".join(f"{k} {len(v['0'])} collectives on rank 0"
                                              for k, v in expected.items()))

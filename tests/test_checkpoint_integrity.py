@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from configs import make_config, with_leaves
 from dist_utils import C, DistSuite, shared_copy
+from megadomino.build import build_model
 from megadomino.config import Config, ModelConfig
-from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.training.checkpoint import (
     CheckpointError,

@@ -1,6 +1,8 @@
-"""The collectives a training step issues are the protocol of its data-parallel engine: recorded
-on 4 gloo ranks (TP=2 x DP=2, sequence parallel, 2 micro-batches, 2 steps) for plain data
-parallelism (ZeRO stage 0), stage 1 and stage 3, they equal the committed trace
+"""The collectives a training step issues are the protocol of its data-parallel engine and of
+Domino's schedule: recorded on 4 gloo ranks (TP=2 x DP=2, sequence parallel, 2 micro-batches,
+2 steps) for plain data parallelism (ZeRO stage 0), stage 1, stage 3 and Domino N=2 x K=2
+(recorded before the layer exposed its pieces and the schedule drove them), they equal the
+committed trace
 (tests/fixtures/collective_trace.json, written by `python tests/collective_trace.py --write`):
 the same ops on the same groups, with the same dtypes and sizes, in the same order against the
 backward (how many parameter gradients had arrived when each was issued).

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import free_port
+from megadomino.build import build_model
 from megadomino.config import ConfigError, ModelConfig, ParallelConfig
-from megadomino.models import build_model
-from megadomino.models.cuda_graph import GraphedLayers, _LayerStack, capture_layers
+from megadomino.overlap.cuda_graph import GraphedLayers, GraphedRunner, _LayerStack, capture_layers
 from megadomino.parallel import ParallelDims
 
 
@@ -59,7 +59,8 @@ def test_routing_and_state_dict(family):
     hidden = model.embed(tokens, None)
     rotary = model.rotary(64, None, "cpu")
     sample = (hidden, *rotary) if rotary is not None else (hidden,)
-    model.decoder.graphed_layers = Counting(_LayerStack(model.decoder.layers), sample)
+    model.decoder.runner = GraphedRunner(model.decoder,
+                                         Counting(_LayerStack(model.decoder.layers), sample))
     assert list(model.state_dict()) == keys and list(model.parameters()) == params
     torch.testing.assert_close(model(tokens, labels=tokens).mean(), expected)
     assert len(calls) == 1  # training mode, matching shapes: the graphed stack ran

@@ -13,9 +13,10 @@ from test_tp_equivalence import FAMILIES, batch, loss_and_grads, tiny_config
 
 from configs import make_config, parallel_config
 from dist_utils import C, DistSuite, assert_close
+from megadomino.build import build_model
 from megadomino.config import ConfigError
 from megadomino.config.validate import validate_layers
-from megadomino.models import build_model
+from megadomino.overlap.domino.schedule import DominoRunner
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
 from megadomino.training.loop import train
@@ -48,7 +49,7 @@ def check_equal(family, dims, batch_slices, hidden_slices, sequence_parallel, re
                             parallel=parallel_config(**tp_only))
     model = build_model(plain, dims, family, device=device, parallel=parallel_config(**domino))
     model.load_full_state_dict(reference.full_state_dict())
-    assert (model.decoder.domino is not None) == model.parallel.domino.enabled
+    assert isinstance(model.decoder.runner, DominoRunner) == model.parallel.domino.enabled
     tokens, labels, loss_mask, _ = (t.to(device) for t in batch(plain, seed=13, b=BATCH))
     with torch.no_grad():
         assert_close(model(tokens).float(), reference(tokens).float(), rel, "logits (no grad)")

@@ -19,8 +19,8 @@ from torch import nn
 
 from configs import make_config, with_leaves
 from dist_utils import C, DistSuite, assert_close
+from megadomino.build import build_model
 from megadomino.config import ConfigError, FP8Recipe, ModelConfig
-from megadomino.models import build_model
 from megadomino.parallel import ParallelDims, fp8
 from megadomino.parallel.fp8 import (
     E4M3,

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from configs import make_config
 from dist_utils import C, DistSuite
+from megadomino.build import build_model
 from megadomino.config import Config, ModelConfig
-from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.training.loop import train
 from megadomino.training.progress import Progress

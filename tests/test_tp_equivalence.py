@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from configs import parallel_config
 from dist_utils import C, DistSuite, assert_close
+from megadomino.build import build_model
 from megadomino.config import ModelConfig
-from megadomino.models import build_model
 from megadomino.parallel import ParallelDims, mappings
 from megadomino.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megadomino.parallel.layers import (

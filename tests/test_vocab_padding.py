@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from configs import make_config
 from dist_utils import C, DistSuite, assert_close
+from megadomino.build import build_model
 from megadomino.config import ModelConfig
-from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.training.checkpoint import (
     TrainingState,

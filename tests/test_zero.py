@@ -19,8 +19,8 @@ from torch import nn
 
 from configs import layer_options
 from dist_utils import C, DistSuite, assert_close
+from megadomino.build import build_model
 from megadomino.config import ConfigError, ModelConfig
-from megadomino.models import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.compat import all_gather_single
 from megadomino.parallel.random import model_parallel_seed

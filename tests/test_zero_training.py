@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import C, DistSuite
-from megadomino.models import build_model
+from megadomino.build import build_model
 from megadomino.parallel import ParallelDims
 from megadomino.training import checkpoint
 from megadomino.training.arguments import parse_args

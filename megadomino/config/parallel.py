@@ -67,7 +67,7 @@ class ParallelConfig:
     domino_auto: bool = False
     """--domino: time plain TP and Domino's plans at start-up and run the fastest."""
     enable_cuda_graph: bool = False
-    """Capture the layers' forward + backward in CUDA graphs (megadomino/models/cuda_graph.py)."""
+    """Capture the layers' forward + backward in CUDA graphs (megadomino/overlap/cuda_graph.py)."""
     recompute_granularity: str | None = None
     """None, 'full' (whole layers) or 'selective' (the attention core)."""
     recompute_method: str | None = None

@@ -7,6 +7,8 @@ parallelism.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,16 @@ from megadomino.parallel import random as tp_random
 from megadomino.parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LocalLinear(Protocol):
+    """How a runner multiplies by a parallel linear's local weight inside a layer piece:
+    x @ W^T (+ b), W the rows (dim 0, with the bias) or columns (dim 1) [start, start + length)
+    of `linear`'s weight when `dim` is given, no collective."""
+
+    def __call__(self, x: torch.Tensor, linear: nn.Module, dim: int | None = None,
+                 start: int = 0, length: int | None = None,
+                 bias: bool = True) -> torch.Tensor: ...
 
 
 def build_norm(config: ModelConfig, sequence_parallel: bool = False, device=None) -> nn.Module:
@@ -87,9 +99,12 @@ class Attention(nn.Module):
                                                       enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
-    def partial(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None):
-        """x (s, b, h) -> this rank's un-reduced attention output (RowParallelLinear.partial)."""
-        return self.linear_proj.partial(self.attend(self.linear_qkv(x), rotary))
+    def partial(self, u: torch.Tensor, rotary, linear: LocalLinear) -> torch.Tensor:
+        """The attention piece before its reduce: u (s, b, h), the whole sequence -> this rank's
+        un-reduced output of the output projection, without its bias. `linear` runs the two
+        projections with this rank's weights (a runner's own GEMMs)."""
+        return linear(self.attend(linear(u, self.linear_qkv), rotary), self.linear_proj,
+                      bias=False)
 
     def attend(self, qkv: torch.Tensor, rotary) -> torch.Tensor:
         """This rank's fused QKV projection (s, b, groups*(hpg+2)*d) -> context (s, b, heads*d)."""
@@ -142,14 +157,30 @@ class MLP(nn.Module):
             init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
             device=device, dtype=dtype)
 
-    def activation(self, h: torch.Tensor) -> torch.Tensor:
+    def activation(self, h: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """GELU(tanh) of fc1's output, or SwiGLU: silu(gate) * up, of [gate, up] stacked (h) or
+        given apart (h the gate)."""
         if self.config.swiglu:
-            gate, up = h.chunk(2, dim=-1)
+            gate, up = h.chunk(2, dim=-1) if up is None else (h, up)
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh")
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2.partial(self.activation(self.linear_fc1(x)))
+    def partial(self, v: torch.Tensor, linear: LocalLinear, start: int = 0,
+                length: int | None = None) -> torch.Tensor:
+        """The MLP piece before its reduce, over this rank's ffn columns [start, start + length)
+        (default: all): v (s, b, h), the whole sequence -> its un-reduced contribution to fc2's
+        output, without fc2's bias. `linear` runs fc1 and fc2 with this rank's weights."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        ffn_local = fc2.weight.shape[1]
+        length = ffn_local if length is None else length
+        if self.config.swiglu:  # fc1 holds [gate; up]: a chunk is rows of each
+            act = self.activation(linear(v, fc1, 0, start, length),
+                                  linear(v, fc1, 0, ffn_local + start, length))
+        elif length == ffn_local:
+            act = self.activation(linear(v, fc1))
+        else:
+            act = self.activation(linear(v, fc1, 0, start, length))
+        return linear(act, fc2, 1, start, length, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # linear_fc2's forward fuses the GEMM with its reduce-scatter under --tp-comm-overlap

@@ -1,8 +1,8 @@
-"""TransformerLayer (one pre-norm block) and TransformerBlock (the stack, final norm, recompute).
+"""TransformerLayer (one pre-norm block) and TransformerBlock (the stack and the final norm).
 
-A layer's forward is two residual lines; the parallel linears inside hide their collectives. With
-Domino on (ParallelConfig.domino, a DominoPlan) the block hands its layers to the
-Domino schedule (megadomino/domino/schedule.py), which runs the same weights and math in slices.
+A layer's forward is two residual lines; the parallel linears inside hide their collectives.
+Nothing here chooses how the layers run beyond one after the other: an execution strategy
+(megadomino.overlap) hands the block a runner.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
-from megadomino.domino.schedule import DominoRunner
 from megadomino.models.blocks import MLP, Attention, build_norm
 from megadomino.parallel import random as tp_random
 
@@ -30,6 +29,21 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config, sp, device)
         self.mlp = MLP(config, dims, parallel, fp8, device)
 
+    @property
+    def attention_bias(self) -> nn.Parameter | None:
+        """The attention output projection's bias, added after its reduce."""
+        return self.self_attention.linear_proj.bias
+
+    @property
+    def mlp_bias(self) -> nn.Parameter | None:
+        """fc2's bias, added after its reduce."""
+        return self.mlp.linear_fc2.bias
+
+    def residual(self, x: torch.Tensor, y: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x + dropout(y (+ bias)): the residual add of a sub-block's reduced output."""
+        return x + self.hidden_dropout(y if bias is None else y + bias)
+
     def hidden_dropout(self, x: torch.Tensor) -> torch.Tensor:
         """Dropout on the residual stream. Replicated over TP ranks it uses the default generator
         (identical on every TP rank); sharded along the sequence, this rank's own stream."""
@@ -43,14 +57,15 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         # x: (s, b, h), or (s/tp, b, h) under sequence parallelism
-        h = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), rotary))
-        return h + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(h)))
+        h = self.residual(x, self.self_attention(self.input_layernorm(x), rotary))
+        return self.residual(h, self.mlp(self.pre_mlp_layernorm(h)))
 
 
 class TransformerBlock(nn.Module):
-    """The layer stack and the final norm, with Megatron's full-recompute methods:
-    'uniform' checkpoints chunks of `recompute_num_layers` layers, 'block' checkpoints each of the
-    first `recompute_num_layers` layers."""
+    """The layer stack and the final norm. How the layers run is the block's `runner`, an
+    execution strategy handed to it from outside (megadomino.overlap: full recompute, Domino's
+    schedule, CUDA graphs): runner(x, rotary) -> the last layer's output over `self.layers`.
+    None (the default) runs the layers one after the other (`run`)."""
 
     def __init__(self, config: ModelConfig, dims, parallel: ParallelConfig | None = None,
                  fp8: FP8Recipe | None = None, device=None):
@@ -61,47 +76,21 @@ class TransformerBlock(nn.Module):
             TransformerLayer(config, dims, parallel, fp8, device)
             for _ in range(config.num_layers))
         self.final_layernorm = build_norm(config, parallel.sequence_parallel, device)
-        # Not a submodule: the runner only schedules these layers.
-        self.domino = DominoRunner(self, parallel.domino) if parallel.domino.enabled else None
+        self.runner = None  # not a submodule: a runner schedules these layers, holds none
 
-    def _run(self, start: int, end: int):
-        def run(x, *rotary):
-            for layer in self.layers[start:end]:
-                x = layer(x, rotary or None)
-            return x
-        return run
-
-    @property
-    def graphed_layers(self):
-        """The CUDA-graphed layer stack (megadomino.models.cuda_graph), or None."""
-        return self.__dict__.get("_graphed_layers")
-
-    @graphed_layers.setter
-    def graphed_layers(self, graphed) -> None:
-        # a plain attribute, not a submodule: the layers are already registered here
-        self.__dict__["_graphed_layers"] = graphed
+    def run(self, x: torch.Tensor, rotary=None, start: int = 0, end: int | None = None):
+        """Layers [start, end) one after the other: x (s, b, h), or (s/tp, b, h) under sequence
+        parallelism."""
+        for layer in self.layers[start:end]:
+            x = layer(x, rotary)
+        return x
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        config = self.parallel
-        if self.domino is not None:
-            return self.final_layernorm(self.domino(x, rotary))
-        rotary_args = tuple(rotary) if rotary is not None else ()
-        graphed = self.graphed_layers
-        if graphed is not None and self.training and torch.is_grad_enabled() \
-                and graphed.matches((x, *rotary_args)):
-            return self.final_layernorm(graphed(x, *rotary_args))
-        if config.recompute_granularity == "full" and self.training:
-            n, count = config.recompute_num_layers, len(self.layers)
-            if config.recompute_method == "uniform":
-                for start in range(0, count, n):
-                    end = min(start + n, count)
-                    x = tp_random.checkpoint(self._run(start, end), self.dims, x, *rotary_args)
-            else:
-                for i in range(count):
-                    if i < n:
-                        x = tp_random.checkpoint(self._run(i, i + 1), self.dims, x, *rotary_args)
-                    else:
-                        x = self._run(i, i + 1)(x, *rotary_args)
-        else:
-            x = self._run(0, len(self.layers))(x, *rotary_args)
+        if self.runner is None and (self.parallel.domino.enabled
+                                    or self.parallel.recompute_granularity == "full"):
+            raise RuntimeError("the ParallelConfig asks for Domino or full recompute, which run "
+                               "the layers through a runner: build the model with "
+                               "megadomino.build.build_model, or call "
+                               "megadomino.overlap.apply(model, parallel)")
+        x = self.run(x, rotary) if self.runner is None else self.runner(x, rotary)
         return self.final_layernorm(x)

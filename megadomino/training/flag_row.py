@@ -87,7 +87,7 @@ class Flag:
 
 
 def slices_or_auto(value: str) -> int | str:
-    """An integer, or 'auto' (resolved at start-up by megadomino.domino.autotune)."""
+    """An integer, or 'auto' (resolved at start-up by megadomino.overlap.domino.autotune)."""
     return value if value == "auto" else int(value)
 
 

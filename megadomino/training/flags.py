@@ -280,7 +280,7 @@ FLAGS: tuple[Flag, ...] = (
           "--enable-cuda-graph, where it is the fastest TP path measured (BENCHMARKS.md)."),
     _impl("--enable-cuda-graph", "parallel.enable_cuda_graph", None,
           "Capture the transformer layers' forward + backward of a micro-batch in CUDA graphs at "
-          "start-up and replay them (megadomino/models/cuda_graph.py): host launch time drops "
+          "start-up and replay them (megadomino/overlap/cuda_graph.py): host launch time drops "
           "out of the step. Needs CUDA, dropout 0, no recompute, no Domino slicing, no ZeRO "
           "stage 3. With --sequence-parallel --tp-comm-overlap it is the fastest TP path "
           "measured (BENCHMARKS.md)."),

@@ -39,11 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megadomino import overlap
+from megadomino.build import build_model
 from megadomino.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from megadomino.config.validate import batch_plan, train_iterations, validate
-from megadomino.domino.autotune import autotune_domino
-from megadomino.models import build_model
-from megadomino.models.cuda_graph import capture_layers
+from megadomino.overlap.cuda_graph import capture_layers
+from megadomino.overlap.domino.autotune import autotune_domino
 from megadomino.parallel import ParallelDims
 from megadomino.parallel.random import model_parallel_seed
 from megadomino.training.checkpoint import (
@@ -114,6 +115,7 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
 
     model_parallel_seed(train_config.runtime.seed, dims)
     model = (model_init or (lambda c, d: _build_model(c, d, family)))(config, dims)
+    overlap.apply(model, config.parallel)  # a model_init's model runs as the config says too
     model.train()
     device = next(model.parameters()).device
     if config.parallel.domino_auto:  # before the engine hooks the parameters

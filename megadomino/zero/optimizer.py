@@ -62,7 +62,8 @@ class ZeroPlusPlus:
                  config: ZeroConfig, *, clip_grad: float = 0.0,
                  loss_scaler: DynamicLossScaler | None = None):
         config.check_dims(dims)
-        if config.stage == 3 and getattr(getattr(model, "decoder", None), "domino", None):
+        runner = getattr(getattr(model, "decoder", None), "runner", None)
+        if config.stage == 3 and getattr(runner, "bypasses_layer_hooks", False):
             raise ConfigError("--zero-stage 3 gathers each layer in the layer's forward hook, "
                               "which the Domino schedule bypasses: use --zero-stage 1 with Domino")
         self.model, self.dims, self.config = model, dims, config

@@ -17,7 +17,7 @@ import types
 import test_zero
 import torch
 
-from megadomino.models import build_model
+from megadomino.build import build_model
 
 
 class _TorchWithDeviceGenerators(types.ModuleType):

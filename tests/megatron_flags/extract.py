@@ -217,12 +217,12 @@ def _inferred_type(annotation: ast.expr) -> str:
 
 def _git_show(git_dir: str, commit: str, path: str) -> str:
     return subprocess.run(["git", f"--git-dir={git_dir}", "show", f"{commit}:{path}"],
-                          check=True, capture_output=True, text=True).stdout
+                          check=True, capture_output=True, text=True, timeout=60).stdout
 
 
 def main(git_dir: str, commit: str = "HEAD") -> None:
     commit = subprocess.run(["git", f"--git-dir={git_dir}", "rev-parse", commit], check=True,
-                            capture_output=True, text=True).stdout.strip()
+                            capture_output=True, text=True, timeout=60).stdout.strip()
     arguments = _git_show(git_dir, commit, ARGUMENTS_PATH)
     configs = [_git_show(git_dir, commit, path) for path in CONFIG_PATHS]
     names = sorted(set(flag_names(arguments)) | set(factory_flag_names(arguments, configs)))

@@ -78,6 +78,21 @@ class GraphedLayers:
         return self._stack(*args)
 
 
+class GraphedRunner:
+    """The block's runner once its layers are captured: the graphs for training micro-batches of
+    the captured shapes; anything else (eval, no grad, another shape) runs through `fallback`,
+    the runner the block had before (None: the layers in order), with the same math."""
+
+    def __init__(self, block, graphed: GraphedLayers, fallback=None):
+        self.block, self.graphed, self.fallback = block, graphed, fallback
+
+    def __call__(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        args = (x, *rotary) if rotary is not None else (x,)
+        if self.block.training and torch.is_grad_enabled() and self.graphed.matches(args):
+            return self.graphed(*args)
+        return self.block.run(x, rotary) if self.fallback is None else self.fallback(x, rotary)
+
+
 def _workspace_guard(model):
     """still_valid() for GraphedLayers: with fused SP communication, the TP group's
     symmetric-memory workspace (a torch-internal table; no guard where it is absent) must stay
@@ -96,9 +111,10 @@ def _workspace_guard(model):
 
 def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> GraphedLayers:
     """Capture `model.decoder`'s layers (forward + backward of one training micro-batch of
-    `micro_batch_size` x seq_length) and install the graphs on the decoder. Collective over the
-    tensor-parallel group (warm-up and capture run its collectives): every rank calls it at the
-    same point. Gradients the warm-up computed are not kept (autograd.grad, no accumulation)."""
+    `micro_batch_size` x seq_length) and make them the decoder's runner (GraphedRunner).
+    Collective over the tensor-parallel group (warm-up and capture run its collectives): every
+    rank calls it at the same point. Gradients the warm-up computed are not kept (autograd.grad,
+    no accumulation)."""
     block, config, dims = model.decoder, model.config, model.dims
     device = next(model.parameters()).device
     if device.type != "cuda":
@@ -117,7 +133,7 @@ def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> 
     graphed = torch.cuda.make_graphed_callables(stack, sample, num_warmup_iters=warmup)
     torch.cuda.synchronize(device)
     layers = GraphedLayers(graphed, sample, _workspace_guard(model))
-    block.graphed_layers = layers
+    block.runner = GraphedRunner(block, layers, block.runner)
     if dims.rank == 0:
         log(f"cuda graph: captured {len(block.layers)} layers, forward + backward of a "
             f"({seq}, {micro_batch_size}, {config.hidden_size}) micro-batch")

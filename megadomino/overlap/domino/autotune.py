@@ -9,13 +9,14 @@ rank 0 picks and broadcasts its choice, so ranks cannot disagree, and rank 0 pri
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 import torch.distributed as dist
 
+from megadomino import overlap
 from megadomino.config import DominoPlan
-from megadomino.domino.schedule import DominoRunner
 
 # (N, K); (1, 1) is the plain TP path, "1x1-runner" Domino's explicit backward without slicing.
 CANDIDATES = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)]
@@ -68,7 +69,7 @@ def autotune_domino(model, micro_batch_size: int, log=print, warmup: int = 2,
     plans = _candidates(config, dims.tp, micro_batch_size)
     times = []
     for n, k, runner in plans:
-        block.domino = DominoRunner(block, DominoPlan(n, k, runner)) if runner else None
+        overlap.apply(model, dataclasses.replace(model.parallel, domino=DominoPlan(n, k, runner)))
         times.append(_time(block, x, grad, rotary, warmup, iters))
     model.zero_grad(set_to_none=True)
     measured = torch.tensor(times, device=device)
@@ -79,7 +80,7 @@ def autotune_domino(model, micro_batch_size: int, log=print, warmup: int = 2,
         dist.broadcast(choice, src=0)
     n, k, runner = plans[int(choice)]
     plan = DominoPlan(n, k, runner)
-    block.domino = DominoRunner(block, plan) if runner else None
+    overlap.apply(model, dataclasses.replace(model.parallel, domino=plan))
     if dims.rank == 0:
         rows = ", ".join(f"{_name(pn, pk, r)}: {t:.2f} ms"
                          for (pn, pk, r), t in zip(plans, measured.tolist()))

@@ -46,10 +46,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from megadomino.config import DominoPlan
-from megadomino.domino.units import Pending, WgradSink, domino_linear, leaf
+from megadomino.overlap.domino.units import Pending, WgradSink, domino_linear, leaf
 from megadomino.parallel import random as tp_random
 from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
 
@@ -75,7 +74,11 @@ class _Unit:
 
 
 class DominoRunner:
-    """Runs `block.layers` through the Domino schedule (the final norm stays with the block)."""
+    """Runs `block.layers` through the Domino schedule (the final norm stays with the block).
+    Its forward does not call the layers' modules, so their forward hooks do not run
+    (`bypasses_layer_hooks`: ZeRO-3, which gathers a layer in its hook, refuses it)."""
+
+    bypasses_layer_hooks = True
 
     def __init__(self, block, plan: DominoPlan):
         self.block, self.plan = block, plan
@@ -144,24 +147,24 @@ class DominoRunner:
         return pending
 
     def _glue_params(self, index: int, which: str) -> list:
+        """The parameters of a glue graph: the norm it applies and the bias its residual adds
+        (the layer's pieces: input_layernorm / pre_mlp_layernorm, attention_bias / mlp_bias)."""
         layers = self.block.layers
         if which == "in":
             params = list(layers[index].input_layernorm.parameters())
-            if index > 0 and layers[index - 1].mlp.linear_fc2.bias is not None:
-                params.append(layers[index - 1].mlp.linear_fc2.bias)
+            params.append(layers[index - 1].mlp_bias if index > 0 else None)
         elif which == "mid":
-            layer = layers[index]
-            params = list(layer.pre_mlp_layernorm.parameters())
-            if layer.self_attention.linear_proj.bias is not None:
-                params.append(layer.self_attention.linear_proj.bias)
+            params = [*layers[index].pre_mlp_layernorm.parameters(),
+                      layers[index].attention_bias]
         else:
-            bias = layers[-1].mlp.linear_fc2.bias
-            params = [bias] if bias is not None else []
-        return [p for p in params if p.requires_grad]
+            params = [layers[-1].mlp_bias]
+        return [p for p in params if p is not None and p.requires_grad]
 
-    @staticmethod
-    def _residual(layer, residual, reduced, bias) -> torch.Tensor:
-        return residual + layer.hidden_dropout(reduced if bias is None else reduced + bias)
+    def _linear(self, x, linear, dim=None, start=0, length=None, bias=True):
+        """The layer pieces' LocalLinear: a GEMM whose weight gradient is deferred to the
+        current sink (units.domino_linear)."""
+        return domino_linear(self.sinks[-1], x, linear.weight, linear.bias if bias else None,
+                             dim, start, length)
 
     # ---- the units -----------------------------------------------------------------------
     def _glue_in(self, index: int, unit: _Unit, build: bool) -> None:
@@ -175,49 +178,31 @@ class DominoRunner:
             x = values[0]
         else:
             prev = layers[index - 1]
-            x = self._residual(prev, values[0], values[1], prev.mlp.linear_fc2.bias)
+            x = prev.residual(values[0], values[1], prev.mlp_bias)
         unit.x, unit.u = x, layers[index].input_layernorm(x)
 
     def _attention(self, index: int, unit: _Unit, rotary, pending: Pending, build: bool):
-        attention = self.block.layers[index].self_attention
         u_full = self._gather(unit.u)
         unit.u_leaf = leaf(u_full) if build else u_full
-        sink = self.sinks[-1]
-        qkv = domino_linear(sink, unit.u_leaf, attention.linear_qkv.weight,
-                            attention.linear_qkv.bias)
-        unit.a = domino_linear(sink, attention.attend(qkv, rotary), attention.linear_proj.weight)
+        unit.a = self.block.layers[index].self_attention.partial(unit.u_leaf, rotary,
+                                                                  self._linear)
         self._reduce(unit.a, pending)
 
     def _glue_mid(self, index: int, unit: _Unit, reduced_a: torch.Tensor, build: bool) -> None:
         layer = self.block.layers[index]
         unit.x_leaf = leaf(unit.x) if build else unit.x
         unit.a_leaf = leaf(reduced_a) if build else reduced_a
-        unit.h = self._residual(layer, unit.x_leaf, unit.a_leaf,
-                                layer.self_attention.linear_proj.bias)
+        unit.h = layer.residual(unit.x_leaf, unit.a_leaf, layer.attention_bias)
         unit.v = layer.pre_mlp_layernorm(unit.h)
 
     def _mlp(self, index: int, unit: _Unit, pending: Pending | None, build: bool) -> None:
         mlp = self.block.layers[index].mlp
         v_full = self._gather(unit.v)
         unit.v_leaf = leaf(v_full) if build else v_full
-        fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
-        ffn_local = fc2.weight.shape[1]
-        chunk = ffn_local // self.plan.hidden_slices
+        chunk = mlp.linear_fc2.weight.shape[1] // self.plan.hidden_slices
         unit.m_parts = []
-        sink = self.sinks[-1]
         for k in range(self.plan.hidden_slices):
-            start = k * chunk
-            if self.config.swiglu:
-                gate = domino_linear(sink, unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk)
-                up = domino_linear(sink, unit.v_leaf, fc1.weight, fc1.bias, 0, ffn_local + start,
-                                   chunk)
-                act = F.silu(gate) * up
-            elif self.plan.hidden_slices == 1:
-                act = mlp.activation(domino_linear(sink, unit.v_leaf, fc1.weight, fc1.bias))
-            else:
-                act = mlp.activation(
-                    domino_linear(sink, unit.v_leaf, fc1.weight, fc1.bias, 0, start, chunk))
-            part = domino_linear(sink, act, fc2.weight, None, 1, start, chunk)
+            part = mlp.partial(unit.v_leaf, self._linear, k * chunk, chunk)
             unit.m_parts.append(part)
             if pending is not None:
                 self._reduce(part, pending)
@@ -270,7 +255,7 @@ class DominoRunner:
             if build:
                 h, m = leaf(h), leaf(m)
                 out_leaves.append((h, m))
-            outputs.append(self._residual(last, h, m, last.mlp.linear_fc2.bias))
+            outputs.append(last.residual(h, m, last.mlp_bias))
         output = torch.cat([o.detach() for o in outputs], dim=1) if build else \
             torch.cat(outputs, dim=1)
         return output, units, (outputs, out_leaves, rotaries)
