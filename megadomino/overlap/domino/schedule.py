@@ -4,7 +4,10 @@ result is consumed - in the forward, in the backward, and across layer boundarie
 
 Units. Each layer and batch slice i is cut at its communication points into small autograd
 graphs whose inputs are detached leaves, so that the schedule (not autograd's node order) decides
-what runs between a collective's launch and its wait:
+what runs between a collective's launch and its wait. The schedule is data: the action lists of
+actions.py (forward_actions, backward_actions), which DominoRunner executes one action at a time
+and `actions.table` prints. The units run the layer's own pieces (TransformerLayer.residual,
+its norms, Attention.partial, MLP.partial) with GEMMs whose weight gradients are deferred:
 
     glue_in(l, i):   (h_{l-1}, m_{l-1}) -> x = h_{l-1} + dropout(m_{l-1} + b_fc2), u = ln1(x)
     attention(l, i): u (gathered under SP)  -> a: this rank's partial attention output
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megadomino.config import DominoPlan
+from megadomino.overlap.domino.actions import backward_actions, forward_actions
 from megadomino.overlap.domino.units import Pending, WgradSink, domino_linear, leaf
 from megadomino.parallel import random as tp_random
 from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
@@ -71,6 +75,9 @@ class _Unit:
     v_leaf: torch.Tensor | None = None
     m_parts: list = field(default_factory=list)
     grad_x: torch.Tensor | None = None
+    a_reduced: torch.Tensor | None = None     # forward: reduce(a), waited for glue_mid
+    grad_reduced: torch.Tensor | None = None  # backward: the reduced dv or du just waited
+    grad_a: torch.Tensor | None = None
 
 
 class DominoRunner:
@@ -214,48 +221,59 @@ class DominoRunner:
         return t.narrow(1, start, size)
 
     def _forward(self, x: torch.Tensor, rotary, build: bool):
-        """Run the schedule; returns (output, units[layer][slice], output leaves)."""
+        """Run forward_actions; returns (output, units[layer][slice], output leaves)."""
         sizes = self.plan.slice_sizes(x.shape[1])
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         rotaries = [None if rotary is None else
                     tuple(self._slice(t, s, n) for t in rotary) for s, n in zip(starts, sizes)]
-        n_slices = len(sizes)
-        units: list[list[_Unit]] = []
+        n_layers, n_slices = len(self.block.layers), len(sizes)
+        units = [[_Unit() for _ in range(n_slices)] for _ in range(n_layers)]
         inputs = [[x.narrow(1, s, n).contiguous()] for s, n in zip(starts, sizes)]
-        pending_m: list = [None] * n_slices
-        for index in range(len(self.block.layers)):
+        pending: dict[tuple, Pending] = {}
+        outputs, out_leaves = [None] * n_slices, [None] * n_slices
+        last = self.block.layers[-1]
+        for action in forward_actions(n_layers, n_slices, self.plan.hidden_slices):
+            index, i = action.layer, action.slice
+            if action.op == "glue_out":
+                h, m = inputs[i]
+                if build:
+                    h, m = leaf(h), leaf(m)
+                    out_leaves[i] = (h, m)
+                outputs[i] = last.residual(h, m, last.mlp_bias)
+                continue
+            unit = units[index][i]
+            if action.op == "wait":
+                reduced = pending.pop((action.waits, index, i)).wait()
+                if action.waits == "m":  # the next layer's glue_in (or glue_out) input
+                    inputs[i] = [inputs[i][0], reduced]
+                else:
+                    unit.a_reduced = reduced
+                continue
             layer_build = build and not self._recomputed(index)
             capture = build and not layer_build and self._has_dropout()
-            layer_units = [_Unit() for _ in range(n_slices)]
             with torch.set_grad_enabled(layer_build):
-                pending_a = []
-                for i, unit in enumerate(layer_units):
-                    if pending_m[i] is not None:
-                        inputs[i] = [inputs[i][0], pending_m[i].wait()]
+                if action.op == "glue_in":
                     unit.inputs = inputs[i]
                     if capture:
                         unit.rng["in"] = self._rng_capture()
                     self._glue_in(index, unit, layer_build)
-                    pending_a.append(Pending())
-                    self._attention(index, unit, rotaries[i], pending_a[i], layer_build)
-                for i, unit in enumerate(layer_units):
+                elif action.op == "attention":
+                    pending[("a", index, i)] = Pending()
+                    self._attention(index, unit, rotaries[i], pending[("a", index, i)],
+                                    layer_build)
+                elif action.op == "glue_mid":
                     if capture:
                         unit.rng["mid"] = self._rng_capture()
-                    self._glue_mid(index, unit, pending_a[i].wait(), layer_build)
-                    pending_m[i] = Pending()
-                    self._mlp(index, unit, pending_m[i], layer_build)
+                    self._glue_mid(index, unit, unit.a_reduced, layer_build)
+                    unit.a_reduced = None
+                elif action.op == "mlp":
+                    pending[("m", index, i)] = Pending()
+                    self._mlp(index, unit, pending[("m", index, i)], layer_build)
                     inputs[i] = [unit.h.detach()]
-            if build and not layer_build:  # keep only what the recompute starts from
-                layer_units = [_Unit(inputs=u.inputs, rng=u.rng) for u in layer_units]
-            units.append(layer_units)
-        last = self.block.layers[-1]
-        outputs, out_leaves = [], []
-        for i in range(n_slices):
-            h, m = inputs[i][0], pending_m[i].wait()
-            if build:
-                h, m = leaf(h), leaf(m)
-                out_leaves.append((h, m))
-            outputs.append(last.residual(h, m, last.mlp_bias))
+                    if build and not layer_build:  # keep only what the recompute starts from
+                        units[index][i] = _Unit(inputs=unit.inputs, rng=unit.rng)
+                else:
+                    raise AssertionError(f"forward action {action}")
         output = torch.cat([o.detach() for o in outputs], dim=1) if build else \
             torch.cat(outputs, dim=1)
         return output, units, (outputs, out_leaves, rotaries)
@@ -264,20 +282,32 @@ class DominoRunner:
         return self.config.hidden_dropout > 0 or self.config.attention_dropout > 0
 
     def _rebuild(self, index: int, layer_units: list[_Unit], rotaries: list) -> None:
-        """Recompute one layer's graphs (all slices) from the kept glue_in inputs."""
+        """Recompute one layer's graphs (all slices) from the kept glue_in inputs: the layer's
+        forward actions again, each unit's generator states restored, no reduce of m (the
+        next layer's input is not needed again)."""
         current = self._rng_capture() if self._has_dropout() else None
-        pending_a = []
-        for i, unit in enumerate(layer_units):
-            if "in" in unit.rng:
-                self._rng_restore(unit.rng["in"])
-            self._glue_in(index, unit, True)
-            pending_a.append(Pending())
-            self._attention(index, unit, rotaries[i], pending_a[i], True)
-        for i, unit in enumerate(layer_units):
-            if "mid" in unit.rng:
-                self._rng_restore(unit.rng["mid"])
-            self._glue_mid(index, unit, pending_a[i].wait(), True)
-            self._mlp(index, unit, None, True)
+        pending: dict[tuple, Pending] = {}
+        for action in forward_actions(len(self.block.layers), len(layer_units),
+                                      self.plan.hidden_slices):
+            if action.layer != index or action.waits == "m":
+                continue
+            unit, i = layer_units[action.slice], action.slice
+            if action.op == "wait":
+                unit.a_reduced = pending.pop(("a", index, i)).wait()
+            elif action.op == "glue_in":
+                if "in" in unit.rng:
+                    self._rng_restore(unit.rng["in"])
+                self._glue_in(index, unit, True)
+            elif action.op == "attention":
+                pending[("a", index, i)] = Pending()
+                self._attention(index, unit, rotaries[i], pending[("a", index, i)], True)
+            elif action.op == "glue_mid":
+                if "mid" in unit.rng:
+                    self._rng_restore(unit.rng["mid"])
+                self._glue_mid(index, unit, unit.a_reduced, True)
+                unit.a_reduced = None
+            elif action.op == "mlp":
+                self._mlp(index, unit, None, True)
         if current is not None:
             self._rng_restore(current)
 
@@ -295,55 +325,63 @@ class DominoRunner:
         return [None if leaf is None else next(leaf_grads) for leaf in leaves]
 
     def backward(self, state, grad_output: torch.Tensor) -> torch.Tensor:
+        """Run backward_actions; returns the gradient of the block's input."""
         units, (outputs, out_leaves, rotaries), sink = state
         layers = self.block.layers
         n_layers, n_slices = len(layers), len(out_leaves)
         sizes = [o.shape[1] for o in outputs]
         grad_slices = [g.contiguous() for g in grad_output.split(sizes, dim=1)]
         grad_h, grad_m = [None] * n_slices, [None] * n_slices
-        for i in range(n_slices):
-            grad_h[i], grad_m[i] = self._grad(sink, [outputs[i]], [grad_slices[i]],
-                                              list(out_leaves[i]), self._glue_params(-1, "out"))
-        pending_u: list = []
-        for index in reversed(range(n_layers)):
-            if self._recomputed(index):
+        grad_inputs = [None] * n_slices
+        pending: dict[tuple, Pending] = {}
+        recomputed = frozenset(i for i in range(n_layers) if self._recomputed(i))
+        for action in backward_actions(n_layers, n_slices, recomputed):
+            index, i = action.layer, action.slice
+            if action.op == "glue_out":
+                grad_h[i], grad_m[i] = self._grad(sink, [outputs[i]], [grad_slices[i]],
+                                                  list(out_leaves[i]),
+                                                  self._glue_params(-1, "out"))
+            elif action.op == "recompute":
                 with torch.enable_grad():
                     self._rebuild(index, units[index], rotaries)
-            pending_v = []
-            for i in range(n_slices):
-                if index < n_layers - 1:
-                    grad_h[i], grad_m[i] = self._glue_in_backward(sink, index + 1,
-                                                                  units[index + 1][i],
-                                                                  pending_u[i])
+            elif action.op == "flush":
+                sink.flush(layers[index].parameters())
+                units[index] = None
+            elif action.op == "wait":
+                units[index][i].grad_reduced = pending.pop((action.waits, index, i)).wait()
+            elif action.op == "glue_in":
+                unit = units[index][i]
+                grads = self._glue_in_backward(sink, index, unit, unit.grad_reduced)
+                if index == 0:
+                    grad_inputs[i] = grads[0]
+                else:
+                    grad_h[i], grad_m[i] = grads
+            elif action.op == "mlp":
                 unit = units[index][i]
                 grad_m_full = self._output_grad(grad_m[i])
                 (grad_v,) = self._grad(sink, unit.m_parts, [grad_m_full] * len(unit.m_parts),
                                        [unit.v_leaf], [])
-                pending_v.append(self._reduce_grad(grad_v))
+                pending[("dv", index, i)] = self._reduce_grad(grad_v)
                 sink.run_deferred()
-            if index < n_layers - 1:
-                sink.flush(layers[index + 1].parameters())
-                units[index + 1] = None
-            pending_u = []
-            for i in range(n_slices):
+            elif action.op == "glue_mid":
                 unit = units[index][i]
-                unit.grad_x, grad_a = self._grad(sink, [unit.h, unit.v],
-                                                 [grad_h[i], pending_v[i].wait()],
-                                                 [unit.x_leaf, unit.a_leaf],
-                                                 self._glue_params(index, "mid"))
-                (grad_u,) = self._grad(sink, [unit.a], [self._output_grad(grad_a)],
+                unit.grad_x, unit.grad_a = self._grad(sink, [unit.h, unit.v],
+                                                      [grad_h[i], unit.grad_reduced],
+                                                      [unit.x_leaf, unit.a_leaf],
+                                                      self._glue_params(index, "mid"))
+            elif action.op == "attention":
+                unit = units[index][i]
+                (grad_u,) = self._grad(sink, [unit.a], [self._output_grad(unit.grad_a)],
                                        [unit.u_leaf], [])
-                pending_u.append(self._reduce_grad(grad_u))
+                pending[("du", index, i)] = self._reduce_grad(grad_u)
                 sink.run_deferred()
-        grad_inputs = [self._glue_in_backward(sink, 0, units[0][i], pending_u[i])[0]
-                       for i in range(n_slices)]
-        sink.flush(layers[0].parameters())
+            else:
+                raise AssertionError(f"backward action {action}")
         return torch.cat(grad_inputs, dim=1)
 
-    def _glue_in_backward(self, sink, index: int, unit: _Unit, pending: Pending):
-        """Wait for the unit's input-gradient reduction, then back through glue_in: returns the
-        gradients of glue_in's inputs ((h, m) of the previous layer, or the block input)."""
-        grad_u = pending.wait()
+    def _glue_in_backward(self, sink, index: int, unit: _Unit, grad_u: torch.Tensor):
+        """Back through glue_in, given its reduced input gradient: returns the gradients of
+        glue_in's inputs ((h, m) of the previous layer, or the block input)."""
         params = self._glue_params(index, "in")
         if index == 0:  # x is the input leaf itself: its residual gradient passes straight on
             (grad_input,) = self._grad(sink, [unit.u], [grad_u], unit.in_leaves, params)
