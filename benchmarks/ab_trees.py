@@ -7,9 +7,11 @@ run's own spread.
 
 Each tree runs from its own directory with its own package on PYTHONPATH (`megadomino.kernels`
 is linked to the tree's kernels/, as setup.py maps it). Per round, both trees run, the order
-alternating: benchmarks/bench_quant.py (our ops, no DeepSpeed: fixed groups) and
-benchmarks/bench_pretrain.py at TP=1 (gpt3-1.3b by default). The report gives, per row, each
-tree's median and range over the rounds and after / before of the medians.
+alternating, the benchmarks `--benches` names: quant (benchmarks/bench_quant.py, our ops, no
+DeepSpeed: fixed groups), pretrain (benchmarks/bench_pretrain.py at TP=1, gpt3-1.3b by default),
+domino (benchmarks/bench_domino.py's core layer rows at TP=1: plain TP and Domino 1x1 and 2x1,
+device and host ms per layer) and domino-graph (the same under CUDA graphs). The report gives,
+per row, each tree's median and range over the rounds and after / before of the medians.
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ def pretrain_rows(result: dict) -> dict[str, float]:
     return rows
 
 
+def domino_rows(result: dict) -> dict[str, float]:
+    """Per layer row and column: device and host (enqueue) ms per layer."""
+    rows = {}
+    graph = " graphed" if result["args"].get("cuda_graph") else ""
+    for r in result["results"]:
+        for column, ms in r["ms_per_layer"].items():
+            rows[f"{r['row']} tp{r['tp']} {column}{graph} (ms/layer)"] = ms
+            rows[f"{r['row']} tp{r['tp']} {column}{graph} (host ms/layer)"] = \
+                r["host_ms_per_layer"][column]
+    return rows
+
+
 def write_report(samples: dict, args, path: str) -> list[dict]:
     """Per row: each tree's samples, medians, spreads and after / before; written to `path`
     (after every round, so that a call cut short keeps what it measured)."""
@@ -88,7 +102,8 @@ def main() -> int:
     parser.add_argument("--preset", default="gpt3-1.3b")
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--groups", nargs="+", default=["256", "2048", "8192"])
-    parser.add_argument("--benches", nargs="+", choices=("quant", "pretrain"),
+    parser.add_argument("--benches", nargs="+", choices=("quant", "pretrain", "domino",
+                                                          "domino-graph"),
                         default=["quant", "pretrain"], help="which benchmarks to run")
     parser.add_argument("--out", default="ab_trees.json")
     args = parser.parse_args()
@@ -103,6 +118,11 @@ def main() -> int:
                       "--iters", str(args.iters), "--log-interval", "5", "--micro-batch-size",
                       "4"], pretrain_rows, 900),
     }
+    domino = ["-m", "torch.distributed.run", "--nproc_per_node", "1",
+              "benchmarks/bench_domino.py", "--rows", "core", "--plans", "1x1,2x1", "--peers",
+              "", "--layers", "4", "--iters", "20"]
+    benches["domino"] = (domino, domino_rows, 900)
+    benches["domino-graph"] = (domino + ["--cuda-graph"], domino_rows, 900)
     benches = [benches[name] for name in args.benches]
     report = []
     for round_ in range(args.rounds):
