@@ -19,6 +19,25 @@ import pytest
 # tests/gpu imports the CPU test modules and dist_utils by name.
 sys.path.insert(0, os.path.dirname(__file__))
 
+
+
+@pytest.fixture(scope="module")
+def single_process_group():
+    """A gloo world of one for a module's tests (ParallelDims needs a process group); a module
+    asks for it with `pytestmark = pytest.mark.usefixtures("single_process_group")`."""
+    import torch.distributed as dist
+
+    from dist_utils import free_port
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 TIERS = {
     "default": "bash scripts/test.sh",
     "slow": "bash scripts/test.sh --tier slow",

@@ -8,25 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from dist_utils import free_port
 from megadomino.build import build_model
 from megadomino.config import ConfigError, ModelConfig, ParallelConfig
 from megadomino.overlap.cuda_graph import GraphedLayers, GraphedRunner, _LayerStack, capture_layers
 from megadomino.parallel import ParallelDims
 
+pytestmark = pytest.mark.usefixtures("single_process_group")
 
-@pytest.fixture(scope="module", autouse=True)
-def single_process_group():
-    """A world of one (gloo), for ParallelDims."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _model(family: str = "llama"):

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from configs import parallel_config
-from dist_utils import free_port
 from megadomino.build import build_model
 from megadomino.config import ModelConfig
 from megadomino.overlap.domino import schedule
 from megadomino.overlap.domino.actions import backward_actions, forward_actions, table
 from megadomino.parallel import ParallelDims
+
+pytestmark = pytest.mark.usefixtures("single_process_group")
 
 GOLDEN = """\
   0 F L0 S0 glue_in
@@ -86,16 +86,6 @@ def test_recompute_is_an_action_before_the_layers_backward():
                                                                "grads")
     assert sum("recompute" in a for a in actions) == 2
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _run(monkeypatch, actions=None) -> tuple[float, list[int]]:

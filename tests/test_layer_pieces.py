@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from configs import parallel_config
-from dist_utils import assert_close, free_port
+from dist_utils import assert_close
 from megadomino.build import build_model
 from megadomino.config import ModelConfig
 from megadomino.overlap.domino.schedule import DominoRunner
 from megadomino.overlap.recompute import FullRecompute
 from megadomino.parallel import ParallelDims
+
+pytestmark = pytest.mark.usefixtures("single_process_group")
 
 EXECUTIONS = {
     "plain": {},
@@ -60,16 +61,6 @@ def _replace(model, piece: str) -> None:
 
 PIECES = ["input_layernorm", "attention core", "pre_mlp_layernorm", "activation", "residual"]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                             world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _config(family: str) -> ModelConfig:
