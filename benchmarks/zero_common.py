@@ -12,10 +12,10 @@ import functools
 import torch
 
 from megadomino.config import ModelConfig
+from megadomino.data import MockDataset
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.random import model_parallel_seed
 from megadomino.models import build_model
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.random import model_parallel_seed
-from megadomino.training.data import MockDataset
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 
 # ZeRO-3 sends bf16 gradients like the paper's fp16 baseline (DeepSpeed reduces in the

@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from megadomino.config import ModelConfig
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.random import model_parallel_seed
 from megadomino.models import build_model
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.random import model_parallel_seed
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 from megadomino.zero.grads import GradReducer
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from configs import make_config, with_leaves
 from dist_utils import C, DistSuite, shared_copy
 from megadomino.config import Config, ModelConfig
+from megadomino.distributed import ParallelDims
 from megadomino.models import build_model
-from megadomino.parallel import ParallelDims
-from megadomino.training import checkpoint
-from megadomino.training.checkpoint import (
+from megadomino.train import checkpoint
+from megadomino.train.checkpoint import (
     CheckpointError,
     TrainingState,
     latest_iteration,
@@ -27,8 +27,8 @@ from megadomino.training.checkpoint import (
     load_optimizer_state,
     save_checkpoint,
 )
-from megadomino.training.loop import train
-from megadomino.training.report import NonFiniteLossError
+from megadomino.train.loop import train
+from megadomino.train.report import NonFiniteLossError
 from megadomino.zero.optimizer import build_engine
 
 MODEL = ModelConfig.preset("gpt-tiny", seq_length=32)  # dropout 0.1: resume must restore RNGs

@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from dist_utils import free_port
 from megadomino.config import ConfigError, ModelConfig, ParallelConfig
+from megadomino.distributed import ParallelDims
 from megadomino.models import build_model
 from megadomino.models.cuda_graph import GraphedLayers, _LayerStack, capture_layers
-from megadomino.parallel import ParallelDims
 
 
 @pytest.fixture(scope="module", autouse=True)

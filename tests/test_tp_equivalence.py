@@ -12,15 +12,15 @@ import torch.nn.functional as F
 from configs import parallel_config
 from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ModelConfig
+from megadomino.distributed import ParallelDims, mappings
+from megadomino.distributed.random import model_parallel_seed
 from megadomino.models import build_model
-from megadomino.parallel import ParallelDims, mappings
-from megadomino.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megadomino.parallel.layers import (
+from megadomino.tp.cross_entropy import vocab_parallel_cross_entropy
+from megadomino.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from megadomino.parallel.random import model_parallel_seed
 
 REL = 1e-5
 FAMILIES = ("gpt", "llama")

@@ -16,16 +16,16 @@ import torch.nn.functional as F
 from configs import make_config
 from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ModelConfig
+from megadomino.distributed import ParallelDims
 from megadomino.models import build_model
-from megadomino.parallel import ParallelDims
-from megadomino.training.checkpoint import (
+from megadomino.train.checkpoint import (
     TrainingState,
     load_checkpoint,
     load_optimizer_state,
     save_checkpoint,
 )
-from megadomino.training.loop import train
-from megadomino.training.pad_rows import first_pad_row
+from megadomino.train.loop import train
+from megadomino.train.pad_rows import first_pad_row
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 from megadomino.zero.optimizer import build_engine
 

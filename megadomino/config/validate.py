@@ -22,7 +22,7 @@ from megadomino.config.model import ModelConfig
 from megadomino.config.parallel import ParallelConfig
 from megadomino.config.train import FP8Recipe, ScheduleConfig, TrainConfig
 from megadomino.config.tree import Config
-from megadomino.parallel.dims import check_degrees, check_gpus_per_node
+from megadomino.distributed.dims import check_degrees, check_gpus_per_node
 
 
 def validate(config: Config, world_size: int | None = None, gpus_per_node: int | None = None, *,

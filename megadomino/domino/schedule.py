@@ -49,9 +49,9 @@ import torch
 import torch.nn.functional as F
 
 from megadomino.config import DominoPlan
+from megadomino.distributed import random as tp_random
+from megadomino.distributed.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
 from megadomino.domino.units import Pending, WgradSink, domino_linear, leaf
-from megadomino.parallel import random as tp_random
-from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
 
 
 @dataclass

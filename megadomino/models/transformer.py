@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
+from megadomino.distributed import random as tp_random
 from megadomino.domino.schedule import DominoRunner
 from megadomino.models.blocks import MLP, Attention, build_norm
-from megadomino.parallel import random as tp_random
 
 
 class TransformerLayer(nn.Module):

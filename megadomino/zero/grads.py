@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from megadomino.config import REDUCE_DTYPES, ZeroConfig
-from megadomino.parallel.streams import HookStreams, weak_grad_hook
+from megadomino.distributed.streams import HookStreams, weak_grad_hook
 from megadomino.zero import collectives
 from megadomino.zero.collectives import CommCounter, Pending
 from megadomino.zero.params import MemoryMeter
