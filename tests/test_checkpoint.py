@@ -110,9 +110,7 @@ def _case_crash_during_save(dims: ParallelDims, root: str) -> None:
         file.truncate(file.tell() // 2)
         raise OSError("killed")
 
-    for patch, iteration in (("os.replace", 20), ("torch.save", 30)):
-        module, name = patch.split(".")
-        target = getattr(checkpoint, module)
+    for target, name, iteration in ((os, "replace", 20), (torch, "save", 30)):
         setattr(target, name, die_before_tracker if name == "replace" else die_half_written)
         try:
             with pytest.raises(CheckpointError, match="killed"):
