@@ -34,7 +34,7 @@ Data (`--data-path`, one or more JSONL files): one example per line,
 `--prompt-template` (with `{prompt}` where the prompt goes; default `{prompt}`), then the
 response and the tokenizer's end-of-document token, cut or padded to `--seq-length` + 1 tokens.
 The loss counts the response's tokens and its end-of-document token only (see
-`megadomino/training/data/sft.py`). `--split` divides the examples, in file order, into train and
+`megadomino/data/sft.py`). `--split` divides the examples, in file order, into train and
 validation parts; `--eval-interval` / `--eval-iters` report validation loss and perplexity.
 
 Start: `--hf-checkpoint DIR` (a Hugging Face Llama directory, config.json + safetensors; the
@@ -48,7 +48,7 @@ script are `--hf-checkpoint` and `--prompt-template`. `--eod-mask-loss` is refus
 
 import sys
 
-from megadomino.training.launch import main
+from megadomino.cli.launch import main
 
 if __name__ == "__main__":
     sys.exit(main("llama", finetune=True))

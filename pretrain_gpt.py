@@ -26,7 +26,7 @@ Without torchrun it runs as one process: `python pretrain_gpt.py --model-preset 
 
 import sys
 
-from megadomino.training.launch import main
+from megadomino.cli.launch import main
 
 if __name__ == "__main__":
     sys.exit(main("gpt"))

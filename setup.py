@@ -9,15 +9,30 @@ torch's CUDA wheels pin their own triton (torch 2.11: 3.6.0); its CPU wheel brin
 `test` extra adds triton, whose interpreter runs every kernel on CPU (TRITON_INTERPRET=1).
 """
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 setup(
     name="megadomino",
     version="0.1.0",
     description="Tensor-parallel LLM training with communication hidden behind computation",
     python_requires=">=3.10",
-    # every package under megadomino/ (kernels/ is mapped in below)
-    packages=[*find_packages(include=["megadomino", "megadomino.*"]), "megadomino.kernels"],
+    packages=[
+        "megadomino",
+        "megadomino.config",
+        "megadomino.distributed",
+        "megadomino.tp",
+        "megadomino.parallel",
+        "megadomino.models",
+        "megadomino.overlap",
+        "megadomino.overlap.domino",
+        "megadomino.zero",
+        "megadomino.data",
+        "megadomino.train",
+        "megadomino.train.checkpoint",
+        "megadomino.cli",
+        "megadomino.interop",
+        "megadomino.kernels",
+    ],
     package_dir={"megadomino.kernels": "kernels"},
     install_requires=[
         "torch>=2.11",

@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from timeline import graphed, profile_summary  # noqa: E402
 
 from megadomino.config import DominoPlan, ModelConfig, ParallelConfig  # noqa: E402
+from megadomino.distributed import ParallelDims  # noqa: E402
+from megadomino.distributed.mappings import no_tp_communication  # noqa: E402
+from megadomino.distributed.random import model_parallel_seed  # noqa: E402
 from megadomino.models.blocks import rotary_tables  # noqa: E402
 from megadomino.models.transformer import TransformerBlock  # noqa: E402
 from megadomino.overlap.domino.schedule import DominoRunner  # noqa: E402
-from megadomino.parallel import ParallelDims  # noqa: E402
-from megadomino.parallel.mappings import no_tp_communication  # noqa: E402
-from megadomino.parallel.random import model_parallel_seed  # noqa: E402
 
 ROWS = {
     # name: (preset, seq, micro_batch)

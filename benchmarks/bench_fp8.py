@@ -1,4 +1,4 @@
-"""FP8 linears (megadomino/parallel/fp8.py) against bf16 on one GPU, in one run:
+"""FP8 linears (megadomino/tp/fp8.py) against bf16 on one GPU, in one run:
 
     python3 benchmarks/bench_fp8.py --out DIR
 
@@ -39,9 +39,9 @@ from megadomino.config import (  # noqa: E402
     ScheduleConfig,
     TrainConfig,
 )
+from megadomino.distributed import ParallelDims  # noqa: E402
 from megadomino.models.transformer import TransformerBlock  # noqa: E402
-from megadomino.parallel import ParallelDims  # noqa: E402
-from megadomino.training.loop import train  # noqa: E402
+from megadomino.train.loop import train  # noqa: E402
 
 VARIANTS = {"bf16": None, "fp8 delayed": FP8Recipe("hybrid", "delayed"),
             "fp8 tensorwise": FP8Recipe("hybrid", "tensorwise")}

@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megadomino.parallel import ParallelDims
+from megadomino.distributed import ParallelDims
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zero_common  # noqa: E402

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megadomino.parallel import ParallelDims
+from megadomino.distributed import ParallelDims
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_common import CONFIGS, add_model_args, build_engine, train_step  # noqa: E402

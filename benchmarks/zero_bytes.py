@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megadomino.parallel import ParallelDims
+from megadomino.distributed import ParallelDims
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_common import CONFIGS, NOT_DEFAULT, add_model_args, build_engine, train_step  # noqa: E402

@@ -13,9 +13,9 @@ import torch
 
 from megadomino.build import build_model
 from megadomino.config import ModelConfig
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.random import model_parallel_seed
-from megadomino.training.data import MockDataset
+from megadomino.data import MockDataset
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.random import model_parallel_seed
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 
 # ZeRO-3 sends bf16 gradients like the paper's fp16 baseline (DeepSpeed reduces in the

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from megadomino.build import build_model
 from megadomino.config import ModelConfig
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.random import model_parallel_seed
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.random import model_parallel_seed
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 from megadomino.zero.grads import GradReducer
 

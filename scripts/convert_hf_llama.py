@@ -26,12 +26,11 @@ import torch
 import torch.distributed as dist
 
 from megadomino.config import ConfigError, ModelConfig
+from megadomino.distributed import ParallelDims
 from megadomino.interop.hf import load_llama, save_llama
 from megadomino.models.llama import LlamaModel
-from megadomino.parallel import ParallelDims
-from megadomino.training import checkpoint
-from megadomino.training.checkpoint import CheckpointError, TrainingState
-from megadomino.training.checkpoint_files import Manifest
+from megadomino.train import checkpoint
+from megadomino.train.checkpoint import CheckpointError, Manifest, TrainingState
 
 DTYPES = ("float32", "bfloat16", "float16")
 

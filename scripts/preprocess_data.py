@@ -27,13 +27,13 @@ import time
 from collections.abc import Iterator
 
 from megadomino.config import ConfigError
-from megadomino.training.data.indexed import (
+from megadomino.data.indexed import (
     IndexedDatasetBuilder,
     bin_path,
     idx_path,
     optimal_dtype,
 )
-from megadomino.training.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megadomino.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 Encoded = dict[str, tuple[list[int], list[int]]]  # key -> (token ids, sequence lengths)
 

@@ -57,7 +57,7 @@ class CollectiveTrace:
             for attr, value in list(vars(module).items()):
                 if callable(value) and value in wrappers:
                     self._patch(module, attr, wrappers[value])
-        from megadomino.training.timers import Timers
+        from megadomino.train.timers import Timers
         self._patch(Timers, "__call__", self._phase(Timers.__call__))
         self._patch(torch.Tensor, "register_post_accumulate_grad_hook",
                     self._counting(torch.Tensor.register_post_accumulate_grad_hook))
@@ -132,9 +132,9 @@ and units small enough that each engine launches several reductions during the b
 
 def record(kind: str) -> list[list]:
     """This rank's trace of `train` with CONFIGS[kind] (call in a 4-rank gloo world)."""
-    from megadomino.parallel import ParallelDims
-    from megadomino.training.arguments import parse_args
-    from megadomino.training.loop import train
+    from megadomino.cli.arguments import parse_args
+    from megadomino.distributed import ParallelDims
+    from megadomino.train.loop import train
 
     config, _ = parse_args([*BASE, *CONFIGS[kind]], "gpt")
     dims = ParallelDims(tp=2)

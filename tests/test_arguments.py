@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from configs import make_config
+from megadomino.cli.arguments import build_parser, parse_args, render_flag_table
+from megadomino.cli.flags import FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, _count
 from megadomino.config import ConfigError, ModelConfig, TrainConfig
 from megadomino.config.validate import validate
-from megadomino.training.arguments import build_parser, parse_args, render_flag_table
-from megadomino.training.flags import FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, _count
 from megadomino.zero import ZeroConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -665,7 +665,7 @@ def test_the_deepspeed_launchers_local_rank_is_accepted(argv):
 
 
 def test_the_node_size_comes_from_torchrun_or_the_deepspeed_launcher(monkeypatch):
-    from megadomino.training.launch import _local_world_size
+    from megadomino.cli.launch import _local_world_size
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("LOCAL_SIZE", raising=False)

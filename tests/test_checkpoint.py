@@ -17,9 +17,9 @@ from configs import make_config, with_leaves
 from dist_utils import C, DistSuite, shared_copy
 from megadomino.build import build_model
 from megadomino.config import Config, ModelConfig
-from megadomino.parallel import ParallelDims
-from megadomino.training import checkpoint
-from megadomino.training.checkpoint import (
+from megadomino.distributed import ParallelDims
+from megadomino.train import checkpoint
+from megadomino.train.checkpoint import (
     CheckpointError,
     TrainingState,
     latest_iteration,
@@ -27,8 +27,8 @@ from megadomino.training.checkpoint import (
     load_optimizer_state,
     save_checkpoint,
 )
-from megadomino.training.loop import train
-from megadomino.training.report import NonFiniteLossError
+from megadomino.train.loop import train
+from megadomino.train.report import NonFiniteLossError
 from megadomino.zero.optimizer import build_engine
 
 MODEL = ModelConfig.preset("gpt-tiny", seq_length=32)  # dropout 0.1: resume must restore RNGs
@@ -110,9 +110,7 @@ def _case_crash_during_save(dims: ParallelDims, root: str) -> None:
         file.truncate(file.tell() // 2)
         raise OSError("killed")
 
-    for patch, iteration in (("os.replace", 20), ("torch.save", 30)):
-        module, name = patch.split(".")
-        target = getattr(checkpoint, module)
+    for target, name, iteration in ((os, "replace", 20), (torch, "save", 30)):
         setattr(target, name, die_before_tracker if name == "replace" else die_half_written)
         try:
             with pytest.raises(CheckpointError, match="killed"):

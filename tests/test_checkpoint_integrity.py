@@ -22,8 +22,8 @@ from configs import make_config, with_leaves
 from dist_utils import C, DistSuite, shared_copy
 from megadomino.build import build_model
 from megadomino.config import Config, ModelConfig
-from megadomino.parallel import ParallelDims
-from megadomino.training.checkpoint import (
+from megadomino.distributed import ParallelDims
+from megadomino.train.checkpoint import (
     CheckpointError,
     TrainingState,
     latest_iteration,
@@ -31,8 +31,8 @@ from megadomino.training.checkpoint import (
     load_optimizer_state,
     save_checkpoint,
 )
-from megadomino.training.loop import train
-from megadomino.training.report import NonFiniteLossError
+from megadomino.train.loop import train
+from megadomino.train.report import NonFiniteLossError
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 from megadomino.zero.optimizer import build_engine
 
@@ -238,7 +238,7 @@ def test_disk_full_names_the_file_and_the_cause(tmp_path, monkeypatch):
     import errno
     import io
 
-    from megadomino.training import checkpoint_files
+    from megadomino.train.checkpoint import files as checkpoint_files
 
     class Full(io.BytesIO):
         def write(self, data) -> int:

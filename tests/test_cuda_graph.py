@@ -11,8 +11,8 @@ import torch
 
 from megadomino.build import build_model
 from megadomino.config import ConfigError, ModelConfig, ParallelConfig
+from megadomino.distributed import ParallelDims
 from megadomino.overlap.cuda_graph import GraphedLayers, GraphedRunner, _LayerStack, capture_layers
-from megadomino.parallel import ParallelDims
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
 

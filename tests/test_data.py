@@ -22,8 +22,7 @@ import torch.distributed as dist
 from configs import make_config
 from dist_utils import C, DistSuite, check_result
 from megadomino.config import ConfigError, ModelConfig
-from megadomino.parallel import ParallelDims
-from megadomino.training.data import (
+from megadomino.data import (
     GPTDataset,
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -32,9 +31,10 @@ from megadomino.training.data import (
     parse_data_path,
     parse_split,
 )
-from megadomino.training.data.blend import blending_indices, normalize_weights
-from megadomino.training.data.gpt_dataset import build_indices
-from megadomino.training.loop import train
+from megadomino.data.blend import blending_indices, normalize_weights
+from megadomino.data.gpt_dataset import build_indices
+from megadomino.distributed import ParallelDims
+from megadomino.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 EOD = 7  # synthetic documents end with it; their other tokens are 1000 * (doc + 1) + position
@@ -526,7 +526,7 @@ def test_train_tokenizer_bad_input_is_one_line(tmp_path, capsys):
 def test_missing_tokenizer_and_input_files_are_named(tmp_path):
     """A tokenizer file or a preprocessing input that does not exist is one ConfigError naming
     the flag and the path, not sentencepiece's or open()'s traceback."""
-    from megadomino.training.data.tokenizer import build_tokenizer
+    from megadomino.data.tokenizer import build_tokenizer
 
     with pytest.raises(ConfigError, match="--tokenizer-model=.*nope.model: no such file"):
         build_tokenizer("SentencePieceTokenizer", str(tmp_path / "nope.model"))

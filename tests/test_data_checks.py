@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from megadomino.config import ConfigError
-from megadomino.training.data import IndexedDataset, IndexedDatasetBuilder
-from megadomino.training.data.builder import build_train_valid_test_datasets
-from megadomino.training.data.gpt_dataset import GPTDataset
-from megadomino.training.data.indexed import MAGIC
-from megadomino.training.data.sft import build_sft_datasets
-from megadomino.training.data.tokenizer import NullTokenizer
+from megadomino.data import IndexedDataset, IndexedDatasetBuilder
+from megadomino.data.builder import build_train_valid_test_datasets
+from megadomino.data.gpt_dataset import GPTDataset
+from megadomino.data.indexed import MAGIC
+from megadomino.data.sft import build_sft_datasets
+from megadomino.data.tokenizer import NullTokenizer
 
 ROOT = Path(__file__).parent.parent
 EOD = 0

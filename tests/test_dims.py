@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from dist_utils import C, DistSuite
 from megadomino.config import ConfigError
-from megadomino.parallel import ParallelDims
+from megadomino.distributed import ParallelDims
 
 
 def members(group) -> list[int]:

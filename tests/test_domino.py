@@ -16,10 +16,10 @@ from dist_utils import C, DistSuite, assert_close
 from megadomino.build import build_model
 from megadomino.config import ConfigError
 from megadomino.config.validate import validate_layers
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.random import model_parallel_seed
 from megadomino.overlap.domino.schedule import DominoRunner
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.random import model_parallel_seed
-from megadomino.training.loop import train
+from megadomino.train.loop import train
 
 REL = 1e-5
 BATCH = 5

@@ -12,9 +12,9 @@ import torch
 from configs import parallel_config
 from megadomino.build import build_model
 from megadomino.config import ModelConfig
+from megadomino.distributed import ParallelDims
 from megadomino.overlap.domino import schedule
 from megadomino.overlap.domino.actions import backward_actions, forward_actions, table
-from megadomino.parallel import ParallelDims
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
 

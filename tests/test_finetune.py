@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from megadomino.cli.arguments import parse_args
 from megadomino.config import ConfigError, ModelConfig
 from megadomino.config.validate import validate
+from megadomino.data.sft import SFTDataset, build_sft_datasets, read_examples
+from megadomino.data.tokenizer import NullTokenizer, Tokenizer
 from megadomino.interop.hf import hf_shapes
 from megadomino.interop.hf_config import hf_config_from
-from megadomino.training.arguments import parse_args
-from megadomino.training.data.sft import SFTDataset, build_sft_datasets, read_examples
-from megadomino.training.data.tokenizer import NullTokenizer, Tokenizer
-from megadomino.training.tensorboard import open_writer
+from megadomino.train.tensorboard import open_writer
 
 ROOT = Path(__file__).resolve().parents[1]
 

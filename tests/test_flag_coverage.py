@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from megadomino.cli.arguments import build_parser, closest_flag, parse_args
+from megadomino.cli.flags import ALIAS, FLAGS, NOTICE, REFUSED
 from megadomino.config import ConfigError
-from megadomino.training.arguments import build_parser, closest_flag, parse_args
-from megadomino.training.flags import ALIAS, FLAGS, NOTICE, REFUSED
-from megadomino.training.manual_gc import ManualGC
+from megadomino.train.manual_gc import ManualGC
 
 VENDORED = Path(__file__).resolve().parent / "megatron_flags"
 sys.path.insert(0, str(VENDORED))

@@ -1,4 +1,4 @@
-"""FP8 linears (megadomino/parallel/fp8.py) on CPU: the three GEMMs against a dequantize-then-
+"""FP8 linears (megadomino/tp/fp8.py) on CPU: the three GEMMs against a dequantize-then-
 matmul reference (the same quantized operands, fp32 matmul) on a shape `_scaled_mm` runs and one
 it cannot (not a multiple of 16: the fp32 fallback); the delayed-scaling state machine; exact
 resume from a state_dict and from a checkpoint; the flag refusals; a tiny GPT learning with
@@ -20,9 +20,11 @@ from torch import nn
 from configs import make_config, with_leaves
 from dist_utils import C, DistSuite, assert_close
 from megadomino.build import build_model
+from megadomino.cli.arguments import parse_args
 from megadomino.config import ConfigError, FP8Recipe, ModelConfig
-from megadomino.parallel import ParallelDims, fp8
-from megadomino.parallel.fp8 import (
+from megadomino.distributed import ParallelDims
+from megadomino.tp import fp8
+from megadomino.tp.fp8 import (
     E4M3,
     E5M2,
     GRAD,
@@ -33,9 +35,8 @@ from megadomino.parallel.fp8 import (
     fp8_linear,
     quantize,
 )
-from megadomino.training import checkpoint
-from megadomino.training.arguments import parse_args
-from megadomino.training.loop import train
+from megadomino.train.checkpoint import shards
+from megadomino.train.loop import train
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--train-iters", "1", "--mock-data"]
@@ -308,12 +309,12 @@ def _case_resume_exact(dims: ParallelDims, root: str) -> None:
     first = _train(dims, **history, save=f"{root}/fp8", exit_interval=6)
     resumed = _train(dims, **history, load=f"{root}/fp8")
     assert first["losses"] + resumed["losses"] == straight["losses"]
-    load_fp8 = checkpoint._ShardReader._load_fp8
-    checkpoint._ShardReader._load_fp8 = lambda self, model: None
+    load_fp8 = shards._ShardReader._load_fp8
+    shards._ShardReader._load_fp8 = lambda self, model: None
     try:
         fresh = _train(dims, **history, load=f"{root}/fp8")
     finally:
-        checkpoint._ShardReader._load_fp8 = load_fp8
+        shards._ShardReader._load_fp8 = load_fp8
     assert fresh["losses"] != straight["losses"][6:]
 
 

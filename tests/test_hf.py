@@ -18,9 +18,9 @@ import torch
 
 from dist_utils import C, DistSuite, assert_close, check_result
 from megadomino.config import ConfigError
+from megadomino.distributed import ParallelDims
 from megadomino.interop.hf import SafetensorsReader, load_llama, read_hf_config, save_llama
 from megadomino.interop.hf_config import hf_config_from, model_config_from_hf
-from megadomino.parallel import ParallelDims
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REL = 1e-4

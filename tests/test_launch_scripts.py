@@ -15,11 +15,11 @@ import sys
 
 import pytest
 
+from megadomino.cli.arguments import parse_args
+from megadomino.cli.slurm_env import apply_slurm_env, expand_tasks_per_node, first_host
 from megadomino.config import ModelConfig
 from megadomino.config.validate import validate
 from megadomino.interop.hf_config import hf_config_from
-from megadomino.training.arguments import parse_args
-from megadomino.training.slurm_env import apply_slurm_env, expand_tasks_per_node, first_host
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = {"pretrain_gpt3_6.7b": ("pretrain_gpt.py", "gpt"),

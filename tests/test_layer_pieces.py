@@ -14,9 +14,9 @@ from configs import parallel_config
 from dist_utils import assert_close
 from megadomino.build import build_model
 from megadomino.config import ModelConfig
+from megadomino.distributed import ParallelDims
 from megadomino.overlap.domino.schedule import DominoRunner
 from megadomino.overlap.recompute import FullRecompute
-from megadomino.parallel import ParallelDims
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
 

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 MODULES = sorted([*ROOT.glob("megadomino/**/*.py"), *ROOT.glob("kernels/**/*.py")])
-LAUNCHER = ROOT / "megadomino" / "training" / "launch.py"
+LAUNCHER = ROOT / "megadomino" / "cli" / "launch.py"
 ENVIRONMENT = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 
 

@@ -14,10 +14,10 @@ import torch
 from test_tp_equivalence import tiny_config
 
 from dist_utils import C, DistSuite, assert_close
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.random import model_parallel_seed
 from megadomino.models.blocks import rotary_tables
 from megadomino.models.transformer import TransformerLayer
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.random import model_parallel_seed
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from peers import LayerShape, build_deepspeed_domino, build_megatron_block  # noqa: E402

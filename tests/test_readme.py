@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from megadomino.cli.arguments import parse_args
 from megadomino.config.validate import validate
-from megadomino.training.arguments import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -10,10 +10,10 @@ from configs import make_config
 from dist_utils import C, DistSuite
 from megadomino.build import build_model
 from megadomino.config import Config, ModelConfig
-from megadomino.parallel import ParallelDims
-from megadomino.training.loop import train
-from megadomino.training.progress import Progress
-from megadomino.training.summary import count_parameters, startup_lines
+from megadomino.distributed import ParallelDims
+from megadomino.train.loop import train
+from megadomino.train.progress import Progress
+from megadomino.train.summary import count_parameters, startup_lines
 
 
 def _lines(config: Config, **grid) -> str:

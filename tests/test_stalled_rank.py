@@ -53,7 +53,8 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
 def test_an_internal_bug_keeps_its_traceback(monkeypatch):
     """Only a collective's timeout becomes a one-line exit: a RuntimeError of our own propagates
     with its traceback (and so does any other exception type)."""
-    from megadomino.training import launch, loop
+    from megadomino.cli import launch
+    from megadomino.train import loop
 
     def broken(*args, **kwargs):
         raise RuntimeError("an internal bug")

@@ -13,14 +13,14 @@ from configs import parallel_config
 from dist_utils import C, DistSuite, assert_close
 from megadomino.build import build_model
 from megadomino.config import ModelConfig
-from megadomino.parallel import ParallelDims, mappings
-from megadomino.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megadomino.parallel.layers import (
+from megadomino.distributed import ParallelDims, mappings
+from megadomino.distributed.random import model_parallel_seed
+from megadomino.tp.cross_entropy import vocab_parallel_cross_entropy
+from megadomino.tp.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from megadomino.parallel.random import model_parallel_seed
 
 REL = 1e-5
 FAMILIES = ("gpt", "llama")

@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from configs import make_config
 from dist_utils import DistSuite, free_port
+from megadomino.cli.launch import main
 from megadomino.config import ModelConfig
-from megadomino.parallel import ParallelDims
-from megadomino.training.data import IndexedDatasetBuilder
-from megadomino.training.launch import main
-from megadomino.training.loop import train
+from megadomino.data import IndexedDatasetBuilder
+from megadomino.distributed import ParallelDims
+from megadomino.train.loop import train
 
 ITERS = 30
 

@@ -20,15 +20,15 @@ from configs import make_config
 from dist_utils import C, DistSuite, assert_close
 from megadomino.config import ConfigError, LoggingConfig, ModelConfig, ScheduleConfig
 from megadomino.config.validate import batch_plan, train_iterations
-from megadomino.parallel import ParallelDims
-from megadomino.training.data import MockDataset
-from megadomino.training.lr_schedule import LRSchedule
-from megadomino.training.metrics import (
+from megadomino.data import MockDataset
+from megadomino.distributed import ParallelDims
+from megadomino.train.lr_schedule import LRSchedule
+from megadomino.train.metrics import (
     num_floating_point_operations,
     peak_tflops,
     throughput,
 )
-from megadomino.training.report import Reporter
+from megadomino.train.report import Reporter
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 from megadomino.zero.loss_scaler import DynamicLossScaler
 
@@ -365,7 +365,7 @@ def _case_library_runs_the_validator(dims: ParallelDims) -> None:
     (megadomino.config.validate), before it builds anything: here, configs the flags would not
     give."""
     from megadomino.config.validate import validate
-    from megadomino.training.loop import train
+    from megadomino.train.loop import train
 
     model = ModelConfig.preset("gpt-tiny")
     bad = [make_config(model, train_iters=2, mock_data=True, bf16=True, fp16=True),
@@ -401,9 +401,9 @@ test_distributed_case = SUITE.test()
 
 
 def test_hook_streams_ignore_cpu_tensors():
-    """parallel.streams.HookStreams: CPU tensors record no stream, so join() is a no-op there
+    """distributed.streams.HookStreams: CPU tensors record no stream, so join() is a no-op there
     (its CUDA behaviour: tests/gpu/test_gpu_streams.py)."""
-    from megadomino.parallel.streams import HookStreams
+    from megadomino.distributed.streams import HookStreams
     streams = HookStreams()
     streams.note("bucket", torch.zeros(3))
     assert streams._seen == {}
@@ -419,7 +419,7 @@ def test_profile_window_writes_one_trace_for_its_iterations(tmp_path):
     trace named in the log; other ranks and runs without --profile write nothing."""
     import json
 
-    from megadomino.training.profiling import ProfileWindow
+    from megadomino.train.profiling import ProfileWindow
 
     config = LoggingConfig(profile=True, use_pytorch_profiler=True, profile_step_start=2,
                            profile_step_end=4, profile_ranks=[0, 3],

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from dist_utils import free_port
+from megadomino.cli.arguments import parse_args
 from megadomino.config import ConfigError
-from megadomino.training.arguments import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {name: entry for name, entry in json.loads(

@@ -17,15 +17,15 @@ from configs import make_config
 from dist_utils import C, DistSuite, assert_close
 from megadomino.build import build_model
 from megadomino.config import ModelConfig
-from megadomino.parallel import ParallelDims
-from megadomino.training.checkpoint import (
+from megadomino.distributed import ParallelDims
+from megadomino.train.checkpoint import (
     TrainingState,
     load_checkpoint,
     load_optimizer_state,
     save_checkpoint,
 )
-from megadomino.training.loop import train
-from megadomino.training.pad_rows import first_pad_row
+from megadomino.train.loop import train
+from megadomino.train.pad_rows import first_pad_row
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 from megadomino.zero.optimizer import build_engine
 

@@ -22,17 +22,17 @@ import torch.distributed as dist
 
 from dist_utils import C, DistSuite
 from megadomino.build import build_model
-from megadomino.parallel import ParallelDims
-from megadomino.training import checkpoint
-from megadomino.training.arguments import parse_args
-from megadomino.training.checkpoint import (
+from megadomino.cli.arguments import parse_args
+from megadomino.distributed import ParallelDims
+from megadomino.train.checkpoint import (
     CheckpointError,
     TrainingState,
     latest_iteration,
     load_checkpoint,
     save_checkpoint,
+    shards,
 )
-from megadomino.training.loop import train
+from megadomino.train.loop import train
 from megadomino.zero import ZeroPlusPlus
 
 BASE = ["--model-preset", "gpt-tiny", "--seq-length", "32", "--mock-data", "--global-batch-size",
@@ -143,14 +143,14 @@ def _check_failed_optimizer_shard_blocks_the_save(run: dict, dims: ParallelDims,
                                                   directory: str) -> None:
     """One rank failing to write its optimizer shard fails the save on every rank, and the
     iteration file keeps naming the previous checkpoint."""
-    real_save = checkpoint.atomic_save
+    real_save = shards.atomic_save
 
     def fail_on_rank1(obj: dict, path) -> None:
         if dims.rank == 1 and path.name.startswith("optim_dp_rank_"):
             raise OSError("disk full")
         real_save(obj, path)
 
-    checkpoint.atomic_save = fail_on_rank1
+    shards.atomic_save = fail_on_rank1
     try:
         save_checkpoint(directory, TrainingState(iteration=9), run["model"], run["optimizer"],
                         dims)
@@ -159,7 +159,7 @@ def _check_failed_optimizer_shard_blocks_the_save(run: dict, dims: ParallelDims,
     else:
         raise AssertionError("the save did not fail")
     finally:
-        checkpoint.atomic_save = real_save
+        shards.atomic_save = real_save
     assert latest_iteration(directory) == 3
 
 

@@ -76,7 +76,7 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     fp8: FP8Recipe | None = None
-    """FP8 GEMMs in the transformer layers' linears (megadomino/parallel/fp8.py); None: off."""
+    """FP8 GEMMs in the transformer layers' linears (megadomino/tp/fp8.py); None: off."""
 
     @property
     def params_dtype(self) -> str:
@@ -123,9 +123,9 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     peak_tflops: float | None = None
     """Per-GPU peak TFLOP/s MFU is measured against; None: the GPU's dense bf16 peak where
-    training.metrics.PEAK_BF16_TFLOPS knows it, else no MFU."""
+    train.metrics.PEAK_BF16_TFLOPS knows it, else no MFU."""
     profile: bool = False
-    """Profile iterations [profile_step_start, profile_step_end) (training/profiling.py)."""
+    """Profile iterations [profile_step_start, profile_step_end) (train/profiling.py)."""
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: list[int] = field(default_factory=lambda: [0])
@@ -138,7 +138,7 @@ class RuntimeConfig:
 
     seed: int = 1234
     manual_gc: bool = False
-    """Python's garbage collector off, collecting on a schedule (megadomino.training.manual_gc)."""
+    """Python's garbage collector off, collecting on a schedule (megadomino.train.manual_gc)."""
     manual_gc_interval: int = 0
     """With manual_gc: iterations between collections (0: only at the start)."""
     manual_gc_eval: bool = True

@@ -1,8 +1,8 @@
 """The one validator: every rule a configuration must meet, each checked once, in pure
 arithmetic on the config tree (and a look at --save's directory), so that every rank refuses
 alike with one line naming the flag before any collective starts. The command line runs it after
-parsing (`training.arguments.parse_args`) and again with the world size at launch; the library's
-`training.loop.train` runs it with the process grid's world before it builds anything.
+parsing (`cli.arguments.parse_args`) and again with the world size at launch; the library's
+`train.loop.train` runs it with the process grid's world before it builds anything.
 
     validate(config)                                   # the configuration alone
     validate(config, world_size, gpus_per_node)        # and the process grid
@@ -22,7 +22,7 @@ from megadomino.config.model import ModelConfig
 from megadomino.config.parallel import ParallelConfig
 from megadomino.config.train import FP8Recipe, ScheduleConfig, TrainConfig
 from megadomino.config.tree import Config
-from megadomino.parallel.dims import check_degrees, check_gpus_per_node
+from megadomino.distributed.dims import check_degrees, check_gpus_per_node
 
 
 def validate(config: Config, world_size: int | None = None, gpus_per_node: int | None = None, *,

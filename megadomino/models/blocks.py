@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
-from megadomino.parallel import random as tp_random
-from megadomino.parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std
+from megadomino.distributed import random as tp_random
+from megadomino.tp.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

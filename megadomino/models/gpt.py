@@ -24,12 +24,12 @@ from torch import nn
 
 from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
 from megadomino.config.validate import validate_layers
+from megadomino.distributed import mappings
+from megadomino.distributed import random as tp_random
 from megadomino.models.blocks import DTYPES, rotary_tables
 from megadomino.models.transformer import TransformerBlock
-from megadomino.parallel import mappings
-from megadomino.parallel import random as tp_random
-from megadomino.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megadomino.parallel.layers import (
+from megadomino.tp.cross_entropy import vocab_parallel_cross_entropy
+from megadomino.tp.layers import (
     VocabParallelEmbedding,
     column_parallel_matmul,
     init_sharded_,

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
+from megadomino.distributed import random as tp_random
 from megadomino.models.blocks import MLP, Attention, build_norm
-from megadomino.parallel import random as tp_random
 
 
 class TransformerLayer(nn.Module):

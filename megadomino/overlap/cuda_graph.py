@@ -17,7 +17,7 @@ Parameter gradients come out of the backward graph and are accumulated by autogr
 so gradient hooks (the DP gradient buffer, ZeRO stage 1) run as usual - but on the capture's
 side stream (the captured autograd graph keeps the parameters' AccumulateGrad nodes made there),
 while the embedding's run on the main stream: the hooks join the streams a bucket's gradients
-came from before its DP reduction is enqueued (`parallel.streams`; without that join, TP 2 x
+came from before its DP reduction is enqueued (`distributed.streams`; without that join, TP 2 x
 DP 2 drifted from eager training by 1e-4 relative, scripts/debug/cuda_graph_dp_drift.py).
 
 Limits, refused up front by the validator (megadomino.config.validate) with the flag named:

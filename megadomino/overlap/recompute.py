@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from megadomino.parallel import random as tp_random
+from megadomino.distributed import random as tp_random
 
 
 class FullRecompute:

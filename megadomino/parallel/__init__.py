@@ -1,5 +1,1 @@
-"""Tensor-parallel building blocks: ParallelDims, the f/g collectives, parallel layers."""
-
-from megadomino.parallel.dims import ParallelDims
-
-__all__ = ["ParallelDims"]
+"""Fused sequence-parallel communication (`async_tp`), until it moves to `megadomino/overlap/`."""

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from megadomino.parallel.mappings import all_gather_dim0, reduce_scatter_dim0
+from megadomino.distributed.mappings import all_gather_dim0, reduce_scatter_dim0
 
 
 def _group_name(group) -> str:

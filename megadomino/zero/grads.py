@@ -40,7 +40,7 @@ Ordering assumptions:
   * CUDA: the hooks run on the stream of the parameter's AccumulateGrad node (usually the one
     compute stream; under --enable-cuda-graph the graphed layers' nodes are on the capture's side
     stream), a unit's reduction is enqueued on the current stream after it waited for every
-    other stream the unit's hooks ran on (`parallel.streams`), and waits make the current stream
+    other stream the unit's hooks ran on (`distributed.streams`), and waits make the current stream
     wait: the optimizer must run on the stream that called `finish()`.
 """
 
@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from megadomino.config import REDUCE_DTYPES, ZeroConfig
-from megadomino.parallel.streams import HookStreams, weak_grad_hook
+from megadomino.distributed.streams import HookStreams, weak_grad_hook
 from megadomino.zero import collectives
 from megadomino.zero.collectives import CommCounter, Pending
 from megadomino.zero.params import MemoryMeter

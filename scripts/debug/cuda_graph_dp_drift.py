@@ -5,10 +5,10 @@
 
 Trains a tiny GPT (fp32, TF32 off, dropout 0) for a few iterations at TP 2 x DP (world / 2):
 eager, CUDA-graphed, and CUDA-graphed with the gradient hooks' stream join switched off (the code
-before the fix: `parallel.streams.HookStreams.join` a no-op), and prints per iteration the loss
+before the fix: `distributed.streams.HookStreams.join` a no-op), and prints per iteration the loss
 and the pre-clip gradient norm of each. The cause: the graphed layers' AccumulateGrad nodes run
 on the capture's side stream, the embedding's on the main one, and the DP bucket's all-reduce was
-enqueued on the stream of its last hook without waiting for the other (parallel/streams.py).
+enqueued on the stream of its last hook without waiting for the other (distributed/streams.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from megadomino.config import (
     ScheduleConfig,
     TrainConfig,
 )
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.streams import HookStreams
-from megadomino.training.loop import train
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.streams import HookStreams
+from megadomino.train.loop import train
 
 
 def run(dims: ParallelDims, graph: bool, iters: int) -> dict:

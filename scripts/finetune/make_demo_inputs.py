@@ -49,9 +49,9 @@ def write_model(out: str, tokenizer_model: str, preset: str, num_layers: int, dt
     import torch.distributed as dist
 
     from megadomino.config import ModelConfig
+    from megadomino.distributed import ParallelDims
     from megadomino.interop.hf import save_llama
     from megadomino.models.llama import LlamaModel
-    from megadomino.parallel import ParallelDims
 
     vocab_size = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model).get_piece_size()
     config = ModelConfig.preset(preset, num_layers=num_layers, vocab_size=vocab_size)

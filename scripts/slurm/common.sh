@@ -5,7 +5,7 @@
 # LAUNCHER=torchrun (default): srun starts one torchrun per node; torchrun starts GPUS_PER_NODE
 #   workers and the nodes meet through c10d rendezvous on the first node of the job.
 # LAUNCHER=srun: srun starts every worker itself (GPUS_PER_NODE tasks per node); the entry point
-#   reads SLURM_PROCID and friends (megadomino/training/slurm_env.py).
+#   reads SLURM_PROCID and friends (megadomino/cli/slurm_env.py).
 # LAUNCHER=local: one node without SLURM, `torchrun --standalone`.
 # DRY_RUN=1 prints the command instead of running it (also outside SLURM, for checking).
 #
@@ -17,7 +17,7 @@ megadomino_first_node() {
   if command -v scontrol >/dev/null 2>&1; then
     scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1
   else
-    python3 -c 'import sys; from megadomino.training.slurm_env import first_host
+    python3 -c 'import sys; from megadomino.cli.slurm_env import first_host
 print(first_host(sys.argv[1]))' "$SLURM_JOB_NODELIST"
   fi
 }

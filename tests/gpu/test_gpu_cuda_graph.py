@@ -3,7 +3,7 @@ small Llama train the same iterations with the layers captured in CUDA graphs an
 (TF32 off: same kernels, so the losses agree to rounding) and bf16 (bound: bf16 rounding), at
 TP = 1 (one GPU) and at TP = each power-of-two GPU count from 2 up with sequence parallelism and
 the fused symmetric-memory GEMM + communication (`--tp-comm-overlap`), and at TP = half the GPUs x
-DP 2 (the DP gradient hooks then run on two streams: megadomino/parallel/streams.py), there also
+DP 2 (the DP gradient hooks then run on two streams: megadomino/distributed/streams.py), there also
 with the distributed optimizer (ZeRO stage 1).
 The gpu tier: `python -m pytest tests --tier gpu -q`."""
 
@@ -14,8 +14,8 @@ import torch
 from configs import make_config
 from dist_utils import C, DistSuite
 from megadomino.config import ModelConfig
-from megadomino.parallel import ParallelDims
-from megadomino.training.loop import train
+from megadomino.distributed import ParallelDims
+from megadomino.train.loop import train
 
 ITERS = 12
 DTYPES = {"fp32": ("float32", 1e-5), "bf16": ("bfloat16", 2e-2)}

@@ -8,7 +8,7 @@ from test_domino import check_equal
 from test_tp_equivalence import FAMILIES
 
 from dist_utils import C, DistSuite
-from megadomino.parallel import ParallelDims
+from megadomino.distributed import ParallelDims
 
 PLANS = [(2, 1, False), (3, 2, True), (4, 4, False), (2, 2, True)]
 # bf16: Domino sums slices' weight gradients in fp32 and rounds once, plain TP's GEMM does too,

@@ -12,7 +12,7 @@ from test_fp8 import _dequantized, _Net, _train_net
 
 from dist_utils import assert_close
 from megadomino.config import FP8Recipe
-from megadomino.parallel.fp8 import E4M3, E5M2, FP8State, fp8_linear
+from megadomino.tp.fp8 import E4M3, E5M2, FP8State, fp8_linear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

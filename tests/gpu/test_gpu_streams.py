@@ -1,4 +1,4 @@
-"""On the GPU machine: `parallel.streams.HookStreams.join` makes the current stream wait for
+"""On the GPU machine: `distributed.streams.HookStreams.join` makes the current stream wait for
 work a gradient hook queued on another stream (the --enable-cuda-graph DP race: the graphed
 layers' hooks run on the capture's side stream). `python -m pytest tests/gpu -q`."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megadomino.parallel.streams import HookStreams
+from megadomino.distributed.streams import HookStreams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

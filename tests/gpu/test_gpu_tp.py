@@ -8,7 +8,7 @@ import torch
 from test_tp_equivalence import FAMILIES, check_model
 
 from dist_utils import C, DistSuite
-from megadomino.parallel import ParallelDims
+from megadomino.distributed import ParallelDims
 
 # bf16 against the fp32 TP=1 model: bf16 rounding, not TP, sets these bounds.
 BF16_REL = (3e-2, 6e-2)

@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 import torch
 
 from megadomino.config import DominoPlan
+from megadomino.distributed import random as tp_random
+from megadomino.distributed.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
 from megadomino.overlap.domino.actions import backward_actions, forward_actions
 from megadomino.overlap.domino.units import Pending, WgradSink, domino_linear, leaf
-from megadomino.parallel import random as tp_random
-from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
 
 
 @dataclass

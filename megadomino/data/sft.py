@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from megadomino.config import ConfigError
-from megadomino.training.data.builder import SPLITS, parse_split
-from megadomino.training.data.tokenizer import Tokenizer
+from megadomino.data.builder import SPLITS, parse_split
+from megadomino.data.tokenizer import Tokenizer
 
 
 def read_examples(paths: Sequence[str]) -> list[tuple[str, str]]:

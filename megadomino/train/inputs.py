@@ -13,12 +13,12 @@ import dataclasses
 
 from megadomino.config import Config, DataConfig, ScheduleConfig
 from megadomino.config.validate import batch_plan, train_iterations
-from megadomino.parallel import ParallelDims
-from megadomino.training.data import build_tokenizer, build_train_valid_test_datasets
-from megadomino.training.data.sft import build_sft_datasets
-from megadomino.training.data.tokenizer import Tokenizer
-from megadomino.training.loop import ModelInit
-from megadomino.training.step import Dataset
+from megadomino.data import build_tokenizer, build_train_valid_test_datasets
+from megadomino.data.sft import build_sft_datasets
+from megadomino.data.tokenizer import Tokenizer
+from megadomino.distributed import ParallelDims
+from megadomino.train.loop import ModelInit
+from megadomino.train.step import Dataset
 
 
 def run_tokenizer(config: Config) -> tuple[Config, Tokenizer | None]:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megadomino.config import Config, ZeroConfig
-from megadomino.training.pad_rows import first_pad_row
+from megadomino.train.pad_rows import first_pad_row
 
 
 def count_parameters(model: nn.Module, dims) -> int:

@@ -5,7 +5,7 @@ One iteration consumes one global batch of `global_batch_size` samples: `global_
 (micro_batch_size * dp)` micro-batches per rank, each a forward and a backward of the mean loss
 over its loss-mask tokens divided by the number of micro-batches (times the loss scale in fp16).
 All but the last backward run under `no_sync()`; the last launches the DP reduction unit by unit
-while backward proceeds. Then clip and AdamW step (`training.step`; its docstring gives the
+while backward proceeds. Then clip and AdamW step (`train.step`; its docstring gives the
 sampler: DP ranks never read the same sample in a step).
 
 The data-parallel engine is `megadomino.zero.ZeroPlusPlus` at the stage --zero-stage names (0,
@@ -16,14 +16,14 @@ each layer just before use, with ZeRO++'s qwZ, hpZ and qgZ as the --zeropp-* fla
 built after the Domino auto-tune and after --load's weights went into the whole model, which it
 then takes over; its optimizer state loads after that (`checkpoint.load_optimizer_state`).
 
-After each iteration, in Megatron-LM's order: the log line at --log-interval (`training.report`:
+After each iteration, in Megatron-LM's order: the log line at --log-interval (`train.report`:
 NaN stop, timers, TensorBoard), validation at --eval-interval, a checkpoint at --save-interval, at
-the end of the run and when an early stop (`training.stopping`) ends it. A checkpoint becomes the
+the end of the run and when an early stop (`train.stopping`) ends it. A checkpoint becomes the
 latest (`latest_checkpointed_iteration.txt`) only once a forward pass from its weights gave a
 finite loss: a diverged step stops the run with the previous checkpoint still the one a requeued
 job resumes (`_save`). `--load` resumes from
 the counters, optimizer and RNG states a checkpoint holds, so that a resumed run repeats the
-uninterrupted one's losses exactly (`training.checkpoint`).
+uninterrupted one's losses exactly (`train.checkpoint`).
 
 The device is the current CUDA device when CUDA is available, else the CPU; whoever initialised
 the process group chose the backend to match.
@@ -43,11 +43,12 @@ from megadomino import overlap
 from megadomino.build import build_model
 from megadomino.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from megadomino.config.validate import batch_plan, train_iterations, validate
+from megadomino.data.mock import MockDataset
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.random import model_parallel_seed
 from megadomino.overlap.cuda_graph import capture_layers
 from megadomino.overlap.domino.autotune import autotune_domino
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.random import model_parallel_seed
-from megadomino.training.checkpoint import (
+from megadomino.train.checkpoint import (
     TRACKER,
     CheckpointError,
     TrainingState,
@@ -58,18 +59,17 @@ from megadomino.training.checkpoint import (
     promote_checkpoint,
     save_checkpoint,
 )
-from megadomino.training.data.mock import MockDataset
-from megadomino.training.lr_schedule import LRSchedule
-from megadomino.training.manual_gc import ManualGC
-from megadomino.training.metrics import num_floating_point_operations, peak_tflops
-from megadomino.training.profiling import ProfileWindow
-from megadomino.training.progress import Progress
-from megadomino.training.report import NonFiniteLossError, Reporter
-from megadomino.training.step import Dataset, Stepper
-from megadomino.training.stopping import StopConditions
-from megadomino.training.summary import count_parameters, startup_lines
-from megadomino.training.tensorboard import open_writer
-from megadomino.training.timers import Timers
+from megadomino.train.lr_schedule import LRSchedule
+from megadomino.train.manual_gc import ManualGC
+from megadomino.train.metrics import num_floating_point_operations, peak_tflops
+from megadomino.train.profiling import ProfileWindow
+from megadomino.train.progress import Progress
+from megadomino.train.report import NonFiniteLossError, Reporter
+from megadomino.train.step import Dataset, Stepper
+from megadomino.train.stopping import StopConditions
+from megadomino.train.summary import count_parameters, startup_lines
+from megadomino.train.tensorboard import open_writer
+from megadomino.train.timers import Timers
 from megadomino.zero import ZeroPlusPlus
 from megadomino.zero.optimizer import build_engine
 

@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.compat import all_gather_single
-from megadomino.training.timers import Timers
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.compat import all_gather_single
+from megadomino.train.timers import Timers
 from megadomino.zero import ZeroPlusPlus
 from megadomino.zero.loss_scaler import StepResult
 

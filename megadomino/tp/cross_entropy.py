@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megadomino.parallel.mappings import all_reduce
+from megadomino.distributed.mappings import all_reduce
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from megadomino.training.data.index_cache import cached_arrays
+from megadomino.data.index_cache import cached_arrays
 
 
 def normalize_weights(weights: Sequence[float]) -> list[float]:

@@ -45,8 +45,8 @@ class ParallelDims:
         self.tp, self.pp, self.dp = tp, pp, dp
         self.gpus_per_node = gpus_per_node
         self.rng = None
-        """The TP RNG tracker (`parallel.random.RNGStatesTracker`) that
-        `parallel.random.model_parallel_seed` makes: dropout on TP-sharded activations draws
+        """The TP RNG tracker (`distributed.random.RNGStatesTracker`) that
+        `distributed.random.model_parallel_seed` makes: dropout on TP-sharded activations draws
         from it. None until seeded."""
         self.timeout = timeout
         grid = torch.arange(world).view(pp, dp, tp)

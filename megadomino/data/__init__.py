@@ -5,16 +5,16 @@
 "loss_mask": FloatTensor [seq_length]} (see `builder` and `gpt_dataset`).
 """
 
-from megadomino.training.data.blend import BlendedDataset
-from megadomino.training.data.builder import (
+from megadomino.data.blend import BlendedDataset
+from megadomino.data.builder import (
     build_train_valid_test_datasets,
     parse_data_path,
     parse_split,
 )
-from megadomino.training.data.gpt_dataset import GPTDataset
-from megadomino.training.data.indexed import IndexedDataset, IndexedDatasetBuilder
-from megadomino.training.data.mock import MockDataset
-from megadomino.training.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megadomino.data.gpt_dataset import GPTDataset
+from megadomino.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from megadomino.data.mock import MockDataset
+from megadomino.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 __all__ = [
     "TOKENIZER_TYPES",

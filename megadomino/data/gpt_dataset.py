@@ -28,8 +28,8 @@ import os
 import numpy as np
 import torch
 
-from megadomino.training.data.index_cache import cached_arrays
-from megadomino.training.data.indexed import IndexedDataset
+from megadomino.data.index_cache import cached_arrays
+from megadomino.data.indexed import IndexedDataset
 
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 

@@ -7,14 +7,14 @@ carries its sharding so that full (unsharded) state dicts can be built and loade
 `tp_stripes` (a weight made of several stacked matrices each sharded on its own, e.g. SwiGLU's
 [gate; up]), and for vocabulary tables `vocab_size` (the unpadded row count).
 
-FP8 (`fp8`, a parallel.fp8.FP8Recipe): the layer's GEMMs run in FP8 (fp8_linear), with its
+FP8 (`fp8`, a config.FP8Recipe): the layer's GEMMs run in FP8 (fp8_linear), with its
 scaling state in the `fp8_state` submodule. The column-parallel input's collective is then the
 plain mapping (f, or the sequence all-gather) around fp8_linear, without the async overlap of the
 input-gradient all-reduce that the high-precision path has; --tp-comm-overlap is not combined
 with it.
 
 Init: the full weight is drawn from the default generator (identical on every TP rank, see
-`parallel.random`) and then sharded, so a model's initial weights do not depend on the TP degree.
+`distributed.random`) and then sharded, so a model's initial weights do not depend on the TP degree.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadomino.config import FP8Recipe
-from megadomino.parallel import async_tp, mappings
-from megadomino.parallel.fp8 import FP8State, fp8_linear
-from megadomino.parallel.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
+from megadomino.distributed import mappings
+from megadomino.distributed.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
+from megadomino.parallel import async_tp
+from megadomino.tp.fp8 import FP8State, fp8_linear
 
 
 def shard_rows(full: torch.Tensor, dim: int, stripes: int, tp: int, tp_rank: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from megadomino.parallel.compat import all_gather_single, reduce_scatter_single
+from megadomino.distributed.compat import all_gather_single, reduce_scatter_single
 
 
 class NoCommunication:

@@ -14,7 +14,7 @@ DP rank 0 of each TP rank writes that rank's shard: its model shard, at ZeRO sta
 parallelism) its optimizer shard (AdamW moments, step and the fp32 masters of bf16/fp16
 parameters, keyed by parameter name, the engine's `state_by_parameter()`) and the loss scaler,
 the training counters, the ModelConfig, the sharding of every parameter, and the RNG states
-(python, numpy, torch CPU, CUDA, the TP tracker) and FP8 scaling states (parallel.fp8's FP8State
+(python, numpy, torch CPU, CUDA, the TP tracker) and FP8 scaling states (tp.fp8's FP8State
 buffers, per rank) of every DP rank of its TP rank, gathered over DP.
 
 At the sharded stages (--zero-stage 1 or 3) the model shard is the same (at stage 3 the layers
@@ -54,11 +54,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megadomino.distributed import ParallelDims
 from megadomino.models.gpt import shard_full
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.fp8 import fp8_states
-from megadomino.parallel.layers import unshard_rows
-from megadomino.training.checkpoint_files import (
+from megadomino.tp.fp8 import fp8_states
+from megadomino.tp.layers import unshard_rows
+from megadomino.train.checkpoint.files import (
     FORMAT_VERSION,
     MANIFEST,
     TRACKER,
@@ -74,8 +74,8 @@ from megadomino.training.checkpoint_files import (
     write_manifest,
     write_tracker,
 )
-from megadomino.training.pad_rows import without_pad_rows, zero_pad_rows_in_zero_state_
-from megadomino.training.rng_state import capture_rng_state, restore_rng_state
+from megadomino.train.checkpoint.rng import capture_rng_state, restore_rng_state
+from megadomino.train.pad_rows import without_pad_rows, zero_pad_rows_in_zero_state_
 from megadomino.zero import ZeroPlusPlus
 from megadomino.zero.optimizer import layout_mismatch
 

@@ -2,7 +2,7 @@
 one explicit flag policy.
 
 Every flag megadomino knows is a row of `FLAGS` (and, for finetune_llama.py, `FINETUNE_FLAGS`) in
-`megadomino.training.flags`, under one of five policies: implemented, alias, ours, notice, refused.
+`megadomino.cli.flags`, under one of five policies: implemented, alias, ours, notice, refused.
 Anything else is an error naming the flag. `docs/flags.md` holds the same tables, rendered by
 `render_flag_table()`; a test keeps them equal. Here are the checks on the flags themselves
 (ranges, policies, spellings); what the resulting config must meet is the validator's
@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from megadomino.cli.flags import ALIAS, FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, Flag
 from megadomino.config import (
     FAMILY_DEFAULTS,
     Config,
@@ -29,7 +30,6 @@ from megadomino.config import (
     build,
 )
 from megadomino.config.validate import validate
-from megadomino.training.flags import ALIAS, FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, Flag
 
 _REQUIRED_WITHOUT_PRESET = ("--num-layers", "--hidden-size", "--num-attention-heads",
                             "--seq-length")

@@ -9,7 +9,7 @@ megatron_flags/ holds the names these rows must cover; tests/test_flag_coverage.
 
 from __future__ import annotations
 
-from megadomino.training.flag_row import (
+from megadomino.cli.flag_row import (
     NOTICE,
     REFUSED,
     Flag,

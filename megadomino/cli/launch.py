@@ -23,11 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from megadomino.cli.arguments import parse_args
+from megadomino.cli.slurm_env import apply_slurm_env
 from megadomino.config import ConfigError
 from megadomino.config.validate import validate
-from megadomino.parallel import ParallelDims
-from megadomino.training.arguments import parse_args
-from megadomino.training.slurm_env import apply_slurm_env
+from megadomino.distributed import ParallelDims
 
 
 def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> int:
@@ -40,7 +40,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     try:
         config, notices = parse_args(argv, family, finetune)
         # Imported only once the flags are good: a flag error never depends on the model code.
-        from megadomino.training.inputs import run_tokenizer
+        from megadomino.train.inputs import run_tokenizer
 
         config, tokenizer = run_tokenizer(config)
         apply_slurm_env(os.environ)  # started by srun directly: torchrun's variables from SLURM's
@@ -54,10 +54,10 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     if int(os.environ["RANK"]) == 0:
         for notice in notices:
             print(f"notice: {notice}", flush=True)
-    from megadomino.training.checkpoint import CheckpointError
-    from megadomino.training.inputs import build_datasets, hf_model_init
-    from megadomino.training.loop import train
-    from megadomino.training.report import NonFiniteLossError
+    from megadomino.train.checkpoint import CheckpointError
+    from megadomino.train.inputs import build_datasets, hf_model_init
+    from megadomino.train.loop import train
+    from megadomino.train.report import NonFiniteLossError
 
     parallel, timeout = config.parallel, config.train.runtime.distributed_timeout_minutes
     _init_process_group(timeout)

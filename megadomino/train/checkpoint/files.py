@@ -1,5 +1,5 @@
 """Checkpoint files: written atomically, checksummed, read back verified, and every rank
-agreeing on the outcome (see `megadomino.training.checkpoint` for the layout).
+agreeing on the outcome (see `shards` for the layout).
 
 Every file a save writes is checksummed (CRC-32, zlib's) as its bytes are written; rank 0 then
 writes `ITERATION_DIR/manifest.json`, `{"format": 1, "files": {relative path: {"bytes": n,
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megadomino.parallel import ParallelDims
+from megadomino.distributed import ParallelDims
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"

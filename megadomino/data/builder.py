@@ -40,10 +40,10 @@ import numpy as np
 import torch.distributed as dist
 
 from megadomino.config import ConfigError
-from megadomino.training.data.blend import BlendedDataset, normalize_weights
-from megadomino.training.data.gpt_dataset import GPTDataset
-from megadomino.training.data.index_cache import cached_arrays
-from megadomino.training.data.indexed import IndexedDataset
+from megadomino.data.blend import BlendedDataset, normalize_weights
+from megadomino.data.gpt_dataset import GPTDataset
+from megadomino.data.index_cache import cached_arrays
+from megadomino.data.indexed import IndexedDataset
 
 SPLITS = ("train", "valid", "test")
 MID_LEVEL_SURPLUS = 0.005

@@ -2,7 +2,7 @@
 
 A vocabulary-parallel weight (the embedding, an untied output layer: parameters with a
 `vocab_size` attribute) has `padded_vocab_size / tp` rows per TP rank; global rows at or past
-`vocab_size` are padding. The loss gives them no gradient (`parallel.cross_entropy`), so they stay
+`vocab_size` are padding. The loss gives them no gradient (`tp.cross_entropy`), so they stay
 at the zero they start from. Checkpoints written while the padding columns still took part in
 the softmax hold trained, non-zero padding rows (and AdamW moments, which would keep moving them):
 a load zeroes those, in the weights, the fp32 masters and the optimizer state, and says so.

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import torch
 
-from megadomino.parallel import ParallelDims
-from megadomino.parallel.random import tracker_of
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.random import tracker_of
 
 
 def capture_rng_state(dims: ParallelDims) -> dict:

@@ -14,7 +14,7 @@ of each store_false field's `--no-X`.
 
 from __future__ import annotations
 
-from megadomino.training.flag_row import (
+from megadomino.cli.flag_row import (
     NOTICE,
     REFUSED,
     Flag,
@@ -26,7 +26,7 @@ from megadomino.training.flag_row import (
 )
 
 # Shared with flags_megatron.py's rows, so that given together their notices make one line.
-from megadomino.training.flags_megatron import (
+from megadomino.cli.flags_megatron import (
     _FSDP,
     _INFERENCE,
     _RL,

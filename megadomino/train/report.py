@@ -17,11 +17,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megadomino.parallel import ParallelDims
-from megadomino.training.metrics import peak_memory_gib, throughput
-from megadomino.training.step import dp_mean
-from megadomino.training.tensorboard import ScalarWriter
-from megadomino.training.timers import Timers
+from megadomino.distributed import ParallelDims
+from megadomino.train.metrics import peak_memory_gib, throughput
+from megadomino.train.step import dp_mean
+from megadomino.train.tensorboard import ScalarWriter
+from megadomino.train.timers import Timers
 from megadomino.zero import ZeroPlusPlus
 from megadomino.zero.loss_scaler import StepResult
 

@@ -1,18 +1,18 @@
 """The flag policy table: every flag megadomino knows, under one of the policies of
-`megadomino.training.flag_row` (implemented, alias, ours, notice, refused).
+`megadomino.cli.flag_row` (implemented, alias, ours, notice, refused).
 
 `FLAGS` is what pretrain_gpt.py and pretrain_llama.py take; finetune_llama.py takes
 `FINETUNE_FLAGS` too. The rows here are the flags megadomino implements and the notices and
 refusals written with them; `flags_megatron.MEGATRON_ROWS` covers the rest of Megatron-LM's
 command line (and the old and fork names launch scripts still pass), and
 `flags_megatron_config.MEGATRON_CONFIG_ROWS` the flags it makes of its config dataclasses.
-`RANGES` bounds the numeric flags. `megadomino.training.arguments` parses them; docs/flags.md
+`RANGES` bounds the numeric flags. `megadomino.cli.arguments` parses them; docs/flags.md
 renders them.
 """
 
 from __future__ import annotations
 
-from megadomino.training.flag_row import (
+from megadomino.cli.flag_row import (
     ALIAS,
     IMPLEMENTED,
     NOTICE,
@@ -21,15 +21,15 @@ from megadomino.training.flag_row import (
     Flag,
     Range,
 )
-from megadomino.training.flag_row import count as _count
-from megadomino.training.flag_row import impl as _impl
-from megadomino.training.flag_row import notice as _notice
-from megadomino.training.flag_row import ours as _ours
-from megadomino.training.flag_row import refuse as _refuse
-from megadomino.training.flag_row import slices_or_auto as _slices_or_auto
-from megadomino.training.flag_row import value as _value
-from megadomino.training.flags_megatron import MEGATRON_ROWS, MOE, PIPELINE
-from megadomino.training.flags_megatron_config import MEGATRON_CONFIG_ROWS
+from megadomino.cli.flag_row import count as _count
+from megadomino.cli.flag_row import impl as _impl
+from megadomino.cli.flag_row import notice as _notice
+from megadomino.cli.flag_row import ours as _ours
+from megadomino.cli.flag_row import refuse as _refuse
+from megadomino.cli.flag_row import slices_or_auto as _slices_or_auto
+from megadomino.cli.flag_row import value as _value
+from megadomino.cli.flags_megatron import MEGATRON_ROWS, MOE, PIPELINE
+from megadomino.cli.flags_megatron_config import MEGATRON_CONFIG_ROWS
 
 __all__ = ["ALIAS", "FINETUNE_FLAGS", "FLAGS", "IMPLEMENTED", "NOTICE", "OURS", "RANGES",
            "REFUSED", "Flag"]
@@ -152,7 +152,7 @@ FLAGS: tuple[Flag, ...] = (
           "fp16: clean steps before the scale grows."),
     _impl("--hysteresis", "train.precision.hysteresis", int,
           "fp16: overflows tolerated before shrinking."),
-    # FP8 GEMMs in the transformer layers' linears (megadomino/parallel/fp8.py).
+    # FP8 GEMMs in the transformer layers' linears (megadomino/tp/fp8.py).
     _impl("--fp8-format", "train.precision.fp8.format", str,
           "FP8 GEMMs (torch._scaled_mm, per-tensor scales) in the layers' column- and "
           "row-parallel linears: hybrid casts activations and weights to e4m3 and gradients to "
@@ -382,7 +382,7 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--profile", "train.logging.profile", None,
           "Profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks: "
           "with --use-pytorch-profiler a torch.profiler Chrome trace in --tensorboard-dir (or "
-          "./profile), else cudaProfilerStart/Stop for nsys (megadomino/training/profiling.py)."),
+          "./profile), else cudaProfilerStart/Stop for nsys (megadomino/train/profiling.py)."),
     _impl("--profile-step-start", "train.logging.profile_step_start", int,
           "First profiled iteration (default 10)."),
     _impl("--profile-step-end", "train.logging.profile_step_end", int,

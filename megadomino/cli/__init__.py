@@ -1,0 +1,3 @@
+"""The command line and the launchers' contracts: Megatron-LM's flags (the policy table in
+`flags`), parsing onto the configuration tree (`arguments`), and the launch (`launch`, the one
+module that reads the environment: torchrun's, SLURM's and the deepspeed launcher's variables)."""

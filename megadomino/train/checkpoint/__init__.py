@@ -1,0 +1,31 @@
+"""Checkpoints in Megatron-LM's layout: `shards` saves and loads each rank's shards (the layout,
+resume, loading at another TP degree), `files` writes them atomically and verifies them against
+the manifest, `rng` captures and restores every random generator of a rank."""
+
+from megadomino.train.checkpoint.files import TRACKER, CheckpointError, Manifest
+from megadomino.train.checkpoint.shards import (
+    SHARD,
+    TrainingState,
+    checkpoint_dir,
+    latest_iteration,
+    load_checkpoint,
+    load_optimizer_state,
+    promote_checkpoint,
+    save_checkpoint,
+    shard_path,
+)
+
+__all__ = [
+    "SHARD",
+    "TRACKER",
+    "CheckpointError",
+    "Manifest",
+    "TrainingState",
+    "checkpoint_dir",
+    "latest_iteration",
+    "load_checkpoint",
+    "load_optimizer_state",
+    "promote_checkpoint",
+    "save_checkpoint",
+    "shard_path",
+]

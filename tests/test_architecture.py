@@ -1,0 +1,157 @@
+"""The import rules of docs/architecture.md hold: every module of megadomino/ and kernels/ (parsed,
+not imported; function-level imports included) imports only the megadomino packages its own
+package may import. `config` sits under everything; `distributed` <- `tp` <- `models`; the
+execution strategies (`domino`, `parallel`'s fused communication, the `zero` engine) drive
+`models` and never the reverse; `train` and `cli` sit on top; `kernels` needs torch and Triton
+only; `data` knows nothing of models. The table below is the document's table, as data."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+_BELOW_MODELS = {"config", "distributed", "tp", "kernels"}
+_STRATEGIES = {"overlap", "parallel", "zero"}
+ALLOWED: dict[str, set[str]] = {
+    "megadomino": {"config", "models", "overlap"},  # build.py: a model and its runner
+    "kernels": set(),
+    "config": set(),
+    "distributed": {"config"},
+    "tp": {"config", "distributed"},
+    "models": _BELOW_MODELS,
+    "overlap": _BELOW_MODELS | {"models"},
+    "parallel": _BELOW_MODELS | {"models"},  # async_tp.py, the fused SP communication
+    "zero": _BELOW_MODELS | {"models"},
+    "interop": {"config", "distributed", "tp", "models"},
+    "data": {"config"},
+    "train": _BELOW_MODELS | _STRATEGIES | {"megadomino", "models", "interop", "data"},
+    "cli": _BELOW_MODELS | _STRATEGIES | {"megadomino", "models", "interop", "data", "train"},
+}
+"""Package -> the other megadomino packages its modules may import."""
+
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("megadomino/config/validate.py", "distributed"):
+        "config -> distributed: validate() checks the degrees with check_degrees / "
+        "check_gpus_per_node of distributed.dims, which belong in config",
+    ("megadomino/tp/layers.py", "parallel"):
+        "tp -> parallel: the column/row-parallel linears call async_tp's fused collectives; "
+        "the strategy is handed to the layer once async_tp moves to overlap/",
+}
+"""(module, package) pairs that break a rule today, each with the reason and the way out."""
+
+
+def package_of(path: Path) -> str:
+    """The rule table's name for the package holding the module at `path`."""
+    parts = path.relative_to(ROOT).parts
+    if parts[0] == "kernels":
+        return "kernels"
+    return parts[1] if len(parts) > 2 else "megadomino"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "kernels":
+        parts.insert(0, "megadomino")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def megadomino_imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, imported module) for every import of a megadomino module in `source`, at any depth
+    (inside functions too); relative imports are resolved against `module`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = node.module
+            if node.level:  # relative: `from ..train import loop`, `from . import dims`
+                parts = module.split(".")
+                source = ".".join(parts[:len(parts) - node.level + is_package]
+                                  + ([node.module] if node.module else []))
+            if node.module is None or source == "megadomino":  # names are modules there
+                names = [f"{source}.{alias.name}" for alias in node.names]
+            else:
+                names = [source]
+        else:
+            continue
+        found += [(node.lineno, name) for name in names if name.split(".")[0] == "megadomino"]
+    return sorted(found)
+
+
+TOP_LEVEL_MODULES = {"build"}
+"""Modules directly under megadomino/ (their package is `megadomino`)."""
+
+
+def imported_package(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] not in TOP_LEVEL_MODULES else "megadomino"
+
+
+def violations(package: str, source: str, module: str,
+               is_package: bool) -> list[tuple[str, int, str]]:
+    """(imported package, line, imported module) for each import of `source`, a module of
+    `package`, that the rules forbid."""
+    return [(imported_package(name), line, name)
+            for line, name in megadomino_imports(source, module, is_package)
+            if imported_package(name) not in ALLOWED[package] | {package}]
+
+
+def module_violations(path: Path) -> list[tuple[str, int, str]]:
+    return violations(package_of(path), path.read_text(), module_name(path),
+                      path.name == "__init__.py")
+
+
+MODULES = sorted([*ROOT.glob("megadomino/**/*.py"), *ROOT.glob("kernels/**/*.py")])
+MODULES = [path for path in MODULES if path.relative_to(ROOT).parts[:2] != ("megadomino",
+                                                                            "kernels")]
+
+
+def test_every_package_has_rules():
+    assert len(MODULES) > 60
+    assert {package_of(path) for path in MODULES} == set(ALLOWED)
+    assert all(target in ALLOWED for allowed in ALLOWED.values() for target in allowed)
+
+
+def test_imports_follow_the_rules():
+    broken = [f"{path.relative_to(ROOT)}:{line} imports {name} ({package_of(path)} may not "
+              f"import {target})"
+              for path in MODULES for target, line, name in module_violations(path)
+              if (str(path.relative_to(ROOT)), target) not in EXCEPTIONS]
+    assert not broken, ("imports against the rules of docs/architecture.md:\n  "
+                        + "\n  ".join(broken))
+
+
+def test_every_exception_is_still_needed():
+    used = {(str(path.relative_to(ROOT)), target)
+            for path in MODULES for target, _, _ in module_violations(path)}
+    stale = sorted(set(EXCEPTIONS) - used)
+    assert not stale, f"these no longer break a rule: remove them from EXCEPTIONS: {stale}"
+
+
+def test_the_document_states_the_same_rules():
+    """docs/architecture.md's table: `| `package` | `a`, `b` |` rows, '-' for none; and it names
+    every exception."""
+    text = ARCHITECTURE.read_text()
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", text, re.M)
+    assert {name: set(re.findall(r"`(\w+)`", cell)) for name, cell in rows} == ALLOWED
+    missing = [pair for pair in EXCEPTIONS if f"`{pair[0]}` -> `{pair[1]}`" not in text]
+    assert not missing, missing
+
+
+def test_the_check_sees_what_it_looks_for():
+    source = ("import torch\nfrom megadomino.tp.layers import ColumnParallelLinear\n"
+              "def f():\n    import megadomino.train.loop as loop\n"
+              "from ..data import mock\n")
+    assert megadomino_imports(source, "megadomino.models.gpt", False) == [
+        (2, "megadomino.tp.layers"), (4, "megadomino.train.loop"), (5, "megadomino.data")]
+    assert violations("models", source, "megadomino.models.gpt", False) == [
+        ("train", 4, "megadomino.train.loop"), ("data", 5, "megadomino.data")]
+    assert megadomino_imports("from . import dims\n", "megadomino.distributed", True) == [
+        (1, "megadomino.distributed.dims")]
+    assert violations("models", "from megadomino import train, tp\n", "megadomino.models", True) \
+        == [("train", 1, "megadomino.train")]
+    assert violations("cli", source, "megadomino.cli.launch", False) == []
