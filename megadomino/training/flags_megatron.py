@@ -267,8 +267,10 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
              "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int",
              "--no-rope-freq"), ROPE),
     Flag("--rope-type", REFUSED, ROPE, type=str, supported=("rope",)),
-    *refuse(("--no-position-embedding",), "models without position embeddings are not "
-            "implemented (learned_absolute and rope are)"),
+    impl("--no-position-embedding", None, None,
+         "Megatron-LM's deprecated switch: with rope it is accepted and changes nothing (rope adds "
+         "no position embedding), as in Megatron-LM; with learned_absolute it is refused, since "
+         "models without position embeddings are not implemented."),
     *refuse(("--relative-attention-num-buckets", "--relative-attention-max-distance"),
             "relative position buckets (T5) are not implemented"),
     *refuse(("--window-size", "--window-attn-skip-freq"),
