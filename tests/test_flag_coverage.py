@@ -212,6 +212,20 @@ def test_llama_model_belongs_to_pretrain_llama():
         parse("--llama-model")
 
 
+def test_no_position_embedding_is_accepted_only_with_rope():
+    """As in Megatron-LM: rope adds no position embedding, so there is nothing to disable; a
+    learned_absolute model without one is refused (Megatron-LM refuses it too)."""
+    for rope in (("--position-embedding-type", "rope"), ("--use-rotary-position-embeddings",)):
+        assert parse(*rope, "--no-position-embedding")[0].model.position_embedding_type == "rope"
+    assert parse_args(["--no-position-embedding", "--num-layers", "2", "--hidden-size", "64",
+                       "--num-attention-heads", "4", "--seq-length", "32", "--mock-data",
+                       "--train-iters", "1"], "llama")[0].model.position_embedding_type == "rope"
+    for argv in ((), ("--position-embedding-type", "learned_absolute")):
+        with pytest.raises(ConfigError, match="^--no-position-embedding is refused: models "
+                                              "without position embeddings"):
+            parse(*argv, "--no-position-embedding")
+
+
 @pytest.mark.parametrize("argv, reason", [
     (("--deepspeed-config", "ds.json"), "DeepSpeed JSON configs are not read"),
     (("--optimizer", "muon"), "Muon is not implemented: use adam or sgd"),

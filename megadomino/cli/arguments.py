@@ -154,6 +154,10 @@ def parse_args(argv: list[str] | None, family: str,
         if missing:
             raise ConfigError(f"{', '.join(missing)} required (or give --model-preset NAME)")
         model_config = ModelConfig(**{**FAMILY_DEFAULTS[family], **model_fields})
+    if args.no_position_embedding and model_config.position_embedding_type != "rope":
+        raise ConfigError("--no-position-embedding is refused: models without position "
+                          "embeddings are not implemented (with --position-embedding-type rope "
+                          "it is accepted: rope adds no position embedding)")
     config = Config(model_config, build(ParallelConfig, parallel),
                     build(TrainConfig, fields["train"]))
     validate(config, finetune=finetune)

@@ -1,5 +1,6 @@
 """The rest of Megatron-LM's command line: its flags for features beside GPT/Llama pretraining,
-its tuning knobs, its old names and the forks' names (DeepSpeed-Domino, Megatron-DeepSpeed).
+its tuning knobs, its old names and the forks' names (DeepSpeed-Domino, Megatron-DeepSpeed,
+ROCm/Megatron-LM).
 
 Each group shares one reason. Refusals name the missing feature that would change results;
 notices cover flags that only tune performance, logging or memory, or that are read only by a
@@ -94,6 +95,9 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
          "DeepSpeed-Ulysses sequence parallelism is not implemented", type=int, supported=(1,)),
     *notices(("--use-flash-attn-v2", "--use-flash-attn-triton"),
              "attention always runs through torch SDPA, which picks flash attention where it can"),
+    # ROCm/Megatron-LM.
+    notice("--fused-single-qkv-rope", "RoPE is applied to q and k in torch ops (no fused "
+           "QKV-and-RoPE kernel), with the same result"),
     # Tuning that leaves results alone: notices.
     *notices(("--ddp-average-in-collective", "--ddp-pad-buckets-for-high-nccl-busbw",
               "--ddp-reduce-scatter-with-fp32-accumulation", "--no-gradient-reduce-div-fusion",
@@ -267,8 +271,10 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
              "--yarn-correction-range-round-to-int", "--no-yarn-correction-range-round-to-int",
              "--no-rope-freq"), ROPE),
     Flag("--rope-type", REFUSED, ROPE, type=str, supported=("rope",)),
-    *refuse(("--no-position-embedding",), "models without position embeddings are not "
-            "implemented (learned_absolute and rope are)"),
+    impl("--no-position-embedding", None, None,
+         "Megatron-LM's deprecated switch: with rope it is accepted and changes nothing (rope adds "
+         "no position embedding), as in Megatron-LM; with learned_absolute it is refused, since "
+         "models without position embeddings are not implemented."),
     *refuse(("--relative-attention-num-buckets", "--relative-attention-max-distance"),
             "relative position buckets (T5) are not implemented"),
     *refuse(("--window-size", "--window-attn-skip-freq"),
