@@ -1,4 +1,4 @@
-"""Quantization kernels (kernels/quantization.py) against DeepSpeed 0.19.8's CUDA quantizer and
+"""Quantization kernels (kernels/block_*.py) against DeepSpeed 0.19.8's CUDA quantizer and
 the copy bandwidth, on one GPU, in one run.
 
     python benchmarks/bench_quant.py --out bench_quant.json [--sweep]
@@ -14,8 +14,8 @@ input bytes read, as GPU.md reports DeepSpeed's. Each time is the median over re
 of back-to-back calls queued behind a GPU sleep (so launch overhead is not timed), inputs
 rotating between two random buffers. Every number is also a fraction of the copy bandwidth
 (x.clone) measured in the same run. --sweep also times other tile shapes (--tiles) for our ops,
-to tune the default; --ops limits the run to some ops. (The kernel paths that `Variant` chooses
-were picked by A/B runs of this script; their numbers are in
+to tune the default (passed as Variant(tile=...)); --ops limits the run to some ops. (The kernel
+paths that `Variant` chooses were picked by A/B runs of this script; their numbers are in
 benchmarks/reports/2026-11-22-zeropp-quantization-kernels.md.)
 """
 
@@ -31,10 +31,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megadomino.kernels import quantization as quant  # noqa: E402
+from megadomino import kernels as quant  # noqa: E402
 
 TILES = [(4096, 2), (4096, 4), (8192, 4), (8192, 16), (16384, 8), (16384, 16),
-         (32768, 16)]  # --sweep's; the default is quantization._default_tile
+         (32768, 16)]  # --sweep's; the default is quant_launch.default_tile
 
 
 def time_ms(fn, inner: int = 20, repeats: int = 15) -> float:
@@ -101,14 +101,18 @@ class Bench:
         self.rows.append(row)
 
     def ours(self, group: int, dtypes=("fp16", "bf16"), impl: str = "ours",
-             full_range: bool = False) -> None:
+             full_range: bool = False, variant: quant.Variant | None = None) -> None:
         """Our ops; `full_range`: quantizing with DeepSpeed's levels (kernels'
-        full_range=True; the dequantize rows are then the same kernel as without)."""
+        full_range=True; the dequantize rows are then the same kernel as without); `variant`:
+        every op's (the sweep's tiles; default: the measured best)."""
         n = self.numel
+        variant = variant or quant.Variant()
         quantize, swizzled_quantize, dequantize_reduce_quantize = (
-            functools.partial(quant.quantize, full_range=full_range),
-            functools.partial(quant.swizzled_quantize, full_range=full_range),
-            functools.partial(quant.dequantize_reduce_quantize, full_range=full_range))
+            functools.partial(quant.quantize, full_range=full_range, variant=variant),
+            functools.partial(quant.swizzled_quantize, full_range=full_range, variant=variant),
+            functools.partial(quant.dequantize_reduce_quantize, full_range=full_range,
+                              variant=variant))
+        dequantize = functools.partial(quant.dequantize, variant=variant)
         scale_bytes = 4 * n / group
         for dtype in dtypes:
             xs = self.x[dtype]
@@ -119,7 +123,7 @@ class Bench:
                             2 * n + q_bytes + scale_bytes)
                 qs = [quantize(x, bits, group) for x in xs]
                 self.record(f"dequantize int{bits}", impl, group, dtype,
-                            lambda i, qs=qs, b=bits, d=xs[0].dtype: quant.dequantize(
+                            lambda i, qs=qs, b=bits, d=xs[0].dtype: dequantize(
                                 *qs[i % 2], n, b, group, d), q_bytes + scale_bytes + 2 * n)
             self.record("swizzled quantize int4 (2x4)", impl, group, dtype,
                         lambda i, xs=xs: swizzled_quantize(xs[i % 2], 4, group, 2, 4),
@@ -186,15 +190,11 @@ class Bench:
             self.rows.append(row)
 
     def sweep(self, group: int, dtypes=("fp16",), tiles=TILES) -> None:
-        """Every op of ours (`dtypes`) again at other (elements per program, warps) tiles: the
-        launcher's default tile is swapped for each, so the public entry points are timed."""
-        default_tile = quant._default_tile
-        try:
-            for tile in tiles:
-                quant._default_tile = lambda *_shape, tile=tile: tile
-                self.ours(group, dtypes=dtypes, impl=f"ours tile {tile}")
-        finally:
-            quant._default_tile = default_tile
+        """Every op of ours (`dtypes`) again at other (elements per program, warps) tiles,
+        passed to the public entry points as Variant(tile=...), which times them."""
+        for tile in tiles:
+            self.ours(group, dtypes=dtypes, impl=f"ours tile {tile}",
+                      variant=quant.Variant(tile=tile))
 
 
 def find(rows, op, impl, group, dtype="fp16", key="tbps"):

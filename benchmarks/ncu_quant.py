@@ -1,7 +1,7 @@
 """Run each quantization op once (after a warm-up) for Nsight Compute, one GPU:
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        -k regex:_block_quant_kernel python3 benchmarks/ncu_quant.py --ops drq4 q8
+        -k regex:quantize.*_kernel python3 benchmarks/ncu_quant.py --ops drq4 q8
 
 Ops: q8 / q4 (quantize fp16), drq4 / drq8 (dequantize-reduce-quantize, 4 inputs), at the
 group sizes given (default 2048 8192). The kernels run in the order listed, once per op."""
@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from megadomino.kernels import quantization as quant
+from megadomino import kernels as quant
 
 OPS = ("q8", "q4", "drq8", "drq4", "dq8", "dq4")
 

@@ -16,11 +16,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megadomino.kernels import quantization as quant  # noqa: E402
+from megadomino import kernels as quant  # noqa: E402
+from megadomino.kernels import block_dequantize, block_quantize, block_requantize  # noqa: E402
 
 
 class _NoLaunch:
-    """Stands in for the Triton kernel: `kernel[grid](...)` does nothing."""
+    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing."""
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
@@ -39,8 +40,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
-    quant._block_quant_kernel = _NoLaunch()
-    quant._use_triton = lambda tensor, force_triton: True  # the CUDA path, on CPU tensors
+    for module in (block_quantize, block_dequantize, block_requantize):
+        for name in dir(module):
+            if name.endswith("_kernel"):
+                setattr(module, name, _NoLaunch())
+        module.use_triton = lambda tensor, force_triton: True  # the CUDA path, on CPU tensors
     numel, block = 2**20, 2048
     x = torch.randn(numel, dtype=torch.bfloat16)
     layout = quant.PayloadLayout(2, numel // 4, 4, block)  # 2 x 2 ranks: 2 rows of 2 parts

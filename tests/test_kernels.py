@@ -1,5 +1,5 @@
-"""Quantization kernels (kernels/quantization.py) against their torch references, and the
-scheme itself against explicit expectations and a float64 oracle.
+"""Quantization kernels (kernels/block_*.py) against their torch references, and the scheme
+(kernels/quant_scheme.py) itself against explicit expectations and a float64 oracle.
 
 The Triton kernel runs on CPU only under Triton's interpreter, which must be chosen before triton
 is first imported; so the kernel cases run in one subprocess started with TRITON_INTERPRET=1
@@ -21,9 +21,9 @@ import traceback
 import pytest
 import torch
 
-from megadomino.kernels import quantization as quant
-from megadomino.kernels.quantization import (
+from megadomino.kernels import (
     PayloadLayout,
+    Variant,
     dequantize,
     dequantize_reduce,
     dequantize_reduce_quantize,
@@ -36,6 +36,7 @@ from megadomino.kernels.quantization import (
     swizzled_quantize,
     swizzled_quantize_reference,
 )
+from megadomino.kernels.quant_launch import HAS_TRITON, INTERPRETING
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Poison: values no op can produce (q is in [-qmax, qmax]; nibble -8 never appears; scales >= 0).
@@ -337,7 +338,7 @@ def check_tiny_scales(device: str, force_triton: bool, bits: int,
     if block_size < 8192:
         return
     for branchless in (False, True):  # int4: both forms of the looping quantize
-        variant = quant.Variant(stream_int4_branchless=branchless)
+        variant = Variant(stream_int4_branchless=branchless)
         q, scales = quantize(x.to(device), bits, block_size, force_triton=force_triton,
                              full_range=full_range, variant=variant)
         q_ref, s_ref = quantize_reference(x, bits, block_size, full_range)
@@ -445,7 +446,7 @@ def check_nonfinite(device: str, force_triton: bool, bits: int, dtype: str = "fp
 
 def check_int4_words(device: str, force_triton: bool) -> None:
     """int4 -> int4 dequantize-reduce-quantize over aligned partitions (multiples of 8
-    elements) takes the int32-word decode (quant.Variant.words); the byte decode is forced for the
+    elements) takes the int32-word decode (Variant.words); the byte decode is forced for the
     same inputs: both equal the reference, with a zero block, a NaN block, scales down to
     2^-130 (subnormal) and every nibble value -8..7 (including -8, which the scheme never
     writes but a payload may hold) among the inputs."""
@@ -461,7 +462,7 @@ def check_int4_words(device: str, force_triton: bool) -> None:
     for words in (True, False):
         got = dequantize_reduce_quantize(q.to(device), scales.to(device), num_inputs, 4, 4,
                                          block_size, numel, force_triton=force_triton,
-                                         variant=quant.Variant(words=words))
+                                         variant=Variant(words=words))
         assert_same(got[0].cpu(), want[0], f"q (words={words})")
         assert_same(got[1].cpu(), want[1], f"scales (words={words})")
 
@@ -493,7 +494,8 @@ def kernel_cases() -> dict[str, tuple]:
                 if numel in (7, 2049, 5000):
                     cases[f"dequantize-{numel}-{block_size}-{dtype}-int{bits}"] = (
                         check_dequantize, params)
-    # 65535 / 8192: 8 blocks (the last partial) over 4 programs that loop (_quantize_stream)
+    # 65535 / 8192: 8 blocks (the last partial) over a few programs that loop
+    # (block_quantize._quantize_loop_kernel)
     for numel, block_size in [(65536, 16384), (65535, 256), (65535, 8192)]:
         for dtype in DTYPES:
             for bits in (8, 4):
@@ -602,10 +604,10 @@ ROW_CASES = row_cases()
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, str | None]:
-    if not quant.HAS_TRITON:
+    if not HAS_TRITON:
         pytest.skip("triton is not installed (the test extra brings it where a wheel exists: "
                     "bash scripts/setup.sh test): kernel cases not run")
-    if quant.INTERPRETING:
+    if INTERPRETING:
         return run_cases("cpu", True, KERNEL_CASES)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
@@ -669,8 +671,9 @@ def test_reference_error_and_round_trip(bits: int, dtype: str, block_size: int,
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_qgz_pipeline_is_mean_reduce_scatter(bits: int) -> None:
-    """The module docstring's five qgZ steps with the all-to-alls done by indexing, 2 nodes x 2
-    ranks: each rank ends with the mean of its partition within the quantization bound."""
+    """The five qgZ steps of megadomino.kernels' docstring, the all-to-alls done by indexing,
+    2 nodes x 2 ranks: each rank ends with the mean of its partition within the quantization
+    bound."""
     nodes, dpn, partition, block_size = 2, 2, 1000, 256
     world = nodes * dpn
     grads = [make_input(world * partition, block_size, seed=20 + r) for r in range(world)]
@@ -792,7 +795,7 @@ def test_empty_input() -> None:
     assert dequantize(q, scales, 0, 4, 2048, torch.bfloat16).numel() == 0
 
 
-@pytest.mark.skipif(not quant.HAS_TRITON or quant.INTERPRETING,
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETING,
                     reason="needs triton imported without TRITON_INTERPRET")
 def test_force_triton_without_interpreter_says_why() -> None:
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
@@ -816,7 +819,7 @@ def interpreter_fma_is_fused() -> bool:
 
 
 if __name__ == "__main__":  # the interpreter subprocess: run every kernel case, print JSON
-    assert quant.INTERPRETING, "run with TRITON_INTERPRET=1"
+    assert INTERPRETING, "run with TRITON_INTERPRET=1"
     if not interpreter_fma_is_fused():
         import triton
 

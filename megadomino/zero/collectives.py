@@ -18,7 +18,7 @@ buffer whose row per peer is [q | fp32 scales], each section padded to 16 bytes,
 `PayloadLayout`). What a ring algorithm puts on the wire differs by the forwarding it does;
 `benchmarks/bench_zero_netns.sh` sets the two side by side.
 
-The quantization scheme is the kernels' (`megadomino.kernels.quantization` specifies it):
+The quantization scheme is the kernels' (`megadomino.kernels.quant_scheme` specifies it):
 symmetric (or, with `full_range`, every two's-complement level as DeepSpeed's quantizer), one
 fp32 scale per block of `block_size` elements, int4 packed two per byte, and each
 rank's chunk quantized on its own (its blocks restart at the chunk; a trailing partial block has
@@ -125,17 +125,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _quantization():
+def _kernels():
     # Imported on first use: only quantized configurations need the kernels package.
-    from megadomino.kernels import quantization
-    return quantization
+    import megadomino.kernels
+    return megadomino.kernels
 
 
 @functools.lru_cache(maxsize=1024)
 def _layout(parts: int, partition_numel: int, bits: int, block_size: int):
-    """quantization.PayloadLayout, made once per shape: the same few shapes recur every step,
+    """kernels.PayloadLayout, made once per shape: the same few shapes recur every step,
     and a small-micro-batch step waits on this host work."""
-    return _quantization().PayloadLayout(parts, partition_numel, bits, block_size)
+    return _kernels().PayloadLayout(parts, partition_numel, bits, block_size)
 
 
 # ---- plain ---------------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ def quantize_shard(shard: torch.Tensor, bits: int, block_size: int,
                    full_range: bool = False) -> torch.Tensor:
     """qwZ's send buffer for `shard` [S]: uint8 [1, row_bytes], `PayloadLayout(1, S, bits,
     block_size)`, the quantized shard written straight into it (no packing copy)."""
-    quant = _quantization()
+    quant = _kernels()
     layout = _layout(1, shard.numel(), bits, block_size)
     payload = layout.empty(1, shard.device)
     quant.quantize(shard, bits, block_size, out=layout.views(payload), full_range=full_range)
@@ -199,7 +199,7 @@ def all_gather_quantized(comm: CommCounter, shard: torch.Tensor, group, bits: in
     in `shard.dtype`, group-rank order (each rank's S elements quantized on their own), read
     from the received rows in place. `payload`: this rank's quantize_shard(shard, ...) made
     earlier, sent instead of quantizing again."""
-    quant = _quantization()
+    quant = _kernels()
     size, numel = dist.get_world_size(group), shard.numel()
     layout = _layout(1, numel, bits, block_size)
     if payload is None:
@@ -226,7 +226,7 @@ def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: 
                              full_range: bool = False) -> Pending:
     """qgZ: the average over the DP group of `flat` [dp * S] (any float dtype), this rank's chunk
     [S] in fp32 (chunk d for DP rank d: what reduce-scatter gives, divided by dp), by the
-    hierarchical all-to-all of `megadomino.kernels.quantization` (its docstring has the steps):
+    hierarchical all-to-all of `megadomino.kernels` (its docstring has the steps):
 
       1. swizzled_quantize: the chunks of the ranks with local index j (one per node) side by side
          for each j, each chunk quantized on its own;
@@ -243,7 +243,7 @@ def reduce_scatter_quantized(comm: CommCounter, flat: torch.Tensor, dims, bits: 
     quantizer gives a block holding one a NaN scale (and the sums keep it NaN, never finite
     garbage); step 1's scales are checked here, before anything is sent, and `found_nonfinite`
     is set (no host sync)."""
-    quant = _quantization()
+    quant = _kernels()
     nodes, local, chunk = dims.num_nodes_dp, dims.dp_per_node, flat.numel() // dims.dp
     # The first all-to-all: inside the node, or across nodes with one rank per node. Row d of
     # its send buffer holds the chunks for group rank d (swizzled_quantize's order).
