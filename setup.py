@@ -26,6 +26,8 @@ setup(
         "megadomino.overlap",
         "megadomino.overlap.domino",
         "megadomino.zero",
+        "megadomino.pipeline",
+        "megadomino.pipeline.reshard",
         "megadomino.data",
         "megadomino.train",
         "megadomino.train.checkpoint",

@@ -15,7 +15,7 @@ ROOT = Path(__file__).parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 _BELOW_MODELS = {"config", "distributed", "tp", "kernels"}
-_STRATEGIES = {"overlap", "parallel", "zero"}
+_STRATEGIES = {"overlap", "parallel", "zero", "pipeline"}
 ALLOWED: dict[str, set[str]] = {
     "megadomino": {"config", "models", "overlap"},  # build.py: a model and its runner
     "kernels": set(),
@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "overlap": _BELOW_MODELS | {"models"},
     "parallel": _BELOW_MODELS | {"models"},  # async_tp.py, the fused SP communication
     "zero": _BELOW_MODELS | {"models"},
+    "pipeline": _BELOW_MODELS | {"models", "overlap", "zero"},
     "interop": {"config", "distributed", "tp", "models"},
     "data": {"config"},
     "train": _BELOW_MODELS | _STRATEGIES | {"megadomino", "models", "interop", "data"},
