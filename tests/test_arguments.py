@@ -130,6 +130,8 @@ MAPPED = [
     (("--load", "/ckpt", "--finetune"), "train.checkpoint.finetune", True),
     (("--load", "/ckpt", "--no-load-optim"), "train.checkpoint.no_load_optim", True),
     (("--load", "/ckpt", "--no-load-rng"), "train.checkpoint.no_load_rng", True),
+    (("--ckpt-format", "torch_dist"), "train.checkpoint.ckpt_format", "torch_dist"),
+    (("--use-dist-ckpt",), "train.checkpoint.ckpt_format", "torch_dist"),
     (("--no-save-optim",), "train.checkpoint.no_save_optim", True),
     (("--no-save-rng",), "train.checkpoint.no_save_rng", True),
     (("--load", "/ckpt", "--exit-on-missing-checkpoint"),
@@ -307,8 +309,7 @@ def test_refused_flag_names_itself_and_the_reason(flag):
      "only learned_absolute and rope positions are implemented"),
     (("--lr-decay-style", "WSD"), "only constant, linear and cosine decay are implemented"),
     (("--optimizer", "dist_muon"), "Muon is not implemented: use adam or sgd"),
-    (("--ckpt-format", "torch_dist"),
-     "only the torch format (one file per tensor-parallel rank) is implemented"),
+    (("--ckpt-format", "zarr"), "only the torch and torch_dist formats are implemented"),
     (("--tokenizer-type", "TikTokenizer"), "that tokenizer type is not implemented"),
     (("--pretrained-checkpoint", "/ckpt"), "use --load DIR --finetune"),
 ])

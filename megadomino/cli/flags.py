@@ -229,10 +229,16 @@ FLAGS: tuple[Flag, ...] = (
           "Leave the RNG states out of checkpoints."),
     _impl("--exit-on-missing-checkpoint", "train.checkpoint.exit_on_missing_checkpoint", None,
           "With --load: an error, not a fresh start, when the directory holds no checkpoint."),
-    _impl("--ckpt-format", None, str, "Checkpoint format.",
+    _impl("--ckpt-format", "train.checkpoint.ckpt_format", str,
+          "Checkpoint format written by --save: torch (ours, one file per tensor-parallel "
+          "rank), or torch_dist (ours plus Megatron-LM's torch_dist files of the weights, which "
+          "Megatron-LM loads with --no-load-optim --no-load-rng). --load reads ours and "
+          "Megatron-LM's torch_dist and torch checkpoints at any TP (weights and counters).",
           choices=("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
-          supported=("torch",),
-          unsupported="only the torch format (one file per tensor-parallel rank) is implemented"),
+          supported=("torch", "torch_dist"),
+          unsupported="only the torch and torch_dist formats are implemented"),
+    _impl("--use-dist-ckpt", "train.checkpoint.ckpt_format", None,
+          "Megatron-LM's deprecated spelling of --ckpt-format torch_dist.", const="torch_dist"),
     # Stopping early.
     _impl("--exit-signal-handler", "train.runtime.exit_signal_handler", None,
           "On SIGTERM (SLURM pre-emption): finish the iteration, save (with --save) and exit 0."),

@@ -233,6 +233,9 @@ def _train_rules(train: TrainConfig, finetune: bool, data_given: bool) -> None:
                           "it must be >= 0")
     if checkpoint.save is not None:
         _check_writable(checkpoint.save)
+    if checkpoint.ckpt_format not in ("torch", "torch_dist"):
+        raise ConfigError(f"--ckpt-format={checkpoint.ckpt_format!r} is invalid: it must be torch "
+                          "or torch_dist")
     if checkpoint.load is None:
         for name in ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint"):
             if getattr(checkpoint, name):

@@ -249,7 +249,7 @@ def _save(config: CheckpointConfig, state: TrainingState, model: nn.Module,
         log(f" saving checkpoint {checkpoint_dir(config.save, state.iteration)}")
     path = save_checkpoint(config.save, state, model, engine, dims,
                            save_rng=not config.no_save_rng, save_optim=not config.no_save_optim,
-                           promote=False)
+                           promote=False, megatron_dist=config.ckpt_format == "torch_dist")
     loss = probe()
     if not math.isfinite(loss):
         previous = latest_iteration(config.save)
