@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from test_tp_equivalence import tiny_config
 
-from dist_utils import C, DistSuite, assert_close
+from dist_utils import C, DistSuite, assert_close, free_port
 from megadomino.config import ModelConfig
 from megadomino.distributed import ParallelDims
 from megadomino.interop.megatron import (
@@ -262,3 +263,48 @@ def test_restricted_unpickler_runs_nothing(tmp_path):
     content = load_pickle(path)
     assert isinstance(content["hook"], StandIn) and not marker.exists()
     assert content["args"].lr == 1.0
+
+
+def test_pretrain_gpt_resumes_a_megatron_checkpoint(tmp_path):
+    """`pretrain_gpt.py --load DIR --ckpt-format torch_dist` on 2 gloo ranks at TP=2 resumes the
+    legacy GPT fixture at its iteration (3) and trains 4 and 5; its checkpoint carries the
+    torch_dist files beside ours."""
+    fixture = LEGACY / "gpt_tp2"
+    argv = [sys.executable, str(ROOT / "pretrain_gpt.py"), "--model-preset", "gpt-tiny",
+            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "8", "--max-position-embeddings", "8", "--vocab-size", "100",
+            "--make-vocab-size-divisible-by", "8", "--mock-data", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--train-iters", "5", "--lr", "1e-3",
+            "--log-interval", "1", "--eval-iters", "0", "--tensor-model-parallel-size", "2",
+            "--load", str(fixture), "--ckpt-format", "torch_dist", "--save", str(tmp_path)]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                        os.environ.get("PYTHONPATH")])))
+    ranks = [subprocess.Popen(argv, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                              cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for rank in range(2)]
+    outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(outputs)[-4000:]
+    log = outputs[0]
+    assert "loaded Megatron-LM torch checkpoint" in log and "(iteration 3)" in log, log[-3000:]
+    assert not re.search(r"iteration +3/", log) and re.search(r"iteration +5/ +5 \| loss", log)
+    assert (tmp_path / "iter_0000005" / "metadata.json").exists()
+    assert megatron_format(tmp_path / "iter_0000005") is None  # ours first, for our resume
+
+
+@pytest.mark.usefixtures("single_process_group")
+@pytest.mark.parametrize("change, message", [
+    ({"num_layers": 3}, "no tensor for the model's decoder.layers.2"),
+    ({"num_layers": 1}, "tensors the model does not account for: .*decoder.layers.1"),
+    ({"vocab_size": 120}, r"embedding.word_embeddings.weight has shape \(112, 32\)"),
+    ({"swiglu": True}, r"linear_fc1.weight has shape"),
+])
+def test_a_checkpoint_of_another_model_is_refused(change, message):
+    from megadomino.interop import load_megatron
+
+    expected = torch.load(LEGACY / "gpt_tp2" / "expected.pt", weights_only=True)
+    model = GPTModel(ModelConfig(**expected["config"]).replace(**change), ParallelDims(tp=1),
+                     "cpu")
+    with pytest.raises(MegatronCheckpointError, match=message):
+        load_megatron(LEGACY / "gpt_tp2" / "iter_0000003", model, ParallelDims(tp=1))
