@@ -10,8 +10,9 @@ An iteration directory of this format holds (megatron-core's dist_checkpointing)
 
 Tensors are global: unsharded, the vocabulary padded as the writing run padded it, and the
 layers of a homogeneous block stacked along a new leading dim under `decoder.layers.<name>`
-(global layer numbers, so pipeline stages are already merged). Reading takes one stacked key at a
-time (`DistReader.read`), so a rank holds at most one whole key beside the model.
+(global layer numbers, so pipeline stages are already merged). `DistReader.read` reads one
+layer's slice of a stacked key at a time, so a rank holds at most one full (unsharded) layer
+tensor beside the model.
 
 Writing (`save_megatron_dist`, or `write_megatron_dist` into one of our checkpoint directories)
 gathers each parameter over TP, and global rank 0 writes the layout megatron-core writes for a
@@ -38,7 +39,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megadomino.config import ModelConfig
 from megadomino.interop.megatron import (
@@ -91,14 +99,41 @@ class DistReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)
 
-    def read(self, key: str) -> torch.Tensor:
-        """The whole tensor `key`, in its saved dtype. Not collective: each rank reads alone."""
+    def read(self, key: str, layer: int | None = None) -> torch.Tensor:
+        """The tensor `key` (or its `layer`-th slice along the stacked leading dim), in its
+        saved dtype. Only those bytes are read. Not collective: each rank reads alone."""
         meta = self.tensors[key]
-        state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
+        sizes, offsets = list(meta.size), [0] * len(meta.size)
+        if layer is not None:
+            sizes[0], offsets[0] = 1, layer
+        state = {key: torch.empty(sizes, dtype=meta.properties.dtype)}
         with warnings.catch_warnings():  # no_dist is meant: each rank reads what it needs
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=FileSystemReader(str(self.directory)), no_dist=True)
-        return state[key]
+            dcp.load(state, storage_reader=FileSystemReader(str(self.directory)),
+                     planner=_BlockLoadPlanner({key: offsets}), no_dist=True)
+        return state[key] if layer is None else state[key][0]
+
+
+class _BlockLoadPlanner(DefaultLoadPlanner):
+    """Reads into each destination tensor the block of the saved tensor that starts at
+    `offsets[key]` and has the destination's shape (DefaultLoadPlanner reads whole tensors)."""
+
+    def __init__(self, offsets: dict[str, list[int]]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.offsets = offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, tensor in self.state_dict.items():
+            block = ChunkStorageMetadata(offsets=torch.Size(self.offsets[key]),
+                                         sizes=tensor.shape)
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key],
+                                                      [block])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        # the destination is the block itself; the read item's offsets are relative to it
+        return self.state_dict[index.fqn]
 
 
 def megatron_args(config: ModelConfig, tp: int, iteration: int, consumed_train_samples: int,

@@ -18,7 +18,6 @@ the tensors and the flags that set their shapes.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from megadomino.interop.megatron import (
+    LAYER_PREFIX,
     LegacyCheckpoint,
     MegatronCheckpointError,
     megatron_format,
@@ -79,26 +79,25 @@ def load_megatron(iteration_dir: Path, model: torch.nn.Module, dims) -> Megatron
 
 
 def _load_dist(reader: DistReader, params: dict[str, torch.Tensor], dims) -> set[str]:
-    """Copy each parameter's shard from the torch_dist checkpoint, reading each stacked key
-    once; the keys used."""
-    by_key: dict[str, list[tuple[str, int | None]]] = defaultdict(list)
+    """Copy each parameter's shard from the torch_dist checkpoint, reading only its layer of a
+    stacked key; the keys used."""
+    located = {}
     for name in params:
         found = reader.locate(name)
         if found is None:
             _missing(reader.directory, name)
-        by_key[found[0]].append((name, found[1]))
+        located[name] = found
+    layers = sum(name.startswith(LAYER_PREFIX) and name.endswith(".linear_qkv.weight")
+                 for name in params)
+    for key, layer in set(located.values()):
+        if layer is not None and reader.shape(key)[0] != layers:
+            raise MegatronCheckpointError(
+                f"{reader.directory}: {key} holds {reader.shape(key)[0]} layers, the model has "
+                f"{layers} (--num-layers)")
     with torch.no_grad():
-        for key, entries in by_key.items():
-            saved = reader.read(key)
-            layers = sum(layer is not None for _, layer in entries)
-            if layers and layers != saved.shape[0]:
-                raise MegatronCheckpointError(
-                    f"{reader.directory}: {key} holds {saved.shape[0]} layers, the model has "
-                    f"{layers} (--num-layers)")
-            for name, layer in entries:
-                full = saved if layer is None else saved[layer]
-                _copy_shard(params[name], full, name, reader.directory, dims)
-    return set(by_key)
+        for name, (key, layer) in located.items():
+            _copy_shard(params[name], reader.read(key, layer), name, reader.directory, dims)
+    return {key for key, _ in located.values()}
 
 
 def _load_legacy(legacy: LegacyCheckpoint, params: dict[str, torch.Tensor],
