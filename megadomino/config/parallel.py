@@ -68,6 +68,9 @@ class ParallelConfig:
     """--domino: time plain TP and Domino's plans at start-up and run the fastest."""
     enable_cuda_graph: bool = False
     """Capture the layers' forward + backward in CUDA graphs (megadomino/overlap/cuda_graph.py)."""
+    compile_layer_pieces: bool = False
+    """Compile each element-wise piece of the layers (bias + dropout + residual add, norms, GELU /
+    SwiGLU, rotary) with torch.compile (megadomino/models/elementwise.py)."""
     recompute_granularity: str | None = None
     """None, 'full' (whole layers) or 'selective' (the attention core)."""
     recompute_method: str | None = None
