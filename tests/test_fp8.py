@@ -133,8 +133,9 @@ def test_compiled_casts_equal_eager_ones_bit_for_bit(recipe):
     assert torch.equal(x_grad, x_grad_c) and torch.equal(w_grad, w_grad_c)
     assert state.keys() == state_c.keys()
     assert all(torch.equal(state[key], state_c[key]) for key in state)
-    cast_q, cast_t = fp8.quantize_transposed(x[0], torch.tensor(3.0), E5M2, True)
+    cast_q, cast_t, _, amax = fp8.cast_operand(x[0], torch.tensor(3.0), E5M2, True, True)
     assert torch.equal(cast_t.float(), cast_q.float().t())
+    assert amax == x[0].float().abs().max()
 
 
 def test_bf16_activations_keep_their_dtype():

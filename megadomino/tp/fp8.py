@@ -63,23 +63,27 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return (t.float() * scale).clamp(-limit, limit).to(dtype)
 
 
-def quantize_transposed(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                        transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(quantize(t), its transpose made contiguous, or None unless `transposed`) for 2-D t."""
+def cast_operand(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+                 transposed: bool, with_amax: bool):
+    """One operand's cast, 2-D t: (quantize(t, scale), its transpose made contiguous or None
+    unless `transposed`, the scale, amax(|t|) or None unless `with_amax`). scale None: current
+    scaling, max / amax(|t|) (1 for an all-zero tensor)."""
+    amax = t.abs().amax().float() if with_amax or scale is None else None
+    if scale is None:
+        scale = torch.where(amax > 0, FP8_MAX[dtype] / amax, torch.ones_like(amax))
     q = quantize(t, scale, dtype)
-    return q, (q.t().contiguous() if transposed else None)
+    return q, (q.t().contiguous() if transposed else None), scale, amax
 
 
 @functools.cache
 def _compiled_cast():
-    """quantize_transposed compiled (one wrapper for the process, compiled per shape)."""
-    return torch.compile(quantize_transposed, dynamic=False)
+    """cast_operand compiled (one wrapper for the process, compiled per shape and flags)."""
+    return torch.compile(cast_operand, dynamic=False)
 
 
 def current_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """max / amax(t), fp32 scalar (1 for an all-zero tensor)."""
-    amax = t.abs().amax().float()
-    return torch.where(amax > 0, FP8_MAX[dtype] / amax, torch.ones_like(amax))
+    """max / amax(t), fp32 scalar (1 for an all-zero tensor): cast_operand's scale for None."""
+    return cast_operand(t.reshape(1, -1), None, dtype, False, True)[2]
 
 
 class FP8State(nn.Module):
@@ -132,12 +136,15 @@ class FP8State(nn.Module):
 
     def cast(self, role: int, t: torch.Tensor, record: bool,
              transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(t in FP8, its contiguous transpose or None, the inverse scale) for 2-D t in `role`
-        (scale_for's scale and recording)."""
+        """(t in FP8, its contiguous transpose or None, the inverse scale) for 2-D t in `role`,
+        scaled and recorded as scale_for says, amax and cast in one (compiled) function."""
         dtype = self.recipe.grad_dtype if role == GRAD else E4M3
-        scale = self.scale_for(role, t, record)
-        fn = _compiled_cast() if self.compiled else quantize_transposed
-        q, q_t = fn(t, scale, dtype, transposed)
+        delayed = self.recipe.recipe == "delayed"
+        fn = _compiled_cast() if self.compiled else cast_operand
+        q, q_t, scale, amax = fn(t, self.scale[role] if delayed else None, dtype, transposed,
+                                 delayed and record)
+        if delayed and record:
+            self.amax_history[0, role] = amax
         return q, q_t, scale.reciprocal()
 
 
