@@ -10,8 +10,8 @@ are merged: torch_dist numbers layers globally; a legacy stage's layers follow t
 stages'. The vocabulary is cut to the model's vocab_size (each format pads it its own way).
 
 Weights and counters only: the optimizer starts fresh and the RNG streams come from --seed
-(Megatron-LM's optimizer states are laid out by its distributed optimizer's buffers, which
-have no counterpart here). Every tensor of the model must be in the checkpoint with its shape,
+(Megatron-LM's optimizer states are indexed by its own parameter groups' order, or laid out
+in its distributed optimizer's buffers: neither has a counterpart here). Every tensor of the model must be in the checkpoint with its shape,
 and every model tensor of the checkpoint must be used: otherwise MegatronCheckpointError naming
 the tensors and the flags that set their shapes.
 """
