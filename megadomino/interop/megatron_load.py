@@ -11,9 +11,9 @@ stages'. The vocabulary is cut to the model's vocab_size (each format pads it it
 
 Weights and counters only: the optimizer starts fresh and the RNG streams come from --seed
 (Megatron-LM's optimizer states are indexed by its own parameter groups' order, or laid out
-in its distributed optimizer's buffers: neither has a counterpart here). Every tensor of the model must be in the checkpoint with its shape,
-and every model tensor of the checkpoint must be used: otherwise MegatronCheckpointError naming
-the tensors and the flags that set their shapes.
+in its distributed optimizer's buffers: neither has a counterpart here). Every tensor of the
+model must be in the checkpoint with its shape, and every model tensor of the checkpoint must be
+used: otherwise MegatronCheckpointError naming the tensors and the flags that set their shapes.
 """
 
 from __future__ import annotations
