@@ -30,15 +30,40 @@ class LocalLinear(Protocol):
                  bias: bool = True) -> torch.Tensor: ...
 
 
+class ZeroCenteredLayerNorm(nn.LayerNorm):
+    """LayerNorm whose weight holds gamma - 1 (zeros at init): it scales by weight + 1, so weight
+    decay pulls gamma towards 1, not 0 (Megatron's --apply-layernorm-1p)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(nn.RMSNorm):
+    """RMSNorm whose weight holds gamma - 1 (zeros at init), as ZeroCenteredLayerNorm."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 def build_norm(config: ModelConfig, sequence_parallel: bool = False, device=None) -> nn.Module:
-    """LayerNorm (weight and bias) or RMSNorm (weight); under sequence parallelism the params are
-    marked `sequence_parallel` (each rank sees part of the sequence: its gradient is partial)."""
+    """LayerNorm (weight and bias) or RMSNorm (weight), zero-centred with apply_layernorm_1p;
+    under sequence parallelism the params are marked `sequence_parallel` (each rank sees part of
+    the sequence: its gradient is partial)."""
     dtype = DTYPES[config.params_dtype]
+    one_p = config.apply_layernorm_1p
     if config.normalization == "LayerNorm":
-        norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, device=device,
-                            dtype=dtype)
+        kind = ZeroCenteredLayerNorm if one_p else nn.LayerNorm
     else:
-        norm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon, device=device, dtype=dtype)
+        kind = ZeroCenteredRMSNorm if one_p else nn.RMSNorm
+    norm = kind(config.hidden_size, eps=config.norm_epsilon, device=device, dtype=dtype)
     for param in norm.parameters():
         param.sequence_parallel = sequence_parallel
     return norm

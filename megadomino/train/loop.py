@@ -32,6 +32,7 @@ the process group chose the backend to match.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -42,7 +43,8 @@ from torch import nn
 from megadomino import overlap
 from megadomino.build import build_model
 from megadomino.config import CheckpointConfig, Config, ConfigError, ParallelConfig
-from megadomino.config.validate import batch_plan, train_iterations, validate
+from megadomino.config.batches import BatchSchedule
+from megadomino.config.validate import validate
 from megadomino.data.mock import MockDataset
 from megadomino.distributed import ParallelDims
 from megadomino.distributed.random import model_parallel_seed
@@ -100,13 +102,14 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     train_config = config.train
     schedule_config, logging = train_config.schedule, train_config.logging
     checkpoint = train_config.checkpoint
-    gbs, num_micro = batch_plan(schedule_config, dims.dp)
-    iters = train_iterations(schedule_config, gbs)
+    batches = BatchSchedule.from_config(schedule_config, dims.dp)
+    gbs, iters = batches.global_batch_size, batches.train_iterations(schedule_config)
+    num_micro = gbs // (batches.micro_batch_size * dims.dp)
     mbs = schedule_config.micro_batch_size
     config = dataclasses.replace(config, model=config.model.replace(
         params_dtype=train_config.precision.params_dtype))
     model_config = config.model
-    schedule = LRSchedule.from_config(schedule_config, iters)
+    schedule = LRSchedule.from_config(schedule_config, iters, gbs)
     writer = open_writer(logging.tensorboard_dir, dims.rank)
     if data_description is None:
         data_description = ("mock data" if train_data is None else
@@ -140,7 +143,8 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
         # read the parameters' storage as it is at capture.
         capture_layers(model, mbs, log=log)
     timers = Timers(device)
-    step = Stepper(model, engine, dims, mbs, num_micro, device, timers)
+    step = Stepper(model, engine, dims, mbs, num_micro, device, timers,
+                   per_token_loss=schedule_config.calculate_per_token_loss)
     padded_vocab = model_config.padded_vocab_size(dims.tp)
     flops = num_floating_point_operations(model_config, gbs, padded_vocab)
     history = {"losses": [], "lrs": [], "grad_norms": [], "eval": [], "skipped_iterations": 0,
@@ -157,14 +161,17 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
         with StopConditions(train_config.runtime, device) as stop, \
                 ManualGC(train_config.runtime) as manual_gc:
             for iteration in range(state.iteration + 1, iters + 1):
-                lr = schedule(state.scheduler_steps)
-                engine.set_lr(lr)
+                lr, decoupled_lr = schedule.rates(state.scheduler_samples)
+                engine.set_lr(lr, decoupled_lr)
+                batch = batches.global_batch(state.consumed_train_samples)
                 profile.before(iteration)
-                loss, result = step.train(train_data, state.consumed_train_samples)
+                loss, result = step.train(train_data, state.consumed_train_samples,
+                                          batches.micro_batches(state.consumed_train_samples))
                 profile.after(iteration)
                 state.iteration = iteration
-                state.consumed_train_samples += gbs
+                state.consumed_train_samples += batch
                 state.scheduler_steps += not result.skipped
+                state.scheduler_samples += 0 if result.skipped else batch
                 reporter.record(loss, result, lr)
                 manual_gc.after_iteration(iteration)
                 reason = stop.reason(iteration)
@@ -185,7 +192,8 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                     reporter.check_finite(iteration)  # never save a diverged model
                     with reporter.outside_training():
                         _save(checkpoint, state, model, engine, dims, log,
-                              lambda: step.probe(train_data, state.consumed_train_samples - gbs))
+                              functools.partial(step.probe, train_data,
+                                                state.consumed_train_samples - batch))
                 if reason is not None:
                     history["exit_reason"] = reason
                     if dims.rank == 0:

@@ -60,7 +60,11 @@ class ZeroPlusPlus:
 
     def __init__(self, model: nn.Module, dims, optimizer_factory: OptimizerFactory,
                  config: ZeroConfig, *, clip_grad: float = 0.0,
-                 loss_scaler: DynamicLossScaler | None = None):
+                 loss_scaler: DynamicLossScaler | None = None,
+                 decoupled: tuple[nn.Parameter, ...] = ()):
+        """`decoupled`: parameters the optimizer keeps in their own groups, whose LR
+        `set_lr(lr, decoupled_lr)` sets apart (Megatron's --decoupled-lr: the word embedding
+        and the output layer)."""
         config.check_dims(dims)
         runner = getattr(getattr(model, "decoder", None), "runner", None)
         if config.stage == 3 and getattr(runner, "bypasses_layer_hooks", False):
@@ -95,7 +99,8 @@ class ZeroPlusPlus:
         self.optimizer = ShardedOptimizer(self.units, self.params.shards, self.grads.grad_shards,
                                           dims, self.comm, optimizer_factory, clip_grad,
                                           loss_scaler, config.on_nonfinite,
-                                          whole=config.stage == 0)
+                                          whole=config.stage == 0,
+                                          decoupled=frozenset(id(p) for p in decoupled))
 
     def __call__(self, *args, **kwargs):
         """The model's forward (stage 3: with the gathers its hooks issue)."""
@@ -127,8 +132,9 @@ class ZeroPlusPlus:
     def zero_grad(self) -> None:
         self.grads.zero_grad()
 
-    def set_lr(self, lr: float) -> None:
-        self.optimizer.set_lr(lr)
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        """The LR of the next step: `decoupled_lr` for the decoupled parameters when given."""
+        self.optimizer.set_lr(lr, decoupled_lr)
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -271,7 +277,8 @@ def optimizer_factory(config: OptimizerConfig, lr: float, on_cuda: bool) -> Opti
 
 def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
     """The engine a run's config describes: its ZeRO stage and options, the optimizer
-    --optimizer names, clipping to --clip-grad, and a dynamic loss scaler exactly when --fp16."""
+    --optimizer names, clipping to --clip-grad, a dynamic loss scaler exactly when --fp16, and
+    with --decoupled-lr the model's embedding and output weights in their own groups."""
     train = config.train
     precision, scaler = train.precision, None
     if precision.fp16:
@@ -279,5 +286,9 @@ def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
                                    precision.loss_scale_window, precision.hysteresis)
     on_cuda = next(model.parameters()).is_cuda
     factory = optimizer_factory(train.optimizer, train.schedule.lr, on_cuda)
+    decoupled = ()
+    if train.schedule.decoupled_lr is not None:
+        decoupled = tuple(model.embedding_and_output_weights())
     return ZeroPlusPlus(model, dims, factory, config.parallel.zero,
-                        clip_grad=train.optimizer.clip_grad, loss_scaler=scaler)
+                        clip_grad=train.optimizer.clip_grad, loss_scaler=scaler,
+                        decoupled=decoupled)

@@ -96,7 +96,18 @@ class TrainingState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     scheduler_steps: int = 0
-    """Successful optimizer steps: the LR schedule's position (skipped fp16 steps don't count)."""
+    """Successful optimizer steps (skipped fp16 steps don't count)."""
+    scheduler_samples: int = 0
+    """The samples of the successful steps: the LR schedule's position, as Megatron counts it."""
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> TrainingState:
+        """The counters a checkpoint holds; one saved before the schedule counted samples had
+        fixed batches, so its position is its steps times its batch."""
+        if "scheduler_samples" not in saved and saved.get("iteration"):
+            batch = saved["consumed_train_samples"] // saved["iteration"]
+            saved = {**saved, "scheduler_samples": saved.get("scheduler_steps", 0) * batch}
+        return cls(**saved)
 
 
 def checkpoint_dir(directory: str | os.PathLike, iteration: int | str) -> Path:
@@ -401,7 +412,7 @@ class _ShardReader:
                 key = "master" if "master" in saved_params.get(name, {}) else None
                 param.copy_(self._tensor(name, param, key))
         self._load_fp8(model)
-        return TrainingState(**own["state"])
+        return TrainingState.from_saved(own["state"])
 
     def _load_fp8(self, model: nn.Module) -> None:
         """The delayed-FP8 scaling state of this rank, where the checkpoint has one for it (saved
