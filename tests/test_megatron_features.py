@@ -9,6 +9,9 @@
 - --decoupled-lr: with SGD (no momentum, no decay) the word embedding and output layer move by
   exactly decoupled_lr / lr times their plain update and every other parameter by its plain one,
   at stages 0, 1 and 3; a run stopped and resumed with it repeats the uninterrupted one.
+- --overlap-param-gather: stage 1 with the all-gathers overlapped repeats the unoverlapped run
+  bit for bit (losses and weights over four steps; DP=2, and TP=2 x DP=2 with sequence
+  parallelism), and the gathers really are in flight until a forward waits on them.
 """
 
 from __future__ import annotations
@@ -124,6 +127,26 @@ def _case_decoupled_resume(dims: ParallelDims, directory: str) -> None:
     assert first["losses"] + second["losses"] == straight["losses"]
 
 
+def _case_overlap_param_gather(dims: ParallelDims, *flags: str) -> None:
+    """Stage 1's all-gathers left in flight after the step and waited on in the forward: the
+    same losses and weights, bit for bit, as waiting before the step returns."""
+    adam = ("--zero-stage", "1", "--optimizer", "adam", "--lr", "1e-2", "--hidden-dropout", "0.1",
+            *flags)
+    plain, _, plain_weights = _one_step(dims, *adam, iters="4")
+    run, _, weights = _one_step(dims, *adam, "--overlap-param-gather", iters="4")
+    engine = run["optimizer"]
+    assert engine.params.overlap and not plain["optimizer"].params.overlap
+    assert run["losses"] == plain["losses"]
+    assert weights.keys() == plain_weights.keys()
+    assert all(torch.equal(weights[name], plain_weights[name]) for name in weights)
+    engine.params.refresh()  # as after a step: the gathers are in flight until a forward needs them
+    assert all(work is not None for work in engine.params.pending)
+    engine.model.eval()
+    with torch.no_grad():
+        engine(torch.zeros(1, SEQ, dtype=torch.long))
+    assert all(work is None for work in engine.params.pending)
+
+
 SUITE = DistSuite(worlds=(2, 4), timeout=300)
 
 
@@ -146,6 +169,9 @@ SUITE.case("per_token_loss_tp2_dp2_sp", _case_per_token_loss, C.tp2_dp2, C.ref,
 for stage in ("0", "1", "3"):
     SUITE.case(f"decoupled_lr_stage{stage}", _case_decoupled_lr, C.dp, stage, worlds=(2,))
 SUITE.case("decoupled_lr_resume", _case_decoupled_resume, C.dp, C.root, worlds=(2,))
+SUITE.case("overlap_param_gather_dp2", _case_overlap_param_gather, C.dp, worlds=(2,))
+SUITE.case("overlap_param_gather_tp2_dp2", _case_overlap_param_gather, C.tp2_dp2,
+           "--sequence-parallel", worlds=(4,))
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,11 @@ def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe
         raise ConfigError("--enable-cuda-graph captures the layers, but --zero-stage 3 gathers "
                           "each layer's parameters from host-side hooks: use --zero-stage 1 "
                           "(or --use-distributed-optimizer) with CUDA graphs")
+    if parallel.zero.overlap_param_gather and (domino.enabled or parallel.domino_auto
+                                               or parallel.enable_cuda_graph):
+        raise ConfigError("--overlap-param-gather waits for each layer's gather in the layer's "
+                          "forward hook, which Domino's schedule and CUDA graphs bypass: drop "
+                          "one of them")
     if parallel.zero.stage == 3 and (domino.enabled or parallel.domino_auto):
         which = ("--domino-batch-slices auto (it may pick a Domino plan)" if parallel.domino_auto
                  else "Domino (--domino, --domino-batch-slices, --domino-hidden-slices, "

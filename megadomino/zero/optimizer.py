@@ -67,6 +67,10 @@ class ZeroPlusPlus:
         and the output layer)."""
         config.check_dims(dims)
         runner = getattr(getattr(model, "decoder", None), "runner", None)
+        if config.overlap_param_gather and getattr(runner, "bypasses_layer_hooks", False):
+            raise ConfigError("--overlap-param-gather waits for each layer's gather in the "
+                              "layer's forward hook, which the Domino schedule bypasses: drop "
+                              "one of them")
         if config.stage == 3 and getattr(runner, "bypasses_layer_hooks", False):
             raise ConfigError("--zero-stage 3 gathers each layer in the layer's forward hook, "
                               "which the Domino schedule bypasses: use --zero-stage 1 with Domino")
@@ -85,7 +89,8 @@ class ZeroPlusPlus:
                                config.min_units)
             self.units = [FlatUnit(name, params, dims.dp, dims.dp_rank)
                           for name, _, params in found]
-            self.params = FullParams(self.units, dims, self.comm)
+            modules = [m for _, m, _ in found] if config.overlap_param_gather else None
+            self.params = FullParams(self.units, dims, self.comm, modules=modules)
             on_unit_done = None
         else:
             found = find_units(model, config.layers_per_unit, config.unit_params,
