@@ -217,6 +217,8 @@ def _train_rules(train: TrainConfig, finetune: bool, data_given: bool) -> None:
                           "it must be >= 0")
     if checkpoint.save is not None:
         _check_writable(checkpoint.save)
+    elif checkpoint.async_save:
+        raise ConfigError("--async-save applies to --save: give --save DIR")
     if checkpoint.load is None:
         for name in ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint"):
             if getattr(checkpoint, name):

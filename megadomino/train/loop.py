@@ -52,6 +52,7 @@ from megadomino.overlap.cuda_graph import capture_layers
 from megadomino.overlap.domino.autotune import autotune_domino
 from megadomino.train.checkpoint import (
     TRACKER,
+    AsyncCheckpointer,
     CheckpointError,
     TrainingState,
     checkpoint_dir,
@@ -157,6 +158,8 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     eval_iters, eval_interval = schedule_config.eval_iters, schedule_config.eval_interval
     evaluating = valid_data is not None and eval_iters > 0 and eval_interval > 0
     profile = ProfileWindow(logging, dims.rank, log)
+    saver = (AsyncCheckpointer(checkpoint.save, dims, log)
+             if checkpoint.async_save and checkpoint.save else None)
     try:
         with StopConditions(train_config.runtime, device) as stop, \
                 ManualGC(train_config.runtime) as manual_gc:
@@ -173,6 +176,8 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                 state.scheduler_steps += not result.skipped
                 state.scheduler_samples += 0 if result.skipped else batch
                 reporter.record(loss, result, lr)
+                if saver is not None:
+                    saver.poll()
                 manual_gc.after_iteration(iteration)
                 reason = stop.reason(iteration)
                 last = iteration == iters or reason is not None
@@ -193,13 +198,21 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                     with reporter.outside_training():
                         _save(checkpoint, state, model, engine, dims, log,
                               functools.partial(step.probe, train_data,
-                                                state.consumed_train_samples - batch))
+                                                state.consumed_train_samples - batch), saver)
                 if reason is not None:
                     history["exit_reason"] = reason
                     if dims.rank == 0:
                         log(f" stopping: {reason}")
                     break
+        if saver is not None:
+            saver.finish()
+    except NonFiniteLossError:  # raised on every rank alike: the save in flight can finish
+        if saver is not None:
+            saver.finish()
+        raise
     finally:
+        if saver is not None:
+            saver.close()
         profile.close()
         if writer is not None:
             writer.close()
@@ -247,19 +260,25 @@ def _resume(config: CheckpointConfig, model: nn.Module, dims: ParallelDims,
 
 
 def _save(config: CheckpointConfig, state: TrainingState, model: nn.Module,
-          engine: ZeroPlusPlus, dims: ParallelDims,
-          log: Callable[[str], None], probe: Callable[[], float]) -> None:
+          engine: ZeroPlusPlus, dims: ParallelDims, log: Callable[[str], None],
+          probe: Callable[[], float], saver: AsyncCheckpointer | None = None) -> None:
     """Save, then promote the checkpoint to latest once a forward pass from the saved weights
     (`probe`: the last batch again) gives a finite loss. The step that produced the weights may
     have diverged though its own loss, taken before it, was finite: then NonFiniteLossError, and
-    the iteration file keeps naming the last good checkpoint, which a requeued job resumes."""
+    the iteration file keeps naming the last good checkpoint, which a requeued job resumes.
+    With `saver` (--async-save) the files are written in the background from a snapshot taken
+    here, and the promotion waits for them (`AsyncCheckpointer`)."""
     if dims.rank == 0:  # a large checkpoint takes minutes
         log(f" saving checkpoint {checkpoint_dir(config.save, state.iteration)}")
-    path = save_checkpoint(config.save, state, model, engine, dims,
-                           save_rng=not config.no_save_rng, save_optim=not config.no_save_optim,
-                           promote=False)
+    options = dict(save_rng=not config.no_save_rng, save_optim=not config.no_save_optim)
+    if saver is not None:
+        path = saver.start(state, model, engine, **options)
+    else:
+        path = save_checkpoint(config.save, state, model, engine, dims, promote=False, **options)
     loss = probe()
     if not math.isfinite(loss):
+        if saver is not None:
+            saver.finish()  # its files complete, not promoted
         previous = latest_iteration(config.save)
         raise NonFiniteLossError(
             f"the weights saved at iteration {state.iteration} give the loss {loss} (the step "
@@ -267,6 +286,9 @@ def _save(config: CheckpointConfig, state: TrainingState, model: nn.Module,
             f"made the latest, {TRACKER} still names "
             + (f"iteration {previous}" if previous is not None else "no checkpoint")
             + " (lower --lr, or check the data and the precision)")
+    if saver is not None:
+        saver.promote()
+        return
     promote_checkpoint(config.save, state.iteration, dims)
     if dims.rank == 0:
         log(f" saved checkpoint {path} (iteration {state.iteration})")

@@ -154,6 +154,23 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
     optimizer out; the engine is needed for the weights at stage 3 either way. `promote`
     False leaves the iteration file as it is: the training loop promotes a checkpoint
     (`promote_checkpoint`) only once its weights gave a finite loss."""
+    target, files, error = checkpoint_files(directory, state, model, engine, dims,
+                                            save_rng=save_rng, release=release,
+                                            save_optim=save_optim)
+    written, write_error = write_files(target, files, dims)
+    publish(directory, target, written, error or write_error, dims,
+            promote="release" if release else state.iteration if promote else None)
+    return target
+
+
+def checkpoint_files(directory: str | os.PathLike, state: TrainingState, model: nn.Module,
+                     engine: ZeroPlusPlus | None, dims: ParallelDims, *, save_rng: bool = True,
+                     release: bool = False, save_optim: bool = True
+                     ) -> tuple[Path, dict[Path, dict], str | None]:
+    """(the checkpoint's directory, the files this rank writes, path -> object, the error that
+    kept one from being made). Collective over the world (RNG and FP8 states gathered over DP;
+    stage 3 gathers the weights). The objects hold references to the live tensors (compact
+    copies only where a tensor is a view): write or copy them before the next step."""
     iteration = "release" if release else state.iteration
     target = checkpoint_dir(directory, iteration)
     rng = gather_over_dp(capture_rng_state(dims), dims) if save_rng else None
@@ -162,11 +179,11 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
                           for name, state in states.items()}, dims) if states else None
     save_optim = save_optim and engine is not None
     zero = {"stage": engine.config.stage} if save_optim and engine.sharded else None
-    error, written = None, {}
+    error, files = None, {}
     with _whole_weights(engine):
         if dims.dp_rank == 0:
             try:
-                shard = {
+                files[shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp)] = {
                     "format": FORMAT_VERSION,
                     "model_config": dataclasses.asdict(model.config),
                     "parallel": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
@@ -179,17 +196,34 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
                     "rng": rng,
                     "fp8": fp8,
                 }
-                path = shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp)
-                written[path.relative_to(target).as_posix()] = atomic_save(shard, path)
             except Exception as err:  # every rank must hear of it, or they wait on the tracker
                 error = f"rank {dims.rank} could not write its shard: {err!r}"
     if zero is not None:
-        path = zero_shard_path(target, dims)
+        files[zero_shard_path(target, dims)] = {"format": FORMAT_VERSION,
+                                                "zero": compact_all(engine.state_dict())}
+    return target, files, error
+
+
+def write_files(target: Path, files: dict[Path, dict],
+                dims: ParallelDims) -> tuple[dict[str, dict], str | None]:
+    """Write `files` atomically, in order: (their manifest entries, keyed by path relative to
+    `target`; the first error, after which nothing more is written). No collective: the
+    background writer of an asynchronous save runs it too."""
+    written = {}
+    for path, obj in files.items():
         try:
-            written[path.relative_to(target).as_posix()] = atomic_save(
-                {"format": FORMAT_VERSION, "zero": compact_all(engine.state_dict())}, path)
+            written[path.relative_to(target).as_posix()] = atomic_save(obj, path)
         except Exception as err:
-            error = error or f"rank {dims.rank} could not write {path}: {err!r}"
+            what = "its shard" if path.name == SHARD else str(path)
+            return written, f"rank {dims.rank} could not write {what}: {err!r}"
+    return written, None
+
+
+def publish(directory: str | os.PathLike, target: Path, written: dict[str, dict],
+            error: str | None, dims: ParallelDims, promote: int | str | None = None) -> None:
+    """Once every rank wrote its files: all agree there was no error (or raise the first on
+    every rank), rank 0 writes the manifest of all of them, and the iteration file names
+    iteration `promote` unless it is None. Collective over the world."""
     agree(error)
     files = {name: entry for entries in gather_all(written) for name, entry in entries.items()}
     if dims.rank == 0:
@@ -198,9 +232,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
         except OSError as err:
             error = f"rank 0 could not write {target / MANIFEST}: {err!r}"
     agree(error)
-    if promote:
-        promote_checkpoint(directory, iteration, dims)
-    return target
+    if promote is not None:
+        promote_checkpoint(directory, promote, dims)
 
 
 def promote_checkpoint(directory: str | os.PathLike, iteration: int | str,
