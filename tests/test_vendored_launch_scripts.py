@@ -42,13 +42,10 @@ DATA = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-type", "--to
 replaced by --mock-data."""
 REFUSED = {
     "megatron-gpt3-175b": ["--pipeline-model-parallel-size",   # the pipeline issue
-                           "--step-batch-size-schedule"],      # the Megatron features issue
+                           "--step-batch-size-schedule"],      # Megatron-LM's stepped batch
+                                                               # schedule: not built
     "megatron-llama3-8b-fp8": ["--fp8-param-gather",            # the FP8 issue
-                               "--ckpt-format",                 # the Megatron features issue:
-                               "--calculate-per-token-loss",    # torch_dist checkpoints, per-token
-                               "--lr-decay-samples",            # loss, sample-based schedules,
-                               "--lr-warmup-samples",           # layernorm-1p, decoupled LR
-                               "--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr"],
+                               "--ckpt-format"],                # torch_dist checkpoints
     "megatron-2024-gpt-345m-mp": ["--pipeline-model-parallel-size"],  # the pipeline issue
     "megatron-deepspeed-llama2": ["--pipeline-model-parallel-size",   # the pipeline issue
                                   "--deepspeed_config"],  # not planned: give its settings as flags
