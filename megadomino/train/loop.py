@@ -175,7 +175,7 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                 state.consumed_train_samples += batch
                 state.scheduler_steps += not result.skipped
                 state.scheduler_samples += 0 if result.skipped else batch
-                reporter.record(loss, result, lr)
+                reporter.record(loss, result, lr, batch / gbs)
                 if saver is not None:
                     saver.poll()
                 manual_gc.after_iteration(iteration)
