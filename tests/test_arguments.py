@@ -209,6 +209,12 @@ def test_sample_flag_sets_its_field(argv, path, expected):
      "--decoupled-min-lr=2e-05 is invalid"),
     (("--train-iters", "10", "--overlap-param-gather"),
      "--overlap-param-gather=True is invalid: it must be used with --use-distributed-optimizer"),
+    (("--train-iters", "10", "--use-distributed-optimizer", "--overlap-param-gather",
+      "--domino-explicit-backward"), "--overlap-param-gather waits for each layer's gather"),
+    (("--train-iters", "10", "--use-distributed-optimizer", "--overlap-param-gather",
+      "--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0"),
+     "Domino's schedule and CUDA graphs bypass"),
+    (("--train-iters", "10", "--async-save"), "--async-save applies to --save"),
 ])
 def test_megatron_feature_rules_name_the_flag(argv, named):
     with pytest.raises(ConfigError, match=named):

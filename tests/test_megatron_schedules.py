@@ -30,6 +30,8 @@ from megadomino.distributed import ParallelDims
 from megadomino.train.loop import train
 from megadomino.train.lr_schedule import LRSchedule
 
+pytestmark = pytest.mark.usefixtures("single_process_group")  # the loop's tests need a group
+
 # ---- Megatron-LM's formulas, transcribed -----------------------------------------------------
 
 
@@ -226,8 +228,6 @@ def test_rampup_batches_grow_then_hold():
 
 
 # ---- the loop --------------------------------------------------------------------------------
-
-pytestmark = pytest.mark.usefixtures("single_process_group")
 
 RAMPUP = ["--model-preset", "gpt-tiny", "--seq-length", "16", "--mock-data",
           "--micro-batch-size", "2", "--global-batch-size", "8", "--train-samples", "60",
