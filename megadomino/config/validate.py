@@ -263,6 +263,10 @@ def _schedule_rules(schedule: ScheduleConfig) -> None:
                           "--lr-decay-style WSD")
     check(schedule.lr_wsd_decay_style in WSD_STYLES, "--lr-wsd-decay-style",
           schedule.lr_wsd_decay_style, " or ".join(WSD_STYLES))
+    check(schedule.lr_decay_style == "WSD"
+          or schedule.lr_wsd_decay_style == ScheduleConfig.lr_wsd_decay_style,
+          "--lr-wsd-decay-style", schedule.lr_wsd_decay_style,
+          "given with --lr-decay-style WSD only (it shapes WSD's annealing)")
     if not 0.0 <= schedule.min_lr <= schedule.lr:
         raise ConfigError(f"--min-lr={schedule.min_lr} is invalid: it must be in [0, --lr "
                           f"({schedule.lr})]")
