@@ -159,7 +159,69 @@ MAPPED = [
     (("--zero-stage", "1", "--zeropp-quantized-gradients", "--zeropp-quantize-full-range"),
      "parallel.zero.quantize_full_range", True),
     (("--zero-stage", "1", "--zero-unit-params", "123456"), "parallel.zero.unit_params", 123456),
+    (("--use-distributed-optimizer", "--overlap-param-gather"),
+     "parallel.zero.overlap_param_gather", True),
+    (("--apply-layernorm-1p",), "model.apply_layernorm_1p", True),
+    (("--calculate-per-token-loss",), "train.schedule.calculate_per_token_loss", True),
+    (("--decoupled-lr", "5e-4"), "train.schedule.decoupled_lr", 5e-4),
+    (("--decoupled-lr", "5e-4", "--decoupled-min-lr", "4.5e-5"),
+     "train.schedule.decoupled_min_lr", 4.5e-5),
+    (("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "3"),
+     "train.schedule.lr_wsd_decay_iters", 3),
+    (("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "3", "--lr-wsd-decay-style", "cosine"),
+     "train.schedule.lr_wsd_decay_style", "cosine"),
+    (("--save", "/ckpt", "--async-save"), "train.checkpoint.async_save", True),
 ]
+
+SAMPLES = ["--model-preset", "gpt-tiny", "--mock-data", "--train-samples", "640"]
+SAMPLE_MAPPED = [
+    (("--lr-decay-samples", "600"), "train.schedule.lr_decay_samples", 600),
+    (("--lr-warmup-samples", "60"), "train.schedule.lr_warmup_samples", 60),
+    (("--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "100"),
+     "train.schedule.lr_wsd_decay_samples", 100),
+    (("--global-batch-size", "8", "--rampup-batch-size", "2", "2", "320"),
+     "train.schedule.rampup_batch_size", [2, 2, 320]),
+]
+"""Flags of sample-based runs (--train-samples)."""
+
+
+@pytest.mark.parametrize("argv, path, expected", SAMPLE_MAPPED,
+                         ids=[c[0][-2] for c in SAMPLE_MAPPED])
+def test_sample_flag_sets_its_field(argv, path, expected):
+    assert field(parse(*argv, base=SAMPLES), path) == expected
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--train-iters", "10", "--lr-decay-samples", "600"), "--lr-decay-samples does not apply"),
+    (("--train-iters", "10", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "8"),
+     "--rampup-batch-size does not apply to a run of --train-iters"),
+    (("--train-samples", "64", "--global-batch-size", "8", "--rampup-batch-size", "2", "2"),
+     "--rampup-batch-size=.2, 2. is invalid: it must be three integers"),
+    (("--train-samples", "64", "--global-batch-size", "8", "--rampup-batch-size", "8", "2", "8"),
+     "START must be below --global-batch-size"),
+    (("--train-samples", "64", "--global-batch-size", "8", "--rampup-batch-size", "2", "4", "8"),
+     "reach it in whole INCREMENTs"),
+    (("--train-samples", "64", "--global-batch-size", "8", "--micro-batch-size", "2",
+      "--rampup-batch-size", "1", "1", "8"), "multiples of --micro-batch-size"),
+    (("--train-samples", "64", "--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "4"),
+     "give one of --lr-warmup-fraction and --lr-warmup-samples"),
+    (("--train-iters", "10", "--lr-decay-style", "WSD"), "needs the length of its annealing"),
+    (("--train-iters", "10", "--lr-wsd-decay-iters", "3"), "applies to --lr-decay-style WSD"),
+    (("--train-iters", "10", "--decoupled-min-lr", "1e-5"), "add --decoupled-lr"),
+    (("--train-iters", "10", "--decoupled-lr", "1e-5", "--min-lr", "2e-5", "--lr", "1e-4"),
+     "--decoupled-min-lr=2e-05 is invalid"),
+    (("--train-iters", "10", "--overlap-param-gather"),
+     "--overlap-param-gather=True is invalid: it must be used with --use-distributed-optimizer"),
+    (("--train-iters", "10", "--use-distributed-optimizer", "--overlap-param-gather",
+      "--domino-explicit-backward"), "--overlap-param-gather waits for each layer's gather"),
+    (("--train-iters", "10", "--use-distributed-optimizer", "--overlap-param-gather",
+      "--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0"),
+     "Domino's schedule and CUDA graphs bypass"),
+    (("--train-iters", "10", "--async-save"), "--async-save applies to --save"),
+])
+def test_megatron_feature_rules_name_the_flag(argv, named):
+    with pytest.raises(ConfigError, match=named):
+        parse(*argv, base=["--model-preset", "gpt-tiny", "--mock-data"])
 
 DATA = ["--model-preset", "gpt-tiny", "--train-iters", "10", "--tokenizer-type",
         "GPT2BPETokenizer", "--vocab-file", "vocab.json", "--merge-file", "merges.txt"]
@@ -207,7 +269,8 @@ def test_finetune_flags_belong_to_finetune_llama_only():
 
 
 def test_every_mapped_flag_is_tested():
-    tested = {arg for argv, _, _ in MAPPED + DATA_MAPPED + FINETUNE_MAPPED for arg in argv}
+    tested = {arg for argv, _, _ in MAPPED + DATA_MAPPED + FINETUNE_MAPPED + SAMPLE_MAPPED
+              for arg in argv}
     tested.add("--train-samples")  # see test_train_samples
     assert {flag.name for flag in FLAGS + FINETUNE_FLAGS if flag.field is not None} <= tested
 
@@ -308,7 +371,7 @@ def test_refused_flag_names_itself_and_the_reason(flag):
     (("--pipeline-model-parallel-size", "2"), "pipeline parallelism is not implemented yet"),
     (("--position-embedding-type", "mrope"),
      "only learned_absolute and rope positions are implemented"),
-    (("--lr-decay-style", "WSD"), "only constant, linear and cosine decay are implemented"),
+    (("--lr-decay-style", "inverse-square-root"), "inverse-square-root decay is not implemented"),
     (("--optimizer", "dist_muon"), "Muon is not implemented: use adam or sgd"),
     (("--ckpt-format", "zarr"), "only the torch and torch_dist formats are implemented"),
     (("--tokenizer-type", "TikTokenizer"), "that tokenizer type is not implemented"),
@@ -527,7 +590,8 @@ def test_hpz_partition_of_a_node_is_accepted(argv, world, local):
 
 
 def test_sample_based_runs_refuse_iteration_schedules():
-    with pytest.raises(ConfigError, match="--lr-decay-iters and --lr-warmup-iters count steps"):
+    with pytest.raises(ConfigError, match="--lr-warmup-iters does not apply to a run of "
+                                          "--train-samples"):
         parse("--train-samples", "64", "--lr-warmup-iters", "2",
               base=["--model-preset", "gpt-tiny", "--mock-data"])
 

@@ -36,14 +36,14 @@ from megadomino.zero.loss_scaler import DynamicLossScaler
 
 
 def test_lr_warmup_is_linear_from_zero():
-    schedule = LRSchedule(1.0, 0.1, warmup_iters=4, decay_iters=10, decay_style="cosine")
+    schedule = LRSchedule(1.0, 0.1, warmup_steps=4, decay_steps=10, decay_style="cosine")
     assert [schedule(i) for i in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
 
 
 @pytest.mark.parametrize("style, midpoint", [("linear", 0.55), ("cosine", 0.55),
                                              ("constant", 1.0)])
 def test_lr_decay_styles(style, midpoint):
-    schedule = LRSchedule(1.0, 0.1, warmup_iters=2, decay_iters=12, decay_style=style)
+    schedule = LRSchedule(1.0, 0.1, warmup_steps=2, decay_steps=12, decay_style=style)
     assert schedule(7) == pytest.approx(midpoint)  # halfway through the decay
     end = 1.0 if style == "constant" else 0.1
     assert schedule(12) == pytest.approx(end)
@@ -51,24 +51,24 @@ def test_lr_decay_styles(style, midpoint):
 
 
 def test_lr_cosine_shape():
-    schedule = LRSchedule(2.0, 0.0, warmup_iters=0, decay_iters=8, decay_style="cosine")
+    schedule = LRSchedule(2.0, 0.0, warmup_steps=0, decay_steps=8, decay_style="cosine")
     assert schedule(2) == pytest.approx(1.0 + math.cos(math.pi / 4))
 
 
 def test_lr_from_config_defaults_and_warmup_fraction():
     config = ScheduleConfig(lr=1.0, min_lr=0.0, lr_decay_style="linear", lr_warmup_fraction=0.1,
                             lr_warmup_iters=99)
-    schedule = LRSchedule.from_config(config, train_iters=50)
-    assert (schedule.warmup_iters, schedule.decay_iters) == (5.0, 50)
+    schedule = LRSchedule.from_config(config, train_iters=50, global_batch_size=4)
+    assert (schedule.warmup_steps, schedule.decay_steps) == (20.0, 200)  # samples
 
 
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(decay_style="wsd"), "--lr-decay-style"),
     (dict(min_lr=2.0), "--min-lr"),
-    (dict(warmup_iters=20), "warmup"),
+    (dict(warmup_steps=20), "warmup"),
 ])
 def test_lr_schedule_refuses(kwargs, flag):
-    args = dict(max_lr=1.0, min_lr=0.0, warmup_iters=0, decay_iters=10, decay_style="cosine")
+    args = dict(max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=10, decay_style="cosine")
     with pytest.raises(ConfigError, match=flag):
         LRSchedule(**{**args, **kwargs})
 

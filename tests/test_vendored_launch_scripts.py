@@ -42,12 +42,9 @@ DATA = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-type", "--to
 replaced by --mock-data."""
 REFUSED = {
     "megatron-gpt3-175b": ["--pipeline-model-parallel-size",   # the pipeline issue
-                           "--step-batch-size-schedule"],      # the Megatron features issue
-    "megatron-llama3-8b-fp8": ["--fp8-param-gather",            # the FP8 issue
-                               "--calculate-per-token-loss",    # the Megatron features issue:
-                               "--lr-decay-samples",            # per-token loss, sample-based
-                               "--lr-warmup-samples",           # schedules, layernorm-1p, LR
-                               "--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr"],
+                           "--step-batch-size-schedule"],      # Megatron-LM's stepped batch
+                                                               # schedule: not built
+    "megatron-llama3-8b-fp8": ["--fp8-param-gather"],           # the FP8 issue
     "megatron-2024-gpt-345m-mp": ["--pipeline-model-parallel-size"],  # the pipeline issue
     "megatron-deepspeed-llama2": ["--pipeline-model-parallel-size",   # the pipeline issue
                                   "--deepspeed_config"],  # not planned: give its settings as flags

@@ -100,9 +100,9 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     *notices(("--ddp-average-in-collective", "--ddp-pad-buckets-for-high-nccl-busbw",
               "--ddp-reduce-scatter-with-fp32-accumulation", "--no-gradient-reduce-div-fusion",
               "--create-all-gather-group", "--use-nccl-ub", "--disable-symmetric-registration",
-              "--no-align-param-gather", "--overlap-param-gather",
-              "--overlap-param-gather-with-optimizer-step", "--gtp-remat-nccl-ub",
-              "--gtp-expert-remat-nccl-ub", "--gtp-remat-reduce-scatter-with-fp32-accumulation",
+              "--no-align-param-gather", "--overlap-param-gather-with-optimizer-step",
+              "--gtp-remat-nccl-ub", "--gtp-expert-remat-nccl-ub",
+              "--gtp-remat-reduce-scatter-with-fp32-accumulation",
               "--no-use-layer-wise-param-layout"), _DDP),
     *notices(("--ddp-num-buckets", "--suggested-communication-unit-size",
               "--num-distributed-optimizer-instances"), _DDP, value),
@@ -248,8 +248,8 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     *refuse(("--yaml-cfg",), "YAML configs are not read: give the flags"),
     *refuse(("--spec",), "layer specs are not implemented: the model comes from the flags"),
     *refuse(("--freeze-all-layers",), "freezing layers is not implemented"),
-    *refuse(("--head-lr-mult", "--decoupled-lr", "--decoupled-min-lr"),
-            "per-parameter-group learning rates are not implemented"),
+    *refuse(("--head-lr-mult",), "an LR multiplier for the output head is not implemented "
+            "(--decoupled-lr gives the embedding and output layer their own schedule)"),
     *refuse(("--fp16-lm-cross-entropy",), "the cross-entropy is always computed in fp32"),
     *refuse(("--output-logit-dtype",), "choosing the output logits' dtype is not implemented"),
     notice("--keep-fp8-transpose-cache", "FP8 casts happen at each GEMM and keep no transpose "

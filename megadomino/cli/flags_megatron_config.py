@@ -45,7 +45,8 @@ _TE_TP_OVERLAP = ("Transformer Engine userbuffer overlap option: --tp-comm-overl
 _COMM = "communicator tuning: process groups are created with NCCL's defaults"
 _DIST_CKPT = ("tuning of megatron-core's distributed-checkpoint machinery: torch_dist checkpoints "
               "are read and written here with torch.distributed.checkpoint alone")
-_ASYNC_SAVE = "read only with --async-save, which is refused: checkpoints are written synchronously"
+_ASYNC_SAVE = ("tunes Megatron-LM's asynchronous save workers: --async-save here writes each "
+               "checkpoint from a CPU snapshot in one background thread")
 _NON_PERSISTENT = ("non-persistent (local, in-memory or replicated) checkpoints are not "
                    "implemented: --save writes every checkpoint to its directory")
 _FROM_CHECKPOINT_ARGS = "read only with --use-checkpoint-args, which is refused"
@@ -279,8 +280,6 @@ MEGATRON_CONFIG_ROWS: tuple[Flag, ...] = (
             _VALIDATION),
     Flag("--lr-warmup-init", REFUSED, "warmup always starts from lr 0, as Megatron-LM's default",
          type=float, supported=(0.0,)),
-    *notices(("--lr-wsd-decay-iters", "--lr-wsd-decay-samples", "--lr-wsd-decay-style"),
-             "read only by --lr-decay-style WSD, which is refused", value),
     Flag("--weight-decay-incr-style", REFUSED, _WEIGHT_DECAY_SCHEDULE, type=str,
          supported=("constant",)),
     *refuse(("--start-weight-decay", "--end-weight-decay"), _WEIGHT_DECAY_SCHEDULE),

@@ -34,6 +34,9 @@ class ModelConfig:
     normalization: str = "LayerNorm"
     """'LayerNorm' or 'RMSNorm'."""
     norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm weights (Megatron's --apply-layernorm-1p): the stored weight is gamma - 1,
+    initialised to 0, and the norm scales by weight + 1 (LayerNorm and RMSNorm alike)."""
     swiglu: bool = False
     position_embedding_type: str = "learned_absolute"
     """'learned_absolute' or 'rope'."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+"""How WSD anneals (Megatron-LM's --lr-wsd-decay-style choices)."""
 
 
 @dataclass
@@ -37,11 +39,32 @@ class ScheduleConfig:
     lr: float = 1e-4
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
-    """'constant', 'linear' (Megatron-LM's default, from Python and the CLI alike) or
-    'cosine'."""
+    """'constant', 'linear' (Megatron-LM's default, from Python and the CLI alike), 'cosine' or
+    'WSD' (warmup, stable, then `lr_wsd_decay_style` over the last WSD decay steps)."""
     lr_decay_iters: int | None = None
     lr_warmup_iters: int = 0
     lr_warmup_fraction: float | None = None
+    lr_decay_samples: int | None = None
+    """With --train-samples: decay length in samples; default the whole run."""
+    lr_warmup_samples: int = 0
+    """With --train-samples: linear warmup in samples."""
+    lr_wsd_decay_style: str = "exponential"
+    """WSD's annealing shape: 'linear', 'cosine', 'exponential' or 'minus_sqrt'."""
+    lr_wsd_decay_iters: int | None = None
+    """WSD's annealing phase at the end of the decay, in steps (with --train-iters)."""
+    lr_wsd_decay_samples: int | None = None
+    """WSD's annealing phase at the end of the decay, in samples (with --train-samples)."""
+    decoupled_lr: float | None = None
+    """Peak LR of the word embedding and the output layer (Megatron's decoupled param groups);
+    None: they follow --lr."""
+    decoupled_min_lr: float | None = None
+    """Their LR at the end of decay; None: --min-lr."""
+    rampup_batch_size: list[int] | None = None
+    """[start, increment, samples]: the global batch grows from `start` by `increment` in equal
+    steps over `samples` consumed samples, then stays --global-batch-size (Megatron's ramp-up)."""
+    calculate_per_token_loss: bool = False
+    """The global batch's loss is the sum of its token losses over its non-masked tokens (across
+    micro-batches and DP ranks), not the mean of per-micro-batch means."""
     eval_interval: int = 1000
     eval_iters: int = 100
 
@@ -113,6 +136,10 @@ class CheckpointConfig:
     no_save_optim: bool = False
     no_save_rng: bool = False
     exit_on_missing_checkpoint: bool = False
+    async_save: bool = False
+    """Write checkpoints from a CPU snapshot in a background thread while training goes on
+    (train/checkpoint/async_save.py); the same files, manifest and promotion as a synchronous
+    save."""
     hf_checkpoint: str | None = None
     """A Hugging Face Llama directory to start from (megadomino.interop.hf.load_llama)."""
     ckpt_format: str = "torch"

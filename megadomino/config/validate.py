@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+from megadomino.config.batches import BatchSchedule
 from megadomino.config.check import ConfigError, check
 from megadomino.config.model import ModelConfig
 from megadomino.config.parallel import ParallelConfig, check_degrees, check_gpus_per_node
-from megadomino.config.train import FP8Recipe, ScheduleConfig, TrainConfig
+from megadomino.config.train import WSD_STYLES, FP8Recipe, ScheduleConfig, TrainConfig
 from megadomino.config.tree import Config
 
 
@@ -53,6 +54,11 @@ def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe
         raise ConfigError("--enable-cuda-graph captures the layers, but --zero-stage 3 gathers "
                           "each layer's parameters from host-side hooks: use --zero-stage 1 "
                           "(or --use-distributed-optimizer) with CUDA graphs")
+    if parallel.zero.overlap_param_gather and (domino.enabled or parallel.domino_auto
+                                               or parallel.enable_cuda_graph):
+        raise ConfigError("--overlap-param-gather waits for each layer's gather in the layer's "
+                          "forward hook, which Domino's schedule and CUDA graphs bypass: drop "
+                          "one of them")
     if parallel.zero.stage == 3 and (domino.enabled or parallel.domino_auto):
         which = ("--domino-batch-slices auto (it may pick a Domino plan)" if parallel.domino_auto
                  else "Domino (--domino, --domino-batch-slices, --domino-hidden-slices, "
@@ -145,8 +151,8 @@ def _world_rules(config: Config, world_size: int, local_world_size: int | None) 
     check_degrees(world_size, tp, pp, dp)
     if parallel.gpus_per_node is not None:
         check_gpus_per_node(world_size, tp, parallel.gpus_per_node)
-    global_batch, _ = batch_plan(schedule, dp)
-    train_iterations(schedule, global_batch)
+    batches = BatchSchedule.from_config(schedule, dp)
+    batches.train_iterations(schedule)
     parallel.domino.validate(config.model.ffn_hidden_size, tp, schedule.micro_batch_size)
     if logging.profile:
         outside = [r for r in logging.profile_ranks if not 0 <= r < world_size]
@@ -160,31 +166,17 @@ def _world_rules(config: Config, world_size: int, local_world_size: int | None) 
 
 
 def batch_plan(config: ScheduleConfig, dp: int) -> tuple[int, int]:
-    """(global batch size, micro-batches per rank per iteration); ConfigError if they don't tile
-    (the rule validate() checks with the world)."""
-    mbs = config.micro_batch_size
-    if mbs < 1:
-        raise ConfigError(f"--micro-batch-size={mbs} is invalid: it must be >= 1")
-    gbs = config.global_batch_size if config.global_batch_size is not None else mbs * dp
-    if gbs < 1 or gbs % (mbs * dp) != 0:
-        raise ConfigError(
-            f"--global-batch-size={gbs} is invalid: it must be a positive multiple of "
-            f"--micro-batch-size ({mbs}) x data-parallel size ({dp}) = {mbs * dp}")
-    return gbs, gbs // (mbs * dp)
+    """(global batch size, micro-batches per rank per iteration) once any ramp-up is over;
+    ConfigError if they don't tile (the rule validate() checks with the world)."""
+    batches = BatchSchedule.from_config(config, dp)
+    return batches.global_batch_size, batches.micro_batches(batches.rampup[2] + 1
+                                                            if batches.rampup else 0)
 
 
 def train_iterations(config: ScheduleConfig, global_batch_size: int) -> int:
-    """--train-iters, or --train-samples // global batch size."""
-    if config.train_iters is not None:
-        iters = config.train_iters
-    elif config.train_samples is not None:
-        iters = config.train_samples // global_batch_size
-    else:
-        raise ConfigError("the run length is missing: pass --train-iters or --train-samples")
-    if iters < 1:
-        raise ConfigError(f"the run has {iters} iterations: --train-iters (or --train-samples / "
-                          f"--global-batch-size) must give at least one")
-    return iters
+    """--train-iters, or --train-samples // global batch size (a fixed batch; with ramp-up the
+    run length is `BatchSchedule.train_iterations`)."""
+    return BatchSchedule(global_batch_size, 1, 1).train_iterations(config)
 
 
 def _train_rules(train: TrainConfig, finetune: bool, data_given: bool) -> None:
@@ -200,15 +192,7 @@ def _train_rules(train: TrainConfig, finetune: bool, data_given: bool) -> None:
         value = getattr(schedule, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={value} is invalid: it must be >= 1")
-    if schedule.train_samples is not None and (schedule.lr_decay_iters is not None
-                                               or schedule.lr_warmup_iters != 0):
-        raise ConfigError("--lr-decay-iters and --lr-warmup-iters count steps: with "
-                          "--train-samples use --lr-warmup-fraction, or use --train-iters")
-    if schedule.lr_warmup_fraction is not None and schedule.lr_warmup_iters != 0:
-        raise ConfigError("give one of --lr-warmup-fraction and --lr-warmup-iters, not both")
-    if not 0.0 <= schedule.min_lr <= schedule.lr:
-        raise ConfigError(f"--min-lr={schedule.min_lr} is invalid: it must be in [0, --lr "
-                          f"({schedule.lr})]")
+    _schedule_rules(schedule)
     if not data_given:
         _check_data(train, finetune)
     if logging.profile and logging.profile_step_end <= logging.profile_step_start:
@@ -235,10 +219,72 @@ def _train_rules(train: TrainConfig, finetune: bool, data_given: bool) -> None:
     if checkpoint.ckpt_format not in ("torch", "torch_dist"):
         raise ConfigError(f"--ckpt-format={checkpoint.ckpt_format!r} is invalid: it must be torch "
                           "or torch_dist")
+    if checkpoint.async_save and checkpoint.save is None:
+        raise ConfigError("--async-save applies to --save: give --save DIR")
+    if checkpoint.async_save and checkpoint.ckpt_format == "torch_dist":
+        raise ConfigError("--async-save writes this project's checkpoint files in the background; "
+                          "--ckpt-format torch_dist's files are written synchronously: drop "
+                          "--async-save")
     if checkpoint.load is None:
         for name in ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint"):
             if getattr(checkpoint, name):
                 raise ConfigError(f"--{name.replace('_', '-')} applies to --load: give --load DIR")
+
+
+def _schedule_rules(schedule: ScheduleConfig) -> None:
+    """Megatron-LM's rules for the LR schedule: iteration-based flags with --train-iters,
+    sample-based ones (and the batch ramp-up) with --train-samples; the decoupled LRs."""
+    by_samples = schedule.train_samples is not None
+    iteration_flags = {"--lr-decay-iters": schedule.lr_decay_iters is not None,
+                       "--lr-warmup-iters": schedule.lr_warmup_iters != 0,
+                       "--lr-wsd-decay-iters": schedule.lr_wsd_decay_iters is not None}
+    sample_flags = {"--lr-decay-samples": schedule.lr_decay_samples is not None,
+                    "--lr-warmup-samples": schedule.lr_warmup_samples != 0,
+                    "--lr-wsd-decay-samples": schedule.lr_wsd_decay_samples is not None,
+                    "--rampup-batch-size": schedule.rampup_batch_size is not None}
+    wrong = next((flag for flag, on in (iteration_flags if by_samples else sample_flags).items()
+                  if on), None)
+    if wrong is not None:
+        run, other = (("--train-samples", "--train-iters") if by_samples
+                      else ("--train-iters", "--train-samples"))
+        raise ConfigError(f"{wrong} does not apply to a run of {run}: use the "
+                          f"{'sample' if by_samples else 'iteration'}-based flags, or {other}")
+    if schedule.rampup_batch_size is not None:  # its tiling over DP: with the world
+        BatchSchedule.from_config(schedule, dp=1)
+    warmup = "--lr-warmup-samples" if by_samples else "--lr-warmup-iters"
+    if schedule.lr_warmup_fraction is not None and (schedule.lr_warmup_samples
+                                                    or schedule.lr_warmup_iters):
+        raise ConfigError(f"give one of --lr-warmup-fraction and {warmup}, not both")
+    for name in ("lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples"):
+        value = getattr(schedule, name)
+        check(value is None or value >= 1, f"--{name.replace('_', '-')}", value, ">= 1")
+    check(schedule.lr_warmup_samples >= 0, "--lr-warmup-samples", schedule.lr_warmup_samples,
+          ">= 0")
+    wsd = schedule.lr_wsd_decay_samples if by_samples else schedule.lr_wsd_decay_iters
+    if schedule.lr_decay_style == "WSD" and wsd is None:
+        raise ConfigError("--lr-decay-style WSD needs the length of its annealing phase: "
+                          f"--lr-wsd-decay-{'samples' if by_samples else 'iters'}")
+    if schedule.lr_decay_style != "WSD" and wsd is not None:
+        raise ConfigError(f"--lr-wsd-decay-{'samples' if by_samples else 'iters'} applies to "
+                          "--lr-decay-style WSD")
+    check(schedule.lr_wsd_decay_style in WSD_STYLES, "--lr-wsd-decay-style",
+          schedule.lr_wsd_decay_style, " or ".join(WSD_STYLES))
+    check(schedule.lr_decay_style == "WSD"
+          or schedule.lr_wsd_decay_style == ScheduleConfig.lr_wsd_decay_style,
+          "--lr-wsd-decay-style", schedule.lr_wsd_decay_style,
+          "given with --lr-decay-style WSD only (it shapes WSD's annealing)")
+    if not 0.0 <= schedule.min_lr <= schedule.lr:
+        raise ConfigError(f"--min-lr={schedule.min_lr} is invalid: it must be in [0, --lr "
+                          f"({schedule.lr})]")
+    if schedule.decoupled_lr is None and schedule.decoupled_min_lr is not None:
+        raise ConfigError("--decoupled-min-lr is the end of --decoupled-lr's decay: add "
+                          "--decoupled-lr")
+    if schedule.decoupled_lr is not None:
+        low = schedule.min_lr if schedule.decoupled_min_lr is None else schedule.decoupled_min_lr
+        if not 0.0 <= low <= schedule.decoupled_lr:
+            raise ConfigError(f"--decoupled-min-lr={low} is invalid: it must be in [0, "
+                              f"--decoupled-lr ({schedule.decoupled_lr})] (it defaults to "
+                              "--min-lr)")
 
 
 def _check_writable(save: str) -> None:

@@ -46,6 +46,10 @@ class ZeroConfig:
     clipped one step). Off: the symmetric scheme, absmax / (2^(bits-1) - 1), q within
     +-(2^(bits-1) - 1). int4's error is about 12% lower with it and its int4 kernels up to 15%
     slower (BENCHMARKS.md, "ZeRO++ quantization kernels")."""
+    overlap_param_gather: bool = False
+    """Stage 1: the all-gather of the new weights after the step is launched per unit and waited
+    on just before the unit's first use in the next forward (--overlap-param-gather), not
+    before the step returns; the same values either way."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit (layer) while this one computes."""
     reduce_dtype: str = "float32"
@@ -136,6 +140,9 @@ class ZeroConfig:
             raise ConfigError(f"--zero-layers-per-unit {self.layers_per_unit} fixes the layers a "
                               f"unit, --zero-unit-params {self.unit_params} sizes units by "
                               "parameters: give one of them")
+        check(not self.overlap_param_gather or self.stage == 1, "--overlap-param-gather", True,
+              "used with --use-distributed-optimizer (--zero-stage 1): stage 0 gathers nothing "
+              "and stage 3 prefetches its gathers already")
         if self.stage == 1:
             check(not self.quantized_weights, "--zeropp-quantized-weights", True,
                    "off at --zero-stage 1 (parameters are not partitioned, nothing is gathered "

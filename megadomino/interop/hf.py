@@ -201,8 +201,15 @@ def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
     layout = weight_layout(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_read_shard(reader, layout[name], param, dims))
+            param.copy_(_read_shard(reader, layout[name], param, dims)
+                        - _norm_offset(config, name))
     return model
+
+
+def _norm_offset(config: ModelConfig, name: str) -> float:
+    """What our tensor `name` lacks of HF's: 1 for a norm weight kept as gamma - 1
+    (--apply-layernorm-1p; HF stores gamma), else 0."""
+    return 1.0 if config.apply_layernorm_1p and name.endswith("layernorm.weight") else 0.0
 
 
 def _check_tensors(reader: SafetensorsReader, config: ModelConfig, hf_dir: str) -> None:
@@ -305,7 +312,8 @@ def _write_weights(model: LlamaModel, out_dir: str, dtype: torch.dtype, max_shar
     pending: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     error = None
     for name, param in model.named_parameters():
-        full = gather_full(param.detach(), param, model.dims).cpu()
+        full = gather_full(param.detach(), param, model.dims).cpu() + _norm_offset(
+            model.config, name)
         if not writes or error is not None:
             continue
         offset = 0

@@ -33,37 +33,47 @@ class LocalLinear(Protocol):
 
 class LayerNorm(nn.LayerNorm):
     """torch's LayerNorm (same parameters and state dict) running the layer_norm piece, compiled
-    when `compile_pieces`."""
+    when `compile_pieces`. `zero_centered` (--apply-layernorm-1p, Megatron's LayerNorm1P): the
+    weight holds gamma - 1 (zeros at init) and the norm scales by weight + 1, so weight decay
+    pulls gamma towards 1, not 0."""
 
-    def __init__(self, hidden_size: int, eps: float, compile_pieces: bool = False, **kwargs):
+    def __init__(self, hidden_size: int, eps: float, compile_pieces: bool = False,
+                 zero_centered: bool = False, **kwargs):
         super().__init__(hidden_size, eps=eps, **kwargs)
-        self.compile_pieces = compile_pieces
+        self.compile_pieces, self.zero_centered = compile_pieces, zero_centered
+        if zero_centered:
+            nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return elementwise.pieces(self.compile_pieces).layer_norm(x, self.weight, self.bias,
-                                                                  self.eps)
+        weight = self.weight + 1 if self.zero_centered else self.weight
+        return elementwise.pieces(self.compile_pieces).layer_norm(x, weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.RMSNorm):
     """torch's RMSNorm (same parameters and state dict) running the rms_norm piece, compiled when
-    `compile_pieces`."""
+    `compile_pieces`; `zero_centered` as LayerNorm's."""
 
-    def __init__(self, hidden_size: int, eps: float, compile_pieces: bool = False, **kwargs):
+    def __init__(self, hidden_size: int, eps: float, compile_pieces: bool = False,
+                 zero_centered: bool = False, **kwargs):
         super().__init__(hidden_size, eps=eps, **kwargs)
-        self.compile_pieces = compile_pieces
+        self.compile_pieces, self.zero_centered = compile_pieces, zero_centered
+        if zero_centered:
+            nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return elementwise.pieces(self.compile_pieces).rms_norm(x, self.weight, self.eps)
+        weight = self.weight + 1 if self.zero_centered else self.weight
+        return elementwise.pieces(self.compile_pieces).rms_norm(x, weight, self.eps)
 
 
 def build_norm(config: ModelConfig, sequence_parallel: bool = False, device=None,
                compile_pieces: bool = False) -> nn.Module:
-    """LayerNorm (weight and bias) or RMSNorm (weight); under sequence parallelism the params are
-    marked `sequence_parallel` (each rank sees part of the sequence: its gradient is partial)."""
+    """LayerNorm (weight and bias) or RMSNorm (weight), zero-centred with apply_layernorm_1p;
+    under sequence parallelism the params are marked `sequence_parallel` (each rank sees part of
+    the sequence: its gradient is partial)."""
     dtype = DTYPES[config.params_dtype]
     norm_class = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
     norm = norm_class(config.hidden_size, eps=config.norm_epsilon, compile_pieces=compile_pieces,
-                      device=device, dtype=dtype)
+                      zero_centered=config.apply_layernorm_1p, device=device, dtype=dtype)
     for param in norm.parameters():
         param.sequence_parallel = sequence_parallel
     return norm

@@ -75,6 +75,12 @@ class GPTModel(nn.Module):
                 setattr(self.output_weight, attr, getattr(self.word_embeddings.weight, attr))
             init_sharded_(self.output_weight, (config.vocab_size, config.hidden_size), std, dims)
 
+    def embedding_and_output_weights(self) -> list[nn.Parameter]:
+        """The word embedding and, when untied, the output weight: Megatron's
+        embedding-or-output parameters, which --decoupled-lr gives their own learning rate."""
+        return [self.word_embeddings.weight] + ([self.output_weight]
+                                                if self.output_weight is not None else [])
+
     # ---- forward -------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         """tokens (b, s) -> hidden (s, b, h), or (s/tp, b, h) under sequence parallelism."""

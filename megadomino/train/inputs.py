@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from megadomino.config import Config, DataConfig, ScheduleConfig
-from megadomino.config.validate import batch_plan, train_iterations
+from megadomino.config.batches import BatchSchedule
 from megadomino.data import build_tokenizer, build_train_valid_test_datasets
 from megadomino.data.sft import build_sft_datasets
 from megadomino.data.tokenizer import Tokenizer
@@ -37,10 +37,11 @@ def run_tokenizer(config: Config) -> tuple[Config, Tokenizer | None]:
 
 def sample_counts(schedule: ScheduleConfig, dp: int) -> tuple[int, int, int]:
     """Samples the train, valid and test splits must hold for this run (Megatron-LM's sizing)."""
-    gbs, _ = batch_plan(schedule, dp)
-    iters = train_iterations(schedule, gbs)
+    batches = BatchSchedule.from_config(schedule, dp)
+    gbs, iters = batches.global_batch_size, batches.train_iterations(schedule)
     evaluations = iters // schedule.eval_interval + 1 if schedule.eval_interval > 0 else 0
-    return iters * gbs, evaluations * schedule.eval_iters * gbs, schedule.eval_iters * gbs
+    return (batches.samples_in(iters), evaluations * schedule.eval_iters * gbs,
+            schedule.eval_iters * gbs)
 
 
 def build_datasets(config: Config, dims: ParallelDims, tokenizer: Tokenizer | None,

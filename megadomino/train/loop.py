@@ -32,6 +32,7 @@ the process group chose the backend to match.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -42,7 +43,8 @@ from torch import nn
 from megadomino import overlap
 from megadomino.build import build_model
 from megadomino.config import CheckpointConfig, Config, ConfigError, ParallelConfig
-from megadomino.config.validate import batch_plan, train_iterations, validate
+from megadomino.config.batches import BatchSchedule
+from megadomino.config.validate import validate
 from megadomino.data.mock import MockDataset
 from megadomino.distributed import ParallelDims
 from megadomino.distributed.random import model_parallel_seed
@@ -51,6 +53,7 @@ from megadomino.overlap.cuda_graph import capture_layers
 from megadomino.overlap.domino.autotune import autotune_domino
 from megadomino.train.checkpoint import (
     TRACKER,
+    AsyncCheckpointer,
     CheckpointError,
     TrainingState,
     checkpoint_dir,
@@ -101,13 +104,14 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     train_config = config.train
     schedule_config, logging = train_config.schedule, train_config.logging
     checkpoint = train_config.checkpoint
-    gbs, num_micro = batch_plan(schedule_config, dims.dp)
-    iters = train_iterations(schedule_config, gbs)
+    batches = BatchSchedule.from_config(schedule_config, dims.dp)
+    gbs, iters = batches.global_batch_size, batches.train_iterations(schedule_config)
+    num_micro = gbs // (batches.micro_batch_size * dims.dp)
     mbs = schedule_config.micro_batch_size
     config = dataclasses.replace(config, model=config.model.replace(
         params_dtype=train_config.precision.params_dtype))
     model_config = config.model
-    schedule = LRSchedule.from_config(schedule_config, iters)
+    schedule = LRSchedule.from_config(schedule_config, iters, gbs)
     writer = open_writer(logging.tensorboard_dir, dims.rank)
     if data_description is None:
         data_description = ("mock data" if train_data is None else
@@ -141,7 +145,8 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
         # read the parameters' storage as it is at capture.
         capture_layers(model, mbs, log=log)
     timers = Timers(device)
-    step = Stepper(model, engine, dims, mbs, num_micro, device, timers)
+    step = Stepper(model, engine, dims, mbs, num_micro, device, timers,
+                   per_token_loss=schedule_config.calculate_per_token_loss)
     padded_vocab = model_config.padded_vocab_size(dims.tp)
     flops = num_floating_point_operations(model_config, gbs, padded_vocab)
     history = {"losses": [], "lrs": [], "grad_norms": [], "eval": [], "skipped_iterations": 0,
@@ -154,20 +159,27 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     eval_iters, eval_interval = schedule_config.eval_iters, schedule_config.eval_interval
     evaluating = valid_data is not None and eval_iters > 0 and eval_interval > 0
     profile = ProfileWindow(logging, dims.rank, log)
+    saver = (AsyncCheckpointer(checkpoint.save, dims, log)
+             if checkpoint.async_save and checkpoint.save else None)
     try:
         with StopConditions(train_config.runtime, device) as stop, \
                 ManualGC(train_config.runtime) as manual_gc:
             first_iteration = state.iteration + 1
             for iteration in range(first_iteration, iters + 1):
-                lr = schedule(state.scheduler_steps)
-                engine.set_lr(lr)
+                lr, decoupled_lr = schedule.rates(state.scheduler_samples)
+                engine.set_lr(lr, decoupled_lr)
+                batch = batches.global_batch(state.consumed_train_samples)
                 profile.before(iteration)
-                loss, result = step.train(train_data, state.consumed_train_samples)
+                loss, result = step.train(train_data, state.consumed_train_samples,
+                                          batches.micro_batches(state.consumed_train_samples))
                 profile.after(iteration)
                 state.iteration = iteration
-                state.consumed_train_samples += gbs
+                state.consumed_train_samples += batch
                 state.scheduler_steps += not result.skipped
-                reporter.record(loss, result, lr)
+                state.scheduler_samples += 0 if result.skipped else batch
+                reporter.record(loss, result, lr, batch / gbs)
+                if saver is not None:
+                    saver.poll()
                 if iteration == first_iteration and config.parallel.compile_layer_pieces \
                         and dims.rank == 0:
                     log(compile_line())
@@ -190,13 +202,22 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                     reporter.check_finite(iteration)  # never save a diverged model
                     with reporter.outside_training():
                         _save(checkpoint, state, model, engine, dims, log,
-                              lambda: step.probe(train_data, state.consumed_train_samples - gbs))
+                              functools.partial(step.probe, train_data,
+                                                state.consumed_train_samples - batch), saver)
                 if reason is not None:
                     history["exit_reason"] = reason
                     if dims.rank == 0:
                         log(f" stopping: {reason}")
                     break
+        if saver is not None:
+            saver.finish()
+    except NonFiniteLossError:  # raised on every rank alike: the save in flight can finish
+        if saver is not None:
+            saver.finish()
+        raise
     finally:
+        if saver is not None:
+            saver.close()
         profile.close()
         if writer is not None:
             writer.close()
@@ -244,19 +265,26 @@ def _resume(config: CheckpointConfig, model: nn.Module, dims: ParallelDims,
 
 
 def _save(config: CheckpointConfig, state: TrainingState, model: nn.Module,
-          engine: ZeroPlusPlus, dims: ParallelDims,
-          log: Callable[[str], None], probe: Callable[[], float]) -> None:
+          engine: ZeroPlusPlus, dims: ParallelDims, log: Callable[[str], None],
+          probe: Callable[[], float], saver: AsyncCheckpointer | None = None) -> None:
     """Save, then promote the checkpoint to latest once a forward pass from the saved weights
     (`probe`: the last batch again) gives a finite loss. The step that produced the weights may
     have diverged though its own loss, taken before it, was finite: then NonFiniteLossError, and
-    the iteration file keeps naming the last good checkpoint, which a requeued job resumes."""
+    the iteration file keeps naming the last good checkpoint, which a requeued job resumes.
+    With `saver` (--async-save) the files are written in the background from a snapshot taken
+    here, and the promotion waits for them (`AsyncCheckpointer`)."""
     if dims.rank == 0:  # a large checkpoint takes minutes
         log(f" saving checkpoint {checkpoint_dir(config.save, state.iteration)}")
-    path = save_checkpoint(config.save, state, model, engine, dims,
-                           save_rng=not config.no_save_rng, save_optim=not config.no_save_optim,
-                           promote=False, megatron_dist=config.ckpt_format == "torch_dist")
+    options = dict(save_rng=not config.no_save_rng, save_optim=not config.no_save_optim)
+    if saver is not None:
+        path = saver.start(state, model, engine, **options)
+    else:
+        path = save_checkpoint(config.save, state, model, engine, dims, promote=False,
+                               megatron_dist=config.ckpt_format == "torch_dist", **options)
     loss = probe()
     if not math.isfinite(loss):
+        if saver is not None:
+            saver.finish()  # its files complete, not promoted
         previous = latest_iteration(config.save)
         raise NonFiniteLossError(
             f"the weights saved at iteration {state.iteration} give the loss {loss} (the step "
@@ -264,6 +292,9 @@ def _save(config: CheckpointConfig, state: TrainingState, model: nn.Module,
             f"made the latest, {TRACKER} still names "
             + (f"iteration {previous}" if previous is not None else "no checkpoint")
             + " (lower --lr, or check the data and the precision)")
+    if saver is not None:
+        saver.promote()
+        return
     promote_checkpoint(config.save, state.iteration, dims)
     if dims.rank == 0:
         log(f" saved checkpoint {path} (iteration {state.iteration})")

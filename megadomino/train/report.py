@@ -50,13 +50,18 @@ class Reporter:
         self.losses: list[torch.Tensor] = []
         self.norms: list[torch.Tensor] = []
         self.skipped = 0
+        self.batch_fractions: list[float] = []
         self.start = time.perf_counter()
         self.excluded = 0.0
         self.excluded_bytes = {"intra": 0, "inter": 0}
         zero.comm.reset()  # the counts start with training, not with a checkpoint load
 
-    def record(self, loss: torch.Tensor, result: StepResult, lr: float) -> None:
+    def record(self, loss: torch.Tensor, result: StepResult, lr: float,
+               batch_fraction: float = 1.0) -> None:
+        """One iteration's values; `batch_fraction`: its global batch over the full one (below 1
+        during a batch-size ramp-up), which scales its tokens and FLOPs."""
         self.losses.append(loss)
+        self.batch_fractions.append(batch_fraction)
         no_norm = torch.full((), math.nan, device=self.device)
         self.norms.append(no_norm if result.grad_norm is None else result.grad_norm)
         self.skipped += result.skipped
@@ -101,8 +106,9 @@ class Reporter:
             torch.cuda.synchronize(self.device)
         count = len(losses)
         seconds = (time.perf_counter() - self.start - self.excluded) / count
-        metrics = throughput(self.flops, self.tokens, seconds, self.dims.world_size,
-                             self.peak_tflops)
+        fraction = sum(self.batch_fractions) / count
+        metrics = throughput(self.flops * fraction, self.tokens * fraction, seconds,
+                             self.dims.world_size, self.peak_tflops)
         metrics.update(loss=sum(losses) / count, lr=self.history["lrs"][-1],
                        grad_norm=norms[-1], ms_per_iter=1e3 * seconds,
                        peak_memory_gib=peak_memory_gib(self.device))
@@ -131,7 +137,7 @@ class Reporter:
             scalars.update({f"zero/{key.removeprefix('zero_')}": metrics[key]
                             for key in ZERO_SCALARS})
             self.writer.write(scalars, iteration)
-        self.losses, self.norms, self.skipped = [], [], 0
+        self.losses, self.norms, self.skipped, self.batch_fractions = [], [], 0, []
         self.start, self.excluded = time.perf_counter(), 0.0
         self.excluded_bytes = {"intra": 0, "inter": 0}
 

@@ -7,7 +7,15 @@ group read the same samples; two DP ranks never read the same sample in a step.
 
 A sample is a LongTensor [seq_length + 1] (inputs [:-1], labels [1:], every label counts) or a
 dict {"tokens": LongTensor [seq_length + 1], "loss_mask": FloatTensor [seq_length]} whose mask
-weighs each label. A micro-batch's loss is the mask-weighted mean over its labels.
+weighs each label. A micro-batch's loss is the mask-weighted mean over its labels, and the
+iteration's the mean of its micro-batches' (then of the DP ranks').
+
+With per-token loss (--calculate-per-token-loss, as Megatron-LM's `loss_func` and
+`finalize_model_grads`), the iteration's loss is instead the sum of the token losses of the
+whole global batch over its count of weighted tokens N (the masks summed over the micro-batches
+and DP ranks, one all-reduce before the forwards): each micro-batch backpropagates its token
+sum times dp / N, so that the engine's DP mean of the gradients is the gradient of that loss.
+Evaluation weighs tokens alike.
 
 The Stepper drives the data-parallel engine (`megadomino.zero.ZeroPlusPlus`, any stage):
 `zero_grad()`, `no_sync()` for all but the last micro-batch, `backward(loss / num_micro)` (fp16
@@ -20,6 +28,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megadomino.distributed import ParallelDims
@@ -48,10 +57,13 @@ class Stepper:
 
     def __init__(self, model: nn.Module, engine: ZeroPlusPlus,
                  dims: ParallelDims, micro_batch_size: int, num_micro: int,
-                 device: torch.device, timers: Timers):
+                 device: torch.device, timers: Timers, per_token_loss: bool = False):
+        """`num_micro`: micro-batches of a full global batch (evaluation's; training's unless
+        a batch ramp-up passes fewer to `train`)."""
         self.model, self.engine, self.dims = model, engine, dims
         self.mbs, self.num_micro, self.device, self.timers = (micro_batch_size, num_micro, device,
                                                               timers)
+        self.per_token_loss = per_token_loss
 
     def _micro_batch(self, dataset: Dataset, consumed: int,
                      micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,31 +74,50 @@ class Stepper:
         loss_mask = loss_mask.to(self.device, non_blocking=True)
         return tokens[:, :-1], tokens[:, 1:], loss_mask
 
+    def _token_losses(self, tokens: torch.Tensor, labels: torch.Tensor,
+                      loss_mask: torch.Tensor) -> torch.Tensor:
+        """The sum of the micro-batch's mask-weighted token losses (0-dim)."""
+        return self.model(tokens, labels=labels, loss_mask=loss_mask).sum()
+
     def _loss(self, tokens: torch.Tensor, labels: torch.Tensor,
               loss_mask: torch.Tensor) -> torch.Tensor:
-        per_token = self.model(tokens, labels=labels, loss_mask=loss_mask)
         # A micro-batch whose mask is all zero (say, an SFT prompt that fills the sequence)
         # contributes 0, not 0 / 0.
-        return per_token.sum() / loss_mask.sum().clamp(min=1.0)
+        return self._token_losses(tokens, labels, loss_mask) / loss_mask.sum().clamp(min=1.0)
 
-    def train(self, dataset: Dataset, consumed: int) -> tuple[torch.Tensor, StepResult]:
-        """Accumulate gradients over the micro-batches, reduce (with the last backward), step.
-        Returns (this rank's mean loss as a 0-dim tensor, StepResult)."""
+    def _dp_tokens(self, masks: list[torch.Tensor]) -> torch.Tensor:
+        """The weighted tokens of `masks` summed over the DP group (at least 1: an all-masked
+        batch contributes 0, not 0 / 0)."""
+        count = torch.stack([mask.sum() for mask in masks]).sum().double().reshape(1)
+        if self.dims.dp > 1:
+            dist.all_reduce(count, group=self.dims.dp_group)
+        return count.clamp(min=1.0).float().reshape(())
+
+    def train(self, dataset: Dataset, consumed: int,
+              num_micro: int | None = None) -> tuple[torch.Tensor, StepResult]:
+        """Accumulate gradients over `num_micro` micro-batches (default: a full global batch),
+        reduce (with the last backward), step. Returns (this rank's share of the loss as a 0-dim
+        tensor, whose DP mean is the iteration's loss; StepResult)."""
+        num_micro = num_micro or self.num_micro
         self.engine.zero_grad()
         total = torch.zeros((), device=self.device)
-        for micro in range(self.num_micro):
-            last = micro == self.num_micro - 1
-            with self.timers("data"):
-                batch = self._micro_batch(dataset, consumed, micro)
+        with self.timers("data"):
+            batches = [self._micro_batch(dataset, consumed, micro) for micro in range(num_micro)]
+            if self.per_token_loss:  # weight of a token: dp / the global batch's tokens
+                scale = self.dims.dp / self._dp_tokens([batch[2] for batch in batches])
+        divisor = 1 if self.per_token_loss else num_micro
+        for micro, batch in enumerate(batches):
+            last = micro == num_micro - 1
             with self.engine.no_sync() if not last else contextlib.nullcontext():
                 with self.timers("forward"):
-                    loss = self._loss(*batch)
+                    loss = (self._token_losses(*batch) * scale if self.per_token_loss
+                            else self._loss(*batch))
                 with self.timers("backward"):
-                    self.engine.backward(loss / self.num_micro)
+                    self.engine.backward(loss / divisor)
             total += loss.detach()
         with self.timers("optimizer"):
             result = self.engine.step()
-        return total / self.num_micro, result
+        return total / divisor, result
 
     @torch.no_grad()
     def probe(self, dataset: Dataset, consumed: int) -> float:
@@ -101,18 +132,27 @@ class Stepper:
     @torch.no_grad()
     def evaluate(self, dataset: Dataset, consumed: int, iters: int,
                  progress: Callable[[int], None] | None = None) -> float:
-        """Mean loss over `iters` global batches starting at sample `consumed`, averaged over DP;
-        `progress(done)` after each batch."""
+        """Mean loss over `iters` global batches starting at sample `consumed`, averaged over DP
+        (per-token loss: over every weighted token of them); `progress(done)` after each
+        batch."""
         self.model.eval()
         total = torch.zeros((), device=self.device)
+        masks = []
         global_batch = self.num_micro * self.mbs * self.dims.dp
         for batch in range(iters):
             for micro in range(self.num_micro):
-                total += self._loss(*self._micro_batch(dataset, consumed + batch * global_batch,
-                                                       micro))
+                tokens, labels, mask = self._micro_batch(
+                    dataset, consumed + batch * global_batch, micro)
+                if self.per_token_loss:
+                    total += self._token_losses(tokens, labels, mask)
+                    masks.append(mask)
+                else:
+                    total += self._loss(tokens, labels, mask)
             if progress is not None:
                 progress(batch + 1)
         self.model.train()
+        if self.per_token_loss:
+            return dp_mean(total * self.dims.dp / self._dp_tokens(masks), self.dims).item()
         return dp_mean(total / (iters * self.num_micro), self.dims).item()
 
 

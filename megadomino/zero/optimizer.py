@@ -60,9 +60,17 @@ class ZeroPlusPlus:
 
     def __init__(self, model: nn.Module, dims, optimizer_factory: OptimizerFactory,
                  config: ZeroConfig, *, clip_grad: float = 0.0,
-                 loss_scaler: DynamicLossScaler | None = None):
+                 loss_scaler: DynamicLossScaler | None = None,
+                 decoupled: tuple[nn.Parameter, ...] = ()):
+        """`decoupled`: parameters the optimizer keeps in their own groups, whose LR
+        `set_lr(lr, decoupled_lr)` sets apart (Megatron's --decoupled-lr: the word embedding
+        and the output layer)."""
         config.check_dims(dims)
         runner = getattr(getattr(model, "decoder", None), "runner", None)
+        if config.overlap_param_gather and getattr(runner, "bypasses_layer_hooks", False):
+            raise ConfigError("--overlap-param-gather waits for each layer's gather in the "
+                              "layer's forward hook, which the Domino schedule bypasses: drop "
+                              "one of them")
         if config.stage == 3 and getattr(runner, "bypasses_layer_hooks", False):
             raise ConfigError("--zero-stage 3 gathers each layer in the layer's forward hook, "
                               "which the Domino schedule bypasses: use --zero-stage 1 with Domino")
@@ -81,7 +89,8 @@ class ZeroPlusPlus:
                                config.min_units)
             self.units = [FlatUnit(name, params, dims.dp, dims.dp_rank)
                           for name, _, params in found]
-            self.params = FullParams(self.units, dims, self.comm)
+            modules = [m for _, m, _ in found] if config.overlap_param_gather else None
+            self.params = FullParams(self.units, dims, self.comm, modules=modules)
             on_unit_done = None
         else:
             found = find_units(model, config.layers_per_unit, config.unit_params,
@@ -95,7 +104,8 @@ class ZeroPlusPlus:
         self.optimizer = ShardedOptimizer(self.units, self.params.shards, self.grads.grad_shards,
                                           dims, self.comm, optimizer_factory, clip_grad,
                                           loss_scaler, config.on_nonfinite,
-                                          whole=config.stage == 0)
+                                          whole=config.stage == 0,
+                                          decoupled=frozenset(id(p) for p in decoupled))
 
     def __call__(self, *args, **kwargs):
         """The model's forward (stage 3: with the gathers its hooks issue)."""
@@ -127,8 +137,9 @@ class ZeroPlusPlus:
     def zero_grad(self) -> None:
         self.grads.zero_grad()
 
-    def set_lr(self, lr: float) -> None:
-        self.optimizer.set_lr(lr)
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        """The LR of the next step: `decoupled_lr` for the decoupled parameters when given."""
+        self.optimizer.set_lr(lr, decoupled_lr)
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -272,12 +283,17 @@ def optimizer_factory(config: OptimizerConfig, lr: float) -> OptimizerFactory:
 
 def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
     """The engine a run's config describes: its ZeRO stage and options, the optimizer
-    --optimizer names, clipping to --clip-grad, and a dynamic loss scaler exactly when --fp16."""
+    --optimizer names, clipping to --clip-grad, a dynamic loss scaler exactly when --fp16, and
+    with --decoupled-lr the model's embedding and output weights in their own groups."""
     train = config.train
     precision, scaler = train.precision, None
     if precision.fp16:
         scaler = DynamicLossScaler(precision.initial_loss_scale, precision.min_loss_scale,
                                    precision.loss_scale_window, precision.hysteresis)
     factory = optimizer_factory(train.optimizer, train.schedule.lr)
+    decoupled = ()
+    if train.schedule.decoupled_lr is not None:
+        decoupled = tuple(model.embedding_and_output_weights())
     return ZeroPlusPlus(model, dims, factory, config.parallel.zero,
-                        clip_grad=train.optimizer.clip_grad, loss_scaler=scaler)
+                        clip_grad=train.optimizer.clip_grad, loss_scaler=scaler,
+                        decoupled=decoupled)

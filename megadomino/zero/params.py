@@ -66,9 +66,18 @@ class MemoryMeter:
 class FullParams:
     """Stages 0 and 1: each unit's parameters are views of one flat buffer. Stage 1 all-gathers
     it after a step; at stage 0 (`gathered` False: units laid out over one rank) this rank's
-    shard is the whole buffer, which the step updates in place."""
+    shard is the whole buffer, which the step updates in place.
 
-    def __init__(self, units: list[FlatUnit], dims, comm: CommCounter, gathered: bool = True):
+    With `modules` (--overlap-param-gather: unit i's modules, find_units's) the all-gathers of a
+    refresh are launched and left in flight: a forward pre-hook on each of unit i's modules
+    waits for unit i's just before its first use, so the gathers of later units overlap the
+    forward of earlier ones. Every other reader of the parameters waits for all of them first
+    (`release_all`, which the engine calls before a step, a state load and after backward;
+    `materialize`, before the weights are read whole). The values are the same bits either
+    way: only when the wait happens moves."""
+
+    def __init__(self, units: list[FlatUnit], dims, comm: CommCounter, gathered: bool = True,
+                 modules: list[tuple[nn.Module, ...]] | None = None):
         self.units, self.dims, self.comm, self.gathered = units, dims, comm, gathered
         self.flats = []
         for unit in units:
@@ -77,6 +86,11 @@ class FullParams:
                 param.data = view
             self.flats.append(flat)
         self.shards = [unit.shard(flat) for unit, flat in zip(units, self.flats)]
+        self.overlap = modules is not None
+        self.pending: list = [None] * len(units)
+        for index, unit_modules in enumerate(modules or ()):
+            for module in unit_modules:
+                module.register_forward_pre_hook(lambda _m, _a, i=index: self._wait(i))
 
     @property
     def nbytes(self) -> int:
@@ -84,20 +98,30 @@ class FullParams:
         return sum(flat.numel() * flat.element_size() for flat in self.flats)
 
     def refresh(self) -> None:
-        """All-gather every unit's shard into the model's parameters (stage 1)."""
+        """All-gather every unit's shard into the model's parameters (stage 1); with overlap,
+        left in flight for the forward hooks."""
         if not self.gathered:
             return
-        works = [self.comm.all_gather(flat, shard.clone(), self.dims.dp_group,
-                                      "weights step", async_op=True)
-                 for flat, shard in zip(self.flats, self.shards)]
-        for work in works:
+        self.release_all()
+        self.pending = [self.comm.all_gather(flat, shard.clone(), self.dims.dp_group,
+                                             "weights step", async_op=True)
+                        for flat, shard in zip(self.flats, self.shards)]
+        if not self.overlap:
+            self.release_all()
+
+    def _wait(self, index: int) -> None:
+        work, self.pending[index] = self.pending[index], None
+        if work is not None:
             work.wait()
 
     def materialize(self) -> None:
-        """The parameters are always whole at stages 0 and 1."""
+        """The parameters whole: any gather still in flight finished."""
+        self.release_all()
 
     def release_all(self) -> None:
-        """Nothing is gathered on demand at stages 0 and 1."""
+        """Finish every gather still in flight (nothing is released at stages 0 and 1)."""
+        for index in range(len(self.pending)):
+            self._wait(index)
 
 
 class _BeforeBackward(torch.autograd.Function):

@@ -7,7 +7,9 @@ itself) and hands the user's optimizer one tensor per (parameter, this rank's ch
 view into the masters whose `.grad` is the matching view of the reduced gradient shard (Megatron's
 distributed optimizer does the same). Parameters of 2 or more dims get weight decay, the rest
 (biases, norm weights) none: `optimizer_factory([{"params": decayed}, {"params": rest,
-"weight_decay": 0.0}])` (groups left out when empty).
+"weight_decay": 0.0}])` (groups left out when empty). The `decoupled` parameters (the word
+embedding and output layer under --decoupled-lr) make two more such groups, marked
+`"decoupled": True`, which `set_lr` gives their own rate (Megatron's param groups).
 
 The step, collective over the whole world (every rank must call it):
   1. gradients of `sequence_parallel` parameters are summed over the TP group (their reduced
@@ -51,13 +53,17 @@ class ShardedOptimizer:
     def __init__(self, units: list[FlatUnit], param_shards: list[torch.Tensor],
                  grad_shards: list[torch.Tensor], dims, comm: CommCounter,
                  optimizer_factory: OptimizerFactory, clip_grad: float,
-                 loss_scaler: DynamicLossScaler | None, on_nonfinite: str, whole: bool = False):
-        """`whole`: stage 0 (every DP rank holds the whole units and the same gradients)."""
+                 loss_scaler: DynamicLossScaler | None, on_nonfinite: str, whole: bool = False,
+                 decoupled: frozenset[int] = frozenset()):
+        """`whole`: stage 0 (every DP rank holds the whole units and the same gradients);
+        `decoupled`: ids of the parameters whose pieces go to the decoupled groups."""
         self.dims, self.comm, self.clip_grad, self.whole = dims, comm, clip_grad, whole
         self.loss_scaler, self.on_nonfinite = loss_scaler, on_nonfinite
         self.param_shards, self.grad_shards = param_shards, grad_shards
         self.masters = [s if s.dtype == torch.float32 else s.float() for s in param_shards]
-        decayed, rest = [], []
+        groups: dict[tuple[bool, bool], list[torch.Tensor]] = {
+            (decoupled_group, decay): [] for decoupled_group in (False, True)
+            for decay in (True, False)}
         self.pieces: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         """(parameter, the view of the masters holding its piece of this rank's chunk)."""
         self._counted: list[torch.Tensor] = []
@@ -69,17 +75,19 @@ class ShardedOptimizer:
                 master_piece, grad_piece = master[span], grad[span]
                 master_piece.grad = grad_piece
                 self.pieces.append((param, master_piece))
-                (decayed if len(unit.shapes[piece.index]) >= 2 else rest).append(master_piece)
+                decay = len(unit.shapes[piece.index]) >= 2
+                groups[(id(param) in decoupled, decay)].append(master_piece)
                 if getattr(param, "tensor_model_parallel", False) or dims.tp_rank == 0:
                     self._counted.append(grad_piece)
                 if dims.tp > 1 and getattr(param, "sequence_parallel", False):
                     self._sequence_parallel.append(grad_piece)
-        groups = [g for g in ({"params": decayed}, {"params": rest, "weight_decay": 0.0})
-                  if g["params"]]
-        if not groups:
+        param_groups = [{"params": params, **({} if decay else {"weight_decay": 0.0}),
+                         **({"decoupled": True} if decoupled_group else {})}
+                        for (decoupled_group, decay), params in groups.items() if params]
+        if not param_groups:
             raise ValueError(f"DP rank {dims.dp_rank} holds no parameter: the model is too "
                              f"small to shard over {dims.dp} ranks")
-        self.optimizer = optimizer_factory(groups)
+        self.optimizer = optimizer_factory(param_groups)
         self._skips_on_device = (isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW)
                                  and bool(self.optimizer.defaults.get("fused")))
 
@@ -140,9 +148,11 @@ class ShardedOptimizer:
             if shard is not master:
                 shard.copy_(master)
 
-    def set_lr(self, lr: float) -> None:
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        """`lr` for every group, `decoupled_lr` (when given) for the decoupled ones."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = decoupled_lr if decoupled_lr is not None and group.get(
+                "decoupled") else lr
 
     def _sum_sequence_parallel(self) -> None:
         if not self._sequence_parallel:

@@ -1,7 +1,9 @@
 """Checkpoints in Megatron-LM's layout: `shards` saves and loads each rank's shards (the layout,
 resume, loading at another TP degree), `files` writes them atomically and verifies them against
-the manifest, `rng` captures and restores every random generator of a rank."""
+the manifest, `rng` captures and restores every random generator of a rank, `async_save` writes
+them from a background thread (--async-save)."""
 
+from megadomino.train.checkpoint.async_save import AsyncCheckpointer
 from megadomino.train.checkpoint.files import TRACKER, CheckpointError, Manifest
 from megadomino.train.checkpoint.shards import (
     SHARD,
@@ -17,6 +19,7 @@ from megadomino.train.checkpoint.shards import (
 
 __all__ = [
     "SHARD",
+    "AsyncCheckpointer",
     "TRACKER",
     "CheckpointError",
     "Manifest",

@@ -98,7 +98,18 @@ class TrainingState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     scheduler_steps: int = 0
-    """Successful optimizer steps: the LR schedule's position (skipped fp16 steps don't count)."""
+    """Successful optimizer steps (skipped fp16 steps don't count)."""
+    scheduler_samples: int = 0
+    """The samples of the successful steps: the LR schedule's position, as Megatron counts it."""
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> TrainingState:
+        """The counters a checkpoint holds; one saved before the schedule counted samples had
+        fixed batches, so its position is its steps times its batch."""
+        if "scheduler_samples" not in saved and saved.get("iteration"):
+            batch = saved["consumed_train_samples"] // saved["iteration"]
+            saved = {**saved, "scheduler_samples": saved.get("scheduler_steps", 0) * batch}
+        return cls(**saved)
 
 
 def checkpoint_dir(directory: str | os.PathLike, iteration: int | str) -> Path:
@@ -148,6 +159,23 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
     (`promote_checkpoint`) only once its weights gave a finite loss. `megatron_dist`
     (--ckpt-format torch_dist): the directory also gets Megatron-LM's torch_dist files of the
     weights and counters (interop.megatron_dist), which Megatron-LM loads."""
+    target, files, error = checkpoint_files(directory, state, model, engine, dims,
+                                            save_rng=save_rng, release=release,
+                                            save_optim=save_optim, megatron_dist=megatron_dist)
+    written, write_error = write_files(target, files, dims)
+    publish(directory, target, written, error or write_error, dims,
+            promote="release" if release else state.iteration if promote else None)
+    return target
+
+
+def checkpoint_files(directory: str | os.PathLike, state: TrainingState, model: nn.Module,
+                     engine: ZeroPlusPlus | None, dims: ParallelDims, *, save_rng: bool = True,
+                     release: bool = False, save_optim: bool = True, megatron_dist: bool = False
+                     ) -> tuple[Path, dict[Path, dict], str | None]:
+    """(the checkpoint's directory, the files this rank writes, path -> object, the error that
+    kept one from being made). Collective over the world (RNG and FP8 states gathered over DP;
+    stage 3 gathers the weights; `megatron_dist` writes the torch_dist files here, collectively). The objects hold references to the live tensors (compact
+    copies only where a tensor is a view): write or copy them before the next step."""
     iteration = "release" if release else state.iteration
     target = checkpoint_dir(directory, iteration)
     rng = gather_over_dp(capture_rng_state(dims), dims) if save_rng else None
@@ -156,11 +184,11 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
                           for name, state in states.items()}, dims) if states else None
     save_optim = save_optim and engine is not None
     zero = {"stage": engine.config.stage} if save_optim and engine.sharded else None
-    error, written = None, {}
+    error, files = None, {}
     with _whole_weights(engine):
         if dims.dp_rank == 0:
             try:
-                shard = {
+                files[shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp)] = {
                     "format": FORMAT_VERSION,
                     "model_config": dataclasses.asdict(model.config),
                     "parallel": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
@@ -173,8 +201,6 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
                     "rng": rng,
                     "fp8": fp8,
                 }
-                path = shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp)
-                written[path.relative_to(target).as_posix()] = atomic_save(shard, path)
             except Exception as err:  # every rank must hear of it, or they wait on the tracker
                 error = f"rank {dims.rank} could not write its shard: {err!r}"
         if megatron_dist and not release:
@@ -182,12 +208,31 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
                                 consumed_train_samples=state.consumed_train_samples,
                                 consumed_valid_samples=state.consumed_valid_samples)
     if zero is not None:
-        path = zero_shard_path(target, dims)
+        files[zero_shard_path(target, dims)] = {"format": FORMAT_VERSION,
+                                                "zero": compact_all(engine.state_dict())}
+    return target, files, error
+
+
+def write_files(target: Path, files: dict[Path, dict],
+                dims: ParallelDims) -> tuple[dict[str, dict], str | None]:
+    """Write `files` atomically, in order: (their manifest entries, keyed by path relative to
+    `target`; the first error, after which nothing more is written). No collective: the
+    background writer of an asynchronous save runs it too."""
+    written = {}
+    for path, obj in files.items():
         try:
-            written[path.relative_to(target).as_posix()] = atomic_save(
-                {"format": FORMAT_VERSION, "zero": compact_all(engine.state_dict())}, path)
+            written[path.relative_to(target).as_posix()] = atomic_save(obj, path)
         except Exception as err:
-            error = error or f"rank {dims.rank} could not write {path}: {err!r}"
+            what = "its shard" if path.name == SHARD else str(path)
+            return written, f"rank {dims.rank} could not write {what}: {err!r}"
+    return written, None
+
+
+def publish(directory: str | os.PathLike, target: Path, written: dict[str, dict],
+            error: str | None, dims: ParallelDims, promote: int | str | None = None) -> None:
+    """Once every rank wrote its files: all agree there was no error (or raise the first on
+    every rank), rank 0 writes the manifest of all of them, and the iteration file names
+    iteration `promote` unless it is None. Collective over the world."""
     agree(error)
     files = {name: entry for entries in gather_all(written) for name, entry in entries.items()}
     if dims.rank == 0:
@@ -196,9 +241,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
         except OSError as err:
             error = f"rank 0 could not write {target / MANIFEST}: {err!r}"
     agree(error)
-    if promote:
-        promote_checkpoint(directory, iteration, dims)
-    return target
+    if promote is not None:
+        promote_checkpoint(directory, promote, dims)
 
 
 def promote_checkpoint(directory: str | os.PathLike, iteration: int | str,
@@ -418,7 +462,7 @@ class _ShardReader:
                 key = "master" if "master" in saved_params.get(name, {}) else None
                 param.copy_(self._tensor(name, param, key))
         self._load_fp8(model)
-        return TrainingState(**own["state"])
+        return TrainingState.from_saved(own["state"])
 
     def _load_fp8(self, model: nn.Module) -> None:
         """The delayed-FP8 scaling state of this rank, where the checkpoint has one for it (saved
