@@ -174,8 +174,9 @@ def checkpoint_files(directory: str | os.PathLike, state: TrainingState, model: 
                      ) -> tuple[Path, dict[Path, dict], str | None]:
     """(the checkpoint's directory, the files this rank writes, path -> object, the error that
     kept one from being made). Collective over the world (RNG and FP8 states gathered over DP;
-    stage 3 gathers the weights; `megatron_dist` writes the torch_dist files here, collectively). The objects hold references to the live tensors (compact
-    copies only where a tensor is a view): write or copy them before the next step."""
+    stage 3 gathers the weights; `megatron_dist` writes the torch_dist files here, collectively).
+    The objects hold references to the live tensors (compact copies only where a tensor is a
+    view): write or copy them before the next step."""
     iteration = "release" if release else state.iteration
     target = checkpoint_dir(directory, iteration)
     rng = gather_over_dp(capture_rng_state(dims), dims) if save_rng else None
