@@ -291,7 +291,10 @@ COMPANIONS = {"--recompute-granularity=full": ("--recompute-method", "uniform",
                                               "--recompute-num-layers", "1"),
               "--fp8-recipe": ("--fp8-format", "hybrid"),
               "--fp8-amax-compute-algo": ("--fp8-format", "hybrid"),
-              "--zeropp-gradient-bits": ("--zero-stage", "3", "--zeropp-quantized-gradients")}
+              "--zeropp-gradient-bits": ("--zero-stage", "3", "--zeropp-quantized-gradients"),
+              "--pipeline-schedule=interleaved": ("--num-layers", "4",
+                                                  "--pipeline-model-parallel-size", "2",
+                                                  "--virtual-pipeline-model-parallel-size", "2")}
 """Flags (or a flag=value) that parse only beside these."""
 
 
