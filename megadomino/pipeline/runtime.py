@@ -55,11 +55,6 @@ class PipelineRuntime:
                                  DTYPES[model.params_dtype], device, num_micro)
         self.executor = Executor(chunks, transport, stage.index, plan.size)
         self.actions = schedule(schedule_name, plan.size, stage.index, num_micro, plan.chunks)
-        order = [c for c in compute_order("interleaved" if plan.chunks > 1 else "1f1b",
-                                          plan.size, stage.index, num_micro, plan.chunks)
-                 if c[0] == "F"]
-        self.eval_actions = with_transfers([[c] for c in order], plan.size, stage.index,
-                                           plan.chunks)
         tied = plan.size > 1 and not model.untie_embeddings_and_output_weights
         self.embedding_group = embedding_group(plan, dims) if tied else None
         self.tied = tied_embedding(chunks, plan)
@@ -92,8 +87,17 @@ class PipelineRuntime:
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[MicroBatch]) -> torch.Tensor:
-        """The mean loss of forwards only (eval mode is the caller's)."""
-        return self.mean_loss(self.executor.run(self.eval_actions, batches, train=False))
+        """The mean loss of forwards only, any number of micro-batches (eval mode is the
+        caller's): every forward in the order of the training schedule, no backward."""
+        plan, stage = self.plan, self.plan.stage_of(self.dims.rank).index
+        name = "interleaved" if plan.chunks > 1 and len(batches) % plan.size == 0 else None
+        if name is None and plan.chunks > 1:
+            order = [("F", m, v) for v in range(plan.chunks) for m in range(len(batches))]
+        else:
+            order = [c for c in compute_order(name or "1f1b", plan.size, stage, len(batches),
+                                              plan.chunks) if c[0] == "F"]
+        actions = with_transfers([[c] for c in order], plan.size, stage, plan.chunks)
+        return self.mean_loss(self.executor.run(actions, batches, train=False))
 
     def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean of the last stage's micro-batch losses, broadcast over the pipeline group."""
@@ -101,7 +105,8 @@ class PipelineRuntime:
         total = torch.zeros((), device=device)
         for loss in losses:
             total += loss
-        total /= max(1, self.num_micro) if self.is_last else 1
+        if losses:
+            total /= len(losses)
         if self.plan.size > 1:
             dist.broadcast(total, self.loss_source, group=self.dims.pp_group)
         return total

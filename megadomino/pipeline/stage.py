@@ -32,14 +32,32 @@ from megadomino.pipeline.plan import PipelinePlan
 
 def build_stage(config: ModelConfig, dims, plan: PipelinePlan, family: str = "gpt",
                 device=None, *, parallel: ParallelConfig | None = None,
-                fp8: FP8Recipe | None = None) -> nn.ModuleList:
+                fp8: FP8Recipe | None = None, init_seed: int | None = None) -> nn.ModuleList:
     """This rank's chunks (an nn.ModuleList of GPTModel parts, one per virtual stage it holds),
-    each with the runner `parallel` asks for (recompute)."""
+    each with the runner `parallel` asks for (recompute). The initial values come from the
+    default generator as it is (`init_seed` None) or seeded with `init_seed`, which leaves the
+    rank's own generator untouched: the training loop passes --seed, so every stage starts
+    from the weights the PP=1 run has (Megatron seeds stage s with seed + 100 s, and draws its
+    weights from that; here that stream is left to dropout)."""
     if family not in FAMILIES:
         raise ConfigError(f"model family {family!r} is unknown: choose 'gpt' or 'llama'")
     parallel = parallel or ParallelConfig()
+    cuda = torch.cuda.is_available()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else [],
+                               enabled=init_seed is not None):
+        if init_seed is not None:
+            torch.manual_seed(init_seed)
+        chunks = _draw_chunks(config, dims, plan, family, device, parallel, fp8)
     stage = plan.stage_of(dims.rank)
-    last = plan.size - 1
+    if plan.size > 1 and stage.index == plan.size - 1 and chunks[-1].word_embeddings is not None:
+        chunks[-1].word_embeddings.weight.pipeline_duplicate = True
+    return nn.ModuleList(chunks)
+
+
+def _draw_chunks(config: ModelConfig, dims, plan: PipelinePlan, family: str, device,
+                 parallel: ParallelConfig, fp8: FP8Recipe | None) -> list[GPTModel]:
+    """Each chunk built from the same generator state (restored before each)."""
+    stage = plan.stage_of(dims.rank)
     cuda = torch.cuda.is_available()
     start_cpu = torch.get_rng_state()
     start_cuda = torch.cuda.get_rng_state() if cuda else None
@@ -51,12 +69,10 @@ def build_stage(config: ModelConfig, dims, plan: PipelinePlan, family: str = "gp
         model = FAMILIES[family](
             config, dims, device, parallel=parallel, fp8=fp8, layer_range=layers,
             pre_process=stage.index == 0 and v == 0,
-            post_process=stage.index == last and v == plan.chunks - 1)
+            post_process=stage.index == plan.size - 1 and v == plan.chunks - 1)
         overlap.apply(model, parallel)
         chunks.append(model)
-    if plan.size > 1 and stage.index == last and chunks[-1].word_embeddings is not None:
-        chunks[-1].word_embeddings.weight.pipeline_duplicate = True
-    return nn.ModuleList(chunks)
+    return chunks
 
 
 def run_chunk(model: GPTModel, x: torch.Tensor | None, tokens: torch.Tensor,

@@ -11,7 +11,10 @@ weighs each label. A micro-batch's loss is the mask-weighted mean over its label
 
 The Stepper drives the data-parallel engine (`megadomino.zero.ZeroPlusPlus`, any stage):
 `zero_grad()`, `no_sync()` for all but the last micro-batch, `backward(loss / num_micro)` (fp16
-loss scaling and the DP reduction inside), `step()`.
+loss scaling and the DP reduction inside), `step()`. With pipeline stages the pipeline runtime
+(megadomino.pipeline.runtime) runs the micro-batches through its schedule and has the engine
+reduce after the last backward; every stage reads the micro-batches (the first uses the tokens,
+the last the labels and mask).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from megadomino.distributed import ParallelDims
 from megadomino.distributed.compat import all_gather_single
+from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.train.timers import Timers
 from megadomino.zero import ZeroPlusPlus
 from megadomino.zero.loss_scaler import StepResult
@@ -48,8 +52,10 @@ class Stepper:
 
     def __init__(self, model: nn.Module, engine: ZeroPlusPlus,
                  dims: ParallelDims, micro_batch_size: int, num_micro: int,
-                 device: torch.device, timers: Timers):
-        self.model, self.engine, self.dims = model, engine, dims
+                 device: torch.device, timers: Timers, pipeline: PipelineRuntime | None = None):
+        """`pipeline`: with pipeline stages, the runtime whose schedule runs the micro-batches
+        (`model` is then this rank's chunks); its loss is the last stage's, on every rank."""
+        self.model, self.engine, self.dims, self.pipeline = model, engine, dims, pipeline
         self.mbs, self.num_micro, self.device, self.timers = (micro_batch_size, num_micro, device,
                                                               timers)
 
@@ -73,6 +79,15 @@ class Stepper:
         """Accumulate gradients over the micro-batches, reduce (with the last backward), step.
         Returns (this rank's mean loss as a 0-dim tensor, StepResult)."""
         self.engine.zero_grad()
+        if self.pipeline is not None:
+            with self.timers("data"):
+                batches = [self._micro_batch(dataset, consumed, micro)
+                           for micro in range(self.num_micro)]
+            # Forwards and backwards interleave in the schedule: its whole time is "forward".
+            with self.timers("forward"):
+                loss = self.pipeline.train_step(batches, self.engine)
+            with self.timers("optimizer"):
+                return loss, self.engine.step()
         total = torch.zeros((), device=self.device)
         for micro in range(self.num_micro):
             last = micro == self.num_micro - 1
@@ -94,7 +109,8 @@ class Stepper:
         `consumed` (eval mode: no dropout, no generator touched), averaged over DP: the same
         value on every rank."""
         self.model.eval()
-        loss = self._loss(*self._micro_batch(dataset, consumed, 0))
+        batch = self._micro_batch(dataset, consumed, 0)
+        loss = self._loss(*batch) if self.pipeline is None else self.pipeline.evaluate([batch])
         self.model.train()
         return dp_mean(loss, self.dims).item()
 
@@ -107,9 +123,13 @@ class Stepper:
         total = torch.zeros((), device=self.device)
         global_batch = self.num_micro * self.mbs * self.dims.dp
         for batch in range(iters):
-            for micro in range(self.num_micro):
-                total += self._loss(*self._micro_batch(dataset, consumed + batch * global_batch,
-                                                       micro))
+            batches = [self._micro_batch(dataset, consumed + batch * global_batch, micro)
+                       for micro in range(self.num_micro)]
+            if self.pipeline is not None:
+                total += self.pipeline.evaluate(batches) * self.num_micro
+            else:
+                for micro_batch in batches:
+                    total += self._loss(*micro_batch)
             if progress is not None:
                 progress(batch + 1)
         self.model.train()
