@@ -21,7 +21,6 @@ setup(
         "megadomino.config",
         "megadomino.distributed",
         "megadomino.tp",
-        "megadomino.parallel",
         "megadomino.models",
         "megadomino.overlap",
         "megadomino.overlap.domino",

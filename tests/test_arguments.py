@@ -129,6 +129,7 @@ MAPPED = [
     (("--gpus-per-node", "4"), "parallel.gpus_per_node", 4),
     (("--domino",), "parallel.domino_auto", True),
     (("--domino-explicit-backward",), "parallel.domino.explicit_backward", True),
+    (("--compile-layer-pieces",), "parallel.compile_layer_pieces", True),
     (("--domino", "--domino-batch-slices", "4"), "parallel.domino.batch_slices", 4),
     (("--domino-hidden-slices", "2"), "parallel.domino.hidden_slices", 2),
     (("--domino-batch-slices", "auto"), "parallel.domino_auto", True),

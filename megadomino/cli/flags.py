@@ -34,7 +34,8 @@ from megadomino.cli.flags_megatron_config import MEGATRON_CONFIG_ROWS
 __all__ = ["ALIAS", "FINETUNE_FLAGS", "FLAGS", "IMPLEMENTED", "NOTICE", "OURS", "RANGES",
            "REFUSED", "Flag"]
 
-_NO_KERNEL = "there is no such fused kernel here, so nothing to disable"
+_NO_KERNEL = ("the layers' element-wise pieces run eagerly unless --compile-layer-pieces compiles "
+              "them all; there is no per-piece switch")
 _SDPA = "attention always runs through torch SDPA, which picks flash attention where it can"
 _TENSORBOARD = ("with --tensorboard-dir every scalar is written at each --log-interval: loss, lr, "
                 "grad norm, loss scale, throughput, memory, timers, validation loss and ppl")
@@ -285,6 +286,11 @@ FLAGS: tuple[Flag, ...] = (
     _ours("--domino-explicit-backward", "parallel.domino.explicit_backward", None,
           "Domino's schedule without slicing: each linear's weight-gradient GEMM runs behind its "
           "input-gradient all-reduce (the Domino plan that measured fastest)."),
+    _ours("--compile-layer-pieces", "parallel.compile_layer_pieces", None,
+          "Compile each element-wise piece of the layers (bias + dropout + residual add, norms, "
+          "GELU / SwiGLU, rotary) with torch.compile, one region per piece: fused kernels where "
+          "eager runs several. Composes with every execution path; compile time is printed at "
+          "start-up (megadomino/models/elementwise.py)."),
     _impl("--tp-comm-overlap", "parallel.tp_comm_overlap", None,
           "With --sequence-parallel: the all-gather / reduce-scatter fused into the GEMMs (torch "
           "symmetric-memory kernels, NVLink copy engines). Host-bound in eager mode: use it with "

@@ -19,11 +19,10 @@ from types import SimpleNamespace
 
 from megadomino.config.check import ConfigError, check
 from megadomino.config.model import ModelConfig
-from megadomino.config.parallel import ParallelConfig
+from megadomino.config.parallel import ParallelConfig, check_degrees, check_gpus_per_node
 from megadomino.config.pipeline_split import layer_split
 from megadomino.config.train import FP8Recipe, ScheduleConfig, TrainConfig
 from megadomino.config.tree import Config
-from megadomino.distributed.dims import check_degrees, check_gpus_per_node
 
 
 def validate(config: Config, world_size: int | None = None, gpus_per_node: int | None = None, *,

@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadomino.config import FP8Recipe
-from megadomino.distributed import mappings
+from megadomino.distributed import fused_matmul, mappings
 from megadomino.distributed.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
-from megadomino.parallel import async_tp
 from megadomino.tp.fp8 import FP8State, fp8_linear
 
 
@@ -113,9 +112,10 @@ def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            group, sequence_parallel: bool,
                            comm_overlap: bool = False) -> torch.Tensor:
     """Functional column-parallel linear (also used by the tied output layer). With sequence
-    parallelism and comm_overlap, the all-gather is fused into the GEMM (parallel.async_tp)."""
+    parallelism and comm_overlap, the all-gather is fused into the GEMM
+    (distributed.fused_matmul)."""
     if sequence_parallel and comm_overlap and mappings.group_size(group) > 1:
-        return async_tp.all_gather_matmul(x, weight, bias, group)
+        return fused_matmul.all_gather_matmul(x, weight, bias, group)
     return _LinearWithAsyncGradReduce.apply(x, weight, bias, group, sequence_parallel)
 
 
@@ -219,7 +219,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_overlap:
-            out = async_tp.matmul_reduce_scatter(x, self.weight, self.dims.tp_group)
+            out = fused_matmul.matmul_reduce_scatter(x, self.weight, self.dims.tp_group)
             return out if self.bias is None else out + self.bias
         return self.reduce(self.partial(x))
 
