@@ -35,10 +35,9 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
     _parallel_rules(config.model, config.parallel, config.train.precision.fp8)
     checkpoint = config.train.checkpoint
     if config.parallel.pipeline_model_parallel_size > 1:
-        for flag, value in (("--save", checkpoint.save), ("--load", checkpoint.load),
-                            ("--hf-checkpoint", checkpoint.hf_checkpoint)):
-            check(value is None, flag, value, "unset with --pipeline-model-parallel-size > 1: "
-                  "checkpoints of pipeline stages are not implemented yet")
+        check(checkpoint.hf_checkpoint is None, "--hf-checkpoint", checkpoint.hf_checkpoint,
+              "unset with --pipeline-model-parallel-size > 1: Hugging Face weights load into a "
+              "whole model only (convert to a checkpoint first: scripts/convert_hf_llama.py)")
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)
 

@@ -32,8 +32,8 @@ from megadomino.pipeline.plan import PipelinePlan
 
 def build_stage(config: ModelConfig, dims, plan: PipelinePlan, family: str = "gpt",
                 device=None, *, parallel: ParallelConfig | None = None,
-                fp8: FP8Recipe | None = None, init_seed: int | None = None) -> nn.ModuleList:
-    """This rank's chunks (an nn.ModuleList of GPTModel parts, one per virtual stage it holds),
+                fp8: FP8Recipe | None = None, init_seed: int | None = None) -> StageChunks:
+    """This rank's chunks (StageChunks: GPTModel parts, one per virtual stage it holds),
     each with the runner `parallel` asks for (recompute). The initial values come from the
     default generator as it is (`init_seed` None) or seeded with `init_seed`, which leaves the
     rank's own generator untouched: the training loop passes --seed, so every stage starts
@@ -51,7 +51,21 @@ def build_stage(config: ModelConfig, dims, plan: PipelinePlan, family: str = "gp
     stage = plan.stage_of(dims.rank)
     if plan.size > 1 and stage.index == plan.size - 1 and chunks[-1].word_embeddings is not None:
         chunks[-1].word_embeddings.weight.pipeline_duplicate = True
-    return nn.ModuleList(chunks)
+    return StageChunks(chunks)
+
+
+class StageChunks(nn.ModuleList):
+    """A stage's chunks (GPTModel parts, in chunk order). `config` is the whole model's;
+    `checkpoint_parameters()` names each parameter as the whole model does (checkpoints key
+    them so, and load them at another pipeline degree)."""
+
+    @property
+    def config(self) -> ModelConfig:
+        return self[0].config
+
+    def checkpoint_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(global_name(model, name), param) for model in self
+                for name, param in model.named_parameters()]
 
 
 def _draw_chunks(config: ModelConfig, dims, plan: PipelinePlan, family: str, device,
