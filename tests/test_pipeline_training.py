@@ -4,7 +4,10 @@ the same run without PP (1e-5 relative): PP2 against DP2 (world 2), PP2 x DP2 (Z
 against DP4 and PP2 x TP2 (sequence parallel) against TP2 x DP2 (world 4), for each schedule
 and both families; a vocabulary that pads (331), uneven layers (7 over PP2). Validation loss
 (forwards only through the pipeline) too. The run without PP has the same global batch: every
-step reads the same samples."""
+step reads the same samples. bf16 and fp16 (loss scaling) at PP2 stay within 3e-2 of the run
+without PP; fp16 starts from a scale that does not overflow: at 2^32 the tied embedding's two
+fp16 gradient halves overflow as one sum without PP and not apart, so the runs would skip
+different steps."""
 
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ def run(family: str, dims, layers: int, **changes) -> dict:
     return train(config, dims, family, log=lambda line: None)
 
 
-def check_training(family: str, dims, dims_ref, schedule: str, layers: int, **changes):
+def check_training(family: str, dims, dims_ref, schedule: str, layers: int, rel: float = REL,
+                   **changes):
     pipeline = dict(changes, pipeline_schedule=schedule)
     if schedule == "interleaved":
         pipeline["virtual_pipeline_model_parallel_size"] = 2
@@ -42,9 +46,9 @@ def check_training(family: str, dims, dims_ref, schedule: str, layers: int, **ch
     assert ref["losses"][-1] < ref["losses"][0] - 0.3, ref["losses"]
     for what in ("losses", "grad_norms"):
         for step, (a, b) in enumerate(zip(mine[what], ref[what], strict=True)):
-            assert abs(a - b) <= REL * abs(b), (what, step, a, b)
+            assert abs(a - b) <= rel * abs(b), (what, step, a, b)
     (a,), (b,) = ([e["loss"] for e in h["eval"]] for h in (mine, ref))
-    assert abs(a - b) <= REL * abs(b), ("validation", a, b)
+    assert abs(a - b) <= rel * abs(b), ("validation", a, b)
 
 
 SUITE = DistSuite(worlds=(2, 4), timeout=400.0)
@@ -63,6 +67,11 @@ for family in ("gpt", "llama"):
         layers = 8 if schedule == "interleaved" else 7
         SUITE.case(f"{family}-pp2-{schedule}", check_training, family, C.pp2, C.dp2, schedule,
                    layers, worlds=(2,))
+    # Half precision: the stages sum in another order than one process, so only close.
+    SUITE.case(f"{family}-pp2-bf16", check_training, family, C.pp2, C.dp2, "eager-1f1b", 7,
+               rel=3e-2, bf16=True, worlds=(2,))
+    SUITE.case(f"{family}-pp2-fp16", check_training, family, C.pp2, C.dp2, "1f1b", 7,
+               rel=3e-2, fp16=True, initial_loss_scale=4096.0, worlds=(2,))
     SUITE.case(f"{family}-pp2dp2-zero1", check_training, family, C.pp2dp2, C.dp4, "eager-1f1b",
                7, stage=1, worlds=(4,))
     SUITE.case(f"{family}-pp2tp2-sp", check_training, family, C.pp2tp2, C.tp2dp2, "1f1b", 4,
