@@ -2,7 +2,8 @@
 for n = 3 equals the schedule in the docstring of Alpa's `OverlapFriendlyPipeDreamSchedule`
 (alpa/pipeline_parallel/schedules.py); every schedule runs each forward and backward once, in
 dependency order, and cannot deadlock even where a send completes only once its receive is posted
-(a simulation of every rank's list); the bubble formulas; Megatron's layer splits and the
+(a simulation of every rank's list), and both ends of every pair post its messages in the same
+order (what NCCL, which ignores tags, matches by); the bubble formulas; Megatron's layer splits and the
 validator's one-line refusals."""
 
 from __future__ import annotations
@@ -167,9 +168,31 @@ CASES = [(name, stages, micro, chunks)
          if name != "interleaved" or micro % stages == 0]
 
 
+def channels(name: str, stages: int, micro: int, chunks: int) -> dict:
+    """Per (sender, receiver, direction): the messages in the order the sender posts its sends
+    and in the order the receiver posts its receives."""
+    out: dict = {}
+    for s in range(stages):
+        for action in schedule(name, stages, s, micro, chunks):
+            if action.op not in ("send", "recv"):
+                continue
+            toward_next = (action.pass_ == "F") == (action.op == "send")
+            peer = (s + (1 if toward_next else -1)) % stages
+            pair = (s, peer) if action.op == "send" else (peer, s)
+            out.setdefault((*pair, action.pass_, action.op), []).append(
+                _key(stages, s, action, action.op))
+    return out
+
+
 @pytest.mark.parametrize("name,stages,micro,chunks", CASES)
 def test_every_schedule_runs_to_the_end(name, stages, micro, chunks):
     assert all(simulate(name, stages, micro, chunks))
+    # Backends that ignore tags (NCCL) match a pair's messages in posting order: the same order
+    # on both ends.
+    posted = channels(name, stages, micro, chunks)
+    for (src, dst, pass_, op), keys in posted.items():
+        if op == "send":
+            assert keys == posted[(src, dst, pass_, "recv")], (src, dst, pass_)
     for stage in range(stages):
         actions = schedule(name, stages, stage, micro, chunks)
         computes = [(a.pass_, a.micro, a.chunk or 0) for a in actions

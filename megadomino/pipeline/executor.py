@@ -52,6 +52,7 @@ class Executor:
         with torch.enable_grad() if train else torch.no_grad():
             for action in actions:
                 self._do(action, batches, state)
+        self.transport.flush()
         if state.pending or state.kept:
             raise RuntimeError(f"the action list left operations or tensors behind: "
                                f"{sorted(state.pending)} {sorted(state.kept)}")
@@ -60,6 +61,8 @@ class Executor:
     def _do(self, action: Action, batches: Sequence[MicroBatch], state: _State) -> None:
         micro, chunk = action.micro, action.chunk or 0
         key = (action.pass_, micro, chunk)
+        if action.op not in ("send", "recv"):
+            self.transport.flush()  # a step's posts go out together, before anything else
         if action.op == "forward":
             x = state.kept.pop(("in", micro, chunk), None)
             out = run_chunk(self.chunks[chunk], x, *batches[micro])

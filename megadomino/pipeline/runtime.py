@@ -51,8 +51,11 @@ class PipelineRuntime:
         if parallel.sequence_parallel and dims.tp > 1:
             seq //= dims.tp
         device = next(chunks.parameters()).device
-        transport = P2PTransport(plan, dims.rank, (seq, micro_batch_size, model.hidden_size),
+        transport = P2PTransport(plan, dims.rank, dims.pp_group,
+                                 (seq, micro_batch_size, model.hidden_size),
                                  DTYPES[model.params_dtype], device, num_micro)
+        if plan.size > 1:  # NCCL: the group's first operation must be a collective of it all
+            dist.barrier(group=dims.pp_group)
         self.executor = Executor(chunks, transport, stage.index, plan.size)
         self.actions = schedule(schedule_name, plan.size, stage.index, num_micro, plan.chunks)
         tied = plan.size > 1 and not model.untie_embeddings_and_output_weights
