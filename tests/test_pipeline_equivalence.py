@@ -3,8 +3,8 @@ pads): the mean loss over the micro-batches and every full gradient within 1e-5 
 GPT (tied embedding shared by the first and last stage) and Llama, every schedule (1F1B,
 eager-1F1B, interleaved with 2 chunks a stage), at PP2, PP4, PP2 x TP2 (with and without
 sequence parallelism) and PP2 x DP2, with uneven layer counts (7 layers over PP2 with
---decoder-first-pipeline-num-layers 4; 5 over PP4 with first 2) and full recompute inside a
-stage. The reference sees every DP rank's micro-batches; the pipeline's DP ranks average their
+--decoder-first-pipeline-num-layers 4; 5 over PP4 with first 2), full recompute and Domino's
+schedule (3 batch x 2 hidden slices, sequence parallel) inside a stage. The reference sees every DP rank's micro-batches; the pipeline's DP ranks average their
 gradients as the engine does."""
 
 from __future__ import annotations
@@ -105,5 +105,9 @@ for family in ("gpt", "llama"):
     SUITE.case(f"{family}-pp2tp2-recompute", check_pipeline, family, C.pp2tp2, C.ref,
                "eager-1f1b", 6, 3, recompute_granularity="full", recompute_method="uniform",
                recompute_num_layers=1, worlds=(4,))
+
+for family in ("gpt", "llama"):
+    SUITE.case(f"{family}-pp2tp2-domino", check_pipeline, family, C.pp2tp2, C.ref, "1f1b", 4, 3,
+               sequence_parallel=True, batch_slices=3, hidden_slices=2, worlds=(4,))
 
 test_pipeline_matches_no_pp = SUITE.test()

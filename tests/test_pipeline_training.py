@@ -2,7 +2,8 @@
 it): 30 AdamW steps, clipping on, mock data, fp32, dropout 0, give the losses and grad norms of
 the same run without PP (1e-5 relative): PP2 against DP2 (world 2), PP2 x DP2 (ZeRO stage 1)
 against DP4 and PP2 x TP2 (sequence parallel) against TP2 x DP2 (world 4), for each schedule
-and both families; a vocabulary that pads (331), uneven layers (7 over PP2). Validation loss
+and both families, and with Domino's schedule inside the stages (PP2 x TP2); a vocabulary that
+pads (331), uneven layers (7 over PP2). Validation loss
 (forwards only through the pipeline) too. The run without PP has the same global batch: every
 step reads the same samples. bf16 and fp16 (loss scaling) at PP2 stay within 3e-2 of the run
 without PP; fp16 starts from a scale that does not overflow: at 2^32 the tied embedding's two
@@ -76,5 +77,8 @@ for family in ("gpt", "llama"):
                7, stage=1, worlds=(4,))
     SUITE.case(f"{family}-pp2tp2-sp", check_training, family, C.pp2tp2, C.tp2dp2, "1f1b", 4,
                sequence_parallel=True, worlds=(4,))
+
+SUITE.case("gpt-pp2tp2-domino", check_training, "gpt", C.pp2tp2, C.tp2dp2, "eager-1f1b", 4,
+           sequence_parallel=True, batch_slices=2, worlds=(4,))
 
 test_pipeline_training_matches_no_pp = SUITE.test()

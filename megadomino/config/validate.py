@@ -100,9 +100,9 @@ def _pipeline_rules(model: ModelConfig, parallel: ParallelConfig) -> None:
                 parallel.decoder_last_pipeline_num_layers)
     if pp == 1:
         return
-    check(not parallel.domino.enabled and not parallel.domino_auto, "--pipeline-model-parallel-"
-          "size", pp, "1 with Domino (--domino*): the Domino runner inside a pipeline stage is "
-          "not verified yet")
+    check(not parallel.domino_auto, "--domino-batch-slices", "auto", "an explicit plan with "
+          "pipeline parallelism (--domino-batch-slices N --domino-hidden-slices K): the "
+          "start-up timing runs on a whole model")
     check(not parallel.enable_cuda_graph, "--enable-cuda-graph", True,
           "off with pipeline parallelism: graphs of a stage's chunks are not captured yet")
     check(parallel.zero.stage in (0, 1), "--zero-stage", parallel.zero.stage,
