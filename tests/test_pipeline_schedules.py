@@ -1,10 +1,10 @@
 """Pipeline plans and schedules as data (no processes): golden action tables; eager-1F1B's order
 for n = 3 equals the schedule in the docstring of Alpa's `OverlapFriendlyPipeDreamSchedule`
 (alpa/pipeline_parallel/schedules.py); every schedule runs each forward and backward once, in
-dependency order, and cannot deadlock even where a send completes only once its receive is posted
-(a simulation of every rank's list), and both ends of every pair post its messages in the same
-order (what NCCL, which ignores tags, matches by); the bubble formulas; Megatron's layer splits and the
-validator's one-line refusals."""
+dependency order, and cannot deadlock even where a send completes only once its receive is
+posted (a simulation of every rank's list), and both ends of every pair post its messages in the
+same order (what NCCL, which ignores tags, matches by); the bubble formulas; Megatron's layer
+splits and the validator's one-line refusals."""
 
 from __future__ import annotations
 
