@@ -2,10 +2,10 @@
 pads): the mean loss over the micro-batches and every full gradient within 1e-5 relative, for
 GPT (tied embedding shared by the first and last stage) and Llama, every schedule (1F1B,
 eager-1F1B, interleaved with 2 chunks a stage), at PP2, PP4, PP2 x TP2 (with and without
-sequence parallelism) and PP2 x DP2, with uneven layer counts (7 layers over PP2 with --decoder-
-first-pipeline-num-layers 4; 5 over PP4 with first 2), full recompute and Domino's schedule (3
-batch x 2 hidden slices, sequence parallel) inside a stage. The reference sees every DP rank's
-micro-batches; the pipeline's DP ranks average their gradients as the engine does."""
+sequence parallelism) and PP2 x DP2, with uneven layer counts (7 layers over PP2 with
+--decoder-first-pipeline-num-layers 4; 5 over PP4 with first 2), full recompute and Domino's
+schedule (3 batch x 2 hidden slices, sequence parallel) inside a stage. The reference sees every
+DP rank's micro-batches; the pipeline's DP ranks average their gradients as the engine does."""
 
 from __future__ import annotations
 
