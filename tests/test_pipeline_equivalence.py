@@ -5,10 +5,12 @@ eager-1F1B, interleaved with 2 chunks a stage), at PP2, PP4, PP2 x TP2 (with and
 sequence parallelism) and PP2 x DP2, with uneven layer counts (7 layers over PP2 with
 --decoder-first-pipeline-num-layers 4; 5 over PP4 with first 2), full recompute and Domino's
 schedule (3 batch x 2 hidden slices, sequence parallel) inside a stage. The reference sees every
-DP rank's micro-batches; the pipeline's DP ranks average their gradients as the engine does."""
+DP rank's micro-batches; the pipeline's DP ranks average their gradients as the engine does.
+The slow tier adds PP4 x TP2 (sequence parallel) and PP2 x TP2 x DP2 on 8 ranks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from test_tp_equivalence import batch, tiny_config
@@ -111,3 +113,21 @@ for family in ("gpt", "llama"):
                sequence_parallel=True, batch_slices=3, hidden_slices=2, worlds=(4,))
 
 test_pipeline_matches_no_pp = SUITE.test()
+
+SUITE_8 = DistSuite(worlds=(8,), timeout=400.0)
+
+
+@SUITE_8.setup
+def _setup_8(world: int) -> dict:
+    return {"ref": ParallelDims(tp=1), "pp4tp2": ParallelDims(tp=2, pp=4),
+            "pp2tp2dp2": ParallelDims(tp=2, pp=2, dp=2)}
+
+
+for family in ("gpt", "llama"):
+    for name, chunks in SCHEDULES:
+        SUITE_8.case(f"{family}-pp4tp2-{name}", check_pipeline, family, C.pp4tp2, C.ref, name, 8,
+                     4, chunks, sequence_parallel=True)
+        SUITE_8.case(f"{family}-pp2tp2dp2-{name}", check_pipeline, family, C.pp2tp2dp2, C.ref,
+                     name, 8 if chunks > 1 else 7, 2, chunks, None if chunks > 1 else 4)
+
+test_pipeline_matches_no_pp_8_ranks = pytest.mark.slow(SUITE_8.test())
