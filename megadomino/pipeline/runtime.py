@@ -30,9 +30,9 @@ from megadomino.pipeline.transport import P2PTransport
 
 def plan_from_config(model: ModelConfig, parallel: ParallelConfig, world: int) -> PipelinePlan:
     """Megatron's uniform plan for the flags (plan.py)."""
+    chunks = parallel.virtual_chunks(model.num_layers)
     return uniform_plan(model.num_layers, world, parallel.tensor_model_parallel_size,
-                        parallel.pipeline_model_parallel_size, parallel.virtual_chunks(
-                            model.num_layers),
+                        parallel.pipeline_model_parallel_size, chunks,
                         parallel.decoder_first_pipeline_num_layers,
                         parallel.decoder_last_pipeline_num_layers)
 
@@ -63,7 +63,6 @@ class PipelineRuntime:
         self.tied = tied_embedding(chunks, plan)
         position = stage.ranks.index(dims.rank)
         self.loss_source = plan.stages[-1].ranks[position]
-        self.is_last = stage.index == plan.size - 1
 
     def train_step(self, batches: Sequence[MicroBatch], engine) -> torch.Tensor:
         """Forward and backward of every micro-batch, gradients reduced over the embedding

@@ -117,13 +117,13 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     train_data, valid_data = _default_data(config, train_data, valid_data)
 
     model_parallel_seed(train_config.runtime.seed, dims)
-    plan = None
+    stages = None  # the pipeline plan, with pipeline stages
     if dims.pp > 1:
         if model_init is not None:
             raise ConfigError("a model_init (e.g. --hf-checkpoint) with "
                               "--pipeline-model-parallel-size > 1 is not supported yet")
-        plan = plan_from_config(config.model, config.parallel, dims.world_size)
-        model = build_stage(config.model, dims, plan, family, parallel=config.parallel,
+        stages = plan_from_config(config.model, config.parallel, dims.world_size)
+        model = build_stage(config.model, dims, stages, family, parallel=config.parallel,
                             fp8=train_config.precision.fp8, init_seed=train_config.runtime.seed)
     else:
         model = (model_init or (lambda c, d: _build_model(c, d, family)))(config, dims)
@@ -152,8 +152,8 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
         # read the parameters' storage as it is at capture.
         capture_layers(model, mbs, log=log)
     timers = Timers(device)
-    pipeline = None if plan is None else PipelineRuntime(
-        model, plan, dims, model_config, config.parallel, config.parallel.pipeline_schedule, mbs,
+    pipeline = None if stages is None else PipelineRuntime(
+        model, stages, dims, model_config, config.parallel, config.parallel.pipeline_schedule, mbs,
         num_micro)
     step = Stepper(model, engine, dims, mbs, num_micro, device, timers, pipeline)
     padded_vocab = model_config.padded_vocab_size(dims.tp)
