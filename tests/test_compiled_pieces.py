@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from configs import make_config, parallel_config
+from configs import EXECUTIONS, make_config, parallel_config
 from dist_utils import assert_close
 from megadomino.build import build_model
 from megadomino.config import ModelConfig
@@ -22,12 +22,6 @@ from megadomino.train.loop import train
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
 
-EXECUTIONS = {
-    "plain": {},
-    "recompute": dict(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=1),
-    "domino 2x2": dict(batch_slices=2, hidden_slices=2),
-}
 
 
 def _config(family: str, **overrides) -> ModelConfig:

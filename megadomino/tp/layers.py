@@ -130,7 +130,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  comm_overlap: bool = False, init_std: float = 0.02, stripes: int = 1,
-                 fp8: FP8Recipe | None = None, device=None, dtype: torch.dtype = torch.float32):
+                 fp8: FP8Recipe | None = None, compile_fp8_casts: bool = False, device=None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         if output_size % (dims.tp * stripes) != 0:
             raise ValueError(f"output size {output_size} not divisible by tp {dims.tp} "
@@ -150,7 +151,8 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype))
             _mark(self.bias, 0, stripes)
-        self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims))
+        self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims),
+                                                            compile_fp8_casts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.dims.tp_group
@@ -180,7 +182,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  comm_overlap: bool = False, init_std: float = 0.02,
-                 fp8: FP8Recipe | None = None, device=None, dtype: torch.dtype = torch.float32):
+                 fp8: FP8Recipe | None = None, compile_fp8_casts: bool = False, device=None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         if input_size % dims.tp != 0:
             raise ValueError(f"input size {input_size} not divisible by tp {dims.tp}")
@@ -199,7 +202,8 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, device=device, dtype=dtype))
             self.bias.sequence_parallel = sequence_parallel
-        self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims))
+        self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims),
+                                                            compile_fp8_casts)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's un-reduced contribution X_r A_r (no bias): the Domino schedule reduces it."""
