@@ -62,6 +62,18 @@ MAPPED = [
     (("--make-vocab-size-divisible-by", "64"), "model.make_vocab_size_divisible_by", 64),
     (("--tensor-model-parallel-size", "2"), "parallel.tensor_model_parallel_size", 2),
     (("--pipeline-model-parallel-size", "1"), "parallel.pipeline_model_parallel_size", 1),
+    (("--num-layers", "4", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+      "interleaved", "--virtual-pipeline-model-parallel-size", "2"),
+     "parallel.virtual_pipeline_model_parallel_size", 2),
+    (("--num-layers", "4", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+      "interleaved", "--num-layers-per-virtual-pipeline-stage", "1"),
+     "parallel.num_layers_per_virtual_pipeline_stage", 1),
+    (("--pipeline-schedule", "eager-1f1b"), "parallel.pipeline_schedule", "eager-1f1b"),
+    (("--num-layers", "3", "--pipeline-model-parallel-size", "2",
+      "--decoder-first-pipeline-num-layers", "1"), "parallel.decoder_first_pipeline_num_layers",
+     1),
+    (("--num-layers", "3", "--pipeline-model-parallel-size", "2",
+      "--decoder-last-pipeline-num-layers", "1"), "parallel.decoder_last_pipeline_num_layers", 1),
     (("--tensor-model-parallel-size", "2", "--sequence-parallel"), "parallel.sequence_parallel",
      True),
     (RECOMPUTE, "parallel.recompute_granularity", "full"),
@@ -368,7 +380,7 @@ def test_refused_flag_names_itself_and_the_reason(flag):
 
 
 @pytest.mark.parametrize("argv, reason", [
-    (("--pipeline-model-parallel-size", "2"), "pipeline parallelism is not implemented yet"),
+    (("--context-parallel-size", "2"), "context parallelism is not implemented"),
     (("--position-embedding-type", "mrope"),
      "only learned_absolute and rope positions are implemented"),
     (("--lr-decay-style", "inverse-square-root"), "inverse-square-root decay is not implemented"),

@@ -293,7 +293,10 @@ COMPANIONS = {"--recompute-granularity=full": ("--recompute-method", "uniform",
               "--fp8-amax-compute-algo": ("--fp8-format", "hybrid"),
               "--zeropp-gradient-bits": ("--zero-stage", "3", "--zeropp-quantized-gradients"),
               "--lr-decay-style=WSD": ("--lr-wsd-decay-iters", "2"),
-              "--lr-wsd-decay-style": ("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2")}
+              "--lr-wsd-decay-style": ("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"),
+              "--pipeline-schedule=interleaved": ("--num-layers", "4",
+                                                  "--pipeline-model-parallel-size", "2",
+                                                  "--virtual-pipeline-model-parallel-size", "2")}
 """Flags (or a flag=value) that parse only beside these."""
 
 

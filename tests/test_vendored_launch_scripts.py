@@ -35,21 +35,18 @@ CPU = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4",
        "--train-samples": "4", "--lr-warmup-iters": "1", "--eval-iters": "1",
        "--eval-interval": "2", "--save-interval": "2", "--log-interval": "1",
        "--tensor-model-parallel-size": "2", "--vocab-size": "1000"}
-"""Flags whose values are cut to CPU size (2 ranks: TP=2)."""
+"""Flags whose values are cut to CPU size (2 ranks: TP=2; a script with pipeline stages runs
+PP=2 at TP=1 instead, see `cut`)."""
 DATA = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-type", "--tokenizer-model",
         "--data-cache-path", "--split")
 """Flags naming data the test does not have, with their values (a blend's weights and paths):
 replaced by --mock-data."""
 REFUSED = {
-    "megatron-gpt3-175b": ["--pipeline-model-parallel-size",   # the pipeline issue
-                           "--step-batch-size-schedule"],      # Megatron-LM's stepped batch
+    "megatron-gpt3-175b": ["--step-batch-size-schedule"],      # Megatron-LM's stepped batch
                                                                # schedule: not built
     "megatron-llama3-8b-fp8": ["--fp8-param-gather"],           # the FP8 issue
-    "megatron-2024-gpt-345m-mp": ["--pipeline-model-parallel-size"],  # the pipeline issue
-    "megatron-deepspeed-llama2": ["--pipeline-model-parallel-size",   # the pipeline issue
-                                  "--deepspeed_config"],  # not planned: give its settings as flags
-    "megatron-deepspeed-llama-universal-ckpt": ["--pipeline-model-parallel-size",  # as above
-                                                "--deepspeed_config"],
+    "megatron-deepspeed-llama2": ["--deepspeed_config"],  # not planned: give its settings as flags
+    "megatron-deepspeed-llama-universal-ckpt": ["--deepspeed_config"],  # as above
     "rocm-llama2-70b": ["--dataloader-type"],  # cyclic: the Megatron features issue
     "rocm-llama3-70b": ["--dataloader-type"],  # cyclic: the Megatron features issue
 }
@@ -73,6 +70,11 @@ def cut(argv: list[str]) -> list[str]:
         else:
             out.append(argv[i])
             i += 1
+    if "--pipeline-model-parallel-size" in out:  # 2 ranks: the stages, not TP
+        at = out.index("--pipeline-model-parallel-size") + 1
+        if out[at] != "1":
+            out[at] = "2"
+            out[out.index("--tensor-model-parallel-size") + 1] = "1"
     return out + ([] if "--mock-data" in out else ["--mock-data"]) + (
         [] if "--vocab-size" in out else ["--vocab-size", "1000"])
 

@@ -28,7 +28,7 @@ from megadomino.cli.flag_row import ours as _ours
 from megadomino.cli.flag_row import refuse as _refuse
 from megadomino.cli.flag_row import slices_or_auto as _slices_or_auto
 from megadomino.cli.flag_row import value as _value
-from megadomino.cli.flags_megatron import MEGATRON_ROWS, MOE, PIPELINE
+from megadomino.cli.flags_megatron import MEGATRON_ROWS, MOE
 from megadomino.cli.flags_megatron_config import MEGATRON_CONFIG_ROWS
 
 __all__ = ["ALIAS", "FINETUNE_FLAGS", "FLAGS", "IMPLEMENTED", "NOTICE", "OURS", "RANGES",
@@ -96,8 +96,19 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--tensor-model-parallel-size", "parallel.tensor_model_parallel_size", int,
           "Tensor-parallel degree."),
     _impl("--pipeline-model-parallel-size", "parallel.pipeline_model_parallel_size", int,
-          "Pipeline-parallel degree.", supported=(1,),
-          unsupported="pipeline parallelism is not implemented yet"),
+          "Pipeline-parallel degree: Megatron's split of the layers, stages in Megatron's rank "
+          "order (PP slowest); the schedule is --pipeline-schedule (docs/pipeline.md)."),
+    _impl("--virtual-pipeline-model-parallel-size",
+          "parallel.virtual_pipeline_model_parallel_size", int,
+          "Model chunks per pipeline stage, for --pipeline-schedule interleaved."),
+    _impl("--num-layers-per-virtual-pipeline-stage",
+          "parallel.num_layers_per_virtual_pipeline_stage", int,
+          "Layers per model chunk (chunks = layers / (pipeline size x this)), for "
+          "--pipeline-schedule interleaved."),
+    _ours("--pipeline-schedule", "parallel.pipeline_schedule", str,
+          "1f1b (Megatron's), interleaved (virtual stages, Megatron's) or eager-1f1b (Alpa's "
+          "overlap-friendly 1F1B: more warm-up forwards, each forward's send overlaps the next "
+          "compute).", choices=("1f1b", "interleaved", "eager-1f1b")),
     _impl("--sequence-parallel", "parallel.sequence_parallel", None,
           "Shard norm and dropout activations over TP ranks; dropped with a notice at TP 1, as in "
           "Megatron-LM."),
@@ -444,9 +455,8 @@ FLAGS: tuple[Flag, ...] = (
     *_refuse(("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-grouped-gemm",
               "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
               "--moe-token-dispatcher-type", "--expert-tensor-parallel-size"), MOE),
-    *_refuse(("--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
-              "--num-virtual-stages-per-pipeline-rank"),
-             PIPELINE),
+    *_refuse(("--num-virtual-stages-per-pipeline-rank",),
+             "use --virtual-pipeline-model-parallel-size (model chunks per pipeline stage)"),
     *_refuse(("--pretrained-checkpoint",), "use --load DIR --finetune"),
     *_refuse(("--use-checkpoint-args",),
              "the architecture comes from the flags; a checkpoint that disagrees is an error "
@@ -506,6 +516,9 @@ RANGES: dict[str, Range] = {
                      "--kv-channels", "--seq-length", "--max-position-embeddings", "--vocab-size",
                      "--make-vocab-size-divisible-by", "--tensor-model-parallel-size",
                      "--pipeline-model-parallel-size", "--recompute-num-layers",
+                     "--virtual-pipeline-model-parallel-size",
+                     "--num-layers-per-virtual-pipeline-stage",
+                     "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                      "--ddp-bucket-size", "--micro-batch-size", "--global-batch-size",
                      "--train-iters", "--train-samples", "--lr-decay-iters",
                      "--loss-scale-window", "--hysteresis", "--log-interval", "--eval-interval",

@@ -23,7 +23,9 @@ from megadomino.cli.flag_row import (
 )
 
 MOE = "Mixture-of-Experts is not implemented"
-PIPELINE = "pipeline parallelism (interleaved or not) is not implemented yet"
+PIPELINE = ("this pipeline-parallel option is not implemented (the pipeline takes "
+            "--pipeline-model-parallel-size, virtual stages and "
+            "--decoder-first/last-pipeline-num-layers)")
 ROPE = "only plain, unscaled RoPE is implemented"
 MLA = "multi-latent attention is not implemented"
 _DDP = ("data-parallel communication tuning: megadomino reduces gradients in its own fp32 buckets "
@@ -54,7 +56,7 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     notice("--use-contiguous-buffers-in-local-ddp",
            "gradients always live in contiguous fp32 buffers"),
     notice("--no-scatter-gather-tensors-in-pipeline",
-           "pipeline parallelism is not implemented, so nothing is scattered between stages"),
+           "activations go whole from each TP rank to its peer in the next stage"),
     Flag("--batch-size", REFUSED, f"{_OLD}: use --micro-batch-size"),
     Flag("--warmup", REFUSED, f"{_OLD}: use --lr-warmup-iters or --lr-warmup-fraction"),
     Flag("--model-parallel-size", REFUSED, f"{_OLD}: use --tensor-model-parallel-size"),
@@ -77,7 +79,7 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     impl("--num-key-value-heads", "model.num_query_groups", int,
          "Megatron-DeepSpeed's name for --num-query-groups; implies --group-query-attention."),
     notice("--no-pipeline-parallel",
-           "there is no pipeline engine: --pipeline-model-parallel-size 1 runs without one"),
+           "--pipeline-model-parallel-size 1 (the default) runs without the pipeline engine"),
     *notices(("--deepspeed-activation-checkpointing", "--partition-activations",
               "--contigious-checkpointing", "--checkpoint-in-cpu", "--synchronize-each-layer",
               "--profile-backward"), _DEEPSPEED_AC),
@@ -125,7 +127,9 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     notice("--tp-comm-overlap-cfg", "--tp-comm-overlap uses torch symmetric memory, which takes "
            "no Transformer Engine userbuffer config", value),
     notice("--no-overlap-p2p-communication",
-           "pipeline parallelism is not implemented, so there is no p2p to overlap"),
+           "the pipeline's sends and receives are always posted asynchronously and waited "
+           "where the schedule needs them (--pipeline-schedule eager-1f1b overlaps each "
+           "forward's send with the next compute)"),
     Flag("--cp-comm-type", NOTICE, "read only with --context-parallel-size above 1, which is "
          "refused", type=value, nargs="+"),
     notice("--use-precision-aware-optimizer", "optimizer states and master weights are fp32, "
@@ -261,8 +265,13 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     *refuse(("--encoder-num-layers", "--encoder-seq-length", "--decoder-num-layers",
              "--decoder-seq-length"),
             "encoder-decoder (T5) models are not implemented: use --num-layers and --seq-length"),
-    *refuse(("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-             "--pipeline-model-parallel-layout"), PIPELINE),
+    impl("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers",
+         int, "Layers of the first pipeline stage; the stages between share the rest evenly."),
+    impl("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers",
+         int, "Layers of the last pipeline stage."),
+    *refuse(("--pipeline-model-parallel-layout",),
+            "a per-stage layout string is not implemented: use "
+            "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"),
     *refuse(("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--v-head-dim",
              "--qk-pos-emb-head-dim", "--cache-mla-latents", "--mla-down-proj-fusion"), MLA),
     *refuse(("--mscale", "--mscale-all-dim", "--rotary-scaling-factor", "--rope-scaling-factor",

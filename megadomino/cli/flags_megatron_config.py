@@ -35,8 +35,8 @@ from megadomino.cli.flags_megatron import (
     ROPE,
 )
 
-_PIPELINE_COMM = ("pipeline parallelism is not implemented, so there is no pipeline "
-                  "communication or flush to tune")
+_PIPELINE_COMM = ("the pipeline's transfers are asynchronous isend / irecv that the schedule "
+                  "posts and waits: there is no such option of them to tune")
 _CONTEXT_PARALLEL = "read only with --context-parallel-size above 1, which is refused"
 _TE = ("Transformer Engine is not used: megadomino's layers are its own (torch GEMMs, "
        "torch._scaled_mm for FP8, SDPA attention)")

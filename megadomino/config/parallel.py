@@ -58,6 +58,17 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage (the interleaved schedule); None: one."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """The same, as layers per chunk: chunks = num_layers / (pp * this)."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Layers of the first stage (uneven split; the middle stages share the rest evenly)."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Layers of the last stage."""
+    pipeline_schedule: str = "1f1b"
+    """'1f1b', 'interleaved' (needs virtual stages) or 'eager-1f1b' (Alpa's overlap-friendly
+    1F1B: more warm-up forwards, each forward's send overlapping the next compute)."""
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     """With sequence parallelism: fuse the all-gather / reduce-scatter into the GEMMs
@@ -81,6 +92,13 @@ class ParallelConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """The data-parallel engine: ZeRO stage 0 (plain data parallelism), 1 or 3, ZeRO++'s
     options."""
+
+    def virtual_chunks(self, num_layers: int) -> int:
+        """Model chunks per pipeline stage, from either virtual-pipeline flag (1 without)."""
+        if self.num_layers_per_virtual_pipeline_stage is not None:
+            per = self.num_layers_per_virtual_pipeline_stage * self.pipeline_model_parallel_size
+            return max(1, num_layers // per) if per > 0 else 1
+        return self.virtual_pipeline_model_parallel_size or 1
 
     @property
     def overlap(self) -> str:

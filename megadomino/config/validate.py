@@ -21,6 +21,7 @@ from megadomino.config.batches import BatchSchedule
 from megadomino.config.check import ConfigError, check
 from megadomino.config.model import ModelConfig
 from megadomino.config.parallel import ParallelConfig, check_degrees, check_gpus_per_node
+from megadomino.config.pipeline_split import layer_split
 from megadomino.config.train import WSD_STYLES, FP8Recipe, ScheduleConfig, TrainConfig
 from megadomino.config.tree import Config
 
@@ -33,6 +34,12 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
     `data_given`: datasets are handed to train(), so no data flag is needed."""
     _train_rules(config.train, finetune, data_given)
     _parallel_rules(config.model, config.parallel, config.train.precision.fp8)
+    checkpoint = config.train.checkpoint
+    if config.parallel.pipeline_model_parallel_size > 1:
+        check(checkpoint.hf_checkpoint is None, "--hf-checkpoint", checkpoint.hf_checkpoint,
+              "unset with --pipeline-model-parallel-size > 1: Hugging Face weights load into a "
+              "whole model only (convert to a checkpoint first: scripts/convert_hf_llama.py)")
+        _pipeline_training_rules(config.train.schedule, config.parallel)
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)
 
@@ -40,8 +47,7 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
 def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe | None) -> None:
     """The layers at the run's TP degree, and what ZeRO and the start-up Domino tuner allow
     beside them."""
-    if parallel.pipeline_model_parallel_size != 1:
-        raise ConfigError("--pipeline-model-parallel-size > 1 is not supported: use 1")
+    _pipeline_rules(model, parallel)
     validate_layers(model, parallel, parallel.tensor_model_parallel_size, fp8)
     domino = parallel.domino
     if parallel.domino_auto and fp8 is not None:
@@ -65,6 +71,65 @@ def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe
                  "--domino-explicit-backward)")
         raise ConfigError("--zero-stage 3 gathers each layer in the layer's forward hook, which "
                           f"the Domino schedule bypasses: {which} runs with --zero-stage 1 only")
+
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "eager-1f1b")
+
+
+def _pipeline_rules(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The pipeline's split of the layers, its schedule, and what runs inside a stage."""
+    pp = parallel.pipeline_model_parallel_size
+    check(pp >= 1, "--pipeline-model-parallel-size", pp, "an integer >= 1")
+    check(parallel.pipeline_schedule in PIPELINE_SCHEDULES, "--pipeline-schedule",
+          parallel.pipeline_schedule, "one of " + ", ".join(PIPELINE_SCHEDULES))
+    vpp, per = (parallel.virtual_pipeline_model_parallel_size,
+                parallel.num_layers_per_virtual_pipeline_stage)
+    if vpp is not None and per is not None:
+        raise ConfigError("--virtual-pipeline-model-parallel-size and "
+                          "--num-layers-per-virtual-pipeline-stage are exclusive: give one")
+    if per is not None:
+        check(per >= 1 and model.num_layers % (per * pp) == 0,
+              "--num-layers-per-virtual-pipeline-stage", per,
+              f"a divisor of --num-layers ({model.num_layers}) / "
+              f"--pipeline-model-parallel-size ({pp})")
+    if vpp is not None:
+        check(vpp >= 1, "--virtual-pipeline-model-parallel-size", vpp, "an integer >= 1")
+    chunks = parallel.virtual_chunks(model.num_layers)
+    interleaved = parallel.pipeline_schedule == "interleaved"
+    check(chunks == 1 or pp > 1, "--virtual-pipeline-model-parallel-size", chunks,
+          "1 without pipeline parallelism (--pipeline-model-parallel-size > 1)")
+    check(not interleaved or chunks > 1, "--pipeline-schedule", parallel.pipeline_schedule,
+          "'interleaved' only with virtual stages (--virtual-pipeline-model-parallel-size or "
+          "--num-layers-per-virtual-pipeline-stage)")
+    check(interleaved or chunks == 1, "--pipeline-schedule", parallel.pipeline_schedule,
+          "'interleaved' with virtual stages (1f1b and eager-1f1b run one chunk a stage)")
+    layer_split(model.num_layers, pp, chunks, parallel.decoder_first_pipeline_num_layers,
+                parallel.decoder_last_pipeline_num_layers)
+    if pp == 1:
+        return
+    check(not parallel.domino_auto, "--domino-batch-slices", "auto", "an explicit plan with "
+          "pipeline parallelism (--domino-batch-slices N --domino-hidden-slices K): the "
+          "start-up timing runs on a whole model")
+    check(not parallel.enable_cuda_graph, "--enable-cuda-graph", True,
+          "off with pipeline parallelism: graphs of a stage's chunks are not captured yet")
+    check(parallel.zero.stage in (0, 1), "--zero-stage", parallel.zero.stage,
+          "0 or 1 with pipeline parallelism: stage 3 gathers each layer in forward hooks and "
+          "reduces every backward, which the pipeline's interleaved micro-batches would repeat")
+
+
+def _pipeline_training_rules(schedule: ScheduleConfig, parallel: ParallelConfig) -> None:
+    """Training features not composed with pipeline stages yet: the pipeline runtime runs a
+    fixed number of micro-batches and averages the loss per micro-batch."""
+    flag = "--pipeline-model-parallel-size"
+    pp = parallel.pipeline_model_parallel_size
+    check(schedule.rampup_batch_size is None, flag, pp, "1 with --rampup-batch-size (the "
+          "pipeline's schedule is made for one number of micro-batches)")
+    check(not schedule.calculate_per_token_loss, flag, pp, "1 with --calculate-per-token-loss "
+          "(the pipeline's last stage averages the loss per micro-batch)")
+    check(schedule.decoupled_lr is None, flag, pp, "1 with --decoupled-lr (the embedding and "
+          "output weights' groups are not found across stages yet)")
+    check(not parallel.zero.overlap_param_gather, flag, pp, "1 with --overlap-param-gather "
+          "(the gathers' waits are not tested under the pipeline's schedule yet)")
 
 
 def validate_layers(model: ModelConfig, parallel: ParallelConfig, tp: int,
@@ -154,6 +219,13 @@ def _world_rules(config: Config, world_size: int, local_world_size: int | None) 
     batches = BatchSchedule.from_config(schedule, dp)
     batches.train_iterations(schedule)
     parallel.domino.validate(config.model.ffn_hidden_size, tp, schedule.micro_batch_size)
+    if parallel.pipeline_schedule == "interleaved" and pp > 1:
+        global_batch, num_micro = batch_plan(schedule, dp)
+        check(num_micro % pp == 0, "--global-batch-size", global_batch,
+              f"a multiple of --micro-batch-size x data-parallel size x "
+              f"--pipeline-model-parallel-size ({schedule.micro_batch_size * dp * pp}) with "
+              f"the interleaved schedule: its micro-batches ({num_micro}) go in groups of the "
+              f"pipeline size")
     if logging.profile:
         outside = [r for r in logging.profile_ranks if not 0 <= r < world_size]
         if outside:

@@ -45,9 +45,22 @@ def default_device() -> torch.device:
 
 
 class GPTModel(nn.Module):
+    """`layer_range`, `pre_process` and `post_process` (Megatron's names) build a part of the
+    model, as a pipeline stage holds one: layers [start, end) only, the embedding only with
+    `pre_process`, the final norm and output layer only with `post_process` (which keeps the
+    word embedding too when the output layer is tied to it). Such a part is run piece by piece
+    (`embed`, `decoder`, `logits_parallel`, `loss_parallel`); its `forward` refuses. Every part
+    draws the whole model's initial values in the same order and keeps its own, so the parts
+    of a model start from the whole model's weights for the same seed."""
+
     def __init__(self, config: ModelConfig, dims, device=None, *,
-                 parallel: ParallelConfig | None = None, fp8: FP8Recipe | None = None):
+                 parallel: ParallelConfig | None = None, fp8: FP8Recipe | None = None,
+                 layer_range: tuple[int, int] | None = None, pre_process: bool = True,
+                 post_process: bool = True):
         super().__init__()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.whole = (pre_process and post_process
+                      and layer_range in (None, (0, config.num_layers)))
         parallel = parallel or ParallelConfig()
         validate_layers(config, parallel, dims.tp, fp8)
         device = torch.device(device) if device is not None else default_device()
@@ -66,7 +79,8 @@ class GPTModel(nn.Module):
             init_sharded_(self.position_embeddings.weight,
                           tuple(self.position_embeddings.weight.shape), std, _Replicated())
             self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
-        self.decoder = TransformerBlock(config, dims, parallel, fp8, device)
+        self.decoder = TransformerBlock(config, dims, parallel, fp8, device,
+                                        layer_range=layer_range, final_norm=post_process)
         self.output_weight = None
         if config.untie_embeddings_and_output_weights:
             self.output_weight = nn.Parameter(
@@ -74,6 +88,14 @@ class GPTModel(nn.Module):
             for attr in ("tensor_model_parallel", "tp_partition_dim", "tp_stripes", "vocab_size"):
                 setattr(self.output_weight, attr, getattr(self.word_embeddings.weight, attr))
             init_sharded_(self.output_weight, (config.vocab_size, config.hidden_size), std, dims)
+        self.vocab_start = self.word_embeddings.vocab_start
+        tied = self.output_weight is None
+        if not post_process:
+            self.output_weight = None
+        if not pre_process:
+            self.position_embeddings = None
+            if not (post_process and tied):
+                self.word_embeddings = None
 
     def embedding_and_output_weights(self) -> list[nn.Parameter]:
         """The word embedding and, when untied, the output weight: Megatron's
@@ -124,9 +146,20 @@ class GPTModel(nn.Module):
         return column_parallel_matmul(hidden, weight, None, self.dims.tp_group,
                                       self.sequence_parallel, self.parallel.tp_comm_overlap)
 
+    def loss_parallel(self, logits: torch.Tensor, labels: torch.Tensor,
+                      loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's logits shard (s, b, V/tp) and labels (b, s) -> per-token loss (b, s), fp32
+        (times loss_mask if given)."""
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims.tp_group,
+                                            self.vocab_start, self.config.vocab_size).t()
+        return loss if loss_mask is None else loss * loss_mask
+
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.whole:
+            raise RuntimeError("this model holds a part of the layers (a pipeline stage): run it "
+                               "piece by piece, as megadomino.pipeline's stages do")
         hidden = self.embed(tokens, position_ids)
         hidden = self.decoder(hidden, self.rotary(tokens.shape[1], position_ids, tokens.device))
         logits = self.logits_parallel(hidden)
@@ -134,10 +167,7 @@ class GPTModel(nn.Module):
             # (s, b, V/tp) -> (b, s, vocab_size)
             full = mappings.gather_from_tensor_parallel_region(logits, self.dims.tp_group)
             return full[..., : self.config.vocab_size].transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims.tp_group,
-                                            self.word_embeddings.vocab_start,
-                                            self.config.vocab_size).t()
-        return loss if loss_mask is None else loss * loss_mask
+        return self.loss_parallel(logits, labels, loss_mask)
 
     # ---- full (unsharded) state ------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

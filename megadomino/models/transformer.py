@@ -61,18 +61,34 @@ class TransformerBlock(nn.Module):
     """The layer stack and the final norm. How the layers run is the block's `runner`, an
     execution strategy handed to it from outside (megadomino.overlap: full recompute, Domino's
     schedule, CUDA graphs): runner(x, rotary) -> the last layer's output over `self.layers`.
-    None (the default) runs the layers one after the other (`run`)."""
+    None (the default) runs the layers one after the other (`run`).
+
+    `layer_range` (start, end) keeps only layers [start, end) of the config's num_layers (a
+    pipeline stage's share; `layer_offset` = start, and `self.layers[i]` is layer start + i);
+    `final_norm` False leaves the final norm out (None). Every layer is still drawn, in order, and
+    the others dropped, so a kept layer's initial values do not depend on the range: a model cut
+    into ranges starts from the whole model's weights for the same seed."""
 
     def __init__(self, config: ModelConfig, dims, parallel: ParallelConfig | None = None,
-                 fp8: FP8Recipe | None = None, device=None):
+                 fp8: FP8Recipe | None = None, device=None, *,
+                 layer_range: tuple[int, int] | None = None, final_norm: bool = True):
         super().__init__()
         parallel = parallel or ParallelConfig()
         self.config, self.dims, self.parallel = config, dims, parallel
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, dims, parallel, fp8, device)
-            for _ in range(config.num_layers))
-        self.final_layernorm = build_norm(config, parallel.sequence_parallel, device,
-                                          parallel.compile_layer_pieces)
+        start, end = layer_range if layer_range is not None else (0, config.num_layers)
+        if not 0 <= start <= end <= config.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is outside the model's "
+                             f"{config.num_layers} layers")
+        self.layer_offset = start
+        kept = []
+        for index in range(config.num_layers):
+            layer = TransformerLayer(config, dims, parallel, fp8, device)
+            if start <= index < end:
+                kept.append(layer)
+        self.layers = nn.ModuleList(kept)
+        self.final_layernorm = (build_norm(config, parallel.sequence_parallel, device,
+                                           parallel.compile_layer_pieces)
+                                if final_norm else None)
         self.runner = None  # not a submodule: a runner schedules these layers, holds none
 
     def run(self, x: torch.Tensor, rotary=None, start: int = 0, end: int | None = None):
@@ -90,4 +106,4 @@ class TransformerBlock(nn.Module):
                                "megadomino.build.build_model, or call "
                                "megadomino.overlap.apply(model, parallel)")
         x = self.run(x, rotary) if self.runner is None else self.runner(x, rotary)
-        return self.final_layernorm(x)
+        return x if self.final_layernorm is None else self.final_layernorm(x)

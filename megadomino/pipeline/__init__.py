@@ -1,6 +1,8 @@
-"""Pipeline parallelism: stage plans, schedules as action lists, their executor, and the
-transports between stages (plain P2P between same-layout stages, cross-mesh resharding in
-`reshard/` between meshes of different shapes).
+"""Pipeline parallelism: stage plans (`plan`), a stage's chunks of the model (`stage`), schedules
+as action lists (`schedules`: 1F1B, interleaved 1F1B, eager-1F1B), their executor (`executor`),
+the transports between stages (`transport`: plain P2P between same-layout stages; cross-mesh
+resharding in `reshard/` between meshes of different shapes), and the training step that joins
+them to the data-parallel engine (`runtime`). docs/pipeline.md says what composes.
 
 Drives `models` (a stage runs a range of the layer stack) and is never imported by it.
 """

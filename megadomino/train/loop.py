@@ -51,6 +51,8 @@ from megadomino.distributed.random import model_parallel_seed
 from megadomino.models import elementwise
 from megadomino.overlap.cuda_graph import capture_layers
 from megadomino.overlap.domino.autotune import autotune_domino
+from megadomino.pipeline.runtime import PipelineRuntime, plan_from_config
+from megadomino.pipeline.stage import build_stage
 from megadomino.train.checkpoint import (
     TRACKER,
     AsyncCheckpointer,
@@ -119,8 +121,17 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     train_data, valid_data = _default_data(config, train_data, valid_data)
 
     model_parallel_seed(train_config.runtime.seed, dims)
-    model = (model_init or (lambda c, d: _build_model(c, d, family)))(config, dims)
-    overlap.apply(model, config.parallel)  # a model_init's model runs as the config says too
+    stages = None  # the pipeline plan, with pipeline stages
+    if dims.pp > 1:
+        if model_init is not None:
+            raise ConfigError("a model_init (e.g. --hf-checkpoint) with "
+                              "--pipeline-model-parallel-size > 1 is not supported yet")
+        stages = plan_from_config(config.model, config.parallel, dims.world_size)
+        model = build_stage(config.model, dims, stages, family, parallel=config.parallel,
+                            fp8=train_config.precision.fp8, init_seed=train_config.runtime.seed)
+    else:
+        model = (model_init or (lambda c, d: _build_model(c, d, family)))(config, dims)
+        overlap.apply(model, config.parallel)  # a model_init's model runs as the config says
     model.train()
     device = next(model.parameters()).device
     if config.parallel.domino_auto:  # before the engine hooks the parameters
@@ -145,8 +156,11 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
         # read the parameters' storage as it is at capture.
         capture_layers(model, mbs, log=log)
     timers = Timers(device)
+    pipeline = None if stages is None else PipelineRuntime(
+        model, stages, dims, model_config, config.parallel, config.parallel.pipeline_schedule, mbs,
+        num_micro)
     step = Stepper(model, engine, dims, mbs, num_micro, device, timers,
-                   per_token_loss=schedule_config.calculate_per_token_loss)
+                   per_token_loss=schedule_config.calculate_per_token_loss, pipeline=pipeline)
     padded_vocab = model_config.padded_vocab_size(dims.tp)
     flops = num_floating_point_operations(model_config, gbs, padded_vocab)
     history = {"losses": [], "lrs": [], "grad_norms": [], "eval": [], "skipped_iterations": 0,
@@ -309,6 +323,10 @@ def compile_line() -> str:
 
 def _check_grid(config: ParallelConfig, dims: ParallelDims) -> None:
     """The process grid must be the one the config describes."""
+    if config.pipeline_model_parallel_size != dims.pp:
+        raise ConfigError(f"--pipeline-model-parallel-size="
+                          f"{config.pipeline_model_parallel_size} disagrees with the process "
+                          f"grid's pp={dims.pp}")
     if config.tensor_model_parallel_size != dims.tp:
         raise ConfigError(f"--tensor-model-parallel-size={config.tensor_model_parallel_size}"
                           f" disagrees with the process grid's tp={dims.tp}")

@@ -19,7 +19,10 @@ Evaluation weighs tokens alike.
 
 The Stepper drives the data-parallel engine (`megadomino.zero.ZeroPlusPlus`, any stage):
 `zero_grad()`, `no_sync()` for all but the last micro-batch, `backward(loss / num_micro)` (fp16
-loss scaling and the DP reduction inside), `step()`.
+loss scaling and the DP reduction inside), `step()`. With pipeline stages the pipeline runtime
+(megadomino.pipeline.runtime) runs the micro-batches through its schedule and has the engine
+reduce after the last backward; every stage reads the micro-batches (the first uses the tokens,
+the last the labels and mask).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch import nn
 
 from megadomino.distributed import ParallelDims
 from megadomino.distributed.compat import all_gather_single
+from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.train.timers import Timers
 from megadomino.zero import ZeroPlusPlus
 from megadomino.zero.loss_scaler import StepResult
@@ -57,10 +61,13 @@ class Stepper:
 
     def __init__(self, model: nn.Module, engine: ZeroPlusPlus,
                  dims: ParallelDims, micro_batch_size: int, num_micro: int,
-                 device: torch.device, timers: Timers, per_token_loss: bool = False):
+                 device: torch.device, timers: Timers, per_token_loss: bool = False,
+                 pipeline: PipelineRuntime | None = None):
         """`num_micro`: micro-batches of a full global batch (evaluation's; training's unless
-        a batch ramp-up passes fewer to `train`)."""
-        self.model, self.engine, self.dims = model, engine, dims
+        a batch ramp-up passes fewer to `train`). `pipeline`: with pipeline stages, the runtime
+        whose schedule runs the micro-batches (`model` is then this rank's chunks); its loss is
+        the last stage's, on every rank."""
+        self.model, self.engine, self.dims, self.pipeline = model, engine, dims, pipeline
         self.mbs, self.num_micro, self.device, self.timers = (micro_batch_size, num_micro, device,
                                                               timers)
         self.per_token_loss = per_token_loss
@@ -100,6 +107,15 @@ class Stepper:
         tensor, whose DP mean is the iteration's loss; StepResult)."""
         num_micro = num_micro or self.num_micro
         self.engine.zero_grad()
+        if self.pipeline is not None:
+            with self.timers("data"):
+                batches = [self._micro_batch(dataset, consumed, micro)
+                           for micro in range(self.num_micro)]
+            # Forwards and backwards interleave in the schedule: its whole time is "forward".
+            with self.timers("forward"):
+                loss = self.pipeline.train_step(batches, self.engine)
+            with self.timers("optimizer"):
+                return loss, self.engine.step()
         total = torch.zeros((), device=self.device)
         with self.timers("data"):
             batches = [self._micro_batch(dataset, consumed, micro) for micro in range(num_micro)]
@@ -125,7 +141,8 @@ class Stepper:
         `consumed` (eval mode: no dropout, no generator touched), averaged over DP: the same
         value on every rank."""
         self.model.eval()
-        loss = self._loss(*self._micro_batch(dataset, consumed, 0))
+        batch = self._micro_batch(dataset, consumed, 0)
+        loss = self._loss(*batch) if self.pipeline is None else self.pipeline.evaluate([batch])
         self.model.train()
         return dp_mean(loss, self.dims).item()
 
@@ -140,14 +157,15 @@ class Stepper:
         masks = []
         global_batch = self.num_micro * self.mbs * self.dims.dp
         for batch in range(iters):
-            for micro in range(self.num_micro):
-                tokens, labels, mask = self._micro_batch(
-                    dataset, consumed + batch * global_batch, micro)
-                if self.per_token_loss:
-                    total += self._token_losses(tokens, labels, mask)
-                    masks.append(mask)
-                else:
-                    total += self._loss(tokens, labels, mask)
+            batches = [self._micro_batch(dataset, consumed + batch * global_batch, micro)
+                       for micro in range(self.num_micro)]
+            if self.pipeline is not None:
+                total += self.pipeline.evaluate(batches) * self.num_micro
+            elif self.per_token_loss:
+                total += sum(self._token_losses(*micro_batch) for micro_batch in batches)
+                masks += [mask for _, _, mask in batches]
+            else:
+                total += sum(self._loss(*micro_batch) for micro_batch in batches)
             if progress is not None:
                 progress(batch + 1)
         self.model.train()

@@ -15,9 +15,13 @@ from megadomino.train.pad_rows import first_pad_row
 def count_parameters(model: nn.Module, dims) -> int:
     """The model's parameters over all TP ranks, as the dense model has them: tensor-parallel
     shards summed over the TP group, replicated parameters once, vocabulary padding rows left
-    out. Collective over the TP group (every rank calls it, with whole parameters)."""
+    out. Collective over the TP group (every rank calls it, with whole parameters); with
+    pipeline stages, summed over the pipeline group too (the last stage's copy of a tied
+    embedding counted once)."""
     sharded = replicated = 0
     for param in model.parameters():
+        if getattr(param, "pipeline_duplicate", False):
+            continue
         if not getattr(param, "tensor_model_parallel", False):
             replicated += param.numel()
             continue
@@ -26,7 +30,10 @@ def count_parameters(model: nn.Module, dims) -> int:
     total = torch.tensor([sharded], dtype=torch.float64)
     if dims.tp > 1:
         dist.all_reduce(total, group=dims.tp_group)
-    return int(total.item()) + replicated
+    total += replicated
+    if dims.pp > 1:
+        dist.all_reduce(total, group=dims.pp_group)
+    return int(total.item())
 
 
 def _count(n: float) -> str:
@@ -88,6 +95,10 @@ def startup_lines(family: str, config: Config, parameters: int, *, world: int, t
                           f"recompute {recompute}" if recompute else None) if x]
     if layout:
         overlap += f"; {', '.join(layout)}"
+    if pp > 1:
+        chunks = parallel.virtual_chunks(model.num_layers)
+        overlap += f"; pipeline schedule {parallel.pipeline_schedule}" + (
+            f", {chunks} model chunks a stage" if chunks > 1 else "")
     return [
         f" model: {family}, {model.num_layers} layers, hidden {model.hidden_size}, "
         f"{model.num_attention_heads} heads ({model.num_query_groups} key/value groups), "

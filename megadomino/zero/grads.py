@@ -127,6 +127,16 @@ class GradReducer:
         self._next = 0
         self._reported = [0] * len(self.units)
 
+    def accumulated(self, param: nn.Parameter) -> torch.Tensor:
+        """Stages 0 and 1: `param`'s view of its unit's persistent buffer."""
+        if not self.persistent:
+            raise RuntimeError("ZeRO stage 3 keeps no accumulated gradient buffer")
+        for index, unit in enumerate(self.units):
+            for position, member in enumerate(unit.params):
+                if member is param:
+                    return self._views[index][position]
+        raise KeyError("the parameter is not one of the engine's")
+
     def _on_grad(self, index: int, position: int, param: nn.Parameter) -> None:
         """The hook of parameter `position` of unit `index`."""
         syncing = self.syncing

@@ -123,6 +123,19 @@ class ZeroPlusPlus:
         self.grads.finish()
         self.params.release_all()
 
+    def reduce_gradients(self) -> None:
+        """Reduce what backward passes run under `no_sync()` accumulated (stages 0 and 1), as a
+        synced last backward would: for a caller that runs the backward passes itself (the
+        pipeline's executor: autograd.backward on stage outputs)."""
+        self.grads.finish()
+        self.params.release_all()
+
+    def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """Stages 0 and 1, between `no_sync()` backwards and `reduce_gradients()`: the view of
+        `param`'s accumulated, not yet reduced gradient in its unit's buffer (the pipeline sums
+        the tied embedding's over the first and last stage there)."""
+        return self.grads.accumulated(param)
+
     def step(self) -> StepResult:
         """Clip, step the sharded optimizer and make the model see the new weights (stage 1:
         all-gather; stage 3: next gathers, hpZ copies dropped); then zero the gradients. A step

@@ -21,7 +21,9 @@ The step, collective over the whole world (every rank must call it):
      ranks share: a non-finite step is skipped (always with a loss scaler, whose scale backs off;
      else per `on_nonfinite`, 'error' raising FloatingPointError everywhere). Stages 1 and 3:
      DP ranks hold disjoint chunks, the all-reduce is over the world. Stage 0: DP ranks hold
-     the same (all-reduced) gradients, so it is over the TP group only (none at TP 1), and the
+     the same (all-reduced) gradients, so it is over the TP group, then the pipeline group
+     (pipeline stages hold different parameters; the last stage's copy of a tied embedding,
+     marked `pipeline_duplicate`, is counted on the first stage only), and the
      found flag is in it only with a loss scaler (nothing else sets it; a non-finite norm
      skips the step all the same);
   4. clip to `clip_grad` by that norm (torch's clip_grads_with_norm_ arithmetic), optimizer step,
@@ -77,7 +79,8 @@ class ShardedOptimizer:
                 self.pieces.append((param, master_piece))
                 decay = len(unit.shapes[piece.index]) >= 2
                 groups[(id(param) in decoupled, decay)].append(master_piece)
-                if getattr(param, "tensor_model_parallel", False) or dims.tp_rank == 0:
+                if (getattr(param, "tensor_model_parallel", False) or dims.tp_rank == 0) \
+                        and not getattr(param, "pipeline_duplicate", False):
                     self._counted.append(grad_piece)
                 if dims.tp > 1 and getattr(param, "sequence_parallel", False):
                     self._sequence_parallel.append(grad_piece)
@@ -140,6 +143,8 @@ class ShardedOptimizer:
         stats = square if self.loss_scaler is None else torch.cat([square, found])
         if self.dims.tp > 1:
             self.comm.all_reduce(stats, self.dims.tp_group, "scalars")
+        if self.dims.pp > 1:
+            self.comm.all_reduce(stats, self.dims.pp_group, "scalars")
         return stats[0], stats[1:].sum()
 
     @torch.no_grad()

@@ -1,5 +1,5 @@
-"""Checkpoints in Megatron-LM's layout: one shard per TP rank, written atomically, exact resume,
-and loadable at another TP degree.
+"""Checkpoints in Megatron-LM's layout: one shard per TP rank (per TP x PP rank with pipeline
+stages), written atomically, exact resume, and loadable at another TP or pipeline degree.
 
 Layout of `--save DIR`:
 
@@ -40,6 +40,13 @@ Loading at the saved TP degree copies each rank's shards; at another degree each
 every saved shard and rebuilds the full (unsharded, unpadded) tensor of each parameter and
 optimizer moment from the saved sharding, then keeps its own shard: model and optimizer re-shard
 alike. RNG states load only at the saved TP and DP degrees (a stream belongs to a rank).
+
+Pipeline stages: stage p's shards are mp_rank_TT_PPP and hold its parameters under the whole
+model's names (`named_parameters`: `decoder.layers.{global index}`; the tied embedding in the
+first and the last stage's). At the saved pipeline degree a rank reads its stage's shards; at
+another it opens every stage's and takes each parameter (and its stage-0 optimizer entries) from
+the stage that holds it, so a run resumes at another PP degree (and TP, at once); RNG states and
+sharded (ZeRO 1/3) optimizer state need the saved degrees.
 """
 
 from __future__ import annotations
@@ -194,8 +201,8 @@ def checkpoint_files(directory: str | os.PathLike, state: TrainingState, model: 
                     "model_config": dataclasses.asdict(model.config),
                     "parallel": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
                     "state": dataclasses.asdict(state),
-                    "model": {name: compact(p) for name, p in model.named_parameters()},
-                    "sharding": {name: _sharding(p) for name, p in model.named_parameters()},
+                    "model": {name: compact(p) for name, p in named_parameters(model)},
+                    "sharding": {name: _sharding(p) for name, p in named_parameters(model)},
                     "optimizer": _optimizer_shard(engine, model)
                     if save_optim and not engine.sharded else None,
                     "zero": zero,
@@ -273,6 +280,21 @@ def _whole_weights(engine: ZeroPlusPlus | None) -> Iterator[None]:
         engine.params.release_all()
 
 
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) as checkpoints key them: the whole model's names. A pipeline stage's
+    chunks (megadomino.pipeline.stage.StageChunks) name their layers by global index, so a
+    stage's shard holds `decoder.layers.{global index}` and loads at another pipeline degree."""
+    named = getattr(model, "checkpoint_parameters", None)
+    return list(named() if named is not None else model.named_parameters())
+
+
+def saved_pipeline_size(source: Path) -> int:
+    """The pipeline degree a checkpoint directory was saved at (mp_rank_TT or mp_rank_TT_PPP)."""
+    if (source / "mp_rank_00").is_dir():
+        return 1
+    return len(list(source.glob("mp_rank_00_*"))) or 1
+
+
 def _sharding(param: torch.Tensor) -> dict | None:
     if not getattr(param, "tensor_model_parallel", False):
         return None
@@ -285,7 +307,7 @@ def _optimizer_shard(engine: ZeroPlusPlus, model: nn.Module) -> dict:
     loss scaler."""
     entries = engine.state_by_parameter()
     params = {name: {key: compact(value) for key, value in entries[id(p)].items()}
-              for name, p in model.named_parameters() if id(p) in entries}
+              for name, p in named_parameters(model) if id(p) in entries}
     scaler = engine.loss_scaler
     return {"params": params, "kind": engine.optimizer_kind,
             "loss_scaler": None if scaler is None else scaler.state_dict()}
@@ -357,7 +379,9 @@ def load_optimizer_state(directory: str | os.PathLike, iteration: int, engine: Z
     state, reader, error = None, None, None
     try:
         manifest = Manifest.read(source)
-        head_path = shard_path(source, dims.tp_rank, dims.pp_rank, dims.pp)
+        saved_pp = saved_pipeline_size(source)
+        head_path = shard_path(source, dims.tp_rank, dims.pp_rank, dims.pp) \
+            if saved_pp == dims.pp else shard_path(source, 0, 0, saved_pp)
         head = open_shard(head_path, manifest)
         zero, saved = head.get("zero"), head["parallel"]
         saved_stage = zero["stage"] if zero is not None else (
@@ -401,11 +425,12 @@ def _read_sharded_state(source: Path, head_path: Path, saved: dict, engine: Zero
                         dims: ParallelDims, manifest: Manifest | None) -> dict:
     """This rank's optim_dp_rank state, checked against the engine's degrees and layout."""
     stage = engine.config.stage
-    if (saved["tp"], saved["dp"]) != (dims.tp, dims.dp):
+    if (saved["tp"], saved["dp"], saved["pp"]) != (dims.tp, dims.dp, dims.pp):
         raise CheckpointError(
             f"{head_path}: saved with --zero-stage {stage} at tensor-parallel {saved['tp']} x "
-            f"data-parallel {saved['dp']}, this run is at {dims.tp} x {dims.dp}: sharded "
-            "optimizer state loads at the same degrees only (--no-load-optim loads the weights)")
+            f"data-parallel {saved['dp']} x pipeline-parallel {saved['pp']}, this run is at "
+            f"{dims.tp} x {dims.dp} x {dims.pp}: sharded optimizer state loads at the same "
+            "degrees only (--no-load-optim loads the weights)")
     path = zero_shard_path(source, dims)
     if not path.exists():
         raise CheckpointError(f"checkpoint shard missing: {path} (--zero-stage {stage} saves one "
@@ -428,38 +453,55 @@ class _ShardReader:
     def __init__(self, source: Path, dims: ParallelDims, model: nn.Module,
                  manifest: Manifest | None):
         self.source, self.dims = source, dims
-        first = shard_path(source, 0, dims.pp_rank, dims.pp)
+        saved_pp = saved_pipeline_size(source)
+        same_pp = saved_pp == dims.pp
+        first = shard_path(source, 0, dims.pp_rank if same_pp else 0, saved_pp)
         head = open_shard(first, manifest)
         saved = head["parallel"]
-        if saved["pp"] != dims.pp:
-            raise CheckpointError(f"{first}: saved with pipeline-parallel size {saved['pp']}, "
-                                  f"this run has {dims.pp}")
         _check_config(first, head["model_config"], dataclasses.asdict(model.config))
-        paths = [shard_path(source, t, dims.pp_rank, dims.pp) for t in range(saved["tp"])]
-        missing = [str(p) for p in paths if not p.exists()]
+        stages = [dims.pp_rank] if same_pp else list(range(saved_pp))
+        paths = {(t, p): shard_path(source, t, p, saved_pp)
+                 for p in stages for t in range(saved["tp"])}
+        missing = [str(p) for p in paths.values() if not p.exists()]
         if missing:
             raise CheckpointError(f"checkpoint shard missing: {', '.join(missing)} (saved at "
-                                  f"tensor-parallel size {saved['tp']})")
+                                  f"tensor-parallel size {saved['tp']}, pipeline-parallel size "
+                                  f"{saved_pp})")
         self.saved_tp, self.saved_dp = saved["tp"], saved["dp"]
-        self.same_layout = self.saved_tp == dims.tp
-        self.paths = [paths[dims.tp_rank]] if self.same_layout else paths
-        self.shards = [head if p == first else open_shard(p, manifest) for p in self.paths]
+        self.same_tp = self.saved_tp == dims.tp
+        self.same_layout = self.same_tp and same_pp
+        self.head = head
+        tps = [dims.tp_rank] if self.same_tp else list(range(saved["tp"]))
+        self.paths = {p: [paths[t, p] for t in tps] for p in stages}
+        self.stages = {p: [head if path == first else open_shard(path, manifest)
+                           for path in self.paths[p]] for p in stages}
+        self.own = self.stages[dims.pp_rank][0] if self.same_layout else head
+        """This rank's own shard at the saved layout (its RNG and FP8 states), else the head."""
+        self.where: dict[str, int] = {}
+        """The saved stage whose shards hold each parameter (the first, for a tied one)."""
+        for p in stages:
+            for name in self.stages[p][0]["model"]:
+                self.where.setdefault(name, p)
         self.zeroed_pad_rows: list[str] = []
         """Names of saved tensors whose vocabulary padding rows were not zero (and are now)."""
 
+    def _shards(self, name: str) -> list[dict]:
+        return self.stages[self.where[name]]
+
     def load(self, model: nn.Module) -> TrainingState:
         """Weights (from the saved fp32 masters where there are some: they are exact)."""
-        own = self.shards[0]
-        params = dict(model.named_parameters())
-        missing = sorted(set(params) - set(own["model"]))
-        unexpected = sorted(set(own["model"]) - set(params))
+        own = self.own
+        params = dict(named_parameters(model))
+        missing = sorted(set(params) - set(self.where))
+        unexpected = sorted(set(own["model"]) - set(params)) if self.same_layout else []
         if missing or unexpected:
-            raise CheckpointError(f"{self.paths[0]}: parameters differ from the model's: missing "
+            where = next(iter(self.paths.values()))[0]
+            raise CheckpointError(f"{where}: parameters differ from the model's: missing "
                                   f"{missing}, unexpected {unexpected}")
-        saved_optimizer = own["optimizer"]
-        saved_params = saved_optimizer["params"] if saved_optimizer is not None else {}
         with torch.no_grad():
             for name, param in params.items():
+                saved_optimizer = self._shards(name)[0]["optimizer"]
+                saved_params = saved_optimizer["params"] if saved_optimizer is not None else {}
                 key = "master" if "master" in saved_params.get(name, {}) else None
                 param.copy_(self._tensor(name, param, key))
         self._load_fp8(model)
@@ -469,7 +511,7 @@ class _ShardReader:
         """The delayed-FP8 scaling state of this rank, where the checkpoint has one for it (saved
         at the same TP and DP degrees: the state is per rank); else it starts fresh, and its
         scales are rebuilt within --fp8-amax-history-len steps."""
-        saved = self.shards[0].get("fp8")
+        saved = self.own.get("fp8")
         if saved is None or not self.same_layout or self.saved_dp != self.dims.dp:
             return
         mine = saved[self.dims.dp_rank]
@@ -479,12 +521,13 @@ class _ShardReader:
 
     def load_rng(self) -> str | None:
         """Set this rank's generators; the reason when they cannot be (None when loaded)."""
-        own = self.shards[0]
+        own = self.own
         if own["rng"] is None:
             return "the checkpoint has no RNG state (--no-save-rng): keeping the --seed streams"
         if not self.same_layout or self.saved_dp != self.dims.dp:
-            return (f"RNG states not loaded: saved at TP={self.saved_tp} x DP={self.saved_dp}, "
-                    f"running at TP={self.dims.tp} x DP={self.dims.dp}")
+            return (f"RNG states not loaded: saved at TP={self.saved_tp} x DP={self.saved_dp} x "
+                    f"PP={own['parallel']['pp']}, running at TP={self.dims.tp} x "
+                    f"DP={self.dims.dp} x PP={self.dims.pp}")
         restore_rng_state(own["rng"][self.dims.dp_rank], self.dims)
         return None
 
@@ -493,12 +536,13 @@ class _ShardReader:
         def saved(shard: dict) -> torch.Tensor:
             return shard["model"][name] if key is None else shard["optimizer"]["params"][name][key]
 
-        sharding = self.shards[0]["sharding"][name]
+        shards = self._shards(name)
+        sharding = shards[0]["sharding"][name]
         nonzero_pad = False
-        if self.same_layout or sharding is None or key == "step":
-            local, nonzero_pad = without_pad_rows(saved(self.shards[0]), param, self.dims.tp_rank)
+        if self.same_tp or sharding is None or key == "step":
+            local, nonzero_pad = without_pad_rows(saved(shards[0]), param, self.dims.tp_rank)
         else:
-            full = unshard_rows([saved(s) for s in self.shards], sharding["dim"],
+            full = unshard_rows([saved(s) for s in shards], sharding["dim"],
                                 sharding["stripes"])
             if sharding["vocab_size"] is not None:
                 nonzero_pad = bool(full[sharding["vocab_size"]:].count_nonzero())
@@ -507,7 +551,8 @@ class _ShardReader:
         if nonzero_pad:
             self.zeroed_pad_rows.append(name if key is None else f"{name} {key}")
         if local.ndim and tuple(local.shape) != tuple(param.shape):
-            raise CheckpointError(f"{self.paths[0]}: {name}{'' if key is None else ' ' + key} has "
+            raise CheckpointError(f"{self.paths[self.where[name]][0]}: "
+                                  f"{name}{'' if key is None else ' ' + key} has "
                                   f"shape {tuple(local.shape)}, the model's shard "
                                   f"{tuple(param.shape)}")
         return local
@@ -516,13 +561,12 @@ class _ShardReader:
         """Stage 0's state as the engine's load_state_by_parameter takes it: per parameter (by
         id) its saved AdamW entries and fp32 master, this rank's shards (copies: torch keeps CPU
         state tensors as given, and these map the shard file); and the loss scaler's state."""
-        saved = self.shards[0]["optimizer"]
         entries = {}
-        for name, param in model.named_parameters():
-            keys = saved["params"].get(name, {})
+        for name, param in named_parameters(model):
+            keys = self._shards(name)[0]["optimizer"]["params"].get(name, {})
             if keys:
                 entries[id(param)] = {key: self._tensor(name, param, key).clone() for key in keys}
-        return entries, saved["loss_scaler"]
+        return entries, self.head["optimizer"]["loss_scaler"]
 
 
 def _notice_zeroed_pad_rows(zeroed: list[str], source: Path, log: Callable[[str], None]) -> None:

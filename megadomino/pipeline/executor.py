@@ -1,0 +1,123 @@
+"""The executor: runs one stage's action list (schedules.py) for one global batch.
+
+For each action, in order and nothing else:
+  recv / send      post the transport's asynchronous receive / send (transport.py)
+  wait             block on the posted operation; a received activation becomes a leaf that
+                   requires grad (its .grad is what the backward sends back)
+  forward          run chunk v on micro-batch m (stage.run_chunk); the activation input and
+                   the output are kept until that micro-batch's backward. On the last virtual
+                   stage the output is the micro-batch's loss; what is kept for backward is
+                   loss / num_micro (times the fp16 loss scale): gradients accumulate over the
+                   micro-batches as Megatron's do, to the gradient of the mean loss
+  backward         torch.autograd.backward of the kept output with the received output gradient
+                   (of the scaled loss on the last virtual stage); the input's gradient is kept
+                   for its send
+
+Parameter gradients accumulate wherever autograd puts them (`.grad`, or the data-parallel
+engine's hooks); reducing them is the caller's (pipeline/runtime.py). Every kept tensor is
+released once its last use has run, so an executor holds exactly the activations in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from megadomino.pipeline.schedules import Action
+from megadomino.pipeline.stage import run_chunk
+from megadomino.pipeline.transport import Transport
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # tokens, labels, loss_mask [b, s]
+
+
+class Executor:
+    """Runs action lists on this rank's chunks (stage `stage` of `stages`) through
+    `transport`."""
+
+    def __init__(self, chunks: nn.ModuleList, transport: Transport, stage: int, stages: int):
+        self.chunks, self.transport = chunks, transport
+        self.stage, self.stages = stage, stages
+
+    def _is_last(self, chunk: int) -> bool:
+        return self.stage == self.stages - 1 and chunk == len(self.chunks) - 1
+
+    def run(self, actions: Sequence[Action], batches: Sequence[MicroBatch],
+            loss_scale: float = 1.0, train: bool = True) -> list[torch.Tensor]:
+        """Run `actions` on `batches` (one per micro-batch). Returns the losses of the
+        micro-batches (detached fp32 scalars) on the last stage, [] elsewhere. `train` False:
+        forwards only, without autograd (evaluation)."""
+        state = _State(len(batches), loss_scale, train)
+        with torch.enable_grad() if train else torch.no_grad():
+            for action in actions:
+                self._do(action, batches, state)
+        self.transport.flush()
+        if state.pending or state.kept:
+            raise RuntimeError(f"the action list left operations or tensors behind: "
+                               f"{sorted(state.pending)} {sorted(state.kept)}")
+        return [state.losses[m] for m in sorted(state.losses)]
+
+    def _do(self, action: Action, batches: Sequence[MicroBatch], state: _State) -> None:
+        micro, chunk = action.micro, action.chunk or 0
+        key = (action.pass_, micro, chunk)
+        if action.op not in ("send", "recv"):
+            self.transport.flush()  # a step's posts go out together, before anything else
+        if action.op == "forward":
+            x = state.kept.pop(("in", micro, chunk), None)
+            out = run_chunk(self.chunks[chunk], x, *batches[micro])
+            if self._is_last(chunk):
+                state.losses[micro] = out.detach().float()
+                out = out * (state.loss_scale / state.num_micro)
+            if state.train:
+                state.kept[("x", micro, chunk)] = x
+                state.kept[("out", micro, chunk)] = out
+            elif not self._is_last(chunk):
+                state.kept[("out", micro, chunk)] = out
+        elif action.op == "backward":
+            self._backward(micro, chunk, state)
+        elif action.op == "send":
+            self._send(action, micro, chunk, state)
+        elif action.op == "recv":
+            receive = (self.transport.recv_activation if action.pass_ == "F"
+                       else self.transport.recv_grad)
+            state.pending[key + ("recv",)] = receive(micro, chunk)
+        elif action.op == "wait":
+            handle, tensor = state.pending.pop(key + (action.waits,))
+            handle.wait()
+            if action.waits == "recv" and action.pass_ == "F":
+                state.kept[("in", micro, chunk)] = tensor.requires_grad_(state.train)
+            elif action.waits == "recv":
+                state.kept[("dy", micro, chunk)] = tensor
+        else:
+            raise ValueError(f"unknown pipeline action {action}")
+
+    def _backward(self, micro: int, chunk: int, state: _State) -> None:
+        out = state.kept.pop(("out", micro, chunk))
+        x = state.kept.pop(("x", micro, chunk))
+        grad = None if self._is_last(chunk) else state.kept.pop(("dy", micro, chunk))
+        torch.autograd.backward(out, grad_tensors=grad)
+        if x is not None:
+            state.kept[("dx", micro, chunk)] = x.grad
+
+    def _send(self, action: Action, micro: int, chunk: int, state: _State) -> None:
+        if action.pass_ == "F":
+            out = state.kept[("out", micro, chunk)] if state.train else state.kept.pop(
+                ("out", micro, chunk))
+            tensor = out.detach()
+            handle = self.transport.send_activation(tensor, micro, chunk)
+        else:
+            tensor = state.kept.pop(("dx", micro, chunk))
+            handle = self.transport.send_grad(tensor, micro, chunk)
+        # The tensor stays referenced until its send is waited.
+        state.pending[(action.pass_, micro, chunk, "send")] = (handle, tensor)
+
+
+class _State:
+    """One run's bookkeeping: posted operations, kept tensors, the losses."""
+
+    def __init__(self, num_micro: int, loss_scale: float, train: bool):
+        self.num_micro, self.loss_scale, self.train = num_micro, loss_scale, train
+        self.pending: dict[tuple, tuple] = {}
+        self.kept: dict[tuple, torch.Tensor | None] = {}
+        self.losses: dict[int, torch.Tensor] = {}

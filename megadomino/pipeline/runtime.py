@@ -1,0 +1,114 @@
+"""One rank's pipeline: its plan, chunks, transport, schedule and executor, for a training step.
+
+`PipelineRuntime.train_step(batches, engine)` runs the schedule's action list with every
+backward under the data-parallel engine's `no_sync()` (gradients accumulate over the
+micro-batches), sums the tied embedding's accumulated gradient over the embedding group, then has
+the engine reduce over DP (stages 0 and 1: after the last micro-batch's backward, as Megatron's
+finalize step does). The engine's step then clips by the norm over every stage (an all-reduce
+over the pipeline group, zero/sharded.py).
+
+Losses are Megatron's: the last stage computes each micro-batch's loss, the step's is their
+mean, broadcast over the pipeline group so that every rank knows it for logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megadomino.config import ConfigError, ModelConfig, ParallelConfig
+from megadomino.models.blocks import DTYPES
+from megadomino.pipeline.executor import Executor, MicroBatch
+from megadomino.pipeline.plan import PipelinePlan, uniform_plan
+from megadomino.pipeline.schedules import compute_order, schedule, with_transfers
+from megadomino.pipeline.stage import embedding_group, tied_embedding
+from megadomino.pipeline.transport import P2PTransport
+
+
+def plan_from_config(model: ModelConfig, parallel: ParallelConfig, world: int) -> PipelinePlan:
+    """Megatron's uniform plan for the flags (plan.py)."""
+    chunks = parallel.virtual_chunks(model.num_layers)
+    return uniform_plan(model.num_layers, world, parallel.tensor_model_parallel_size,
+                        parallel.pipeline_model_parallel_size, chunks,
+                        parallel.decoder_first_pipeline_num_layers,
+                        parallel.decoder_last_pipeline_num_layers)
+
+
+class PipelineRuntime:
+    """Built alike on every rank (it creates the embedding groups: collective over the world).
+    chunks: this rank's (pipeline/stage.py build_stage); micro_batch_size, num_micro: the step's
+    micro-batches; schedule_name: one of schedules.SCHEDULES."""
+
+    def __init__(self, chunks: nn.ModuleList, plan: PipelinePlan, dims, model: ModelConfig,
+                 parallel: ParallelConfig, schedule_name: str, micro_batch_size: int,
+                 num_micro: int):
+        stage = plan.stage_of(dims.rank)
+        self.plan, self.dims, self.chunks, self.num_micro = plan, dims, chunks, num_micro
+        seq = model.seq_length
+        if parallel.sequence_parallel and dims.tp > 1:
+            seq //= dims.tp
+        device = next(chunks.parameters()).device
+        transport = P2PTransport(plan, dims.rank, dims.pp_group,
+                                 (seq, micro_batch_size, model.hidden_size),
+                                 DTYPES[model.params_dtype], device, num_micro)
+        if plan.size > 1:  # NCCL: the group's first operation must be a collective of it all
+            dist.barrier(group=dims.pp_group)
+        self.executor = Executor(chunks, transport, stage.index, plan.size)
+        self.actions = schedule(schedule_name, plan.size, stage.index, num_micro, plan.chunks)
+        tied = plan.size > 1 and not model.untie_embeddings_and_output_weights
+        self.embedding_group = embedding_group(plan, dims) if tied else None
+        self.tied = tied_embedding(chunks, plan)
+        position = stage.ranks.index(dims.rank)
+        self.loss_source = plan.stages[-1].ranks[position]
+
+    def train_step(self, batches: Sequence[MicroBatch], engine) -> torch.Tensor:
+        """Forward and backward of every micro-batch, gradients reduced over the embedding
+        group and DP (stages 0 and 1). Returns the mean loss (0-dim fp32, every rank)."""
+        if engine.config.stage == 3:
+            raise ConfigError("--zero-stage 3 with pipeline parallelism is not supported: "
+                              "its per-layer gathers run in forward hooks that the pipeline's "
+                              "interleaved micro-batches would repeat; use --zero-stage 0 or 1")
+        scale = engine.loss_scaler.scale if engine.loss_scaler is not None else 1.0
+        with engine.no_sync():
+            losses = self.executor.run(self.actions, batches, scale)
+        if self.tied is not None:
+            dist.all_reduce(engine.accumulated_grad(self.tied), group=self.embedding_group)
+        engine.reduce_gradients()
+        return self.mean_loss(losses)
+
+    def forward_backward(self, batches: Sequence[MicroBatch]) -> torch.Tensor:
+        """Without an engine: gradients accumulate in `.grad` (the tied embedding's summed over
+        the embedding group); what tests compare with a model without PP."""
+        losses = self.executor.run(self.actions, batches)
+        if self.tied is not None and self.tied.grad is not None:
+            dist.all_reduce(self.tied.grad, group=self.embedding_group)
+        return self.mean_loss(losses)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[MicroBatch]) -> torch.Tensor:
+        """The mean loss of forwards only, any number of micro-batches (eval mode is the
+        caller's): every forward in the order of the training schedule, no backward."""
+        plan, stage = self.plan, self.plan.stage_of(self.dims.rank).index
+        name = "interleaved" if plan.chunks > 1 and len(batches) % plan.size == 0 else None
+        if name is None and plan.chunks > 1:
+            order = [("F", m, v) for v in range(plan.chunks) for m in range(len(batches))]
+        else:
+            order = [c for c in compute_order(name or "1f1b", plan.size, stage, len(batches),
+                                              plan.chunks) if c[0] == "F"]
+        actions = with_transfers([[c] for c in order], plan.size, stage, plan.chunks)
+        return self.mean_loss(self.executor.run(actions, batches, train=False))
+
+    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses, broadcast over the pipeline group."""
+        device = next(self.chunks.parameters()).device
+        total = torch.zeros((), device=device)
+        for loss in losses:
+            total += loss
+        if losses:
+            total /= len(losses)
+        if self.plan.size > 1:
+            dist.broadcast(total, self.loss_source, group=self.dims.pp_group)
+        return total

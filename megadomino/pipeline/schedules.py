@@ -1,0 +1,179 @@
+"""Pipeline schedules as data: the actions one stage runs for one global batch, in order.
+
+The executor (executor.py) runs this list and nothing else, so the printed list is the schedule.
+An `Action(pass_, op, micro, chunk)` is printed as Domino's actions are (`table`, one a line):
+
+    F M3 V1 recv      post the receive of micro-batch 3's activation for chunk 1 (async)
+    F M3 V1 wait recv block until that activation is in
+    F M3 V1 forward   run chunk 1 on it (the last chunk of the last stage: the loss)
+    F M3 V1 send      post the send of its output to the next stage (async)
+    B M3 V1 recv      post the receive of the gradient of that output
+    B M3 V1 backward  autograd backward of the chunk's output with that gradient
+    B M3 V1 send      post the send of the input's gradient to the previous stage
+    F/B ... wait send block until that send has gone
+
+`chunk` is None without a virtual pipeline. Compute orders: 1F1B (PipeDream-Flush, Megatron's
+non-interleaved schedule: stage s of P runs min(P - s - 1, m) warm-up forwards), interleaved
+1F1B (Megatron's: chunks of P micro-batches per model chunk, (P - s - 1) * 2 + (V - 1) * P
+warm-up forwards, all of them when m = P; its steady state pairs a forward with a backward in one
+step of transfers) and eager-1F1B (Alpa's overlap-friendly PipeDream schedule, arXiv 2211.05322:
+min(m, 2 (P - s) - 1) warm-up forwards; a forward's send is waited only after the next compute,
+so it overlaps it; backward sends are waited at once).
+
+Transfers (`with_transfers`), one rule for every order: after a compute, post its send, then post
+the receive the next compute needs, then wait (the sends to wait now, then the receive). Every
+receive is posted before the rank blocks, which keeps the schedule free of deadlocks even where
+a send completes only once its receive is posted (NCCL; tests/test_pipeline_schedules.py
+simulates that for every schedule); it is the pairing of Megatron's
+send_forward_recv_backward / send_backward_recv_forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megadomino.config import ConfigError
+from megadomino.overlap.domino.actions import table
+
+SCHEDULES = ("1f1b", "interleaved", "eager-1f1b")
+
+__all__ = ["SCHEDULES", "Action", "bubble_fraction", "compute_order", "compute_steps", "schedule",
+           "table",
+           "with_transfers"]
+
+
+@dataclass(frozen=True)
+class Action:
+    pass_: str                 # "F" (activations) or "B" (gradients)
+    op: str                    # forward backward send recv wait
+    micro: int
+    chunk: int | None = None
+    waits: str | None = None   # wait: "send" or "recv"
+
+    def __str__(self) -> str:
+        where = " ".join(f"{name}{value}" for name, value in (("M", self.micro),
+                                                              ("V", self.chunk))
+                         if value is not None)
+        what = f"wait {self.waits}" if self.op == "wait" else self.op
+        return f"{self.pass_} {where:<5} {what}"
+
+
+Compute = tuple[str, int, int]   # ("F" or "B", micro, chunk)
+
+
+def compute_order(name: str, stages: int, stage: int, micro: int,
+                  chunks: int = 1) -> list[Compute]:
+    """The forwards and backwards of `stage` in the order `name` runs them."""
+    return [c for step in compute_steps(name, stages, stage, micro, chunks) for c in step]
+
+
+def compute_steps(name: str, stages: int, stage: int, micro: int,
+                  chunks: int = 1) -> list[list[Compute]]:
+    """The compute order in steps of transfers: one compute a step, except the interleaved
+    schedule's steady state, whose forward and backward share one step (Megatron's
+    send_forward_backward_recv_forward_backward)."""
+    if name == "interleaved":
+        return _interleaved(stages, stage, micro, chunks)
+    if chunks != 1:
+        raise ConfigError(f"--pipeline-schedule {name} runs one model chunk per stage: a "
+                          f"virtual pipeline needs --pipeline-schedule interleaved")
+    if name == "1f1b":
+        warmup = min(stages - stage - 1, micro)
+    elif name == "eager-1f1b":
+        # min(m, 2 (P - s) - 1) forwards before the first backward, then backward and forward
+        # in turn: the steady state of 1F1B with one forward fewer in its warm-up.
+        warmup = min(micro, 2 * (stages - stage) - 1) - 1
+    else:
+        raise ConfigError(f"--pipeline-schedule {name} is unknown: choose one of "
+                          f"{', '.join(SCHEDULES)}")
+    return _one_f_one_b([("F", m, 0) for m in range(micro)],
+                        [("B", m, 0) for m in range(micro)], warmup, paired=False)
+
+
+def _one_f_one_b(forwards: list[Compute], backwards: list[Compute], warmup: int,
+                 paired: bool) -> list[list[Compute]]:
+    """`warmup` forwards, then one forward and one backward in turn (`paired`: in one step),
+    then the backwards left."""
+    steps = [[f] for f in forwards[:warmup]]
+    for k in range(len(forwards) - warmup):
+        pair = [forwards[warmup + k], backwards[k]]
+        steps += [pair] if paired else [[c] for c in pair]
+    return steps + [[b] for b in backwards[len(forwards) - warmup:]]
+
+
+def _interleaved(stages: int, stage: int, micro: int, chunks: int) -> list[list[Compute]]:
+    """Megatron's interleaved order: the k-th forward runs chunk (k // P) % V on micro-batch
+    (k // (P V)) P + k % P; backwards run the chunks in reverse."""
+    if micro % stages:
+        raise ConfigError(f"the interleaved schedule needs the number of micro-batches "
+                          f"({micro}) to be a multiple of --pipeline-model-parallel-size "
+                          f"({stages})")
+    total = micro * chunks
+
+    def micro_of(k: int) -> int:
+        return (k // (stages * chunks)) * stages + k % stages
+
+    forwards = [("F", micro_of(k), (k // stages) % chunks) for k in range(total)]
+    backwards = [("B", micro_of(k), chunks - 1 - (k // stages) % chunks) for k in range(total)]
+    warmup = min((stages - stage - 1) * 2 + (chunks - 1) * stages, total)
+    if micro == stages:  # Megatron's rule: one group of micro-batches runs all its forwards first
+        warmup = total
+    return _one_f_one_b(forwards, backwards, warmup, paired=True)
+
+
+def _receives(pass_: str, stage: int, chunk: int, stages: int, chunks: int) -> bool:
+    """Does this compute need an input from another stage (activation or output gradient)?"""
+    if pass_ == "F":
+        return not (stage == 0 and chunk == 0)
+    return not (stage == stages - 1 and chunk == chunks - 1)
+
+
+def _sends(pass_: str, stage: int, chunk: int, stages: int, chunks: int) -> bool:
+    return _receives("B" if pass_ == "F" else "F", stage, chunk, stages, chunks)
+
+
+def with_transfers(steps: list[list[Compute]], stages: int, stage: int, chunks: int,
+                   eager: bool = False) -> list[Action]:
+    """The computes, in steps, with their sends, receives and waits (module docstring's rule,
+    applied per step: a step is one compute, or the interleaved schedule's steady-state
+    forward + backward pair). `eager`: a forward's send is waited after the next step instead
+    of at once."""
+    def action(pass_: str, op: str, micro: int, chunk: int, waits: str | None = None):
+        return Action(pass_, op, micro, chunk if chunks > 1 else None, waits)
+
+    def receives(step: list[Compute]) -> tuple[list[Action], list[Action]]:
+        needed = [c for c in step if _receives(c[0], stage, c[2], stages, chunks)]
+        return ([action(p, "recv", m, v) for p, m, v in needed],
+                [action(p, "wait", m, v, "recv") for p, m, v in needed])
+
+    out: list[Action] = []
+    deferred: list[Action] = []
+    if steps:
+        posts, waits = receives(steps[0])
+        out += posts + waits
+    for index, step in enumerate(steps):
+        waits = list(deferred)
+        deferred = []
+        for pass_, micro, chunk in step:
+            out.append(action(pass_, "forward" if pass_ == "F" else "backward", micro, chunk))
+        for pass_, micro, chunk in step:
+            if _sends(pass_, stage, chunk, stages, chunks):
+                out.append(action(pass_, "send", micro, chunk))
+                sent = action(pass_, "wait", micro, chunk, "send")
+                (deferred if eager and pass_ == "F" else waits).append(sent)
+        posts, receive = receives(steps[index + 1]) if index + 1 < len(steps) else ([], [])
+        out += posts + waits + receive
+    return out + deferred
+
+
+def schedule(name: str, stages: int, stage: int, micro: int, chunks: int = 1) -> list[Action]:
+    """The action list of `stage` (0-based) of `stages` for `micro` micro-batches."""
+    return with_transfers(compute_steps(name, stages, stage, micro, chunks), stages, stage,
+                          chunks, eager=name == "eager-1f1b")
+
+
+def bubble_fraction(stages: int, micro: int, chunks: int = 1) -> float:
+    """The idle fraction of a stage in the ideal pipeline: (p - 1) / (m + p - 1), and with
+    interleaving (p - 1) / (v m + p - 1). Eager-1F1B has 1F1B's bubble (it reorders no
+    compute across the critical path; it overlaps the forward sends)."""
+    return (stages - 1) / (chunks * micro + stages - 1)

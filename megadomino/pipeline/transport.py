@@ -1,0 +1,119 @@
+"""Stage-to-stage transports: how an activation goes forward and its gradient back.
+
+A transport serves one rank and knows its neighbours from the plan. The executor calls four
+methods, each posting an asynchronous operation and returning a handle with `wait()`:
+
+    send_activation(tensor, micro, chunk)   to the stage holding the next virtual stage
+    recv_activation(micro, chunk)            -> (handle, buffer) from the previous one
+    send_grad(tensor, micro, chunk)          to the previous virtual stage
+    recv_grad(micro, chunk)                  -> (handle, buffer) from the next one
+
+`chunk` is the local model chunk the tensor belongs to (virtual stage chunk * P + stage); the
+last stage's chunk v feeds the first stage's chunk v + 1. `P2PTransport` is the plain one between
+same-layout stages: rank (stage s, dp d, tp t) talks to (s +- 1, d, t) with isend / irecv.
+`flush()` starts what was posted since the last flush, as one batch.
+A resharding transport (pipeline/reshard/) implements the same four methods between stages of
+different layouts.
+
+Every message has its own tag (direction, chunk, micro-batch), so gloo matches them whatever the
+posting order; backends that ignore tags (NCCL) match in posting order, which the schedules keep
+the same on both sides of every pair.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from megadomino.pipeline.plan import PipelinePlan
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class Transport(Protocol):
+    def send_activation(self, tensor: torch.Tensor, micro: int, chunk: int) -> Handle: ...
+
+    def recv_activation(self, micro: int, chunk: int) -> tuple[Handle, torch.Tensor]: ...
+
+    def send_grad(self, tensor: torch.Tensor, micro: int, chunk: int) -> Handle: ...
+
+    def recv_grad(self, micro: int, chunk: int) -> tuple[Handle, torch.Tensor]: ...
+
+    def flush(self) -> None:
+        """Start what was posted since the last flush (the executor calls it before anything
+        that is not a post: the posts of one step go out together)."""
+
+
+class _Posted:
+    """A posted operation, started by the transport's next flush (or its own wait)."""
+
+    def __init__(self, transport: P2PTransport):
+        self.transport, self.work = transport, None
+
+    def wait(self) -> None:
+        if self.work is None:
+            self.transport.flush()
+        self.work.wait()
+
+
+class P2PTransport:
+    """isend / irecv between the same position (dp, tp) of neighbouring stages of a plan whose
+    stages share one layout, over the pipeline group (`pp_group`, whose rank i is stage i). The
+    posts of one step go out as one `batch_isend_irecv`: NCCL runs a batch's sends and receives
+    together (posted one by one, a send to a peer could wait behind a receive from it).
+    shape, dtype, device: every activation's (one micro-batch: (s, b, h), or (s/tp, b, h) under
+    sequence parallelism); micro: micro-batches per step (for the tags)."""
+
+    def __init__(self, plan: PipelinePlan, rank: int, pp_group, shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device, micro: int):
+        if not plan.same_layout:
+            raise ValueError("P2PTransport joins same-layout stages only; stages of different "
+                             "layouts need a resharding transport")
+        stage = plan.stage_of(rank)
+        count = plan.size
+        self.stage, self.stages, self.chunks = stage.index, count, plan.chunks
+        self.next_stage, self.prev_stage = (stage.index + 1) % count, (stage.index - 1) % count
+        self.group = pp_group
+        self.shape, self.dtype, self.device, self.micro = shape, dtype, device, micro
+        self._ops: list[dist.P2POp] = []
+        self._posted: list[_Posted] = []
+
+    def _tag(self, forward: bool, micro: int, boundary: int) -> int:
+        """Unique per message of a step, the same on both ends: keyed by the direction, the
+        boundary (the virtual stage below it: the activation's producer) and the micro-batch."""
+        return ((0 if forward else 1) * self.chunks * self.stages + boundary) * self.micro + micro
+
+    def _post(self, op, tensor: torch.Tensor, stage: int, tag: int) -> _Posted:
+        self._ops.append(dist.P2POp(op, tensor, group=self.group, tag=tag, group_peer=stage))
+        self._posted.append(_Posted(self))
+        return self._posted[-1]
+
+    def flush(self) -> None:
+        if not self._ops:
+            return
+        works = dist.batch_isend_irecv(self._ops)
+        for posted, work in zip(self._posted, works, strict=True):
+            posted.work = work
+        self._ops, self._posted = [], []
+
+    def send_activation(self, tensor: torch.Tensor, micro: int, chunk: int) -> Handle:
+        tag = self._tag(True, micro, chunk * self.stages + self.stage)
+        return self._post(dist.isend, tensor.contiguous(), self.next_stage, tag)
+
+    def recv_activation(self, micro: int, chunk: int) -> tuple[Handle, torch.Tensor]:
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        tag = self._tag(True, micro, chunk * self.stages + self.stage - 1)
+        return self._post(dist.irecv, buffer, self.prev_stage, tag), buffer
+
+    def send_grad(self, tensor: torch.Tensor, micro: int, chunk: int) -> Handle:
+        tag = self._tag(False, micro, chunk * self.stages + self.stage - 1)
+        return self._post(dist.isend, tensor.contiguous(), self.prev_stage, tag)
+
+    def recv_grad(self, micro: int, chunk: int) -> tuple[Handle, torch.Tensor]:
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        tag = self._tag(False, micro, chunk * self.stages + self.stage)
+        return self._post(dist.irecv, buffer, self.next_stage, tag), buffer

@@ -1,0 +1,133 @@
+"""Pipeline parallelism against the same model without it (fp32, dropout 0, vocabulary 331 that
+pads): the mean loss over the micro-batches and every full gradient within 1e-5 relative, for
+GPT (tied embedding shared by the first and last stage) and Llama, every schedule (1F1B,
+eager-1F1B, interleaved with 2 chunks a stage), at PP2, PP4, PP2 x TP2 (with and without
+sequence parallelism) and PP2 x DP2, with uneven layer counts (7 layers over PP2 with
+--decoder-first-pipeline-num-layers 4; 5 over PP4 with first 2), full recompute and Domino's
+schedule (3 batch x 2 hidden slices, sequence parallel) inside a stage. The reference sees every
+DP rank's micro-batches; the pipeline's DP ranks average their gradients as the engine does.
+The slow tier adds PP4 x TP2 (sequence parallel) and PP2 x TP2 x DP2 on 8 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_tp_equivalence import batch, tiny_config
+
+from configs import parallel_config
+from dist_utils import C, DistSuite, assert_close
+from megadomino.build import build_model
+from megadomino.distributed import ParallelDims, mappings
+from megadomino.pipeline.plan import uniform_plan
+from megadomino.pipeline.runtime import PipelineRuntime
+from megadomino.pipeline.stage import build_stage, load_stage_full_state, stage_full_state
+
+REL = 1e-5
+MBS = 3
+
+
+def reference_loss_and_grads(config, family, dims_ref, micro_batches):
+    """The mean of the micro-batches' losses and its full gradients, one process, no PP."""
+    torch.manual_seed(7)
+    model = build_model(config, dims_ref, family, device="cpu")
+    total = torch.zeros(())
+    for tokens, labels, loss_mask in micro_batches:
+        per_token = model(tokens, labels=labels, loss_mask=loss_mask)
+        loss = per_token.sum() / loss_mask.sum()
+        (loss / len(micro_batches)).backward()
+        total += loss.detach()
+    return model.full_state_dict(), total / len(micro_batches), model.full_grad_dict()
+
+
+def check_pipeline(family: str, dims, dims_ref, schedule: str, num_layers: int, micro: int,
+                   chunks: int = 1, first: int | None = None, **parallel):
+    config = tiny_config(family, num_layers=num_layers, vocab_size=331)
+    every = [batch(config, seed=100 + m, b=MBS)[:3] for m in range(micro * dims.dp)]
+    full, ref_loss, ref_grads = reference_loss_and_grads(config, family, dims_ref, every)
+    plan = uniform_plan(num_layers, dims.world_size, dims.tp, dims.pp, chunks, first)
+    parallel_cfg = parallel_config(tensor_model_parallel_size=dims.tp,
+                                   pipeline_model_parallel_size=dims.pp, **parallel)
+    stage = build_stage(config, dims, plan, family, "cpu", parallel=parallel_cfg)
+    load_stage_full_state(stage, full)
+    runtime = PipelineRuntime(stage, plan, dims, config, parallel_cfg, schedule, MBS, micro)
+    mine = [every[m * dims.dp + dims.dp_rank] for m in range(micro)]
+    loss = runtime.forward_backward(mine)
+    for model in stage:
+        mappings.allreduce_sequence_parallel_grads(model, dims.tp_group)
+        for param in model.parameters():
+            if dims.dp > 1 and param.grad is not None:
+                dist.all_reduce(param.grad, group=dims.dp_group)
+                param.grad /= dims.dp
+    if dims.dp > 1:
+        dist.all_reduce(loss, group=dims.dp_group)
+        loss /= dims.dp
+    assert_close(loss, ref_loss, REL, "mean loss")
+    grads = stage_full_state(stage, grads=True)
+    params = stage_full_state(stage)
+    assert grads.keys() == params.keys(), sorted(set(params) - set(grads))
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], REL, f"grad {name}")
+    # Every parameter of the whole model is on some stage (gathered over the pipeline).
+    names = [None] * dims.pp
+    dist.all_gather_object(names, sorted(params), group=dims.pp_group)
+    assert set().union(*map(set, names)) == set(ref_grads)
+
+
+SUITE = DistSuite(worlds=(2, 4))
+
+
+@SUITE.setup
+def _setup(world: int) -> dict:
+    out = {"ref": ParallelDims(tp=1)}
+    if world == 2:
+        out["pp2"] = ParallelDims(tp=1, pp=2)
+    else:
+        out["pp4"] = ParallelDims(tp=1, pp=4)
+        out["pp2tp2"] = ParallelDims(tp=2, pp=2)
+        out["pp2dp2"] = ParallelDims(tp=1, pp=2, dp=2)
+    return out
+
+
+SCHEDULES = (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2))
+for family in ("gpt", "llama"):
+    for name, chunks in SCHEDULES:
+        layers, first = (8, None) if chunks > 1 else (7, 4)
+        SUITE.case(f"{family}-pp2-{name}", check_pipeline, family, C.pp2, C.ref, name, layers,
+                   4, chunks, first, worlds=(2,))
+        SUITE.case(f"{family}-pp2tp2-sp-{name}", check_pipeline, family, C.pp2tp2, C.ref, name,
+                   layers, 4, chunks, first, sequence_parallel=True, worlds=(4,))
+        SUITE.case(f"{family}-pp2dp2-{name}", check_pipeline, family, C.pp2dp2, C.ref, name,
+                   layers, 2, chunks, first, worlds=(4,))
+        pp4_layers, pp4_first = (8, None) if chunks > 1 else (5, 2)
+        SUITE.case(f"{family}-pp4-{name}", check_pipeline, family, C.pp4, C.ref, name,
+                   pp4_layers, 4 if chunks > 1 else 6, chunks, pp4_first, worlds=(4,))
+    SUITE.case(f"{family}-pp2-few-micro", check_pipeline, family, C.pp2, C.ref, "1f1b", 4, 1,
+               worlds=(2,))
+    SUITE.case(f"{family}-pp2tp2-recompute", check_pipeline, family, C.pp2tp2, C.ref,
+               "eager-1f1b", 6, 3, recompute_granularity="full", recompute_method="uniform",
+               recompute_num_layers=1, worlds=(4,))
+
+for family in ("gpt", "llama"):
+    SUITE.case(f"{family}-pp2tp2-domino", check_pipeline, family, C.pp2tp2, C.ref, "1f1b", 4, 3,
+               sequence_parallel=True, batch_slices=3, hidden_slices=2, worlds=(4,))
+
+test_pipeline_matches_no_pp = SUITE.test()
+
+SUITE_8 = DistSuite(worlds=(8,), timeout=400.0)
+
+
+@SUITE_8.setup
+def _setup_8(world: int) -> dict:
+    return {"ref": ParallelDims(tp=1), "pp4tp2": ParallelDims(tp=2, pp=4),
+            "pp2tp2dp2": ParallelDims(tp=2, pp=2, dp=2)}
+
+
+for family in ("gpt", "llama"):
+    for name, chunks in SCHEDULES:
+        SUITE_8.case(f"{family}-pp4tp2-{name}", check_pipeline, family, C.pp4tp2, C.ref, name, 8,
+                     4, chunks, sequence_parallel=True)
+        SUITE_8.case(f"{family}-pp2tp2dp2-{name}", check_pipeline, family, C.pp2tp2dp2, C.ref,
+                     name, 8 if chunks > 1 else 7, 2, chunks, None if chunks > 1 else 4)
+
+test_pipeline_matches_no_pp_8_ranks = pytest.mark.slow(SUITE_8.test())

@@ -1,0 +1,264 @@
+"""Pipeline plans and schedules as data (no processes): golden action tables; eager-1F1B's order
+for n = 3 equals the schedule in the docstring of Alpa's `OverlapFriendlyPipeDreamSchedule`
+(alpa/pipeline_parallel/schedules.py); every schedule runs each forward and backward once, in
+dependency order, and cannot deadlock even where a send completes only once its receive is
+posted (a simulation of every rank's list), and both ends of every pair post its messages in the
+same order (what NCCL, which ignores tags, matches by); the bubble formulas; Megatron's layer
+splits and the validator's one-line refusals."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from configs import make_config
+from megadomino.config import ConfigError, ModelConfig
+from megadomino.config.validate import validate
+from megadomino.pipeline.plan import uniform_plan
+from megadomino.pipeline.schedules import (
+    bubble_fraction,
+    compute_order,
+    schedule,
+    table,
+)
+
+GOLDEN_1F1B = """\
+  0 F M0    forward
+  1 F M0    send
+  2 F M0    wait send
+  3 F M1    forward
+  4 F M1    send
+  5 B M0    recv
+  6 F M1    wait send
+  7 B M0    wait recv
+  8 B M0    backward
+  9 F M2    forward
+ 10 F M2    send
+ 11 B M1    recv
+ 12 F M2    wait send
+ 13 B M1    wait recv
+ 14 B M1    backward
+ 15 B M2    recv
+ 16 B M2    wait recv
+ 17 B M2    backward
+"""
+
+# Eager-1F1B, stage 0 of 2: three forwards before the first backward, and each forward's send is
+# waited only after the next forward ran (lines 4, 8, 12).
+GOLDEN_EAGER = """\
+  0 F M0    forward
+  1 F M0    send
+  2 F M1    forward
+  3 F M1    send
+  4 F M0    wait send
+  5 F M2    forward
+  6 F M2    send
+  7 B M0    recv
+  8 F M1    wait send
+  9 B M0    wait recv
+ 10 B M0    backward
+ 11 B M1    recv
+ 12 F M2    wait send
+ 13 B M1    wait recv
+ 14 B M1    backward
+ 15 B M2    recv
+ 16 B M2    wait recv
+ 17 B M2    backward
+"""
+
+# Interleaved, last stage of 2, two chunks, two micro-batches (Megatron: m = P runs every
+# forward first); chunk 0's input comes from stage 0's chunk 0, chunk 1's from stage 0's chunk 1.
+GOLDEN_INTERLEAVED = """\
+  0 F M0 V0 recv
+  1 F M0 V0 wait recv
+  2 F M0 V0 forward
+  3 F M0 V0 send
+  4 F M1 V0 recv
+  5 F M0 V0 wait send
+  6 F M1 V0 wait recv
+  7 F M1 V0 forward
+  8 F M1 V0 send
+  9 F M0 V1 recv
+ 10 F M1 V0 wait send
+ 11 F M0 V1 wait recv
+ 12 F M0 V1 forward
+ 13 F M1 V1 recv
+ 14 F M1 V1 wait recv
+ 15 F M1 V1 forward
+ 16 B M0 V1 backward
+ 17 B M0 V1 send
+ 18 B M0 V1 wait send
+ 19 B M1 V1 backward
+ 20 B M1 V1 send
+ 21 B M0 V0 recv
+ 22 B M1 V1 wait send
+ 23 B M0 V0 wait recv
+ 24 B M0 V0 backward
+ 25 B M0 V0 send
+ 26 B M1 V0 recv
+ 27 B M0 V0 wait send
+ 28 B M1 V0 wait recv
+ 29 B M1 V0 backward
+ 30 B M1 V0 send
+ 31 B M1 V0 wait send
+"""
+
+
+def test_golden_tables():
+    assert table(schedule("1f1b", 2, 0, 3)) == GOLDEN_1F1B
+    assert table(schedule("eager-1f1b", 2, 0, 3)) == GOLDEN_EAGER
+    assert table(schedule("interleaved", 2, 1, 2, 2)) == GOLDEN_INTERLEAVED
+
+
+def test_eager_matches_alpa_docstring():
+    """Alpa's docstring, n = 3 (clock k: (micro, stage) per mesh, F/B), read per mesh:
+    mesh 0: F0 F1 F2 F3 F4 B0 F5 ..., mesh 1: F0 F1 F2 B0 F3 ..., mesh 2: F0 B0 F1 B1 F2 ..."""
+    alpa = {0: "F0 F1 F2 F3 F4 B0 F5", 1: "F0 F1 F2 B0 F3", 2: "F0 B0 F1 B1 F2"}
+    for stage, expected in alpa.items():
+        order = [f"{p}{m}" for p, m, _ in compute_order("eager-1f1b", 3, stage, 6)]
+        assert " ".join(order[:len(expected.split())]) == expected
+        # min(m, 2 (n - i) - 1) forwards before the first backward
+        assert order.index("B0") == min(6, 2 * (3 - stage) - 1)
+
+
+def test_one_f_one_b_warmup():
+    for stages, micro in itertools.product((2, 3, 4), (1, 3, 8)):
+        for stage in range(stages):
+            order = compute_order("1f1b", stages, stage, micro)
+            assert [p for p, _, _ in order].index("B") == min(stages - stage - 1, micro) + 1 \
+                or micro <= stages - stage - 1
+
+
+def _key(stages: int, stage: int, action, op: str) -> tuple:
+    """The message an action posts or waits: (direction, boundary, micro-batch)."""
+    virtual = (action.chunk or 0) * stages + stage
+    below = virtual if (action.pass_ == "F") == (op == "send") else virtual - 1
+    return action.pass_, below, action.micro
+
+
+def simulate(name: str, stages: int, micro: int, chunks: int) -> list:
+    """Run every rank's list with rendezvous sends: a wait on a send finishes once the receive is
+    posted, a wait on a receive once the send is. Returns the ranks' positions (all at the end
+    when nothing deadlocked)."""
+    lists = [schedule(name, stages, s, micro, chunks) for s in range(stages)]
+    at = [0] * stages
+    posted = set()
+    moved = True
+    while moved:
+        moved = False
+        for s in range(stages):
+            while at[s] < len(lists[s]):
+                action = lists[s][at[s]]
+                if action.op in ("send", "recv"):
+                    posted.add((action.op,) + _key(stages, s, action, action.op))
+                elif action.op == "wait":
+                    other = "recv" if action.waits == "send" else "send"
+                    if (other,) + _key(stages, s, action, action.waits) not in posted:
+                        break
+                at[s] += 1
+                moved = True
+    return [at[s] == len(lists[s]) for s in range(stages)]
+
+
+CASES = [(name, stages, micro, chunks)
+         for name, chunks in (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2),
+                              ("interleaved", 3))
+         for stages in (2, 3, 4) for micro in range(1, 9)
+         if name != "interleaved" or micro % stages == 0]
+
+
+def channels(name: str, stages: int, micro: int, chunks: int) -> dict:
+    """Per (sender, receiver, direction): the messages in the order the sender posts its sends
+    and in the order the receiver posts its receives."""
+    out: dict = {}
+    for s in range(stages):
+        for action in schedule(name, stages, s, micro, chunks):
+            if action.op not in ("send", "recv"):
+                continue
+            toward_next = (action.pass_ == "F") == (action.op == "send")
+            peer = (s + (1 if toward_next else -1)) % stages
+            pair = (s, peer) if action.op == "send" else (peer, s)
+            out.setdefault((*pair, action.pass_, action.op), []).append(
+                _key(stages, s, action, action.op))
+    return out
+
+
+@pytest.mark.parametrize("name,stages,micro,chunks", CASES)
+def test_every_schedule_runs_to_the_end(name, stages, micro, chunks):
+    assert all(simulate(name, stages, micro, chunks))
+    # Backends that ignore tags (NCCL) match a pair's messages in posting order: the same order
+    # on both ends.
+    posted = channels(name, stages, micro, chunks)
+    for (src, dst, pass_, op), keys in posted.items():
+        if op == "send":
+            assert keys == posted[(src, dst, pass_, "recv")], (src, dst, pass_)
+    for stage in range(stages):
+        actions = schedule(name, stages, stage, micro, chunks)
+        computes = [(a.pass_, a.micro, a.chunk or 0) for a in actions
+                    if a.op in ("forward", "backward")]
+        expected = {(p, m, v) for p in "FB" for m in range(micro) for v in range(chunks)}
+        assert sorted(computes) == sorted(expected)
+        for m, v in itertools.product(range(micro), range(chunks)):
+            assert computes.index(("F", m, v)) < computes.index(("B", m, v))
+        posted = [(a.pass_, a.op, a.micro, a.chunk) for a in actions if a.op in ("send", "recv")]
+        waited = [(a.pass_, a.waits, a.micro, a.chunk) for a in actions if a.op == "wait"]
+        assert sorted(posted) == sorted(waited) and len(set(posted)) == len(posted)
+
+
+def test_bubble():
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction(1, 5) == 0.0
+
+
+def test_plans():
+    plan = uniform_plan(7, 4, 2, 2, first=4)
+    assert [s.layers for s in plan.stages] == [((0, 4),), ((4, 7),)]
+    assert [s.ranks for s in plan.stages] == [(0, 1), (2, 3)]
+    assert not plan.uniform and plan.same_layout
+    plan = uniform_plan(8, 2, 1, 2, chunks=2)
+    assert [s.layers for s in plan.stages] == [((0, 2), (4, 6)), ((2, 4), (6, 8))]
+    assert plan.uniform and plan.chunks == 2
+    assert [s.layers for s in uniform_plan(5, 4, 1, 4, last=2).stages] == [
+        ((0, 1),), ((1, 2),), ((2, 3),), ((3, 5),)]
+    assert plan.table().startswith("stage 0: ranks [0] tp 1 layers [0, 2) [4, 6)")
+
+
+def _refusal(**leaves) -> str:
+    model = ModelConfig.preset("gpt-tiny", num_layers=leaves.pop("num_layers", 8))
+    world = leaves.pop("world", 4)
+    with pytest.raises(ConfigError) as error:
+        validate(make_config(model, micro_batch_size=1, train_iters=1, mock_data=True,
+                             **leaves), world)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_validator_refusals():
+    assert "--pipeline-model-parallel-size" in _refusal(pipeline_model_parallel_size=3)
+    assert "--decoder-first-pipeline-num-layers" in _refusal(
+        pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=8)
+    assert "--pipeline-schedule" in _refusal(pipeline_model_parallel_size=2,
+                                             pipeline_schedule="interleaved")
+    assert "--pipeline-schedule" in _refusal(pipeline_model_parallel_size=2,
+                                             virtual_pipeline_model_parallel_size=2)
+    assert "--global-batch-size" in _refusal(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+        pipeline_schedule="interleaved", global_batch_size=3, world=2)
+    assert "--zero-stage" in _refusal(pipeline_model_parallel_size=2, stage=3, world=4)
+    assert "--num-layers-per-virtual-pipeline-stage" in _refusal(
+        pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3)
+
+
+def test_validator_accepts_uneven_and_interleaved():
+    model = ModelConfig.preset("gpt-tiny", num_layers=7)
+    validate(make_config(model, micro_batch_size=1, train_iters=1, mock_data=True,
+                         pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=4),
+             2)
+    model = ModelConfig.preset("gpt-tiny", num_layers=8)
+    validate(make_config(model, micro_batch_size=1, global_batch_size=4, train_iters=1,
+                         mock_data=True, pipeline_model_parallel_size=2,
+                         num_layers_per_virtual_pipeline_stage=2,
+                         pipeline_schedule="interleaved"), 2)
