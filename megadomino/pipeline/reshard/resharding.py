@@ -111,14 +111,9 @@ def make_plan(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layo
     host_rates = {host: 1.0 for host in host_of.values()} | dict(rates or {})
     link_rates = {(way, host): rate for host, rate in host_rates.items() for way in ("up", "down")}
     works = make_works(strategy, plan_transfers(shape, src, dst))
-    options = [[edge_loads(work_edges(strategy, work, sender, host_of), work.numel * itemsize,
-                           host_of) for sender in work.transfer.senders] for work in works]
+    options, fixed = work_options(strategy, works, host_of, itemsize)
     exchanges = tuple(Step(work, work.receivers[0], tuple(exchange_edges(work)))
                       for work in works if strategy == "send_recv_allgather")
-    fixed: dict[Link, int] = {}
-    for step in exchanges:
-        for edge in step.edges:
-            add_edge_bytes(fixed, edge, step.work.numel * itemsize, host_of)
     solution: Solution = solve(options, fixed, link_rates, solver, seed=seed)
     steps = []
     for index in solution.order:
@@ -128,6 +123,19 @@ def make_plan(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layo
     return ReshardPlan(shape, dtype, src, dst, strategy, solver, seed, chunks,
                        tuple(sorted(host_rates.items())), tuple(steps), exchanges,
                        solution.exact)
+
+
+def work_options(strategy: str, works: list[Work], host_of: dict[int, str], itemsize: int
+                 ) -> tuple[list[list[dict[Link, int]]], dict[Link, int]]:
+    """The solver's problem: per work, per candidate sender, the bytes it puts on each link;
+    and the bytes that are there whatever the choice (the all-gather exchange)."""
+    options = [[edge_loads(work_edges(strategy, work, sender, host_of), work.numel * itemsize,
+                           host_of) for sender in work.transfer.senders] for work in works]
+    fixed: dict[Link, int] = {}
+    for work in works if strategy == "send_recv_allgather" else ():
+        for edge in exchange_edges(work):
+            add_edge_bytes(fixed, edge, work.numel * itemsize, host_of)
+    return options, fixed
 
 
 def tile_of(layout: Layout, shape: tuple[int, ...], rank: int) -> Box | None:
