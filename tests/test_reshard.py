@@ -234,6 +234,12 @@ def test_balancing_spreads_senders_over_hosts():
     assert best.makespan() < none.makespan()
 
 
+def test_auto_takes_the_chain_only_where_it_lowers_the_bound():
+    assert make_plan((1000,), torch.float32, *HEADLINE).strategy == "chained_broadcast"
+    one_to_one = (Layout.replicated(mesh(0, "A"), 3), Layout.sharded(mesh(1, "BC"), 3, 1))
+    assert make_plan(SHAPE, torch.float32, *one_to_one).strategy == "send_recv"
+
+
 def test_backward_plan_reverses_the_layouts():
     src, dst = LAYOUT_PAIRS[5]
     plan = make_plan(SHAPE, torch.float32, src, dst, "broadcast", "least_bytes", chunks=4)

@@ -114,7 +114,7 @@ for _strategy in STRATEGIES:
 
 test_reshard = SUITE.test()
 
-SLOW = DistSuite(worlds=(5, 6, 8), timeout=600)
+SLOW = DistSuite(worlds=(5, 6, 8), timeout=900)
 SLOW.setup(_setup)
 for _strategy in STRATEGIES:
     SLOW.case(f"reshard-2d-{_strategy}", check_strategy, _strategy, C.groups, C.world, True)

@@ -84,7 +84,7 @@ def plan_transfers(shape: tuple[int, ...], src: Layout, dst: Layout) -> list[Tra
 def make_works(strategy: str, transfers: list[Transfer]) -> list[Work]:
     """The works of `strategy` (see the module docstring), transfer by transfer."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r}: choose from {', '.join(STRATEGIES)}")
+        raise ValueError(f"strategy {strategy!r}: choose from auto, {', '.join(STRATEGIES)}")
     works = []
     for transfer in transfers:
         numel = box_numel(transfer.box)

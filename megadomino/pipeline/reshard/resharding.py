@@ -15,6 +15,7 @@ import torch
 
 from .layout import Box, Layout, box_numel
 from .plan import (
+    STRATEGIES,
     Edge,
     Link,
     Work,
@@ -97,11 +98,19 @@ class ReshardPlan:
 
 
 def make_plan(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout,
-              strategy: str = "chained_broadcast", solver: str = "least_bytes", *,
+              strategy: str = "auto", solver: str = "least_bytes", *,
               seed: int = 0, chunks: int = 16, rates: dict[str, float] | None = None
               ) -> ReshardPlan:
     """Plan moving a `shape` tensor from `src` to `dst` (see plan.py for the strategies and
-    solvers.py for the solvers). rates: bytes/s of each host's links, default 1.0 each."""
+    solvers.py for the solvers). rates: bytes/s of each host's links, default 1.0 each.
+
+    strategy "auto": the strategy whose plan has the lowest makespan, the first of STRATEGIES
+    on a tie, so the chained broadcast is taken only where it lowers the bound (replicas on
+    several hosts, or several replicas behind one uplink) and plain send/recv otherwise."""
+    if strategy == "auto":
+        plans = [make_plan(shape, dtype, src, dst, name, solver, seed=seed, chunks=chunks,
+                           rates=rates) for name in STRATEGIES]
+        return min(plans, key=ReshardPlan.makespan)
     if chunks < 1:
         raise ValueError(f"chunks={chunks}: a chained broadcast needs at least one chunk")
     shape = tuple(shape)
