@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import Box, Layout, box_intersection, box_numel
+from .layout import Box, Layout, box_intersection, box_numel, part_range
 
 STRATEGIES = ("send_recv", "send_recv_allgather", "broadcast", "chained_broadcast")
 
@@ -100,15 +100,9 @@ def make_works(strategy: str, transfers: list[Transfer]) -> list[Work]:
 
 def allgather_parts(transfer: Transfer, numel: int) -> list[tuple[int, int, int]]:
     """(start, stop, replica) of each non-empty part of a slice split over its replicas."""
-    replicas = len(transfer.receivers)
-    parts = []
-    for index, receiver in enumerate(transfer.receivers):
-        quotient, remainder = divmod(numel, replicas)
-        start = index * quotient + min(index, remainder)
-        stop = start + quotient + (index < remainder)
-        if stop > start:
-            parts.append((start, stop, receiver))
-    return parts
+    parts = [(*part_range(numel, len(transfer.receivers), index), receiver)
+             for index, receiver in enumerate(transfer.receivers)]
+    return [(start, stop, receiver) for start, stop, receiver in parts if stop > start]
 
 
 def chain_order(sender: int, receivers: tuple[int, ...], host_of: dict[int, str]) -> list[int]:

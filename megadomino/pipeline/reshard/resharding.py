@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Box, Layout, box_numel
+from .layout import Box, Layout
 from .plan import (
     STRATEGIES,
     Edge,
@@ -151,7 +151,3 @@ def tile_of(layout: Layout, shape: tuple[int, ...], rank: int) -> Box | None:
     """The rank's tile under `layout`, None when the rank is not in its mesh."""
     return layout.tile(shape, rank) if rank in layout.mesh.ranks else None
 
-
-def total_bytes(plan: ReshardPlan) -> int:
-    """Bytes of the whole tensor."""
-    return box_numel(tuple((0, size) for size in plan.shape)) * plan.itemsize

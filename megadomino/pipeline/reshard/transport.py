@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .layout import box_shape, box_slices
+from .layout import box_numel, box_shape, box_slices
 from .resharding import ReshardPlan, Step, tile_of
 
 
@@ -40,11 +40,14 @@ class Reshard:
     """The transport of one plan between two stages (one instance per direction: build the
     gradient's with `Reshard(plan.backward(), groups)`).
 
-    sent: bytes this rank has sent to each destination rank over its runs (for broadcast, the
-    bytes of gloo's tree edges out of this rank, as plan.py models them)."""
+    device: where the received tiles are allocated (the rank's GPU under NCCL); sent: bytes
+    this rank has sent to each destination rank over its runs (for broadcast, the bytes of
+    gloo's tree edges out of this rank, as plan.py models them)."""
 
-    def __init__(self, plan: ReshardPlan, groups: GroupCache | None = None) -> None:
+    def __init__(self, plan: ReshardPlan, groups: GroupCache | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.plan = plan
+        self.device = torch.device(device)
         self.rank = dist.get_rank()
         self.sent: dict[int, int] = {}
         self.groups: dict[Step, dist.ProcessGroup] = {}
@@ -65,8 +68,8 @@ class Reshard:
                 raise ValueError(f"rank {self.rank}: expected its source tile of shape "
                                  f"{box_shape(src_tile)} and {plan.dtype}, got "
                                  f"{None if local is None else (tuple(local.shape), local.dtype)}")
-        out = (torch.empty(box_shape(dst_tile), dtype=plan.dtype) if dst_tile is not None
-               else None)
+        out = (torch.empty(box_shape(dst_tile), dtype=plan.dtype, device=self.device)
+               if dst_tile is not None else None)
         buffers: dict = {}  # transfer -> its slice, flattened, on this receiver
         if plan.strategy == "chained_broadcast":
             self._chained(local, src_tile, buffers)
@@ -88,10 +91,8 @@ class Reshard:
         """This receiver's flat buffer of the step's slice, elements [start, stop)."""
         transfer = step.work.transfer
         if transfer not in buffers:
-            numel = 1
-            for size in box_shape(transfer.box):
-                numel *= size
-            buffers[transfer] = torch.empty(numel, dtype=self.plan.dtype)
+            buffers[transfer] = torch.empty(box_numel(transfer.box), dtype=self.plan.dtype,
+                                            device=self.device)
         return buffers[transfer][step.work.start:step.work.stop]
 
     def _count(self, peer: int, tensor: torch.Tensor) -> None:
