@@ -119,27 +119,38 @@ class Reshard:
 
     def _chained(self, local, src_tile, buffers: dict) -> None:
         """Along each step's chain, chunk by chunk: a rank forwards chunk c as soon as it has
-        it, while chunk c+1 is still arriving, so every edge streams at once."""
+        it, while chunk c+1 is still arriving, so every edge streams at once. Every receive of
+        every step is posted first: a rank still forwarding step t then already takes step
+        t+1's data, so the plan's order does not serialize links that could run together."""
+        receives: dict[Step, list] = {}
+        for step in self.plan.steps:
+            chain = self._chain(step)
+            if self.rank in chain[1:]:
+                chunks = self._buffer(step, buffers).tensor_split(self._pieces(step))
+                predecessor = chain[chain.index(self.rank) - 1]
+                receives[step] = [(chunk, dist.irecv(chunk, predecessor)) for chunk in chunks]
         sends = []
         for step in self.plan.steps:
-            chain = [step.edges[0][0]] + [target for _, target in step.edges]
-            if self.rank not in chain:
+            chain = self._chain(step)
+            if self.rank not in chain or chain[-1] == self.rank:
+                continue  # the chain's end only receives: waited for below
+            successor = chain[chain.index(self.rank) + 1]
+            if chain[0] == self.rank:
+                data = self._payload(step, local, src_tile).tensor_split(self._pieces(step))
+                sends += [self._send(chunk, successor) for chunk in data]
                 continue
-            position = chain.index(self.rank)
-            pieces = min(self.plan.chunks, step.work.numel)  # no empty messages
-            successor = chain[position + 1] if position + 1 < len(chain) else None
-            if position == 0:
-                data = self._payload(step, local, src_tile)
-                sends += [self._send(chunk, successor) for chunk in data.tensor_split(pieces)]
-                continue
-            chunks = self._buffer(step, buffers).tensor_split(pieces)
-            receives = [dist.irecv(chunk, chain[position - 1]) for chunk in chunks]
-            for chunk, receive in zip(chunks, receives):
+            for chunk, receive in receives.pop(step):  # popped: a gloo work waits only once
                 receive.wait()
-                if successor is not None:
-                    sends.append(self._send(chunk, successor))
-        for work in sends:
+                sends.append(self._send(chunk, successor))
+        for work in [*sends, *(receive for pairs in receives.values() for _, receive in pairs)]:
             work.wait()
+
+    @staticmethod
+    def _chain(step: Step) -> list[int]:
+        return [step.edges[0][0]] + [target for _, target in step.edges]
+
+    def _pieces(self, step: Step) -> int:
+        return min(self.plan.chunks, step.work.numel)  # no empty messages
 
     def _broadcast(self, local, src_tile, buffers: dict) -> None:
         """torch's broadcast per step on its group, all launched, then all waited."""
