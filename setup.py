@@ -21,7 +21,6 @@ setup(
         "megadomino.config",
         "megadomino.distributed",
         "megadomino.tp",
-        "megadomino.parallel",
         "megadomino.models",
         "megadomino.overlap",
         "megadomino.overlap.domino",
@@ -49,6 +48,11 @@ setup(
             "transformers>=4.46.1",
             # Linux wheels only; elsewhere the kernel tests skip, naming triton.
             "triton>=3.6; platform_system == 'Linux' and platform_machine in 'x86_64 aarch64'",
+            # Writes and reads the Megatron-LM checkpoints of tests/test_megatron_checkpoint.py
+            # (its CPU workarounds are for this release); its torch_dist writer needs psutil,
+            # which it does not declare.
+            "megatron-core==0.16.1",
+            "psutil",
         ],
         "tb": ["tensorboard"],
     },

@@ -1,5 +1,5 @@
 """One GPU: what cutting a tensor-parallel GEMM along M costs, for the fused-communication
-paths of parallel/async_tp.py. For each GEMM of a GPT-3 6.7B layer at TP=4 (seq 2048 x
+paths of distributed/fused_matmul.py. For each GEMM of a GPT-3 6.7B layer at TP=4 (seq 2048 x
 micro-batch 4 = 8192 rows, bf16) it times, CUDA-graphed, median of --iters replays:
 
   whole        one GEMM over all rows (plain TP + SP);

@@ -117,14 +117,18 @@ def _megatron_parallel_state(tp: int, seed: int, device: torch.device) -> None:
 
 def build_megatron_block(shape: LayerShape, tp: int, num_layers: int,
                          dtype: torch.dtype = torch.bfloat16, seed: int = 1234,
-                         device: torch.device | None = None) -> Built:
+                         device: torch.device | None = None, fused: bool = False) -> Built:
     """megatron-core's `TransformerBlock` of `num_layers` layers at tensor parallelism `tp`
     (data parallel over the rest of the world), without sequence parallelism (its local spec
     refuses it without apex or transformer-engine) or dropout. Norms are torch's LayerNorm or
     RMSNorm whether or not apex is installed. Returns (block, forward) with forward(x (s, b, h))
     -> (s, b, h), or (None, reason) if megatron-core does not import. device: where it is built
     (default: the current GPU where there is one, else the CPU); its CUDA RNG is seeded only
-    for a GPU build, so a CPU build works on a machine with GPUs too."""
+    for a GPU build, so a CPU build works on a machine with GPUs too. fused: megatron-core's
+    own element-wise fusions that need neither apex nor transformer-engine, as Megatron-LM's
+    command line turns them on by default (bias + GELU, bias + SwiGLU, bias + dropout + add);
+    GPT then names its activation F.gelu, which megatron's fused bias-GELU computes with the
+    tanh approximation."""
     try:
         from megatron.core.models.common.embeddings.rotary_pos_embedding import (
             RotaryEmbedding,
@@ -142,12 +146,12 @@ def build_megatron_block(shape: LayerShape, tp: int, num_layers: int,
         num_layers=num_layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         num_query_groups=shape.query_groups, ffn_hidden_size=shape.ffn,
         kv_channels=shape.head_dim, add_bias_linear=not llama, gated_linear_unit=llama,
-        activation_func=F.silu if llama else (lambda x: F.gelu(x, approximate="tanh")),
+        activation_func=F.silu if llama else (F.gelu if fused else _gelu_tanh),
         normalization="RMSNorm" if llama else "LayerNorm", init_method_std=INIT_STD,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, tensor_model_parallel_size=tp, sequence_parallel=False,
-        use_cpu_initialization=device.type == "cpu", bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False,
+        use_cpu_initialization=device.type == "cpu", bias_activation_fusion=fused,
+        bias_dropout_fusion=fused, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     layer = spec.submodules
@@ -165,6 +169,10 @@ def build_megatron_block(shape: LayerShape, tp: int, num_layers: int,
         return block(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary)
 
     return block, forward
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 @dataclass

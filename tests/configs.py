@@ -83,3 +83,14 @@ def layer_options(fields: dict) -> tuple[dict, ParallelConfig, FP8Recipe | None]
     fp8 = {name: fields.pop(name) for name in list(fields)
            if name in FP8Recipe.__dataclass_fields__}
     return fields, parallel_config(**parallel), FP8Recipe(**fp8) if fp8 else None
+
+
+EXECUTIONS = {
+    "plain": {},
+    "recompute": dict(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1),
+    "domino 2x2": dict(batch_slices=2, hidden_slices=2),
+    "domino unsliced": dict(explicit_backward=True),
+}
+"""The ways the layer stack runs on CPU, as parallel_config leaves: plain, full recompute (a
+runner of its own), Domino sliced (2 batch x 2 hidden slices) and unsliced."""

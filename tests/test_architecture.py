@@ -1,7 +1,7 @@
 """The import rules of docs/architecture.md hold: every module of megadomino/ and kernels/ (parsed,
 not imported; function-level imports included) imports only the megadomino packages its own
 package may import. `config` sits under everything; `distributed` <- `tp` <- `models`; the
-execution strategies (`domino`, `parallel`'s fused communication, the `zero` engine) drive
+execution strategies (`overlap`, the `zero` engine, `pipeline`) drive
 `models` and never the reverse; `train` and `cli` sit on top; `kernels` needs torch and Triton
 only; `data` knows nothing of models. The table below is the document's table, as data."""
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 _BELOW_MODELS = {"config", "distributed", "tp", "kernels"}
-_STRATEGIES = {"overlap", "parallel", "zero", "pipeline"}
+_STRATEGIES = {"overlap", "zero", "pipeline"}
 ALLOWED: dict[str, set[str]] = {
     "megadomino": {"config", "models", "overlap"},  # build.py: a model and its runner
     "kernels": set(),
@@ -24,7 +24,6 @@ ALLOWED: dict[str, set[str]] = {
     "tp": {"config", "distributed"},
     "models": _BELOW_MODELS,
     "overlap": _BELOW_MODELS | {"models"},
-    "parallel": _BELOW_MODELS | {"models"},  # async_tp.py, the fused SP communication
     "zero": _BELOW_MODELS | {"models"},
     "pipeline": _BELOW_MODELS | {"models", "overlap", "zero"},
     "interop": {"config", "distributed", "tp", "models"},
@@ -34,14 +33,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 """Package -> the other megadomino packages its modules may import."""
 
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("megadomino/config/validate.py", "distributed"):
-        "config -> distributed: validate() checks the degrees with check_degrees / "
-        "check_gpus_per_node of distributed.dims, which belong in config",
-    ("megadomino/tp/layers.py", "parallel"):
-        "tp -> parallel: the column/row-parallel linears call async_tp's fused collectives; "
-        "the strategy is handed to the layer once async_tp moves to overlap/",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 """(module, package) pairs that break a rule today, each with the reason and the way out."""
 
 

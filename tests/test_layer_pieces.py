@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from configs import parallel_config
+from configs import EXECUTIONS, parallel_config
 from dist_utils import assert_close
 from megadomino.build import build_model
 from megadomino.config import ModelConfig
@@ -20,13 +20,6 @@ from megadomino.overlap.recompute import FullRecompute
 
 pytestmark = pytest.mark.usefixtures("single_process_group")
 
-EXECUTIONS = {
-    "plain": {},
-    "recompute": dict(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=1),
-    "domino 2x2": dict(batch_slices=2, hidden_slices=2),
-    "domino unsliced": dict(explicit_backward=True),
-}
 RUNNERS = {"plain": type(None), "recompute": FullRecompute, "domino 2x2": DominoRunner,
            "domino unsliced": DominoRunner}
 

@@ -44,10 +44,9 @@ REFUSED = {
     "megatron-gpt3-175b": ["--pipeline-model-parallel-size",   # the pipeline issue
                            "--step-batch-size-schedule"],      # the Megatron features issue
     "megatron-llama3-8b-fp8": ["--fp8-param-gather",            # the FP8 issue
-                               "--ckpt-format",                 # the Megatron features issue:
-                               "--calculate-per-token-loss",    # torch_dist checkpoints, per-token
-                               "--lr-decay-samples",            # loss, sample-based schedules,
-                               "--lr-warmup-samples",           # layernorm-1p, decoupled LR
+                               "--calculate-per-token-loss",    # the Megatron features issue:
+                               "--lr-decay-samples",            # per-token loss, sample-based
+                               "--lr-warmup-samples",           # schedules, layernorm-1p, LR
                                "--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr"],
     "megatron-2024-gpt-345m-mp": ["--pipeline-model-parallel-size"],  # the pipeline issue
     "megatron-deepspeed-llama2": ["--pipeline-model-parallel-size",   # the pipeline issue

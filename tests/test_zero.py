@@ -234,7 +234,12 @@ def _sgd(groups: list[dict]) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=3e-2, momentum=0.9, weight_decay=0.1, foreach=True)
 
 
-FACTORIES = {"adam": _factory, "sgd": _sgd}
+def _fused_adam(groups: list[dict]) -> torch.optim.Optimizer:
+    """The kernel the command line uses: it takes the skip decision on the device."""
+    return torch.optim.AdamW(groups, fused=True, **ADAM)
+
+
+FACTORIES = {"adam": _factory, "sgd": _sgd, "adam-fused": _fused_adam}
 
 
 def _engine(dims: ParallelDims, clip: float = 1.0, model_overrides: dict | None = None,
@@ -549,22 +554,28 @@ def _case_qwz_quantizes_once_per_step(dims: ParallelDims) -> None:
 
 
 def _case_nonfinite(dims: ParallelDims) -> None:
-    """inf on one rank only: every rank skips (weights unchanged; an fp16-style loss scaler backs
-    off), or every rank raises with on_nonfinite='error'; on the plain and the qgZ path."""
+    """inf on one rank only: every rank skips (weights and optimizer state unchanged; an
+    fp16-style loss scaler backs off), or every rank raises with on_nonfinite='error'; on the
+    plain and the qgZ path, deciding on the host (foreach AdamW) or on the device (fused)."""
     tokens, labels = _batch(dims, 0)
     poison = float("inf") if dims.rank == 1 else 1.0
-    for zero in (dict(stage=3, quantized_gradients=True), dict(stage=1)):
+    for zero, optimizer in ((dict(stage=3, quantized_gradients=True), "adam"),
+                            (dict(stage=1), "adam"), (dict(stage=1), "adam-fused"),
+                            (dict(stage=0), "adam-fused")):
         scaler = DynamicLossScaler(1024.0, 1.0, window=10, hysteresis=1)
-        engine = _engine(dims, loss_scaler=scaler, **zero)
+        engine = _engine(dims, loss_scaler=scaler, optimizer=optimizer, **zero)
+        assert engine.optimizer._skips_on_device == (optimizer == "adam-fused")
         before = engine.full_state_dict()
         engine.backward(engine(tokens, labels=labels).mean() * poison)
         result = engine.step()
         assert result.skipped and scaler.scale == 512.0
         for name, value in engine.full_state_dict().items():
             assert torch.equal(value, before[name]), name
+        for state in engine.optimizer.optimizer.state.values():  # fused: made, not stepped
+            assert state["step"] == 0 and not state["exp_avg"].any(), state
         engine.backward(engine(tokens, labels=labels).mean())
         assert not engine.step().skipped
-        strict = _engine(dims, on_nonfinite="error", **zero)
+        strict = _engine(dims, on_nonfinite="error", optimizer=optimizer, **zero)
         strict.backward(strict(tokens, labels=labels).mean() * poison)
         with pytest.raises(FloatingPointError):
             strict.step()

@@ -34,7 +34,8 @@ from megadomino.cli.flags_megatron_config import MEGATRON_CONFIG_ROWS
 __all__ = ["ALIAS", "FINETUNE_FLAGS", "FLAGS", "IMPLEMENTED", "NOTICE", "OURS", "RANGES",
            "REFUSED", "Flag"]
 
-_NO_KERNEL = "there is no such fused kernel here, so nothing to disable"
+_NO_KERNEL = ("the layers' element-wise pieces run eagerly unless --compile-layer-pieces compiles "
+              "them all; there is no per-piece switch")
 _SDPA = "attention always runs through torch SDPA, which picks flash attention where it can"
 _TENSORBOARD = ("with --tensorboard-dir every scalar is written at each --log-interval: loss, lr, "
                 "grad norm, loss scale, throughput, memory, timers, validation loss and ppl")
@@ -229,10 +230,16 @@ FLAGS: tuple[Flag, ...] = (
           "Leave the RNG states out of checkpoints."),
     _impl("--exit-on-missing-checkpoint", "train.checkpoint.exit_on_missing_checkpoint", None,
           "With --load: an error, not a fresh start, when the directory holds no checkpoint."),
-    _impl("--ckpt-format", None, str, "Checkpoint format.",
+    _impl("--ckpt-format", "train.checkpoint.ckpt_format", str,
+          "Checkpoint format written by --save: torch (ours, one file per tensor-parallel "
+          "rank), or torch_dist (ours plus Megatron-LM's torch_dist files of the weights, which "
+          "Megatron-LM loads with --no-load-optim --no-load-rng). --load reads ours and "
+          "Megatron-LM's torch_dist and torch checkpoints at any TP (weights and counters).",
           choices=("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
-          supported=("torch",),
-          unsupported="only the torch format (one file per tensor-parallel rank) is implemented"),
+          supported=("torch", "torch_dist"),
+          unsupported="only the torch and torch_dist formats are implemented"),
+    _impl("--use-dist-ckpt", "train.checkpoint.ckpt_format", None,
+          "Megatron-LM's deprecated spelling of --ckpt-format torch_dist.", const="torch_dist"),
     # Stopping early.
     _impl("--exit-signal-handler", "train.runtime.exit_signal_handler", None,
           "On SIGTERM (SLURM pre-emption): finish the iteration, save (with --save) and exit 0."),
@@ -274,6 +281,11 @@ FLAGS: tuple[Flag, ...] = (
     _ours("--domino-explicit-backward", "parallel.domino.explicit_backward", None,
           "Domino's schedule without slicing: each linear's weight-gradient GEMM runs behind its "
           "input-gradient all-reduce (the Domino plan that measured fastest)."),
+    _ours("--compile-layer-pieces", "parallel.compile_layer_pieces", None,
+          "Compile each element-wise piece of the layers (bias + dropout + residual add, norms, "
+          "GELU / SwiGLU, rotary) with torch.compile, one region per piece: fused kernels where "
+          "eager runs several. Composes with every execution path; compile time is printed at "
+          "start-up (megadomino/models/elementwise.py)."),
     _impl("--tp-comm-overlap", "parallel.tp_comm_overlap", None,
           "With --sequence-parallel: the all-gather / reduce-scatter fused into the GEMMs (torch "
           "symmetric-memory kernels, NVLink copy engines). Host-bound in eager mode: use it with "

@@ -26,8 +26,6 @@ MOE = "Mixture-of-Experts is not implemented"
 PIPELINE = "pipeline parallelism (interleaved or not) is not implemented yet"
 ROPE = "only plain, unscaled RoPE is implemented"
 MLA = "multi-latent attention is not implemented"
-TORCH_CKPT = ("distributed (torch_dist) checkpoints are not implemented: checkpoints use the torch "
-              "format, one file per tensor-parallel rank")
 _DDP = ("data-parallel communication tuning: megadomino reduces gradients in its own fp32 buckets "
         "(all-reduce, or ZeRO's reduce-scatter)")
 _LOADER = "data-loading speed: samples are read in-process from memory-mapped .bin/.idx files"
@@ -241,7 +239,8 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
             "dataset lists read from files are not implemented: give --data-path"),
     *refuse(("--sample-rate",), "subsampling the training data is not implemented"),
     *refuse(("--phase-transition-iterations",), "phased training is not implemented"),
-    *refuse(("--use-dist-ckpt", "--dist-ckpt-format"), TORCH_CKPT),
+    *refuse(("--dist-ckpt-format",), "Megatron-LM's deprecated spelling of --ckpt-format: give "
+            "--ckpt-format torch_dist"),
     *refuse(("--override-ckpt-iteration",), "--load always resumes the iteration that "
             "latest_checkpointed_iteration.txt names"),
     *refuse(("--fake-process-group",), "a fake process group is not implemented: every rank "

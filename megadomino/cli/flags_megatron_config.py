@@ -43,8 +43,8 @@ _TE = ("Transformer Engine is not used: megadomino's layers are its own (torch G
 _TE_TP_OVERLAP = ("Transformer Engine userbuffer overlap option: --tp-comm-overlap fuses the "
                   "all-gather / reduce-scatter into the GEMMs with torch symmetric memory")
 _COMM = "communicator tuning: process groups are created with NCCL's defaults"
-_DIST_CKPT = ("read only by distributed (torch_dist) checkpoints, which are not implemented: "
-              "checkpoints here are torch files, one per tensor-parallel rank")
+_DIST_CKPT = ("tuning of megatron-core's distributed-checkpoint machinery: torch_dist checkpoints "
+              "are read and written here with torch.distributed.checkpoint alone")
 _ASYNC_SAVE = "read only with --async-save, which is refused: checkpoints are written synchronously"
 _NON_PERSISTENT = ("non-persistent (local, in-memory or replicated) checkpoints are not "
                    "implemented: --save writes every checkpoint to its directory")
@@ -344,8 +344,11 @@ MEGATRON_CONFIG_ROWS: tuple[Flag, ...] = (
               "--no-ckpt-load-validate-sharding-integrity"), _DIST_CKPT),
     *notices(("--ckpt-fully-parallel-load-exchange-algo",
               "--ckpt-fully-parallel-load-process-group",
-              "--ckpt-fully-parallel-save-process-group", "--ckpt-pg-tensors-cache-path",
-              "--dist-ckpt-strictness"), _DIST_CKPT, value),
+              "--ckpt-fully-parallel-save-process-group", "--ckpt-pg-tensors-cache-path"),
+             _DIST_CKPT, value),
+    notice("--dist-ckpt-strictness", "--load of a Megatron-LM checkpoint is always strict on the "
+           "model's tensors: each must be there with its shape, and none may be left unused",
+           value),
     *notices(("--async-ckpt-use-cpu-shm", "--use-persistent-ckpt-worker"), _ASYNC_SAVE),
     *notices(("--async-ckpt-cpu-priority", "--async-ckpt-io-priority", "--async-strategy"),
              _ASYNC_SAVE, value),
@@ -362,8 +365,8 @@ MEGATRON_CONFIG_ROWS: tuple[Flag, ...] = (
     *refuse(("--ckpt-convert-update-legacy-dist-opt-format",),
             "Megatron-LM's distributed-optimizer checkpoints are not read: optimizer states load "
             "from megadomino's own files"),
-    notice("--auto-detect-ckpt-format", "--load reads the torch format, the only one "
-           "implemented"),
+    notice("--auto-detect-ckpt-format", "--load always detects the format from the files: "
+           "ours, Megatron-LM's torch_dist or its legacy torch"),
     notice("--load-main-params-from-ckpt",
            "the fp32 master weights are always built from the loaded weights"),
     notice("--verify-integrity", "every checkpoint file's size and CRC-32 are written to "

@@ -61,13 +61,16 @@ class ParallelConfig:
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     """With sequence parallelism: fuse the all-gather / reduce-scatter into the GEMMs
-    (symmetric-memory kernels over NVLink copy engines; parallel/async_tp.py)."""
+    (symmetric-memory kernels over NVLink copy engines; distributed/fused_matmul.py)."""
     domino: DominoPlan = field(default_factory=DominoPlan)
     """Domino's plan; DominoPlan() (the default) is off."""
     domino_auto: bool = False
     """--domino: time plain TP and Domino's plans at start-up and run the fastest."""
     enable_cuda_graph: bool = False
     """Capture the layers' forward + backward in CUDA graphs (megadomino/overlap/cuda_graph.py)."""
+    compile_layer_pieces: bool = False
+    """Compile each element-wise piece of the layers (bias + dropout + residual add, norms, GELU /
+    SwiGLU, rotary) with torch.compile (megadomino/models/elementwise.py)."""
     recompute_granularity: str | None = None
     """None, 'full' (whole layers) or 'selective' (the attention core)."""
     recompute_method: str | None = None
@@ -87,3 +90,26 @@ class ParallelConfig:
         if self.domino.enabled:
             return f"domino {self.domino.batch_slices}x{self.domino.hidden_slices}"
         return "fused-sp" if self.tp_comm_overlap else "none"
+
+
+def check_degrees(world: int, tp: int, pp: int, dp: int) -> None:
+    """Refuse degrees that do not tile the world, naming the flags."""
+    if tp < 1:
+        raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: it must be >= 1")
+    if pp < 1:
+        raise ConfigError(f"--pipeline-model-parallel-size={pp} is invalid: it must be >= 1")
+    if dp < 1 or tp * pp * dp != world:
+        raise ConfigError(
+            f"world size {world} is not divisible into --tensor-model-parallel-size={tp} x "
+            f"--pipeline-model-parallel-size={pp} x data-parallel: launch a multiple of "
+            f"{tp * pp} processes, or change the parallel sizes")
+
+
+def check_gpus_per_node(world: int, tp: int, gpus_per_node: int) -> None:
+    if gpus_per_node < 1 or world % gpus_per_node != 0 and gpus_per_node < world:
+        raise ConfigError(
+            f"--gpus-per-node={gpus_per_node} is invalid: it must divide the world size {world}")
+    if gpus_per_node % tp != 0 and gpus_per_node < world:
+        raise ConfigError(
+            f"--gpus-per-node={gpus_per_node} is invalid: a tensor-parallel group "
+            f"(--tensor-model-parallel-size={tp}) must fit inside a node; use a multiple of {tp}")

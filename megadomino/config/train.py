@@ -115,6 +115,10 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = False
     hf_checkpoint: str | None = None
     """A Hugging Face Llama directory to start from (megadomino.interop.hf.load_llama)."""
+    ckpt_format: str = "torch"
+    """'torch': our shards; 'torch_dist': each checkpoint also carries Megatron-LM's torch_dist
+    files (megadomino.interop.megatron_dist), so Megatron-LM can load it. --load reads ours and
+    both Megatron-LM formats whatever this says (the files name their format)."""
 
 
 @dataclass

@@ -19,10 +19,9 @@ from types import SimpleNamespace
 
 from megadomino.config.check import ConfigError, check
 from megadomino.config.model import ModelConfig
-from megadomino.config.parallel import ParallelConfig
+from megadomino.config.parallel import ParallelConfig, check_degrees, check_gpus_per_node
 from megadomino.config.train import FP8Recipe, ScheduleConfig, TrainConfig
 from megadomino.config.tree import Config
-from megadomino.distributed.dims import check_degrees, check_gpus_per_node
 
 
 def validate(config: Config, world_size: int | None = None, gpus_per_node: int | None = None, *,
@@ -233,6 +232,9 @@ def _train_rules(train: TrainConfig, finetune: bool, data_given: bool) -> None:
                           "it must be >= 0")
     if checkpoint.save is not None:
         _check_writable(checkpoint.save)
+    if checkpoint.ckpt_format not in ("torch", "torch_dist"):
+        raise ConfigError(f"--ckpt-format={checkpoint.ckpt_format!r} is invalid: it must be torch "
+                          "or torch_dist")
     if checkpoint.load is None:
         for name in ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint"):
             if getattr(checkpoint, name):

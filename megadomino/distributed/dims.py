@@ -18,7 +18,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from megadomino.config import ConfigError
+from megadomino.config.parallel import check_degrees, check_gpus_per_node
 
 
 class ParallelDims:
@@ -86,29 +86,6 @@ class ParallelDims:
         return (f"ParallelDims(world={self.world_size}, tp={self.tp}, pp={self.pp}, dp={self.dp}, "
                 f"gpus_per_node={self.gpus_per_node}, rank={self.rank}: tp_rank={self.tp_rank}, "
                 f"dp_rank={self.dp_rank}, pp_rank={self.pp_rank})")
-
-
-def check_degrees(world: int, tp: int, pp: int, dp: int) -> None:
-    """Refuse degrees that do not tile the world, naming the flags."""
-    if tp < 1:
-        raise ConfigError(f"--tensor-model-parallel-size={tp} is invalid: it must be >= 1")
-    if pp < 1:
-        raise ConfigError(f"--pipeline-model-parallel-size={pp} is invalid: it must be >= 1")
-    if dp < 1 or tp * pp * dp != world:
-        raise ConfigError(
-            f"world size {world} is not divisible into --tensor-model-parallel-size={tp} x "
-            f"--pipeline-model-parallel-size={pp} x data-parallel: launch a multiple of "
-            f"{tp * pp} processes, or change the parallel sizes")
-
-
-def check_gpus_per_node(world: int, tp: int, gpus_per_node: int) -> None:
-    if gpus_per_node < 1 or world % gpus_per_node != 0 and gpus_per_node < world:
-        raise ConfigError(
-            f"--gpus-per-node={gpus_per_node} is invalid: it must divide the world size {world}")
-    if gpus_per_node % tp != 0 and gpus_per_node < world:
-        raise ConfigError(
-            f"--gpus-per-node={gpus_per_node} is invalid: a tensor-parallel group "
-            f"(--tensor-model-parallel-size={tp}) must fit inside a node; use a multiple of {tp}")
 
 
 def _groups_containing(rank: int, rank_lists: list[torch.Tensor], pg_options=None,

@@ -15,6 +15,7 @@ from torch import nn
 
 from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
 from megadomino.distributed import random as tp_random
+from megadomino.models import elementwise
 from megadomino.tp.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,15 +31,39 @@ class LocalLinear(Protocol):
                  bias: bool = True) -> torch.Tensor: ...
 
 
-def build_norm(config: ModelConfig, sequence_parallel: bool = False, device=None) -> nn.Module:
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm (same parameters and state dict) running the layer_norm piece, compiled
+    when `compile_pieces`."""
+
+    def __init__(self, hidden_size: int, eps: float, compile_pieces: bool = False, **kwargs):
+        super().__init__(hidden_size, eps=eps, **kwargs)
+        self.compile_pieces = compile_pieces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return elementwise.pieces(self.compile_pieces).layer_norm(x, self.weight, self.bias,
+                                                                  self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm (same parameters and state dict) running the rms_norm piece, compiled when
+    `compile_pieces`."""
+
+    def __init__(self, hidden_size: int, eps: float, compile_pieces: bool = False, **kwargs):
+        super().__init__(hidden_size, eps=eps, **kwargs)
+        self.compile_pieces = compile_pieces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return elementwise.pieces(self.compile_pieces).rms_norm(x, self.weight, self.eps)
+
+
+def build_norm(config: ModelConfig, sequence_parallel: bool = False, device=None,
+               compile_pieces: bool = False) -> nn.Module:
     """LayerNorm (weight and bias) or RMSNorm (weight); under sequence parallelism the params are
     marked `sequence_parallel` (each rank sees part of the sequence: its gradient is partial)."""
     dtype = DTYPES[config.params_dtype]
-    if config.normalization == "LayerNorm":
-        norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, device=device,
-                            dtype=dtype)
-    else:
-        norm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon, device=device, dtype=dtype)
+    norm_class = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
+    norm = norm_class(config.hidden_size, eps=config.norm_epsilon, compile_pieces=compile_pieces,
+                      device=device, dtype=dtype)
     for param in norm.parameters():
         param.sequence_parallel = sequence_parallel
     return norm
@@ -50,14 +75,6 @@ def rotary_tables(seq_len: int, dim: int, base: float, device=None) -> tuple[tor
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (s, b, heads, d); cos/sin: (s, b, 1, d) or broadcastable. Computed in fp32."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -72,6 +89,7 @@ class Attention(nn.Module):
         super().__init__()
         dtype = DTYPES[config.params_dtype]
         self.config, self.dims = config, dims
+        self.compile_pieces = parallel.compile_layer_pieces
         self.selective_recompute = parallel.recompute_granularity == "selective"
         self.head_dim = config.kv_channels
         self.heads_local = config.num_attention_heads // dims.tp
@@ -82,12 +100,13 @@ class Attention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, dims, bias=config.add_bias_linear,
             sequence_parallel=sp, comm_overlap=overlap,
-            init_std=config.init_method_std, fp8=fp8, device=device, dtype=dtype)
+            init_std=config.init_method_std, fp8=fp8, compile_fp8_casts=self.compile_pieces,
+            device=device, dtype=dtype)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, dims,
             bias=config.add_bias_linear, sequence_parallel=sp, comm_overlap=overlap,
             init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
-            device=device, dtype=dtype)
+            compile_fp8_casts=self.compile_pieces, device=device, dtype=dtype)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """SDPA over (b, heads, s, d) tensors; attention dropout uses this rank's RNG stream."""
@@ -117,7 +136,8 @@ class Attention(nn.Module):
         v = v.reshape(s, b, self.groups_local, self.head_dim)
         if rotary is not None:
             cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            rope = elementwise.pieces(self.compile_pieces).rotary
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         # (s, b, heads, d) -> (b, heads, s, d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if self.selective_recompute and self.training:
@@ -144,26 +164,29 @@ class MLP(nn.Module):
         super().__init__()
         dtype = DTYPES[config.params_dtype]
         self.config = config
+        self.compile_pieces = parallel.compile_layer_pieces
         sp, overlap = parallel.sequence_parallel and dims.tp > 1, parallel.tp_comm_overlap
         stripes = 2 if config.swiglu else 1
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, stripes * config.ffn_hidden_size, dims,
             bias=config.add_bias_linear, sequence_parallel=sp,
             comm_overlap=overlap, init_std=config.init_method_std,
-            stripes=stripes, fp8=fp8, device=device, dtype=dtype)
+            stripes=stripes, fp8=fp8, compile_fp8_casts=self.compile_pieces,
+            device=device, dtype=dtype)
         self.linear_fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, dims, bias=config.add_bias_linear,
             sequence_parallel=sp, comm_overlap=overlap,
             init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
-            device=device, dtype=dtype)
+            compile_fp8_casts=self.compile_pieces, device=device, dtype=dtype)
 
     def activation(self, h: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         """GELU(tanh) of fc1's output, or SwiGLU: silu(gate) * up, of [gate, up] stacked (h) or
         given apart (h the gate)."""
+        ops = elementwise.pieces(self.compile_pieces)
         if self.config.swiglu:
             gate, up = h.chunk(2, dim=-1) if up is None else (h, up)
-            return F.silu(gate) * up
-        return F.gelu(h, approximate="tanh")
+            return ops.swiglu(gate, up)
+        return ops.gelu(h)
 
     def partial(self, v: torch.Tensor, linear: LocalLinear, start: int = 0,
                 length: int | None = None) -> torch.Tensor:

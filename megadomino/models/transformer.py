@@ -8,11 +8,11 @@ Nothing here chooses how the layers run beyond one after the other: an execution
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
 from megadomino.distributed import random as tp_random
+from megadomino.models import elementwise
 from megadomino.models.blocks import MLP, Attention, build_norm
 
 
@@ -23,10 +23,10 @@ class TransformerLayer(nn.Module):
         parallel = parallel or ParallelConfig()
         self.config, self.dims = config, dims
         self.sequence_parallel = parallel.sequence_parallel and dims.tp > 1
-        sp = parallel.sequence_parallel
-        self.input_layernorm = build_norm(config, sp, device)
+        sp, self.compile_pieces = parallel.sequence_parallel, parallel.compile_layer_pieces
+        self.input_layernorm = build_norm(config, sp, device, self.compile_pieces)
         self.self_attention = Attention(config, dims, parallel, fp8, device)
-        self.pre_mlp_layernorm = build_norm(config, sp, device)
+        self.pre_mlp_layernorm = build_norm(config, sp, device, self.compile_pieces)
         self.mlp = MLP(config, dims, parallel, fp8, device)
 
     @property
@@ -41,19 +41,15 @@ class TransformerLayer(nn.Module):
 
     def residual(self, x: torch.Tensor, y: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x + dropout(y (+ bias)): the residual add of a sub-block's reduced output."""
-        return x + self.hidden_dropout(y if bias is None else y + bias)
-
-    def hidden_dropout(self, x: torch.Tensor) -> torch.Tensor:
-        """Dropout on the residual stream. Replicated over TP ranks it uses the default generator
-        (identical on every TP rank); sharded along the sequence, this rank's own stream."""
-        p = self.config.hidden_dropout
-        if not self.training or p == 0.0:
-            return x
-        if self.sequence_parallel:
+        """x + dropout(y (+ bias)): the residual add of a sub-block's reduced output. Dropout on
+        the residual stream replicated over TP ranks draws from the default generator (identical
+        on every TP rank); sharded along the sequence, from this rank's own stream."""
+        p = self.config.hidden_dropout if self.training else 0.0
+        bias_dropout_add = elementwise.pieces(self.compile_pieces).bias_dropout_add
+        if p > 0.0 and self.sequence_parallel:
             with tp_random.tracker_of(self.dims).fork():
-                return F.dropout(x, p, training=True)
-        return F.dropout(x, p, training=True)
+                return bias_dropout_add(x, y, bias, p)
+        return bias_dropout_add(x, y, bias, p)
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         # x: (s, b, h), or (s/tp, b, h) under sequence parallelism
@@ -75,7 +71,8 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(config, dims, parallel, fp8, device)
             for _ in range(config.num_layers))
-        self.final_layernorm = build_norm(config, parallel.sequence_parallel, device)
+        self.final_layernorm = build_norm(config, parallel.sequence_parallel, device,
+                                          parallel.compile_layer_pieces)
         self.runner = None  # not a submodule: a runner schedules these layers, holds none
 
     def run(self, x: torch.Tensor, rotary=None, start: int = 0, end: int | None = None):

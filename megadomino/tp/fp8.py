@@ -30,10 +30,18 @@ Scaling recipes, per tensor role (input, weight, output gradient):
                 buffers (FP8State), saved per rank in checkpoints, so a run resumes exactly. A
                 re-run forward (full activation recompute) would advance it twice, so that
                 combination is refused in config.
+
+Casts: each operand is cast once, and where backward needs it as the other operand of a GEMM
+(x and W column-major, g row-major transposed) the transposed FP8 copy is written by the same
+cast (`cast`), so no GEMM call copies an operand. With `compiled` (--compile-layer-pieces) the
+cast and its transpose are one torch.compile'd function: a kernel that reads the high-precision
+tensor once and writes the FP8 tensor and its transpose, against the eager chain of a float
+copy, the multiply, the clamp, the conversion and a transposing copy.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -52,13 +60,30 @@ _warned_shapes: set[tuple[int, int, int]] = set()
 def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t * scale, saturated to dtype's range, in the FP8 dtype (rounded to nearest)."""
     limit = FP8_MAX[dtype]
-    return (t.float() * scale).clamp_(-limit, limit).to(dtype)
+    return (t.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def cast_operand(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+                 transposed: bool, with_amax: bool):
+    """One operand's cast, 2-D t: (quantize(t, scale), its transpose made contiguous or None
+    unless `transposed`, the scale, amax(|t|) or None unless `with_amax`). scale None: current
+    scaling, max / amax(|t|) (1 for an all-zero tensor)."""
+    amax = t.abs().amax().float() if with_amax or scale is None else None
+    if scale is None:
+        scale = torch.where(amax > 0, FP8_MAX[dtype] / amax, torch.ones_like(amax))
+    q = quantize(t, scale, dtype)
+    return q, (q.t().contiguous() if transposed else None), scale, amax
+
+
+@functools.cache
+def _compiled_cast():
+    """cast_operand compiled (one wrapper for the process, compiled per shape and flags)."""
+    return torch.compile(cast_operand, dynamic=False)
 
 
 def current_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """max / amax(t), fp32 scalar (1 for an all-zero tensor)."""
-    amax = t.abs().amax().float()
-    return torch.where(amax > 0, FP8_MAX[dtype] / amax, torch.ones_like(amax))
+    """max / amax(t), fp32 scalar (1 for an all-zero tensor): cast_operand's scale for None."""
+    return cast_operand(t.reshape(1, -1), None, dtype, False, True)[2]
 
 
 class FP8State(nn.Module):
@@ -67,9 +92,9 @@ class FP8State(nn.Module):
     far), columns INPUT, WEIGHT, GRAD; under `tensorwise` it holds nothing. `amax_group`: the
     process group (TP) whose ranks' amaxes a delayed step max-reduces; None for none."""
 
-    def __init__(self, recipe: FP8Recipe, device=None, amax_group=None):
+    def __init__(self, recipe: FP8Recipe, device=None, amax_group=None, compiled: bool = False):
         super().__init__()
-        self.recipe, self.amax_group = recipe, amax_group
+        self.recipe, self.amax_group, self.compiled = recipe, amax_group, compiled
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history",
                                  torch.zeros(recipe.amax_history_len, 3, device=device))
@@ -109,16 +134,28 @@ class FP8State(nn.Module):
             self.amax_history[0, role] = t.abs().amax().float()
         return self.scale[role].clone()
 
+    def cast(self, role: int, t: torch.Tensor, record: bool,
+             transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(t in FP8, its contiguous transpose or None, the inverse scale) for 2-D t in `role`,
+        scaled and recorded as scale_for says, amax and cast in one (compiled) function."""
+        dtype = self.recipe.grad_dtype if role == GRAD else E4M3
+        delayed = self.recipe.recipe == "delayed"
+        fn = _compiled_cast() if self.compiled else cast_operand
+        q, q_t, scale, amax = fn(t, self.scale[role] if delayed else None, dtype, transposed,
+                                 delayed and record)
+        if delayed and record:
+            self.amax_history[0, role] = amax
+        return q, q_t, scale.reciprocal()
+
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
-    """(a / a_scale) @ (b / b_scale) for FP8 a [M, K], b [K, N] (any strides), in out_dtype.
-    `_scaled_mm` where M, K and N are multiples of 16, else the dequantized fp32 GEMM."""
+    """(a / a_scale) @ (b / b_scale) for FP8 a [M, K] row-major and b [K, N] column-major (the
+    casts write them so), in out_dtype. `_scaled_mm` where M, K and N are multiples of 16, else
+    the dequantized fp32 GEMM."""
     (m, k), n = a.shape, b.shape[1]
     if m % 16 == 0 and k % 16 == 0 and n % 16 == 0:
-        b_col = b if b.stride(0) == 1 else b.t().contiguous().t()
-        return torch._scaled_mm(a.contiguous(), b_col, scale_a=a_inv, scale_b=b_inv,
-                                out_dtype=out_dtype)
+        return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
     if (m, k, n) not in _warned_shapes:
         _warned_shapes.add((m, k, n))
         warnings.warn(f"FP8 GEMM [{m}, {k}] x [{k}, {n}]: a dim is not a multiple of 16, so "
@@ -135,31 +172,29 @@ class _FP8Linear(torch.autograd.Function):
         x_2d = x.reshape(-1, x.shape[-1])
         if record and state.recipe.recipe == "delayed":
             state.begin_step()
-        x_scale = state.scale_for(INPUT, x_2d, record)
-        w_scale = state.scale_for(WEIGHT, weight, record)
-        x_q, w_q = quantize(x_2d, x_scale, E4M3), quantize(weight, w_scale, E4M3)
-        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        # dW needs x as a second operand (column-major: x's transpose), dx needs W's
+        x_q, x_t, x_inv = state.cast(INPUT, x_2d, record, transposed=ctx.needs_input_grad[1])
+        w_q, w_t, w_inv = state.cast(WEIGHT, weight, record, transposed=ctx.needs_input_grad[0])
         y = scaled_matmul(x_q, w_q.t(), x_inv, w_inv, x.dtype)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(x_q, w_q, x_inv, w_inv)
+        ctx.save_for_backward(x_t, w_t, x_inv, w_inv)
         ctx.state, ctx.record, ctx.has_bias = state, record, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_q, w_q, x_inv, w_inv = ctx.saved_tensors
+        x_t, w_t, x_inv, w_inv = ctx.saved_tensors
         state = ctx.state
         g_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        g_scale = state.scale_for(GRAD, g_2d, ctx.record)
-        g_q = quantize(g_2d, g_scale, state.recipe.grad_dtype)
-        g_inv = g_scale.reciprocal()
+        g_q, g_t, g_inv = state.cast(GRAD, g_2d, ctx.record,
+                                     transposed=ctx.needs_input_grad[1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = scaled_matmul(g_q, w_q, g_inv, w_inv, ctx.x_dtype).view(ctx.x_shape)
+            grad_x = scaled_matmul(g_q, w_t.t(), g_inv, w_inv, ctx.x_dtype).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = scaled_matmul(g_q.t(), x_q, g_inv, x_inv, ctx.w_dtype)
+            grad_w = scaled_matmul(g_t, x_t.t(), g_inv, x_inv, ctx.w_dtype)
         if ctx.has_bias:
             grad_b = g_2d.sum(dim=0)
         return grad_x, grad_w, grad_b, None, None

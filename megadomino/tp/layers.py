@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadomino.config import FP8Recipe
-from megadomino.distributed import mappings
+from megadomino.distributed import fused_matmul, mappings
 from megadomino.distributed.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
-from megadomino.parallel import async_tp
 from megadomino.tp.fp8 import FP8State, fp8_linear
 
 
@@ -113,9 +112,10 @@ def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            group, sequence_parallel: bool,
                            comm_overlap: bool = False) -> torch.Tensor:
     """Functional column-parallel linear (also used by the tied output layer). With sequence
-    parallelism and comm_overlap, the all-gather is fused into the GEMM (parallel.async_tp)."""
+    parallelism and comm_overlap, the all-gather is fused into the GEMM
+    (distributed.fused_matmul)."""
     if sequence_parallel and comm_overlap and mappings.group_size(group) > 1:
-        return async_tp.all_gather_matmul(x, weight, bias, group)
+        return fused_matmul.all_gather_matmul(x, weight, bias, group)
     return _LinearWithAsyncGradReduce.apply(x, weight, bias, group, sequence_parallel)
 
 
@@ -130,7 +130,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  comm_overlap: bool = False, init_std: float = 0.02, stripes: int = 1,
-                 fp8: FP8Recipe | None = None, device=None, dtype: torch.dtype = torch.float32):
+                 fp8: FP8Recipe | None = None, compile_fp8_casts: bool = False, device=None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         if output_size % (dims.tp * stripes) != 0:
             raise ValueError(f"output size {output_size} not divisible by tp {dims.tp} "
@@ -150,7 +151,8 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype))
             _mark(self.bias, 0, stripes)
-        self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims))
+        self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims),
+                                                            compile_fp8_casts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.dims.tp_group
@@ -180,7 +182,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  comm_overlap: bool = False, init_std: float = 0.02,
-                 fp8: FP8Recipe | None = None, device=None, dtype: torch.dtype = torch.float32):
+                 fp8: FP8Recipe | None = None, compile_fp8_casts: bool = False, device=None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         if input_size % dims.tp != 0:
             raise ValueError(f"input size {input_size} not divisible by tp {dims.tp}")
@@ -199,7 +202,8 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, device=device, dtype=dtype))
             self.bias.sequence_parallel = sequence_parallel
-        self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims))
+        self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims),
+                                                            compile_fp8_casts)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's un-reduced contribution X_r A_r (no bias): the Domino schedule reduces it."""
@@ -219,7 +223,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm_overlap:
-            out = async_tp.matmul_reduce_scatter(x, self.weight, self.dims.tp_group)
+            out = fused_matmul.matmul_reduce_scatter(x, self.weight, self.dims.tp_group)
             return out if self.bias is None else out + self.bias
         return self.reduce(self.partial(x))
 

@@ -46,6 +46,7 @@ from megadomino.config.validate import batch_plan, train_iterations, validate
 from megadomino.data.mock import MockDataset
 from megadomino.distributed import ParallelDims
 from megadomino.distributed.random import model_parallel_seed
+from megadomino.models import elementwise
 from megadomino.overlap.cuda_graph import capture_layers
 from megadomino.overlap.domino.autotune import autotune_domino
 from megadomino.train.checkpoint import (
@@ -156,7 +157,8 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     try:
         with StopConditions(train_config.runtime, device) as stop, \
                 ManualGC(train_config.runtime) as manual_gc:
-            for iteration in range(state.iteration + 1, iters + 1):
+            first_iteration = state.iteration + 1
+            for iteration in range(first_iteration, iters + 1):
                 lr = schedule(state.scheduler_steps)
                 engine.set_lr(lr)
                 profile.before(iteration)
@@ -166,6 +168,9 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                 state.consumed_train_samples += gbs
                 state.scheduler_steps += not result.skipped
                 reporter.record(loss, result, lr)
+                if iteration == first_iteration and config.parallel.compile_layer_pieces \
+                        and dims.rank == 0:
+                    log(compile_line())
                 manual_gc.after_iteration(iteration)
                 reason = stop.reason(iteration)
                 last = iteration == iters or reason is not None
@@ -249,7 +254,7 @@ def _save(config: CheckpointConfig, state: TrainingState, model: nn.Module,
         log(f" saving checkpoint {checkpoint_dir(config.save, state.iteration)}")
     path = save_checkpoint(config.save, state, model, engine, dims,
                            save_rng=not config.no_save_rng, save_optim=not config.no_save_optim,
-                           promote=False)
+                           promote=False, megatron_dist=config.ckpt_format == "torch_dist")
     loss = probe()
     if not math.isfinite(loss):
         previous = latest_iteration(config.save)
@@ -262,6 +267,13 @@ def _save(config: CheckpointConfig, state: TrainingState, model: nn.Module,
     promote_checkpoint(config.save, state.iteration, dims)
     if dims.rank == 0:
         log(f" saved checkpoint {path} (iteration {state.iteration})")
+
+
+def compile_line() -> str:
+    """What compiling the layer pieces cost, printed after the first step (which compiles them)."""
+    seconds = elementwise.compile_seconds()
+    spent = "" if seconds is None else f" in {seconds:.1f} s"
+    return f" compiled the layer pieces (torch.compile){spent} during the first step"
 
 
 def _check_grid(config: ParallelConfig, dims: ParallelDims) -> None:

@@ -84,6 +84,7 @@ def startup_lines(family: str, config: Config, parameters: int, *, world: int, t
                       f"{_plural(parallel.recompute_num_layers, 'layer')})")
     layout = [x for x in ("sequence parallel" if parallel.sequence_parallel else None,
                           "CUDA graphs" if parallel.enable_cuda_graph else None,
+                          "compiled layer pieces" if parallel.compile_layer_pieces else None,
                           f"recompute {recompute}" if recompute else None) if x]
     if layout:
         overlap += f"; {', '.join(layout)}"

@@ -257,16 +257,17 @@ def layout_mismatch(saved: dict, mine: dict) -> str:
             "--zero-layers-per-unit 1)")
 
 
-def optimizer_factory(config: OptimizerConfig, lr: float, on_cuda: bool) -> OptimizerFactory:
-    """The run's optimizer (--optimizer) with its hyper-parameters: torch's AdamW (the fused
-    kernel on CUDA, foreach on CPU) or torch's SGD with momentum (foreach). The engine's groups
-    set weight decay 0 for 1-D parameters; the schedule sets `lr` each step."""
+def optimizer_factory(config: OptimizerConfig, lr: float) -> OptimizerFactory:
+    """The run's optimizer (--optimizer) with its hyper-parameters: torch's AdamW (its fused
+    kernel, which takes the skip decision on the device: zero/sharded.py) or torch's SGD with
+    momentum (foreach). The engine's groups set weight decay 0 for 1-D parameters; the schedule
+    sets `lr` each step."""
     if config.optimizer == "sgd":
         return functools.partial(torch.optim.SGD, lr=lr, momentum=config.sgd_momentum,
                                  weight_decay=config.weight_decay, foreach=True)
     return functools.partial(torch.optim.AdamW, lr=lr, weight_decay=config.weight_decay,
                              betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                             fused=True if on_cuda else None, foreach=None if on_cuda else True)
+                             fused=True)
 
 
 def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
@@ -277,7 +278,6 @@ def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
     if precision.fp16:
         scaler = DynamicLossScaler(precision.initial_loss_scale, precision.min_loss_scale,
                                    precision.loss_scale_window, precision.hysteresis)
-    on_cuda = next(model.parameters()).is_cuda
-    factory = optimizer_factory(train.optimizer, train.schedule.lr, on_cuda)
+    factory = optimizer_factory(train.optimizer, train.schedule.lr)
     return ZeroPlusPlus(model, dims, factory, config.parallel.zero,
                         clip_grad=train.optimizer.clip_grad, loss_scaler=scaler)

@@ -24,11 +24,17 @@ The step, collective over the whole world (every rank must call it):
      skips the step all the same);
   4. clip to `clip_grad` by that norm (torch's clip_grads_with_norm_ arithmetic), optimizer step,
      masters copied into the parameter shards (the caller then refreshes the parameters).
+
+The skip decision stays on the device where the optimizer can take it there: torch's fused Adam /
+AdamW kernels read a `found_inf` flag and leave the parameters, moments and step counts as they
+were when it is set, so the step is enqueued right behind the statistics' all-reduce and the host
+reads the decision only afterwards (reading it first would leave the GPU idle while the host
+enqueues the optimizer). Other optimizers (SGD: torch's fused SGD initialises its momentum on a
+skipped first step) are stepped only after the host has read the decision.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -74,6 +80,8 @@ class ShardedOptimizer:
             raise ValueError(f"DP rank {dims.dp_rank} holds no parameter: the model is too "
                              f"small to shard over {dims.dp} ranks")
         self.optimizer = optimizer_factory(groups)
+        self._skips_on_device = (isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW)
+                                 and bool(self.optimizer.defaults.get("fused")))
 
     def step(self, found_nonfinite: torch.Tensor) -> StepResult:
         """Steps 1-4 of the module docstring; `found_nonfinite`: this rank's flag from the
@@ -86,8 +94,21 @@ class ShardedOptimizer:
             scale = self.loss_scaler.scale
             inv_scale = torch.full((1,), 1.0 / scale, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(self.grad_shards, found, inv_scale)
-        square_total, found_total = self._reduce_stats(found)
-        if found_total > 0 or not math.isfinite(square_total):
+        square, found_total = self._reduce_stats(found)
+        nonfinite = (found_total > 0) | ~torch.isfinite(square)
+        grad_norm = square.sqrt()
+        if self.clip_grad > 0:
+            coef = torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0)
+            torch._foreach_mul_(self.grad_shards, coef)
+        if self._skips_on_device:
+            self.optimizer.found_inf = nonfinite.float()
+            self.optimizer.step()
+            self.copy_masters_to_shards()  # the same values again if the step was skipped
+            skipped = bool(nonfinite.item())  # read once the step is enqueued
+        elif not (skipped := bool(nonfinite.item())):
+            self.optimizer.step()
+            self.copy_masters_to_shards()
+        if skipped:
             if self.loss_scaler is not None:
                 self.loss_scaler.update(found_inf=True)
             elif self.on_nonfinite == "error":
@@ -96,28 +117,22 @@ class ShardedOptimizer:
             return StepResult(skipped=True, grad_norm=None, loss_scale=scale)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
-        grad_norm = torch.tensor(math.sqrt(square_total), device=device)
-        if self.clip_grad > 0:
-            coef = torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0)
-            torch._foreach_mul_(self.grad_shards, coef)
-        self.optimizer.step()
-        self.copy_masters_to_shards()
         return StepResult(skipped=False, grad_norm=grad_norm, loss_scale=scale)
 
-    def _reduce_stats(self, found: torch.Tensor) -> tuple[float, float]:
-        """(global sum of squared gradients, ranks' found flags summed): step 3."""
+    def _reduce_stats(self, found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global sum of squared gradients, ranks' found flags summed), 0-dim tensors on the
+        device: step 3."""
         square = torch.zeros(1, device=found.device)
         if self._counted:
             square += torch.nn.utils.get_total_norm(self._counted, norm_type=2.0).float() ** 2
         if not self.whole:
             stats = torch.cat([square, found])
             self.comm.all_reduce(stats, dist.group.WORLD, "scalars")
-            return tuple(stats.tolist())
+            return stats[0], stats[1]
         stats = square if self.loss_scaler is None else torch.cat([square, found])
         if self.dims.tp > 1:
             self.comm.all_reduce(stats, self.dims.tp_group, "scalars")
-        values = stats.tolist()
-        return values[0], sum(values[1:])
+        return stats[0], stats[1:].sum()
 
     @torch.no_grad()
     def copy_masters_to_shards(self) -> None:
@@ -156,7 +171,13 @@ class ShardedOptimizer:
                 raise ValueError(f"master shard of {tuple(saved.shape)} elements, expected "
                                  f"{tuple(master.shape)}: the checkpoint was sharded otherwise")
             master.copy_(saved)
+        # how the kernels run is this engine's choice, not the checkpoint's (older checkpoints
+        # saved foreach on CPU; the skip decision needs the fused kernels)
+        kernels = [{key: group[key] for key in ("fused", "foreach") if key in group}
+                   for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, keep in zip(self.optimizer.param_groups, kernels):
+            group.update(keep)
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.copy_masters_to_shards()

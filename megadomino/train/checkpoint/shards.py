@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megadomino.distributed import ParallelDims
+from megadomino.interop.megatron_dist import write_megatron_dist
 from megadomino.models.gpt import shard_full
 from megadomino.tp.fp8 import fp8_states
 from megadomino.tp.layers import unshard_rows
@@ -74,6 +75,7 @@ from megadomino.train.checkpoint.files import (
     write_manifest,
     write_tracker,
 )
+from megadomino.train.checkpoint.megatron import detect_megatron, load_megatron_checkpoint
 from megadomino.train.checkpoint.rng import capture_rng_state, restore_rng_state
 from megadomino.train.pad_rows import without_pad_rows, zero_pad_rows_in_zero_state_
 from megadomino.zero import ZeroPlusPlus
@@ -137,12 +139,15 @@ def latest_iteration(directory: str | os.PathLike) -> int | str | None:
 def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: nn.Module,
                     engine: ZeroPlusPlus | None, dims: ParallelDims, *,
                     save_rng: bool = True, release: bool = False,
-                    save_optim: bool = True, promote: bool = True) -> Path:
+                    save_optim: bool = True, promote: bool = True,
+                    megatron_dist: bool = False) -> Path:
     """Write the checkpoint of `state.iteration` (or a weights-only 'release' one) and return its
     directory. Collective over the world. `engine` None or `save_optim` False leaves the
     optimizer out; the engine is needed for the weights at stage 3 either way. `promote`
     False leaves the iteration file as it is: the training loop promotes a checkpoint
-    (`promote_checkpoint`) only once its weights gave a finite loss."""
+    (`promote_checkpoint`) only once its weights gave a finite loss. `megatron_dist`
+    (--ckpt-format torch_dist): the directory also gets Megatron-LM's torch_dist files of the
+    weights and counters (interop.megatron_dist), which Megatron-LM loads."""
     iteration = "release" if release else state.iteration
     target = checkpoint_dir(directory, iteration)
     rng = gather_over_dp(capture_rng_state(dims), dims) if save_rng else None
@@ -172,6 +177,10 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
                 written[path.relative_to(target).as_posix()] = atomic_save(shard, path)
             except Exception as err:  # every rank must hear of it, or they wait on the tracker
                 error = f"rank {dims.rank} could not write its shard: {err!r}"
+        if megatron_dist and not release:
+            write_megatron_dist(model, target, state.iteration, dims,
+                                consumed_train_samples=state.consumed_train_samples,
+                                consumed_valid_samples=state.consumed_valid_samples)
     if zero is not None:
         path = zero_shard_path(target, dims)
         try:
@@ -258,6 +267,12 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, dims: Parall
         return None
     source = checkpoint_dir(directory, iteration)
     only_weights = finetune or iteration == "release"
+    if detect_megatron(source) is not None:
+        counters = load_megatron_checkpoint(source, model, dims, only_weights=only_weights,
+                                            log=log)
+        return TrainingState() if only_weights else TrainingState(
+            counters.iteration, counters.consumed_train_samples,
+            counters.consumed_valid_samples, scheduler_steps=counters.iteration)
     reader, manifest, error = None, None, None
     try:
         manifest = Manifest.read(source)
@@ -292,6 +307,8 @@ def load_optimizer_state(directory: str | os.PathLike, iteration: int, engine: Z
     raises the same CheckpointError for a checkpoint saved at another stage or without its
     optimizer, or whose file is missing or unreadable."""
     source = checkpoint_dir(directory, iteration)
+    if detect_megatron(source) is not None:  # load_checkpoint's notice said so
+        return
     state, reader, error = None, None, None
     try:
         manifest = Manifest.read(source)

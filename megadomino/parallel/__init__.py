@@ -1,1 +1,0 @@
-"""Fused sequence-parallel communication (`async_tp`), until it moves to `megadomino/overlap/`."""
