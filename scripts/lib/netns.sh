@@ -1,21 +1,31 @@
-# Two "nodes" on one machine: two network namespaces joined by a veth pair (shared/NETWORK.md).
-# Source it, then `netns_pair_up TAG SUBNET` (e.g. netns_pair_up md2n 10.231.57): it sets
-# NS_A NS_B VETH_A VETH_B ADDR_A ADDR_B (names unique per invocation: other runs may hold their
-# own namespaces), installs an EXIT trap that kills every process in them and deletes them, and
-# brings the link up. `limit_link NAMESPACE VETH RATE` rate-limits one direction ("none": no
-# limit). Traffic only reaches the two namespaces' addresses and loopback. Needs root.
+# "Nodes" on one machine as network namespaces (shared/NETWORK.md). Source it, then either
+# - `netns_pair_up TAG SUBNET` (e.g. netns_pair_up md2n 10.231.57): two namespaces joined by a
+#   veth pair; sets NS_A NS_B VETH_A VETH_B ADDR_A ADDR_B; or
+# - `netns_hosts_up TAG SUBNET COUNT`: COUNT host namespaces, each joined by its own veth pair
+#   to a bridge in a switch namespace (a star: every host has its own uplink and downlink); sets
+#   the arrays NS_HOSTS VETH_HOSTS (the host's end) VETH_SWITCH (the switch's end, same index)
+#   ADDR_HOSTS (SUBNET.1, SUBNET.2, ...) and NS_SWITCH. `limit_host INDEX RATE` limits host
+#   INDEX's uplink and downlink to RATE each.
+# Names are unique per invocation (other runs may hold their own namespaces); an EXIT trap kills
+# every process in the namespaces and deletes them. `limit_link NAMESPACE VETH RATE` rate-limits
+# one direction ("none": no limit). Traffic only reaches the namespaces' own addresses and
+# loopback. Needs root.
+
+NS_HOSTS=() VETH_HOSTS=() VETH_SWITCH=() ADDR_HOSTS=() NS_SWITCH=""
 
 netns_cleanup() {
-  local ns pid
-  for ns in "$NS_A" "$NS_B"; do
-    if ip netns list | grep -qw "$ns"; then
+  local ns pid veth
+  for ns in "${NS_A:-}" "${NS_B:-}" "${NS_HOSTS[@]}" "$NS_SWITCH"; do
+    if [ -n "$ns" ] && ip netns list | grep -qw "$ns"; then
       for pid in $(ip netns pids "$ns"); do kill -TERM "$pid" 2>/dev/null || true; done
       sleep 0.5
       for pid in $(ip netns pids "$ns"); do kill -KILL "$pid" 2>/dev/null || true; done
       ip netns del "$ns"
     fi
   done
-  ip link del "$VETH_A" 2>/dev/null || true  # only left if setup failed before the move
+  for veth in "${VETH_A:-}" "${VETH_HOSTS[@]}"; do  # only left if setup failed before the move
+    [ -n "$veth" ] && ip link del "$veth" 2>/dev/null || true
+  done
 }
 
 netns_pair_up() {
@@ -52,4 +62,34 @@ limit_link() {
     ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$3" burst 256kb limit 8mb
     echo "$2: no netem in this kernel; tbf rate $3 burst 256kb (no added delay)" >&2
   fi
+}
+
+netns_hosts_up() {
+  local tag=$1 subnet=$2 count=$3 i
+  NS_SWITCH="$tag-$$-sw"
+  trap netns_cleanup EXIT
+  trap 'exit 130' INT TERM
+  ip netns add "$NS_SWITCH"
+  ip -n "$NS_SWITCH" link add br0 type bridge
+  ip -n "$NS_SWITCH" link set br0 up
+  ip -n "$NS_SWITCH" link set lo up
+  for ((i = 0; i < count; i++)); do
+    NS_HOSTS[i]="$tag-$$-h$i" VETH_HOSTS[i]="$tag$$h$i" VETH_SWITCH[i]="$tag$$s$i"
+    ADDR_HOSTS[i]="$subnet.$((i + 1))"
+    ip netns add "${NS_HOSTS[i]}"
+    ip link add "${VETH_HOSTS[i]}" type veth peer name "${VETH_SWITCH[i]}"
+    ip link set "${VETH_HOSTS[i]}" netns "${NS_HOSTS[i]}"
+    ip link set "${VETH_SWITCH[i]}" netns "$NS_SWITCH"
+    ip -n "$NS_SWITCH" link set "${VETH_SWITCH[i]}" master br0 up
+    ip -n "${NS_HOSTS[i]}" addr add "${ADDR_HOSTS[i]}/24" dev "${VETH_HOSTS[i]}"
+    ip -n "${NS_HOSTS[i]}" link set lo up
+    ip -n "${NS_HOSTS[i]}" link set "${VETH_HOSTS[i]}" up
+  done
+}
+
+# limit_host INDEX RATE: host INDEX's uplink (its end's egress) and downlink (the switch end's
+# egress) each limited to RATE.
+limit_host() {
+  limit_link "${NS_HOSTS[$1]}" "${VETH_HOSTS[$1]}" "$2"
+  limit_link "$NS_SWITCH" "${VETH_SWITCH[$1]}" "$2"
 }

@@ -1,3 +1,24 @@
 """Cross-mesh resharding (arXiv 2211.05322): moving a tensor laid out over one device mesh to
 another mesh of a different shape or layout, by send/recv, send/recv plus an all-gather inside
-the destination mesh, or broadcasts with load-balanced sender choice."""
+the destination mesh, or broadcasts (gloo's, or a chunk-pipelined chain) with load-balanced
+sender choice.
+
+    src = Layout.sharded(Mesh((0, 1), ("a", "a")), ndim=3, dim=0)      # sequence-parallel
+    dst = Layout.replicated(Mesh((2, 3, 4), ("b", "b", "c")), ndim=3)
+    plan = make_plan((s, b, h), torch.float32, src, dst, "chained_broadcast", "least_bytes")
+    forward, backward = Reshard(plan, groups), Reshard(plan.backward(), groups)
+    tile = forward.run(my_tile_or_None)        # every rank of both meshes
+
+Modules: `layout` (meshes, layouts, tiles), `plan` (tile-to-slice planning, strategies, link
+bytes), `solvers` (sender choice), `resharding` (the plan), `transport` (running it).
+See docs/reshard.md.
+"""
+
+from .layout import Layout, Mesh
+from .plan import STRATEGIES
+from .resharding import ReshardPlan, make_plan
+from .solvers import SOLVERS
+from .transport import GroupCache, Reshard
+
+__all__ = ["SOLVERS", "STRATEGIES", "GroupCache", "Layout", "Mesh", "Reshard", "ReshardPlan",
+           "make_plan"]

@@ -1,0 +1,153 @@
+"""The plan of one resharding: what every rank sends, receives and forwards, in which order.
+
+`make_plan` is a pure function of its arguments (the solvers are seeded), so every rank that
+calls it with the same arguments holds the same plan without any communication; the executor of
+a pipeline builds the plans of every stage boundary on every rank. `plan.backward()` is the plan
+of the gradient going back (destination layout -> source layout, same strategy and solver): the
+gradient of a replicated activation is the same on every replica, so any replica may send it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import Box, Layout
+from .plan import (
+    STRATEGIES,
+    Edge,
+    Link,
+    Work,
+    add_edge_bytes,
+    edge_loads,
+    exchange_edges,
+    make_works,
+    plan_transfers,
+    work_edges,
+)
+from .solvers import Solution, makespan, solve
+
+
+@dataclass(frozen=True)
+class Step:
+    """One work with its chosen sender and the edges that carry it (each edge: the whole
+    work's bytes)."""
+
+    work: Work
+    sender: int
+    edges: tuple[Edge, ...]
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """A `shape` tensor of `dtype` moved from layout `src` to layout `dst` (disjoint meshes).
+
+    steps: the works in the order they run, with their senders; exchanges: the all-gather phase
+    of `send_recv_allgather` (empty otherwise); rates: bytes/s of each host's uplink and downlink
+    (1.0 each when not given: the makespan is then in bytes); chunks: how many pieces a chained
+    broadcast streams per work; exact: whether the search solver proved its choice optimal."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    src: Layout
+    dst: Layout
+    strategy: str
+    solver: str
+    seed: int
+    chunks: int
+    rates: tuple[tuple[str, float], ...]
+    steps: tuple[Step, ...]
+    exchanges: tuple[Step, ...]
+    exact: bool
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def host_of(self) -> dict[int, str]:
+        return {**dict(zip(self.src.mesh.ranks, self.src.mesh.hosts)),
+                **dict(zip(self.dst.mesh.ranks, self.dst.mesh.hosts))}
+
+    def link_rates(self) -> dict[Link, float]:
+        return {(way, host): rate for host, rate in self.rates for way in ("up", "down")}
+
+    def edge_bytes(self) -> dict[Edge, int]:
+        """Bytes over each (source rank, destination rank) pair, all steps and exchanges."""
+        sent: dict[Edge, int] = {}
+        for step in (*self.steps, *self.exchanges):
+            for edge in step.edges:
+                sent[edge] = sent.get(edge, 0) + step.work.numel * self.itemsize
+        return sent
+
+    def link_bytes(self) -> dict[Link, int]:
+        """Bytes on every link (see plan.py's module docstring)."""
+        host_of, loads = self.host_of(), {}
+        for edge, nbytes in self.edge_bytes().items():
+            add_edge_bytes(loads, edge, nbytes, host_of)
+        return loads
+
+    def makespan(self) -> float:
+        """The bound: bytes on the most loaded link / its rate."""
+        return makespan(self.link_bytes(), self.link_rates())
+
+    def backward(self) -> ReshardPlan:
+        """The plan moving a gradient of the destination layout back to the source layout."""
+        return make_plan(self.shape, self.dtype, self.dst, self.src, self.strategy, self.solver,
+                         seed=self.seed, chunks=self.chunks, rates=dict(self.rates))
+
+
+def make_plan(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout,
+              strategy: str = "auto", solver: str = "least_bytes", *,
+              seed: int = 0, chunks: int = 16, rates: dict[str, float] | None = None
+              ) -> ReshardPlan:
+    """Plan moving a `shape` tensor from `src` to `dst` (see plan.py for the strategies and
+    solvers.py for the solvers). rates: bytes/s of each host's links, default 1.0 each.
+
+    strategy "auto": the strategy whose plan has the lowest makespan, the first of STRATEGIES
+    on a tie, so the chained broadcast is taken only where it lowers the bound (replicas on
+    several hosts, or several replicas behind one uplink) and plain send/recv otherwise."""
+    if strategy == "auto":
+        plans = [make_plan(shape, dtype, src, dst, name, solver, seed=seed, chunks=chunks,
+                           rates=rates) for name in STRATEGIES]
+        return min(plans, key=ReshardPlan.makespan)
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks}: a chained broadcast needs at least one chunk")
+    shape = tuple(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    host_of = {**dict(zip(src.mesh.ranks, src.mesh.hosts)),
+               **dict(zip(dst.mesh.ranks, dst.mesh.hosts))}
+    host_rates = {host: 1.0 for host in host_of.values()} | dict(rates or {})
+    link_rates = {(way, host): rate for host, rate in host_rates.items() for way in ("up", "down")}
+    works = make_works(strategy, plan_transfers(shape, src, dst))
+    options, fixed = work_options(strategy, works, host_of, itemsize)
+    exchanges = tuple(Step(work, work.receivers[0], tuple(exchange_edges(work)))
+                      for work in works if strategy == "send_recv_allgather")
+    solution: Solution = solve(options, fixed, link_rates, solver, seed=seed)
+    steps = []
+    for index in solution.order:
+        work = works[index]
+        sender = work.transfer.senders[solution.choice[index]]
+        steps.append(Step(work, sender, tuple(work_edges(strategy, work, sender, host_of))))
+    return ReshardPlan(shape, dtype, src, dst, strategy, solver, seed, chunks,
+                       tuple(sorted(host_rates.items())), tuple(steps), exchanges,
+                       solution.exact)
+
+
+def work_options(strategy: str, works: list[Work], host_of: dict[int, str], itemsize: int
+                 ) -> tuple[list[list[dict[Link, int]]], dict[Link, int]]:
+    """The solver's problem: per work, per candidate sender, the bytes it puts on each link;
+    and the bytes that are there whatever the choice (the all-gather exchange)."""
+    options = [[edge_loads(work_edges(strategy, work, sender, host_of), work.numel * itemsize,
+                           host_of) for sender in work.transfer.senders] for work in works]
+    fixed: dict[Link, int] = {}
+    for work in works if strategy == "send_recv_allgather" else ():
+        for edge in exchange_edges(work):
+            add_edge_bytes(fixed, edge, work.numel * itemsize, host_of)
+    return options, fixed
+
+
+def tile_of(layout: Layout, shape: tuple[int, ...], rank: int) -> Box | None:
+    """The rank's tile under `layout`, None when the rank is not in its mesh."""
+    return layout.tile(shape, rank) if rank in layout.mesh.ranks else None
+
