@@ -40,6 +40,11 @@ def load_megatron_checkpoint(source: Path, model: nn.Module, dims: ParallelDims,
     not load it."""
     counters, error = None, None
     try:
+        if dims.pp > 1:
+            raise MegatronCheckpointError(
+                f"{source}: a Megatron-LM checkpoint loads with --pipeline-model-parallel-size 1 "
+                "only so far; load it at PP 1 and save (this project's checkpoints load at any "
+                "pipeline degree)")
         counters = load_megatron(source, model, dims)
     except MegatronCheckpointError as err:
         error = str(err)
