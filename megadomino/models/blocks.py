@@ -31,11 +31,11 @@ class LocalLinear(Protocol):
                  bias: bool = True) -> torch.Tensor: ...
 
 
-class LayerNorm(nn.LayerNorm):
-    """torch's LayerNorm (same parameters and state dict) running the layer_norm piece, compiled
-    when `compile_pieces`. `zero_centered` (--apply-layernorm-1p, Megatron's LayerNorm1P): the
-    weight holds gamma - 1 (zeros at init) and the norm scales by weight + 1, so weight decay
-    pulls gamma towards 1, not 0."""
+class _PieceNorm:
+    """What the norms share: torch's module (same parameters and state dict) running the
+    element-wise piece, compiled when `compile_pieces`. `zero_centered` (--apply-layernorm-1p,
+    Megatron's LayerNorm1P): the weight holds gamma - 1 (zeros at init) and the norm scales by
+    weight + 1, so weight decay pulls gamma towards 1, not 0."""
 
     def __init__(self, hidden_size: int, eps: float, compile_pieces: bool = False,
                  zero_centered: bool = False, **kwargs):
@@ -44,25 +44,19 @@ class LayerNorm(nn.LayerNorm):
         if zero_centered:
             nn.init.zeros_(self.weight)
 
+    def gamma(self) -> torch.Tensor:
+        return self.weight + 1 if self.zero_centered else self.weight
+
+
+class LayerNorm(_PieceNorm, nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered else self.weight
-        return elementwise.pieces(self.compile_pieces).layer_norm(x, weight, self.bias, self.eps)
+        ops = elementwise.pieces(self.compile_pieces)
+        return ops.layer_norm(x, self.gamma(), self.bias, self.eps)
 
 
-class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm (same parameters and state dict) running the rms_norm piece, compiled when
-    `compile_pieces`; `zero_centered` as LayerNorm's."""
-
-    def __init__(self, hidden_size: int, eps: float, compile_pieces: bool = False,
-                 zero_centered: bool = False, **kwargs):
-        super().__init__(hidden_size, eps=eps, **kwargs)
-        self.compile_pieces, self.zero_centered = compile_pieces, zero_centered
-        if zero_centered:
-            nn.init.zeros_(self.weight)
-
+class RMSNorm(_PieceNorm, nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered else self.weight
-        return elementwise.pieces(self.compile_pieces).rms_norm(x, weight, self.eps)
+        return elementwise.pieces(self.compile_pieces).rms_norm(x, self.gamma(), self.eps)
 
 
 def build_norm(config: ModelConfig, sequence_parallel: bool = False, device=None,
