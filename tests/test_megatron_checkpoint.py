@@ -34,6 +34,8 @@ from megadomino.interop.megatron import (
 )
 from megadomino.interop.megatron_dist import save_megatron_dist
 from megadomino.models.gpt import GPTModel
+from megadomino.pipeline.plan import uniform_plan
+from megadomino.pipeline.stage import build_stage
 from megadomino.train.checkpoint import CheckpointError, load_checkpoint
 
 REL = 1e-5
@@ -162,6 +164,24 @@ def _case_legacy(name: str, dims: ParallelDims) -> None:
                  f"legacy {name} -> ours TP={dims.tp}")
 
 
+def _case_legacy_stages(name: str, dims: ParallelDims, whole_dims: ParallelDims) -> None:
+    """A committed legacy fixture loads into pipeline stages (PP=2, uneven where the layers are
+    odd): each stage holds exactly the values the whole model gets at PP=1, and the iteration."""
+    expected = torch.load(LEGACY / name / "expected.pt", weights_only=True)
+    config = ModelConfig(**expected["config"])
+    whole = GPTModel(config, whole_dims, "cpu")
+    load_checkpoint(LEGACY / name, whole, whole_dims, log=lambda _line: None)
+    first = (config.num_layers + 1) // 2 if config.num_layers % 2 else None
+    plan = uniform_plan(config.num_layers, dims.world_size, 1, 2, 1, first)
+    stage = build_stage(config, dims, plan, "gpt", device="cpu")
+    state = load_checkpoint(LEGACY / name, stage, dims, log=lambda _line: None)
+    assert state.iteration == expected["iteration"]
+    reference, held = dict(whole.named_parameters()), dict(stage.checkpoint_parameters())
+    assert held and set(held) < set(reference), sorted(held)
+    for parameter, value in held.items():
+        assert torch.equal(value, reference[parameter]), parameter
+
+
 SUITE = DistSuite(worlds=(2,), timeout=300.0)
 
 
@@ -173,7 +193,8 @@ def checkpoint_root(tmp_path_factory) -> tuple[str]:
 @SUITE.setup
 def _setup(world: int, root: str) -> dict:
     dims = {1: ParallelDims(tp=1), 2: ParallelDims(tp=2)}
-    return {"dims": dims, "tp1": dims[1], "tp2": dims[2], "root": root}
+    return {"dims": dims, "tp1": dims[1], "tp2": dims[2], "pp2": ParallelDims(tp=1, pp=2),
+            "root": root}
 
 
 for family in ("gpt", "llama"):
@@ -187,6 +208,7 @@ SUITE.case("resume", _case_resume, C.tp2, C.root, requires="megatron")
 for name in ("gpt_tp2", "llama_tp2_pp2"):
     for tp in (1, 2):
         SUITE.case(f"legacy-{name}-at-tp{tp}", _case_legacy, name, C.tp1 if tp == 1 else C.tp2)
+    SUITE.case(f"legacy-{name}-at-pp2", _case_legacy_stages, name, C.pp2, C.tp1)
 
 test_megatron_checkpoint = SUITE.test(args_fixture="checkpoint_root")
 

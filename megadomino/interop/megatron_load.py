@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from megadomino.interop.megatron import (
-    LAYER_PREFIX,
     LegacyCheckpoint,
     MegatronCheckpointError,
     megatron_format,
@@ -50,19 +49,28 @@ class MegatronCounters:
     iteration: int
     consumed_train_samples: int
     consumed_valid_samples: int
+    unused: frozenset[str] = frozenset()
+    """With `part`: the checkpoint's model tensors this part did not take (other stages'
+    among them)."""
 
 
-def load_megatron(iteration_dir: Path, model: torch.nn.Module, dims) -> MegatronCounters:
+def load_megatron(iteration_dir: Path, model: torch.nn.Module, dims,
+                  part: bool = False) -> MegatronCounters:
     """Put the Megatron-LM checkpoint in `iteration_dir` into `model` (this rank's shards) and
     return its counters. Raises MegatronCheckpointError when the directory holds none, or its
-    tensors do not fit the model."""
+    tensors do not fit the model. `part`: the model is one pipeline stage's part of it (its
+    parameters under the whole model's names, `model.config` the whole model's): tensors it does
+    not hold are returned in `unused`, for the caller to check that the stages together used
+    every one."""
     kind = megatron_format(iteration_dir)
     if kind is None:
         raise MegatronCheckpointError(f"{iteration_dir} holds no Megatron-LM checkpoint")
-    params = dict(model.named_parameters())
+    # a pipeline stage names its parameters as the whole model does through checkpoint_parameters
+    named = getattr(model, "checkpoint_parameters", model.named_parameters)
+    params = dict(named())
     if kind == "torch_dist":
         reader = DistReader(iteration_dir)
-        used = _load_dist(reader, params, dims)
+        used = _load_dist(reader, params, dims, model.config.num_layers)
         present, common = set(reader.tensors), reader.common
         args, iteration = common.get("args"), common.get("iteration", 0)
     else:
@@ -71,24 +79,27 @@ def load_megatron(iteration_dir: Path, model: torch.nn.Module, dims) -> Megatron
         args, iteration = legacy.args, legacy.iteration
     unused = sorted(name for name in present - used if name.startswith(MODEL_PREFIXES)
                     and not name.endswith("_extra_state") and not _tied_copy(name, params))
-    if unused:
-        raise MegatronCheckpointError(f"{iteration_dir}: tensors the model does not account for: "
-                                      f"{unused} (check {SHAPE_FLAGS})")
+    if unused and not part:
+        raise unused_error(iteration_dir, unused)
     return MegatronCounters(kind, int(iteration), _count(args, "consumed_train_samples"),
-                            _count(args, "consumed_valid_samples"))
+                            _count(args, "consumed_valid_samples"), frozenset(unused))
 
 
-def _load_dist(reader: DistReader, params: dict[str, torch.Tensor], dims) -> set[str]:
+def unused_error(iteration_dir: Path, unused) -> MegatronCheckpointError:
+    return MegatronCheckpointError(f"{iteration_dir}: tensors the model does not account for: "
+                                   f"{sorted(unused)} (check {SHAPE_FLAGS})")
+
+
+def _load_dist(reader: DistReader, params: dict[str, torch.Tensor], dims,
+               layers: int) -> set[str]:
     """Copy each parameter's shard from the torch_dist checkpoint, reading only its layer of a
-    stacked key; the keys used."""
+    stacked key (of `layers`, the whole model's); the keys used."""
     located = {}
     for name in params:
         found = reader.locate(name)
         if found is None:
             _missing(reader.directory, name)
         located[name] = found
-    layers = sum(name.startswith(LAYER_PREFIX) and name.endswith(".linear_qkv.weight")
-                 for name in params)
     for key, layer in set(located.values()):
         if layer is not None and reader.shape(key)[0] != layers:
             raise MegatronCheckpointError(

@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.distributed as dist
 from torch import nn
 
 from megadomino.distributed import ParallelDims
 from megadomino.interop.megatron import MegatronCheckpointError, megatron_format
-from megadomino.interop.megatron_load import MegatronCounters, load_megatron
-from megadomino.train.checkpoint.files import agree
+from megadomino.interop.megatron_load import MegatronCounters, load_megatron, unused_error
+from megadomino.train.checkpoint.files import CheckpointError, agree
 
 
 def detect_megatron(source: Path) -> str | None:
@@ -40,15 +41,16 @@ def load_megatron_checkpoint(source: Path, model: nn.Module, dims: ParallelDims,
     not load it."""
     counters, error = None, None
     try:
-        if dims.pp > 1:
-            raise MegatronCheckpointError(
-                f"{source}: a Megatron-LM checkpoint loads with --pipeline-model-parallel-size 1 "
-                "only so far; load it at PP 1 and save (this project's checkpoints load at any "
-                "pipeline degree)")
-        counters = load_megatron(source, model, dims)
+        counters = load_megatron(source, model, dims, part=dims.pp > 1)
     except MegatronCheckpointError as err:
         error = str(err)
     agree(error)
+    if dims.pp > 1:  # each stage took its own tensors: together they must take every one
+        gathered = [None] * dims.world_size
+        dist.all_gather_object(gathered, counters.unused)
+        unused = frozenset.intersection(*gathered)
+        if unused:
+            raise CheckpointError(str(unused_error(source, unused)))
     if dims.rank == 0:
         log(f" loaded Megatron-LM {counters.format} checkpoint {source} (iteration "
             f"{counters.iteration})" + (" as weights only" if only_weights else "")
