@@ -229,8 +229,8 @@ def _refusal(**leaves) -> str:
     model = ModelConfig.preset("gpt-tiny", num_layers=leaves.pop("num_layers", 8))
     world = leaves.pop("world", 4)
     with pytest.raises(ConfigError) as error:
-        validate(make_config(model, micro_batch_size=1, train_iters=1, mock_data=True,
-                             **leaves), world)
+        validate(make_config(model, micro_batch_size=1, mock_data=True,
+                             **{"train_iters": 1, **leaves}), world)
     message = str(error.value)
     assert "\n" not in message
     return message
@@ -250,6 +250,19 @@ def test_validator_refusals():
     assert "--zero-stage" in _refusal(pipeline_model_parallel_size=2, stage=3, world=4)
     assert "--num-layers-per-virtual-pipeline-stage" in _refusal(
         pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3)
+
+
+@pytest.mark.parametrize("leaves, flag", [
+    (dict(rampup_batch_size=[2, 2, 8], train_iters=None, train_samples=64), "--rampup-batch-size"),
+    (dict(calculate_per_token_loss=True), "--calculate-per-token-loss"),
+    (dict(decoupled_lr=1e-3), "--decoupled-lr"),
+    (dict(overlap_param_gather=True, stage=1), "--overlap-param-gather"),
+    (dict(ckpt_format="torch_dist", save="/tmp"), "--ckpt-format"),
+])
+def test_features_not_composed_with_stages_are_refused(leaves, flag):
+    """What the pipeline runtime does not run yet is one line naming the flag, before anything
+    starts."""
+    assert flag in _refusal(pipeline_model_parallel_size=2, **leaves)
 
 
 def test_validator_accepts_uneven_and_interleaved():
