@@ -45,13 +45,7 @@ for case in $CASES; do
       >"$OUT_DIR/rank$r-${case//\//_}.log" 2>&1 &
     pids+=($!)
   done
-  status=0
-  for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-  if [ "$status" -ne 0 ]; then
-    echo "case $case failed ($status); rank 0's log:" >&2
-    tail -30 "$OUT_DIR/rank0-${case//\//_}.log" >&2
-    exit "$status"
-  fi
+  wait_ranks "case $case" "$OUT_DIR/rank0-${case//\//_}.log" "${pids[@]}"
   port=$((port + 1))
 done
 "$PYTHON" benchmarks/bench_reshard.py report "$OUT_DIR" --json "$OUT_DIR/results.json"

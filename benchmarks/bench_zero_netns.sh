@@ -42,13 +42,7 @@ for rate in $RATES; do
     rank "$r" "$ns" "$veth" "$port" "$rate" "${FLAGS[@]}" >"$OUT_DIR/rank$r-$rate.log" 2>&1 &
     pids+=($!)
   done
-  status=0
-  for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-  if [ "$status" -ne 0 ]; then
-    echo "rate $rate failed ($status); rank 0's log:" >&2
-    tail -30 "$OUT_DIR/rank0-$rate.log" >&2
-    exit "$status"
-  fi
+  wait_ranks "rate $rate" "$OUT_DIR/rank0-$rate.log" "${pids[@]}"
   port=$((port + 1))
 done
 python3 benchmarks/bench_zero_netns.py report "$OUT_DIR" --json "$OUT_DIR/results.json"

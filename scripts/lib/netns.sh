@@ -93,3 +93,16 @@ limit_host() {
   limit_link "${NS_HOSTS[$1]}" "${VETH_HOSTS[$1]}" "$2"
   limit_link "$NS_SWITCH" "${VETH_SWITCH[$1]}" "$2"
 }
+
+# wait_ranks WHAT LOG PID...: wait for every rank's process; if one failed, say WHAT failed with
+# the last lines of LOG (rank 0's) and exit with its status.
+wait_ranks() {
+  local what=$1 log=$2 status=0 pid
+  shift 2
+  for pid in "$@"; do wait "$pid" || status=$?; done
+  if [ "$status" -ne 0 ]; then
+    echo "$what failed ($status); rank 0's log:" >&2
+    tail -30 "$log" >&2
+    exit "$status"
+  fi
+}
