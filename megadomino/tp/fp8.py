@@ -70,7 +70,7 @@ def cast_operand(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
     scaling, max / amax(|t|) (1 for an all-zero tensor)."""
     amax = t.abs().amax().float() if with_amax or scale is None else None
     if scale is None:
-        scale = torch.where(amax > 0, FP8_MAX[dtype] / amax, torch.ones_like(amax))
+        scale = _scale_of(amax, dtype)
     q = quantize(t, scale, dtype)
     return q, (q.t().contiguous() if transposed else None), scale, amax
 
@@ -82,8 +82,12 @@ def _compiled_cast():
 
 
 def current_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """max / amax(t), fp32 scalar (1 for an all-zero tensor): cast_operand's scale for None."""
-    return cast_operand(t.reshape(1, -1), None, dtype, False, True)[2]
+    """max / amax(t), fp32 scalar (1 for an all-zero tensor)."""
+    return _scale_of(t.abs().amax().float(), dtype)
+
+
+def _scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.where(amax > 0, FP8_MAX[dtype] / amax, torch.ones_like(amax))
 
 
 class FP8State(nn.Module):
