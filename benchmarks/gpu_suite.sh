@@ -28,6 +28,9 @@
 #   domino-ds    the GPT row with DeepSpeed's Domino too (CUDA_DEVICE_MAX_CONNECTIONS=1)
 #   e2e          pretrain_gpt.py gpt3-6.7b, 8 layers, TP = all GPUs: eager vs SP + fused comm +
 #                CUDA graphs
+#   profile      where a step's GPU time goes by kernel kind (benchmarks/timeline.py): gpt3-1.3b
+#                (TP=1, micro-batch 4, compiled pieces) and gpt3-6.7b with 4 layers in FP8, one
+#                profiled iteration each ($OUT/profile_*.json)
 #   graph-dp     scripts/debug/cuda_graph_dp_drift.py (--enable-cuda-graph at TP 2 x DP 2: eager,
 #                graphed, graphed without the gradient hooks' stream join)
 set -uo pipefail
@@ -57,6 +60,17 @@ for name in "$@"; do
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       fi
       nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/setup.txt" ;;
+    profile)
+      for row in "gpt3-1.3b:--compile-layer-pieces" \
+                 "gpt3-6.7b:--num-layers 4 --compile-layer-pieces --fp8-format hybrid"; do
+        rm -rf profile
+        step "profile-${row%%:*}" 300 torchrun --standalone --nproc_per_node 1 pretrain_gpt.py \
+          --model-preset "${row%%:*}" --bf16 --mock-data --micro-batch-size 4 \
+          --global-batch-size 4 --train-iters 10 --lr 1e-4 --lr-warmup-iters 2 --log-interval 5 \
+          --eval-interval 100000 --eval-iters 1 --peak-tflops 989 --profile \
+          --use-pytorch-profiler --profile-step-start 8 --profile-step-end 9 ${row#*:}
+        python3 benchmarks/timeline.py profile/*.json > "$OUT/profile_${row%%:*}.json"
+      done ;;
     tests-gpu) step tests-gpu 500 python3 -m pytest tests --tier gpu -q ;;
     tests-cpu) step tests-cpu 500 env CUDA_VISIBLE_DEVICES= python3 -m pytest tests -q ;;
     kernels) step kernels 200 python3 -m pytest tests/gpu/test_gpu_kernels.py --tier gpu -q -x ;;

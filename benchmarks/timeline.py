@@ -4,7 +4,9 @@
 kernels, NCCL kernels, memcpy (copy engines), their overlap, the idle time inside the step's
 span, and the top kernels by total time. `graphed(step)` captures `step()` (forward + backward,
 gradients accumulated into buffers that already exist) in a CUDA graph and returns its replay,
-so that a step's host time drops out of its device time.
+so that a step's host time drops out of its device time. `python3 benchmarks/timeline.py TRACE`
+sums a Chrome trace's GPU kernels (e.g. pretrain_gpt.py --profile --use-pytorch-profiler) by kind
+(`kernel_kinds`: GEMM, attention, optimizer, loss, norm, ...) to say where a step's time goes.
 """
 
 from __future__ import annotations
@@ -136,3 +138,65 @@ def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
         step()
     torch.cuda.synchronize()
     return graph.replay
+
+
+KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention", "mem_eff")),
+                ("gemm", ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas", "scaled_mm")),
+                ("optimizer", ("adam", "multi_tensor", "foreach")),
+                ("loss", ("softmax", "nll", "cross_entropy", "logsumexp")),
+                ("norm", ("layer_norm", "layernorm", "rms_norm", "rmsnorm")),
+                ("compiled", ("triton",)), ("dropout", ("dropout", "bernoulli", "philox")),
+                ("memcpy", ("memcpy", "memset")),
+                ("reduce", ("reduce",)), ("elementwise", ("elementwise", "vectorized", "copy")))
+"""A kernel's kind: the first whose patterns appear in its lower-cased name (else "other")."""
+
+
+def kernel_kinds(path: str, top: int = 25) -> dict:
+    """GPU time of a Chrome trace by kernel kind (KERNEL_KINDS), its span (first kernel start to
+    last end), the GPU idle time inside it, the `top` kernels by total ms ([ms, count, kind]) and
+    the `top` host ops that launched them (the innermost op, matched by the profiler's
+    "External id": [GPU ms, kernels])."""
+    import gzip
+    import json
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    kinds: dict[str, float] = {}
+    by_name: dict[str, list] = {}
+    by_op: dict[str, list] = {}
+    spans = []
+    ops = {event["args"]["External id"]: event["name"] for event in events
+           if event.get("cat") == "cpu_op" and "External id" in event.get("args", {})}
+    for event in events:
+        if event.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        name, duration = event.get("name", ""), event.get("dur", 0) / 1e3
+        spans.append((event["ts"], event["ts"] + event.get("dur", 0)))
+        lowered = name.lower()
+        kind = next((k for k, patterns in KERNEL_KINDS if any(p in lowered for p in patterns)),
+                    "other")
+        kinds[kind] = kinds.get(kind, 0.0) + duration
+        row = by_name.setdefault(name[:90], [0.0, 0, kind])
+        row[0] += duration
+        row[1] += 1
+        op = ops.get(event.get("args", {}).get("External id"), "?")
+        row = by_op.setdefault(op[:90], [0.0, 0])
+        row[0] += duration
+        row[1] += 1
+    merged = _union(spans)
+    span = (merged[-1][1] - merged[0][0]) / 1e3 if merged else 0.0
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    return {"span_ms": span, "gpu_busy_ms": _busy(merged) / 1e3,
+            "gpu_idle_ms": span - _busy(merged) / 1e3,
+            "kinds_ms": dict(sorted(((k, round(v, 3)) for k, v in kinds.items()),
+                                    key=lambda item: -item[1])),
+            "top_kernels": {name: [round(ms, 3), n, kind] for name, (ms, n, kind) in ranked},
+            "top_ops": {name: [round(ms, 3), n] for name, (ms, n)
+                        in sorted(by_op.items(), key=lambda item: -item[1][0])[:top]}}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    for trace_path in sys.argv[1:]:
+        print(json.dumps({"trace": trace_path, **kernel_kinds(trace_path)}, indent=1))

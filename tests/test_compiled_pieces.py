@@ -66,6 +66,31 @@ def test_compiled_dropout_is_dropout():
     assert torch.all((out == 0) | (out == 1 / 0.75))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_loss_is_cross_entropy_of_the_real_columns(dtype):
+    """The loss's compiled pieces (tp/cross_entropy.py) give F.cross_entropy of the unpadded
+    logits and its gradient, 0 in the padding columns, in the logits' dtype."""
+    from megadomino.tp.cross_entropy import vocab_parallel_cross_entropy
+    generator = torch.Generator().manual_seed(11)
+    vocab, padded = 331, 384
+    logits = torch.randn(7, 3, padded, generator=generator).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (7, 3), generator=generator)
+    reference = logits.detach().float()[..., :vocab].requires_grad_()
+    expected = torch.nn.functional.cross_entropy(reference.view(-1, vocab), labels.view(-1),
+                                                 reduction="none").view(7, 3)
+    weights = torch.rand(7, 3, generator=generator)
+    (expected * weights).sum().backward()
+    for compile_pieces in (False, True):
+        logits.grad = None
+        loss = vocab_parallel_cross_entropy(logits, labels, None, 0, vocab, compile_pieces)
+        (loss * weights).sum().backward()
+        assert_close(loss, expected.detach(), 1e-5, f"loss compiled={compile_pieces}")
+        assert logits.grad.dtype == dtype
+        assert torch.all(logits.grad[..., vocab:] == 0)
+        assert_close(logits.grad[..., :vocab].float(), reference.grad.to(dtype).float(),
+                     1e-5 if dtype == torch.float32 else 1e-2, f"grad compiled={compile_pieces}")
+
+
 def _train(iters: int) -> tuple[dict, list[str]]:
     model = _config("llama", seq_length=32, max_position_embeddings=32)
     config = make_config(model, compile_layer_pieces=True, micro_batch_size=2,

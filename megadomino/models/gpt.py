@@ -151,7 +151,8 @@ class GPTModel(nn.Module):
         """This rank's logits shard (s, b, V/tp) and labels (b, s) -> per-token loss (b, s), fp32
         (times loss_mask if given)."""
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.dims.tp_group,
-                                            self.vocab_start, self.config.vocab_size).t()
+                                            self.vocab_start, self.config.vocab_size,
+                                            self.parallel.compile_layer_pieces).t()
         return loss if loss_mask is None else loss * loss_mask
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,

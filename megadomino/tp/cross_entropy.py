@@ -5,9 +5,17 @@ Padding columns (global ids at or above `vocab_size`, the rows Megatron's vocabu
 so that the table splits evenly) take no part: they are left out of the max and of the softmax's
 sum, so the loss equals the cross-entropy of the unpadded logits at every TP degree, and their
 gradient is exactly zero (the padding rows of the output layer are never trained).
+
+The forward and backward are three element-wise pieces around the collectives (the shard's max;
+each label's logit and the sum of exponentials; the gradient), run eagerly or each compiled with
+`--compile-layer-pieces`, as the layers' pieces are: compiled, the loss reads the (tokens, V/tp)
+logits three times in their own dtype and writes their gradient once, with no fp32 copy of them.
 """
 
 from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -15,54 +23,94 @@ import torch.distributed as dist
 from megadomino.distributed.mappings import all_reduce
 
 
+def _shard_max(logits: torch.Tensor, real: int) -> torch.Tensor:
+    """Max over this shard's real columns, fp32 (..., ); -inf where the shard is all padding."""
+    if real == 0:
+        return logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
+    return logits[..., :real].amax(dim=-1).float()
+
+
+def _target_and_sum_exp(logits: torch.Tensor, logits_max: torch.Tensor,
+                        local_labels: torch.Tensor, outside: torch.Tensor,
+                        real: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this shard's shifted logit of each label, 0 where the label is in another shard; this
+    shard's sum of exp(logit - max) over its real columns), both fp32 (..., )."""
+    shifted = logits.float() - logits_max.unsqueeze(-1)
+    target = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
+    target = target.masked_fill(outside, 0.0)
+    return target, shifted[..., :real].exp().sum(dim=-1)
+
+
+def _grad_logits(logits: torch.Tensor, logits_max: torch.Tensor, sum_exp: torch.Tensor,
+                 local_labels: torch.Tensor, outside: torch.Tensor, grad_loss: torch.Tensor,
+                 real: int) -> torch.Tensor:
+    """d loss / d logits = (softmax - one_hot(label)) * grad_loss, computed in fp32 and returned
+    in the logits' dtype; 0 in padding columns."""
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    softmax = (logits.float() - logits_max.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1)
+    softmax = torch.where(columns < real, softmax, 0.0)
+    hit = (columns == local_labels.unsqueeze(-1)) & ~outside.unsqueeze(-1)
+    grad = (softmax - hit.to(softmax.dtype)) * grad_loss.unsqueeze(-1)
+    return grad.to(logits.dtype)
+
+
+_PIECES = ("_shard_max", "_target_and_sum_exp", "_grad_logits")
+EAGER = SimpleNamespace(**{name.lstrip("_"): globals()[name] for name in _PIECES})
+"""The loss's element-wise pieces run eagerly (the reference)."""
+
+
+@functools.cache
+def compiled() -> SimpleNamespace:
+    """The pieces, each wrapped by torch.compile (as models/elementwise.py compiles the layers'):
+    each becomes one or two fused kernels that read the logits in their own dtype, where eagerly
+    every step reads and writes an fp32 copy of (tokens, V/tp). Cached: one wrapper per piece."""
+    return SimpleNamespace(**{name: torch.compile(getattr(EAGER, name), dynamic=False)
+                              for name in vars(EAGER)})
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Saves the logits as they came (not an fp32 softmax of them) and the two per-token
+    statistics; the backward recomputes the softmax from them, in one pass when compiled."""
+
     @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start, vocab_size):
+    def forward(ctx, logits, labels, group, vocab_start, vocab_size, pieces):
         # logits: (..., V/tp) this rank's vocabulary shard; labels: (...) global ids.
-        logits = logits.float()
         local_vocab = logits.shape[-1]
         # Columns [real, local_vocab) of this shard are padding (all of it when real is 0).
         real = local_vocab if vocab_size is None else max(0, min(local_vocab,
                                                                  vocab_size - vocab_start))
-        if real > 0:
-            logits_max = logits[..., :real].max(dim=-1).values
-        else:
-            logits_max = logits.new_full(logits.shape[:-1], float("-inf"))
+        logits_max = pieces.shard_max(logits, real)
         if dist.get_world_size(group) > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
-        if real < local_vocab:
-            shifted[..., real:] = float("-inf")  # exp gives 0: no probability, no gradient
         outside = (labels < vocab_start) | (labels >= vocab_start + local_vocab)
         local_labels = (labels - vocab_start).masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
-        predicted = predicted.masked_fill(outside, 0.0)
-        all_reduce(predicted, group)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        target, sum_exp = pieces.target_and_sum_exp(logits, logits_max, local_labels, outside,
+                                                    real)
+        all_reduce(target, group)
         all_reduce(sum_exp, group)
-        loss = sum_exp.log() - predicted
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_labels, outside)
-        return loss
+        ctx.save_for_backward(logits, logits_max, sum_exp, local_labels, outside)
+        ctx.real, ctx.pieces = real, pieces
+        return sum_exp.log() - target
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_labels, outside = ctx.saved_tensors
-        grad = softmax
-        inside = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -inside.unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
+        logits, logits_max, sum_exp, local_labels, outside = ctx.saved_tensors
+        grad = ctx.pieces.grad_logits(logits, logits_max, sum_exp, local_labels, outside,
+                                      grad_loss, ctx.real)
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group,
-                                 vocab_start: int, vocab_size: int | None = None) -> torch.Tensor:
+                                 vocab_start: int, vocab_size: int | None = None,
+                                 compile_pieces: bool = False) -> torch.Tensor:
     """Per-token loss (fp32, shape of labels) from vocab-sharded logits (..., V/tp).
 
     `vocab_start` is the first global vocabulary id of this rank's shard; `vocab_size` the
     unpadded vocabulary (columns at or past it are padding, excluded; None: every column is a
     token). Labels must be below `vocab_size` (a padding label's loss is inf). The gradient is
-    returned in fp32 and cast by autograd to the logits' dtype; it is 0 in padding columns.
+    computed in fp32 and returned in the logits' dtype; it is 0 in padding columns.
+    compile_pieces: run the element-wise pieces compiled (`--compile-layer-pieces`).
     """
-    return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, vocab_size)
+    pieces = compiled() if compile_pieces else EAGER
+    return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, vocab_size,
+                                            pieces)

@@ -26,8 +26,10 @@ The step, collective over the whole world (every rank must call it):
      marked `pipeline_duplicate`, is counted on the first stage only), and the
      found flag is in it only with a loss scaler (nothing else sets it; a non-finite norm
      skips the step all the same);
-  4. clip to `clip_grad` by that norm (torch's clip_grads_with_norm_ arithmetic), optimizer step,
-     masters copied into the parameter shards (the caller then refreshes the parameters).
+  4. clip to `clip_grad` by that norm (torch's clip_grads_with_norm_ coefficient), optimizer step,
+     masters copied into the parameter shards (the caller then refreshes the parameters). The
+     fused Adam / AdamW kernels clip as they read each gradient (their `grad_scale`, set to 1 /
+     the coefficient), so clipping adds no pass over the gradients; others multiply first.
 
 The skip decision stays on the device where the optimizer can take it there: torch's fused Adam /
 AdamW kernels read a `found_inf` flag and leave the parameters, moments and step counts as they
@@ -108,10 +110,14 @@ class ShardedOptimizer:
         square, found_total = self._reduce_stats(found)
         nonfinite = (found_total > 0) | ~torch.isfinite(square)
         grad_norm = square.sqrt()
-        if self.clip_grad > 0:
-            coef = torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0)
+        coef = (torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0)
+                if self.clip_grad > 0 else None)
+        if coef is not None and not self._skips_on_device:
             torch._foreach_mul_(self.grad_shards, coef)
         if self._skips_on_device:
+            # the fused kernel divides each gradient by grad_scale as it reads it: clipping
+            # costs no pass of its own over the gradients
+            self.optimizer.grad_scale = None if coef is None else (1.0 / coef).reshape(1)
             self.optimizer.found_inf = nonfinite.float()
             self.optimizer.step()
             self.copy_masters_to_shards()  # the same values again if the step was skipped
