@@ -56,8 +56,9 @@ def pretrain_rows(result: dict) -> dict[str, float]:
     rows = {}
     for r in result["rows"]:
         if "error" not in r:
-            rows[f"pretrain tp{r['tp']} (ms/iter)"] = r["ms_per_iter"]
-            rows[f"pretrain tp{r['tp']} (MFU %)"] = r["mfu_percent"]
+            name = f"pretrain tp{r['tp']}{r.get('variant') or ''}"
+            rows[f"{name} (ms/iter)"] = r["ms_per_iter"]
+            rows[f"{name} (MFU %)"] = r["mfu_percent"]
     return rows
 
 
@@ -101,6 +102,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--preset", default="gpt3-1.3b")
     parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--num-layers", default=None, help="pretrain: --num-layers")
+    parser.add_argument("--variants", nargs="+", default=[""],
+                        help="pretrain: flags per variant, as bench_pretrain.py's --variants")
     parser.add_argument("--groups", nargs="+", default=["256", "2048", "8192"])
     parser.add_argument("--benches", nargs="+", choices=("quant", "pretrain", "domino",
                                                           "domino-graph"),
@@ -116,7 +120,9 @@ def main() -> int:
                   quant_rows, 900),
         "pretrain": (["benchmarks/bench_pretrain.py", "--preset", args.preset, "--tp", "1",
                       "--iters", str(args.iters), "--log-interval", "5", "--micro-batch-size",
-                      "4"], pretrain_rows, 900),
+                      "4", "--variants", *args.variants,
+                      *(["--num-layers", args.num_layers] if args.num_layers else [])],
+                     pretrain_rows, 900),
     }
     domino = ["-m", "torch.distributed.run", "--nproc_per_node", "1",
               "benchmarks/bench_domino.py", "--rows", "core", "--plans", "1x1,2x1", "--peers",

@@ -153,19 +153,24 @@ class FP8State(nn.Module):
 
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
-                  out_dtype: torch.dtype) -> torch.Tensor:
-    """(a / a_scale) @ (b / b_scale) for FP8 a [M, K] row-major and b [K, N] column-major (the
-    casts write them so), in out_dtype. `_scaled_mm` where M, K and N are multiples of 16, else
+                  out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(a / a_scale) @ (b / b_scale) (+ bias [N]) for FP8 a [M, K] row-major and b [K, N]
+    column-major (the casts write them so), in out_dtype. `_scaled_mm` where M, K and N are
+    multiples of 16 (the bias added in its epilogue, before the one rounding to out_dtype), else
     the dequantized fp32 GEMM."""
     (m, k), n = a.shape, b.shape[1]
+    if bias is not None:
+        bias = bias.to(out_dtype)
     if m % 16 == 0 and k % 16 == 0 and n % 16 == 0:
-        return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+        return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, bias=bias,
+                                out_dtype=out_dtype)
     if (m, k, n) not in _warned_shapes:
         _warned_shapes.add((m, k, n))
         warnings.warn(f"FP8 GEMM [{m}, {k}] x [{k}, {n}]: a dim is not a multiple of 16, so "
                       "torch._scaled_mm cannot run it; the quantized operands are multiplied "
                       "in fp32 instead", stacklevel=2)
-    return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
+    product = (a.float() * a_inv) @ (b.float() * b_inv)
+    return (product if bias is None else product + bias.float()).to(out_dtype)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -179,9 +184,7 @@ class _FP8Linear(torch.autograd.Function):
         # dW needs x as a second operand (column-major: x's transpose), dx needs W's
         x_q, x_t, x_inv = state.cast(INPUT, x_2d, record, transposed=ctx.needs_input_grad[1])
         w_q, w_t, w_inv = state.cast(WEIGHT, weight, record, transposed=ctx.needs_input_grad[0])
-        y = scaled_matmul(x_q, w_q.t(), x_inv, w_inv, x.dtype)
-        if bias is not None:
-            y = y + bias
+        y = scaled_matmul(x_q, w_q.t(), x_inv, w_inv, x.dtype, bias)
         ctx.save_for_backward(x_t, w_t, x_inv, w_inv)
         ctx.state, ctx.record, ctx.has_bias = state, record, bias is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
