@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "config": set(),
     "distributed": {"config"},
-    "tp": {"config", "distributed"},
+    "tp": {"config", "distributed", "kernels"},
     "models": _BELOW_MODELS,
     "overlap": _BELOW_MODELS | {"models"},
     "zero": _BELOW_MODELS | {"models"},

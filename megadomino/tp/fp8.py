@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megadomino.config.train import E4M3, E5M2, FP8Recipe
+from megadomino.kernels.fp8_cast import cast_transpose
 
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
 INPUT, WEIGHT, GRAD = 0, 1, 2
@@ -73,6 +74,19 @@ def cast_operand(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
         scale = _scale_of(amax, dtype)
     q = quantize(t, scale, dtype)
     return q, (q.t().contiguous() if transposed else None), scale, amax
+
+
+def fused_cast(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+               transposed: bool, with_amax: bool):
+    """cast_operand as one Triton kernel that reads t once (kernels/fp8_cast.py: the cast, the
+    transposed copy and the amax together; bit-identical). Current scaling needs the amax
+    before the cast: it is taken first, by torch."""
+    amax = None
+    if scale is None:
+        amax = t.abs().amax().float()
+        scale, with_amax = _scale_of(amax, dtype), False
+    q, q_t, fused_amax = cast_transpose(t.contiguous(), scale, dtype, transposed, with_amax)
+    return q, q_t, scale, fused_amax if amax is None else amax
 
 
 @functools.cache
@@ -144,7 +158,9 @@ class FP8State(nn.Module):
         scaled and recorded as scale_for says, amax and cast in one (compiled) function."""
         dtype = self.recipe.grad_dtype if role == GRAD else E4M3
         delayed = self.recipe.recipe == "delayed"
-        fn = _compiled_cast() if self.compiled else cast_operand
+        fn = cast_operand
+        if self.compiled:
+            fn = fused_cast if t.is_cuda else _compiled_cast()
         q, q_t, scale, amax = fn(t, self.scale[role] if delayed else None, dtype, transposed,
                                  delayed and record)
         if delayed and record:

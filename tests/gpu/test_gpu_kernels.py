@@ -1,7 +1,8 @@
 """On the GPU machine: the compiled quantization kernels against their torch references (bit
 for bit, bf16 output rounded to nearest even as torch does), larger than the interpreter allows,
 plus offsets past 2^31, a tensor on another GPU than the current one, and the row layouts
-(quantized data read and written in place in payload rows) of tests/test_kernels.py. Skipped
+(quantized data read and written in place in payload rows) of tests/test_kernels.py; and the
+fused FP8 cast (kernels/fp8_cast.py) on random inputs (tests/test_fp8_kernel.py). Skipped
 without CUDA; `python -m pytest tests/gpu/test_gpu_kernels.py -q` runs it."""
 
 from __future__ import annotations
@@ -133,3 +134,14 @@ def test_full_range(numel: int, block_size: int, dtype: str, bits: int) -> None:
         check_tiny_scales("cuda", False, bits, full_range=True)
         check_tiny_scales("cuda", False, bits, block_size=8192, full_range=True)
         check_near_ties("cuda", False, bits, full_range=True)
+
+
+@pytest.mark.parametrize("shape", [(37, 70), (130, 3), (2048, 4096), (8192, 1000)])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+def test_fp8_cast_transpose(shape: tuple[int, int], dtype: str, fp8: str) -> None:
+    """kernels/fp8_cast.py on CUDA, random values (rounding to nearest, saturation, inf) and a
+    NaN: q, its transpose and the amax bit for bit as the torch reference."""
+    from test_fp8_kernel import check_cast
+    check_cast("cuda", False, shape, dtype, fp8, exact=False)
+    check_cast("cuda", False, shape, dtype, fp8, exact=False, nan=True)
