@@ -323,9 +323,10 @@ FLAGS: tuple[Flag, ...] = (
           "input-gradient all-reduce (the Domino plan that measured fastest)."),
     _ours("--compile-layer-pieces", "parallel.compile_layer_pieces", None,
           "Compile each element-wise piece of the layers (bias + dropout + residual add, norms, "
-          "GELU / SwiGLU, rotary) with torch.compile, one region per piece: fused kernels where "
-          "eager runs several. Composes with every execution path; compile time is printed at "
-          "start-up (megadomino/models/elementwise.py)."),
+          "GELU / SwiGLU, rotary) and of the loss with torch.compile, one region per piece: "
+          "fused kernels where eager runs several; with --fp8-format each operand's cast, "
+          "transpose and amax are one Triton kernel on CUDA. Composes with every execution path; "
+          "compile time is printed at start-up (megadomino/models/elementwise.py)."),
     _impl("--tp-comm-overlap", "parallel.tp_comm_overlap", None,
           "With --sequence-parallel: the all-gather / reduce-scatter fused into the GEMMs (torch "
           "symmetric-memory kernels, NVLink copy engines). Host-bound in eager mode: use it with "

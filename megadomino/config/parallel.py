@@ -81,7 +81,8 @@ class ParallelConfig:
     """Capture the layers' forward + backward in CUDA graphs (megadomino/overlap/cuda_graph.py)."""
     compile_layer_pieces: bool = False
     """Compile each element-wise piece of the layers (bias + dropout + residual add, norms, GELU /
-    SwiGLU, rotary) with torch.compile (megadomino/models/elementwise.py)."""
+    SwiGLU, rotary) and of the loss with torch.compile (megadomino/models/elementwise.py,
+    tp/cross_entropy.py); FP8 operands' casts run as one Triton kernel (kernels/fp8_cast.py)."""
     recompute_granularity: str | None = None
     """None, 'full' (whole layers) or 'selective' (the attention core)."""
     recompute_method: str | None = None
