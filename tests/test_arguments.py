@@ -137,6 +137,7 @@ MAPPED = [
      "parallel.tp_comm_overlap", True),
     (("--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0"),
      "parallel.enable_cuda_graph", True),
+    (("--no-gradient-accumulation-fusion",), "parallel.gradient_accumulation_fusion", False),
     (("--save", "/ckpt"), "train.checkpoint.save", "/ckpt"),
     (("--save-interval", "50"), "train.checkpoint.save_interval", 50),
     (("--load", "/ckpt"), "train.checkpoint.load", "/ckpt"),

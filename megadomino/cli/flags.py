@@ -393,7 +393,10 @@ FLAGS: tuple[Flag, ...] = (
     _notice("--no-bias-dropout-fusion", _NO_KERNEL),
     _notice("--no-rope-fusion", _NO_KERNEL),
     _notice("--no-persist-layer-norm", _NO_KERNEL),
-    _notice("--no-gradient-accumulation-fusion", _NO_KERNEL),
+    _impl("--no-gradient-accumulation-fusion", "parallel.gradient_accumulation_fusion", None,
+          "Weight gradients as separate bf16 GEMMs added into the fp32 gradient buffers, not "
+          "accumulated there by the GEMM (the default, as in Megatron-LM: ZeRO stages 0 and 1; "
+          "Domino, FP8 and --tp-comm-overlap linears always return theirs).", const=False),
     _notice("--cross-entropy-loss-fusion", "the vocab-parallel cross-entropy is always used"),
     _impl("--overlap-param-gather", "parallel.zero.overlap_param_gather", None,
           "With --use-distributed-optimizer (--zero-stage 1): the all-gather of the new weights "

@@ -79,6 +79,11 @@ class ParallelConfig:
     """--domino: time plain TP and Domino's plans at start-up and run the fastest."""
     enable_cuda_graph: bool = False
     """Capture the layers' forward + backward in CUDA graphs (megadomino/overlap/cuda_graph.py)."""
+    gradient_accumulation_fusion: bool = True
+    """Weight gradients accumulate into the engine's fp32 buffers inside their GEMM (Megatron's
+    default; `--no-gradient-accumulation-fusion` turns it off): tp/layers.py `weight_grad`. The
+    linears whose backward another path owns (Domino's schedule, FP8, the GEMM-fused collectives)
+    keep returning their gradients."""
     compile_layer_pieces: bool = False
     """Compile each element-wise piece of the layers (bias + dropout + residual add, norms, GELU /
     SwiGLU, rotary) and of the loss with torch.compile (megadomino/models/elementwise.py,
@@ -93,6 +98,12 @@ class ParallelConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """The data-parallel engine: ZeRO stage 0 (plain data parallelism), 1 or 3, ZeRO++'s
     options."""
+
+    @property
+    def fused_weight_gradients(self) -> bool:
+        """The layers' linears own their weights' whole backward: gradient-accumulation fusion
+        on and no Domino schedule (which hands weight gradients to autograd itself)."""
+        return self.gradient_accumulation_fusion and not (self.domino.enabled or self.domino_auto)
 
     def virtual_chunks(self, num_layers: int) -> int:
         """Model chunks per pipeline stage, from either virtual-pipeline flag (1 without)."""

@@ -105,12 +105,14 @@ class Attention(nn.Module):
             config.hidden_size, qkv_size, dims, bias=config.add_bias_linear,
             sequence_parallel=sp, comm_overlap=overlap,
             init_std=config.init_method_std, fp8=fp8, compile_fp8_casts=self.compile_pieces,
+            fuse_wgrad=parallel.fused_weight_gradients,
             device=device, dtype=dtype)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, dims,
             bias=config.add_bias_linear, sequence_parallel=sp, comm_overlap=overlap,
             init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
-            compile_fp8_casts=self.compile_pieces, device=device, dtype=dtype)
+            compile_fp8_casts=self.compile_pieces,
+            fuse_wgrad=parallel.fused_weight_gradients, device=device, dtype=dtype)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """SDPA over (b, heads, s, d) tensors; attention dropout uses this rank's RNG stream."""
@@ -176,12 +178,14 @@ class MLP(nn.Module):
             bias=config.add_bias_linear, sequence_parallel=sp,
             comm_overlap=overlap, init_std=config.init_method_std,
             stripes=stripes, fp8=fp8, compile_fp8_casts=self.compile_pieces,
+            fuse_wgrad=parallel.fused_weight_gradients,
             device=device, dtype=dtype)
         self.linear_fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, dims, bias=config.add_bias_linear,
             sequence_parallel=sp, comm_overlap=overlap,
             init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
-            compile_fp8_casts=self.compile_pieces, device=device, dtype=dtype)
+            compile_fp8_casts=self.compile_pieces,
+            fuse_wgrad=parallel.fused_weight_gradients, device=device, dtype=dtype)
 
     def activation(self, h: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         """GELU(tanh) of fc1's output, or SwiGLU: silu(gate) * up, of [gate, up] stacked (h) or

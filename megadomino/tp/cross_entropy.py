@@ -6,10 +6,11 @@ so that the table splits evenly) take no part: they are left out of the max and 
 sum, so the loss equals the cross-entropy of the unpadded logits at every TP degree, and their
 gradient is exactly zero (the padding rows of the output layer are never trained).
 
-The forward and backward are three element-wise pieces around the collectives (the shard's max;
-each label's logit and the sum of exponentials; the gradient), run eagerly or each compiled with
-`--compile-layer-pieces`, as the layers' pieces are: compiled, the loss reads the (tokens, V/tp)
-logits three times in their own dtype and writes their gradient once, with no fp32 copy of them.
+With `--compile-layer-pieces` the forward and backward are three compiled element-wise pieces
+around the collectives (the shard's max; each label's logit and the sum of exponentials; the
+gradient, recomputing the softmax): the loss reads the (tokens, V/tp) logits three times in their
+own dtype and writes their gradient once, with no fp32 copy of them kept. Eagerly (the reference)
+it keeps an fp32 softmax for the backward, as Megatron-LM's does.
 """
 
 from __future__ import annotations
@@ -54,46 +55,68 @@ def _grad_logits(logits: torch.Tensor, logits_max: torch.Tensor, sum_exp: torch.
     return grad.to(logits.dtype)
 
 
-_PIECES = ("_shard_max", "_target_and_sum_exp", "_grad_logits")
-EAGER = SimpleNamespace(**{name.lstrip("_"): globals()[name] for name in _PIECES})
-"""The loss's element-wise pieces run eagerly (the reference)."""
-
-
 @functools.cache
 def compiled() -> SimpleNamespace:
-    """The pieces, each wrapped by torch.compile (as models/elementwise.py compiles the layers'):
-    each becomes one or two fused kernels that read the logits in their own dtype, where eagerly
-    every step reads and writes an fp32 copy of (tokens, V/tp). Cached: one wrapper per piece."""
-    return SimpleNamespace(**{name: torch.compile(getattr(EAGER, name), dynamic=False)
-                              for name in vars(EAGER)})
+    """The fused pieces, each wrapped by torch.compile (as models/elementwise.py compiles the
+    layers'): one or two kernels each, reading the logits in their own dtype. Cached: one
+    wrapper per piece for the process."""
+    return SimpleNamespace(shard_max=torch.compile(_shard_max, dynamic=False),
+                           target_and_sum_exp=torch.compile(_target_and_sum_exp, dynamic=False),
+                           grad_logits=torch.compile(_grad_logits, dynamic=False))
+
+
+def _eager_forward(logits, logits_max, local_labels, outside, real, group):
+    """The eager reference: an fp32 softmax of the shard, saved for the backward (recomputing
+    it eagerly would read and write the fp32 copy several more times)."""
+    shifted = logits.float() - logits_max.unsqueeze(-1)
+    if real < shifted.shape[-1]:
+        shifted[..., real:] = float("-inf")  # exp gives 0: no probability, no gradient
+    target = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    all_reduce(target, group)
+    exp = shifted.exp()
+    sum_exp = exp.sum(dim=-1)
+    all_reduce(sum_exp, group)
+    return target, sum_exp, exp.div_(sum_exp.unsqueeze(-1))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Saves the logits as they came (not an fp32 softmax of them) and the two per-token
-    statistics; the backward recomputes the softmax from them, in one pass when compiled."""
+    """Compiled, saves the logits as they came and the two per-token statistics, and the
+    backward recomputes the softmax in one fused pass; eagerly, saves the fp32 softmax."""
 
     @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start, vocab_size, pieces):
+    def forward(ctx, logits, labels, group, vocab_start, vocab_size, compile_pieces):
         # logits: (..., V/tp) this rank's vocabulary shard; labels: (...) global ids.
         local_vocab = logits.shape[-1]
         # Columns [real, local_vocab) of this shard are padding (all of it when real is 0).
         real = local_vocab if vocab_size is None else max(0, min(local_vocab,
                                                                  vocab_size - vocab_start))
-        logits_max = pieces.shard_max(logits, real)
+        pieces = compiled() if compile_pieces else None
+        logits_max = (pieces.shard_max if pieces else _shard_max)(logits, real)
         if dist.get_world_size(group) > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         outside = (labels < vocab_start) | (labels >= vocab_start + local_vocab)
         local_labels = (labels - vocab_start).masked_fill(outside, 0)
+        ctx.real, ctx.pieces = real, pieces
+        if pieces is None:
+            target, sum_exp, softmax = _eager_forward(logits, logits_max, local_labels, outside,
+                                                      real, group)
+            ctx.save_for_backward(softmax, local_labels, outside)
+            return sum_exp.log() - target
         target, sum_exp = pieces.target_and_sum_exp(logits, logits_max, local_labels, outside,
                                                     real)
         all_reduce(target, group)
         all_reduce(sum_exp, group)
         ctx.save_for_backward(logits, logits_max, sum_exp, local_labels, outside)
-        ctx.real, ctx.pieces = real, pieces
         return sum_exp.log() - target
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.pieces is None:
+            grad, local_labels, outside = ctx.saved_tensors
+            inside = (~outside).to(grad.dtype)
+            grad.scatter_add_(-1, local_labels.unsqueeze(-1), -inside.unsqueeze(-1))
+            grad.mul_(grad_loss.unsqueeze(-1))  # fp32: autograd casts it to the logits' dtype
+            return grad, None, None, None, None, None
         logits, logits_max, sum_exp, local_labels, outside = ctx.saved_tensors
         grad = ctx.pieces.grad_logits(logits, logits_max, sum_exp, local_labels, outside,
                                       grad_loss, ctx.real)
@@ -111,6 +134,5 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
     computed in fp32 and returned in the logits' dtype; it is 0 in padding columns.
     compile_pieces: run the element-wise pieces compiled (`--compile-layer-pieces`).
     """
-    pieces = compiled() if compile_pieces else EAGER
     return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, vocab_size,
-                                            pieces)
+                                            compile_pieces)

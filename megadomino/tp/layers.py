@@ -63,6 +63,49 @@ def init_sharded_(param: nn.Parameter, full_shape: tuple[int, ...], std: float, 
     param.copy_(shard_rows(full, dim, getattr(param, "tp_stripes", 1), dims.tp, dims.tp_rank))
 
 
+def weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor,
+                input_2d: torch.Tensor) -> torch.Tensor:
+    """dW = grad^T input, (out, in), for a linear's backward. Megatron's gradient-accumulation
+    fusion: where the engine gave `weight` its fp32 gradient buffer view (`main_grad_ref`, a
+    weak reference, ZeRO stages 0 and 1) and the layer owns the weight's whole backward
+    (`weight.fused_wgrad`, set by the linear modules when their every backward comes here),
+    the GEMM accumulates into that buffer in fp32 (on CUDA in its epilogue: no bf16 rounding
+    of each micro-batch's gradient, no separate add) and a placeholder of the weight's shape
+    goes to autograd, which the engine's hook does not add (grads.py). Otherwise the
+    gradient itself is returned."""
+    ref = getattr(weight, "main_grad_ref", None)
+    main_grad = ref() if ref is not None else None
+    if main_grad is None or not getattr(weight, "fused_wgrad", False):
+        return grad_2d.t().matmul(input_2d)
+    if main_grad.dtype == grad_2d.dtype:
+        main_grad.addmm_(grad_2d.t(), input_2d)
+    elif grad_2d.is_cuda:
+        torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
+    else:  # mixed-dtype addmm is CUDA-only
+        main_grad.add_(grad_2d.t().matmul(input_2d))
+    return torch.empty_like(weight)
+
+
+class _LocalLinear(torch.autograd.Function):
+    """y = x W^T without collectives (a row-parallel linear's partial product), its weight
+    gradient through `weight_grad`."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = weight_grad(weight, grad_out.reshape(-1, grad_out.shape[-1]),
+                                      x.reshape(-1, x.shape[-1]))
+        return grad_input, grad_weight
+
+
 class _LinearWithAsyncGradReduce(torch.autograd.Function):
     """y = x W^T + b for a column-parallel weight, with the input's collective fused in.
 
@@ -101,7 +144,7 @@ class _LinearWithAsyncGradReduce(torch.autograd.Function):
                 grad_input = grad_input.contiguous()
                 reduce_handle = all_reduce(grad_input, group, async_op=True)
         grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weight = grad_out_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_weight = weight_grad(weight, grad_out_2d, total.reshape(-1, total.shape[-1]))
         grad_bias = grad_out_2d.sum(dim=0) if ctx.has_bias else None
         if reduce_handle is not None:
             reduce_handle.wait()
@@ -130,8 +173,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  comm_overlap: bool = False, init_std: float = 0.02, stripes: int = 1,
-                 fp8: FP8Recipe | None = None, compile_fp8_casts: bool = False, device=None,
-                 dtype: torch.dtype = torch.float32):
+                 fp8: FP8Recipe | None = None, compile_fp8_casts: bool = False,
+                 fuse_wgrad: bool = False, device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
         if output_size % (dims.tp * stripes) != 0:
             raise ValueError(f"output size {output_size} not divisible by tp {dims.tp} "
@@ -147,6 +190,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, input_size, device=device, dtype=dtype))
         _mark(self.weight, 0, stripes)
         init_sharded_(self.weight, (output_size, input_size), init_std, dims)
+        self.weight.fused_wgrad = fuse_wgrad and fp8 is None and not (
+            comm_overlap and sequence_parallel and dims.tp > 1)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype))
@@ -182,8 +227,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, dims, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  comm_overlap: bool = False, init_std: float = 0.02,
-                 fp8: FP8Recipe | None = None, compile_fp8_casts: bool = False, device=None,
-                 dtype: torch.dtype = torch.float32):
+                 fp8: FP8Recipe | None = None, compile_fp8_casts: bool = False,
+                 fuse_wgrad: bool = False, device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
         if input_size % dims.tp != 0:
             raise ValueError(f"input size {input_size} not divisible by tp {dims.tp}")
@@ -198,6 +243,7 @@ class RowParallelLinear(nn.Module):
             torch.empty(output_size, input_size // dims.tp, device=device, dtype=dtype))
         _mark(self.weight, 1)
         init_sharded_(self.weight, (output_size, input_size), init_std, dims)
+        self.weight.fused_wgrad = fuse_wgrad and fp8 is None and not self.comm_overlap
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, device=device, dtype=dtype))
@@ -211,6 +257,8 @@ class RowParallelLinear(nn.Module):
             x = mappings.scatter_to_tensor_parallel_region(x, self.dims.tp_group)
         if self.fp8_state is not None:
             return fp8_linear(x, self.weight, None, self.fp8_state)
+        if self.weight.fused_wgrad:
+            return _LocalLinear.apply(x, self.weight)
         return F.linear(x, self.weight)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,15 @@
 (plain or qgZ) into fp32 shards (stages 1 and 3).
 
 A post-accumulate-grad hook adds each parameter's `.grad` (any dtype) into its view of its unit's
-fp32 flat buffer (views made once per buffer) and frees `.grad`. The hook is one tensor op and a
-few statements: with hundreds of small parameters its host time is what a small-micro-batch step
-waits on (benchmarks/zero_host_overhead.py). Holding a unit's gradients for one
-`torch._foreach_add_` measured no faster (bf16 into fp32 takes foreach's per-tensor path) and
-kept them alive longer. Stages 0 and 1 keep one flat buffer per unit for the whole step,
+fp32 flat buffer (views made once per buffer) and frees `.grad`. At stages 0 and 1 the view is also
+the parameter's main gradient (`main_grad_ref`, a weak reference): a linear whose weight is marked
+`fused_wgrad` accumulates its weight gradient there inside the GEMM (tp/layers.py `weight_grad`,
+Megatron's gradient-accumulation fusion) and hands autograd a placeholder, which the hook only
+frees. The hook is one tensor op and a few statements: with hundreds of small parameters its host
+time is what a small-micro-batch step waits on (benchmarks/zero_host_overhead.py). Holding a unit's
+gradients for one `torch._foreach_add_` measured no faster (bf16 into fp32 takes foreach's
+per-tensor path) and kept them alive longer.
+Stages 0 and 1 keep one flat buffer per unit for the whole step,
 accumulating micro-batches in fp32 (`no_sync()` defers the reduction to the last micro-batch;
 a synced backward reduces what accumulated since the last reduction). At stage 0 a unit is a bucket
 (`partition.find_buckets`) and its buffer is also its gradient "shard": the all-reduce divides
@@ -47,6 +51,7 @@ Ordering assumptions:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -79,6 +84,9 @@ class GradReducer:
         if self.persistent:
             for index in range(len(units)):
                 self._allocate(index)
+                for param, view in zip(units[index].params, self._views[index]):
+                    # tp/layers.py weight_grad accumulates here; weak: the buffers go with us
+                    param.main_grad_ref = weakref.ref(view)
         self.grad_shards = list(self.buffers) if self.in_place else [
             torch.zeros(u.shard_numel, device=self.device) for u in units]
         self.order = list(range(len(units)))[::-1]
@@ -146,7 +154,8 @@ class GradReducer:
                 "launched: a parameter must receive its gradient once per backward")
         if self.buffers[index] is None:
             self._allocate(index)
-        self._views[index][position].add_(param.grad)
+        if not (self.persistent and getattr(param, "fused_wgrad", False)):
+            self._views[index][position].add_(param.grad)  # else: in main_grad already
         param.grad = None
         self._streams.note(index, self.buffers[index])
         self._reported[index] += 1
