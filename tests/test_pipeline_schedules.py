@@ -253,7 +253,6 @@ def test_validator_refusals():
 
 
 @pytest.mark.parametrize("leaves, flag", [
-    (dict(ckpt_format="torch_dist", save="/tmp"), "--ckpt-format"),
     (dict(rampup_batch_size=[1, 1, 8], train_iters=None, train_samples=64, world=2,
           global_batch_size=8, virtual_pipeline_model_parallel_size=2,
           pipeline_schedule="interleaved"), "--rampup-batch-size"),
@@ -276,6 +275,7 @@ def test_validator_accepts_uneven_and_interleaved():
                          num_layers_per_virtual_pipeline_stage=2,
                          pipeline_schedule="interleaved"), 2)
     for leaves in (dict(calculate_per_token_loss=True), dict(decoupled_lr=1e-3),
+                   dict(ckpt_format="torch_dist", save="/tmp"),
                    dict(overlap_param_gather=True, stage=1, world=4),
                    dict(rampup_batch_size=[4, 4, 8], train_iters=None, train_samples=64,
                         global_batch_size=8, virtual_pipeline_model_parallel_size=2,

@@ -39,10 +39,6 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
         check(checkpoint.hf_checkpoint is None, "--hf-checkpoint", checkpoint.hf_checkpoint,
               "unset with --pipeline-model-parallel-size > 1: Hugging Face weights load into a "
               "whole model only (convert to a checkpoint first: scripts/convert_hf_llama.py)")
-        check(checkpoint.ckpt_format != "torch_dist" or checkpoint.save is None,
-              "--ckpt-format", checkpoint.ckpt_format, "torch with --pipeline-model-parallel-size "
-              "> 1 when saving: torch_dist files are written from a whole model (PP 1) so far; "
-              "Megatron-LM checkpoints still load into pipeline stages")
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)
 
