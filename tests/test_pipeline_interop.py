@@ -6,9 +6,17 @@
   (fp32, 1e-5), and it loads back into us at PP 1 (same logits) and at another split of PP 2
   (each stage's values equal the whole model's); a training run at PP 2 with --ckpt-format
   torch_dist --save writes files megatron-core loads with the weights of our own files.
+- Hugging Face Llama at PP 2 (and PP 2 x TP 2): a directory saved from the model without PP
+  loads into the stages with every value equal to that model's; the stages save it back (each
+  stage its own files, several per stage) with every tensor and config.json equal to the
+  directory saved without PP; a training run from it (`hf_model_init`, as --hf-checkpoint)
+  gives the losses, grad norms and weights of the same run without PP (1e-5).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +25,14 @@ from test_megatron_checkpoint import config_of, our_logits, shared_dir, tokens_o
 
 from dist_utils import C, DistSuite, assert_close
 from megadomino.distributed import ParallelDims
+from megadomino.interop.hf import load_llama_weights, save_llama
 from megadomino.interop.megatron_dist import save_megatron_dist
 from megadomino.models.gpt import GPTModel
+from megadomino.models.llama import LlamaModel
 from megadomino.pipeline.plan import uniform_plan
-from megadomino.pipeline.stage import build_stage
+from megadomino.pipeline.stage import build_stage, stage_full_state
 from megadomino.train.checkpoint import load_checkpoint
+from megadomino.train.inputs import hf_model_init
 
 REL = 1e-5
 SEED = 5
@@ -95,6 +106,67 @@ def _case_train_saves(dims: ParallelDims, whole_dims: ParallelDims, root: str) -
                  REL, "--ckpt-format torch_dist at PP2 -> megatron-core")
 
 
+def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in directory.glob("*.safetensors"):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def _case_hf(dims: ParallelDims, whole_dims: ParallelDims, root: str) -> None:
+    config = config_of("llama").replace(num_layers=LAYERS)
+    assert config.untie_embeddings_and_output_weights
+    source = shared_dir(root, f"hf-whole-tp{dims.tp}")
+    torch.manual_seed(SEED)
+    whole = LlamaModel(config, whole_dims, "cpu")
+    save_llama(whole, str(source))
+    stage = _stage(config, dims, "llama", 2)
+    with torch.no_grad():
+        for param in stage.parameters():
+            param.zero_()
+    load_llama_weights(stage, str(source))
+    reference = dict(whole.named_parameters())
+    held = dict(stage.checkpoint_parameters())
+    assert held and set(held) < set(reference)
+    for name, value in held.items():
+        assert torch.equal(value, reference[name]), name
+    saved = shared_dir(root, f"hf-stages-tp{dims.tp}")
+    save_llama(stage, str(saved), max_shard_bytes=40_000)
+    expected, written = _hf_tensors(source), _hf_tensors(saved)
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[name], expected[name]) for name in expected)
+    assert json.loads((saved / "config.json").read_text()) == json.loads(
+        (source / "config.json").read_text())
+    weight_map = json.loads((saved / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 2, weight_map
+    _hf_training(config, dims, whole_dims, str(source))
+
+
+def _hf_training(config, dims: ParallelDims, whole_dims: ParallelDims, source: str) -> None:
+    """Three SGD steps from the HF weights at PP 2 and without PP: the same losses, grad norms
+    and weights (1e-5)."""
+    from configs import make_config
+    from megadomino.train.loop import train
+
+    runs = []
+    for run_dims, pipeline in ((whole_dims, {}), (dims, dict(
+            pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2))):
+        run = make_config(config, micro_batch_size=1, global_batch_size=4, train_iters=3,
+                          optimizer="sgd", lr=0.5, lr_warmup_iters=0, log_interval=1,
+                          mock_data=True, tensor_model_parallel_size=dims.tp, **pipeline)
+        runs.append(train(run, run_dims, "llama", log=lambda line: None,
+                          model_init=hf_model_init(source)))
+    ref, mine = runs
+    for what in ("losses", "grad_norms"):
+        for a, b in zip(mine[what], ref[what], strict=True):
+            assert abs(a - b) <= REL * abs(b), (what, a, b)
+    reference = ref["model"].full_state_dict()
+    for name, value in stage_full_state(mine["model"]).items():
+        assert_close(value, reference[name], REL, name)
+
+
 SUITE = DistSuite(worlds=(2, 4), timeout=400.0)
 
 
@@ -107,6 +179,7 @@ def _setup(world: int, root: str) -> dict:
 for family in ("gpt", "llama"):
     SUITE.case(f"torch-dist-{family}", _case_torch_dist, family, C.pp2, C.whole, C.root,
                requires="megatron")
+SUITE.case("hugging-face", _case_hf, C.pp2, C.whole, C.root, requires="safetensors")
 SUITE.case("train-saves-torch-dist", _case_train_saves, C.pp2, C.whole, C.root,
            requires="megatron", worlds=(2,))
 

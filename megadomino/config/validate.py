@@ -34,11 +34,6 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
     `data_given`: datasets are handed to train(), so no data flag is needed."""
     _train_rules(config.train, finetune, data_given)
     _parallel_rules(config.model, config.parallel, config.train.precision.fp8)
-    checkpoint = config.train.checkpoint
-    if config.parallel.pipeline_model_parallel_size > 1:
-        check(checkpoint.hf_checkpoint is None, "--hf-checkpoint", checkpoint.hf_checkpoint,
-              "unset with --pipeline-model-parallel-size > 1: Hugging Face weights load into a "
-              "whole model only (convert to a checkpoint first: scripts/convert_hf_llama.py)")
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)
 
