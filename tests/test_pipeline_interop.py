@@ -95,7 +95,8 @@ def _case_train_saves(dims: ParallelDims, whole_dims: ParallelDims, root: str) -
     run = make_config(config, micro_batch_size=1, global_batch_size=4, train_iters=2, lr=1e-3,
                       lr_warmup_iters=0, log_interval=1, mock_data=True,
                       tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=2,
-                      decoder_first_pipeline_num_layers=2, save=saved, ckpt_format="torch_dist")
+                      decoder_first_pipeline_num_layers=2, save=saved, save_interval=1,
+                      ckpt_format="torch_dist")
     train(run, dims, "gpt", log=lambda line: None)
     ours = GPTModel(config, whole_dims, "cpu")
     assert load_checkpoint(saved, ours, whole_dims, log=lambda line: None).iteration == 2

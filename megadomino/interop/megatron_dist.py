@@ -220,6 +220,8 @@ def write_megatron_dist(model: torch.nn.Module, target: Path, iteration: int, di
                 common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
                           "args": args}
             error = _write(tensors, stacked, model.config.num_layers, common, target, writers)
+            if writers is not None:  # a save's group, not kept: its connections are closed
+                dist.destroy_process_group(writers)
     _agree(error)
 
 
