@@ -34,16 +34,6 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
     `data_given`: datasets are handed to train(), so no data flag is needed."""
     _train_rules(config.train, finetune, data_given)
     _parallel_rules(config.model, config.parallel, config.train.precision.fp8)
-    checkpoint = config.train.checkpoint
-    if config.parallel.pipeline_model_parallel_size > 1:
-        check(checkpoint.hf_checkpoint is None, "--hf-checkpoint", checkpoint.hf_checkpoint,
-              "unset with --pipeline-model-parallel-size > 1: Hugging Face weights load into a "
-              "whole model only (convert to a checkpoint first: scripts/convert_hf_llama.py)")
-        _pipeline_training_rules(config.train.schedule, config.parallel)
-        check(checkpoint.ckpt_format != "torch_dist" or checkpoint.save is None,
-              "--ckpt-format", checkpoint.ckpt_format, "torch with --pipeline-model-parallel-size "
-              "> 1 when saving: torch_dist files are written from a whole model (PP 1) so far; "
-              "Megatron-LM checkpoints still load into pipeline stages")
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)
 
@@ -119,21 +109,6 @@ def _pipeline_rules(model: ModelConfig, parallel: ParallelConfig) -> None:
     check(parallel.zero.stage in (0, 1), "--zero-stage", parallel.zero.stage,
           "0 or 1 with pipeline parallelism: stage 3 gathers each layer in forward hooks and "
           "reduces every backward, which the pipeline's interleaved micro-batches would repeat")
-
-
-def _pipeline_training_rules(schedule: ScheduleConfig, parallel: ParallelConfig) -> None:
-    """Training features not composed with pipeline stages yet: the pipeline runtime runs a
-    fixed number of micro-batches and averages the loss per micro-batch."""
-    flag = "--pipeline-model-parallel-size"
-    pp = parallel.pipeline_model_parallel_size
-    check(schedule.rampup_batch_size is None, flag, pp, "1 with --rampup-batch-size (the "
-          "pipeline's schedule is made for one number of micro-batches)")
-    check(not schedule.calculate_per_token_loss, flag, pp, "1 with --calculate-per-token-loss "
-          "(the pipeline's last stage averages the loss per micro-batch)")
-    check(schedule.decoupled_lr is None, flag, pp, "1 with --decoupled-lr (the embedding and "
-          "output weights' groups are not found across stages yet)")
-    check(not parallel.zero.overlap_param_gather, flag, pp, "1 with --overlap-param-gather "
-          "(the gathers' waits are not tested under the pipeline's schedule yet)")
 
 
 def validate_layers(model: ModelConfig, parallel: ParallelConfig, tp: int,
@@ -230,6 +205,13 @@ def _world_rules(config: Config, world_size: int, local_world_size: int | None) 
               f"--pipeline-model-parallel-size ({schedule.micro_batch_size * dp * pp}) with "
               f"the interleaved schedule: its micro-batches ({num_micro}) go in groups of the "
               f"pipeline size")
+        tile = schedule.micro_batch_size * dp * pp
+        rampup = schedule.rampup_batch_size
+        check(rampup is None or (rampup[0] % tile == 0 and rampup[1] % tile == 0),
+              "--rampup-batch-size", rampup, f"START and INCREMENT multiples of "
+              f"--micro-batch-size x data-parallel size x --pipeline-model-parallel-size "
+              f"({tile}) with the interleaved schedule: every step's micro-batches go in groups "
+              f"of the pipeline size")
     if logging.profile:
         outside = [r for r in logging.profile_ranks if not 0 <= r < world_size]
         if outside:

@@ -1,7 +1,12 @@
-"""Import and export Hugging Face Llama checkpoints (config.json + safetensors) at any TP degree.
+"""Import and export Hugging Face Llama checkpoints (config.json + safetensors) at any TP and PP
+degree.
 
     model = load_llama("Llama-2-7b-hf", dims, params_dtype="bfloat16", seq_length=4096)
-    save_llama(model, "out/llama-hf")        # collective; global rank 0 writes
+    save_llama(model, "out/llama-hf")        # collective; TP rank 0 of each stage writes
+    load_llama_weights(stage, "Llama-2-7b-hf")   # into a built model or pipeline stage
+
+A pipeline stage (`checkpoint_parameters`: the whole model's names) loads its layers' HF
+tensors; at export each stage's writer writes its own files (none holds two stages' tensors).
 
 One table, `weight_layout`, says how each of our unsharded tensors is made of rows of HF tensors
 (the fused QKV interleaves q, k and v per query group; fc1 stacks gate over up); loading and saving
@@ -23,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from megadomino.config import ConfigError, FP8Recipe, ModelConfig, ParallelConfig
 from megadomino.interop.hf_config import hf_config_from, model_config_from_hf
@@ -186,10 +192,9 @@ def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
     `params_dtype`: 'float32' (default), 'bfloat16', 'float16' or the torch dtype. `device`: the
     model's default (the current CUDA device, else CPU) when None. `parallel` and `fp8`: how its
     layers run (LlamaModel's). Keyword `config_overrides` replace ModelConfig fields
-    (seq_length, ...). Not
-    collective: each rank reads its own slices. Raises ConfigError for an unsupported config and
-    FileNotFoundError / KeyError / ValueError naming a missing file, a missing tensor or a shape
-    that contradicts config.json."""
+    (seq_length, ...). Not collective: each rank reads its own slices. Raises ConfigError for
+    an unsupported config and FileNotFoundError / KeyError / ValueError naming a missing file,
+    a missing tensor or a shape that contradicts config.json."""
     if isinstance(params_dtype, torch.dtype):
         params_dtype = {dtype: name for name, dtype in DTYPES.items()}[params_dtype]
     if params_dtype is not None:
@@ -198,12 +203,30 @@ def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
     reader = SafetensorsReader(hf_dir)
     _check_tensors(reader, config, hf_dir)
     model = LlamaModel(config, dims, device, parallel=parallel, fp8=fp8)
-    layout = weight_layout(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(_read_shard(reader, layout[name], param, dims)
-                        - _norm_offset(config, name))
+    _copy_weights(model, reader)
     return model
+
+
+def load_llama_weights(model: nn.Module, hf_dir: str) -> None:
+    """Fill `model` (a LlamaModel or a pipeline stage of one) with this rank's shards of the HF
+    checkpoint in `hf_dir` (exactly `model.config`'s tensors). Not collective; raises as
+    load_llama."""
+    reader = SafetensorsReader(hf_dir)
+    _check_tensors(reader, model.config, hf_dir)
+    _copy_weights(model, reader)
+
+
+def _named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters under the whole model's names (a stage's `checkpoint_parameters`)."""
+    return list(getattr(model, "checkpoint_parameters", model.named_parameters)())
+
+
+def _copy_weights(model: nn.Module, reader: SafetensorsReader) -> None:
+    config, layout = model.config, weight_layout(model.config)
+    with torch.no_grad():
+        for name, param in _named(model):
+            param.copy_(_read_shard(reader, layout[name], param, model.dims)
+                        - _norm_offset(config, name))
 
 
 def _norm_offset(config: ModelConfig, name: str) -> float:
@@ -266,54 +289,66 @@ def _read_rows(reader: SafetensorsReader, blocks: list[RowBlock], start: int, st
     return torch.cat(parts)
 
 
-def save_llama(model: LlamaModel, out_dir: str, dtype: str | None = None,
+def save_llama(model: nn.Module, out_dir: str, dtype: str | None = None,
                max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `model` as an HF Llama directory: config.json and safetensors, split into
-    `model-0000i-of-0000n.safetensors` files of at most `max_shard_bytes` (one tensor may exceed
-    it) with `model.safetensors.index.json` when it does not fit one file.
+    """Write `model` (a LlamaModel, or this rank's pipeline stage of one) as an HF Llama
+    directory: config.json and safetensors, split into `model-0000i-of-0000n.safetensors` files
+    of at most `max_shard_bytes` (one tensor may exceed it; no file holds two stages' tensors)
+    with `model.safetensors.index.json` when it does not fit one file.
 
-    Collective over the world: every rank calls it; the TP group of global rank 0 gathers the
-    parameters one at a time and rank 0 writes; all ranks return once the files are complete, or
-    all raise the same OSError when rank 0 could not write. `dtype` defaults to the model's
-    params_dtype."""
+    Collective over the world: every rank calls it; the TP group at DP rank 0 of each stage
+    gathers its parameters one at a time and its TP rank 0 writes that stage's files (rank 0
+    config.json and the index); all ranks return once the files are complete, or all raise the
+    same OSError when a writer could not write. `dtype` defaults to the model's params_dtype."""
     config, dims = model.config, model.dims
     dtype = dtype or config.params_dtype
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    named = [(name, param) for name, param in _named(model)
+             if not getattr(param, "pipeline_duplicate", False)]
+    files = _plan_files(config, _stage_orders([name for name, _ in named], dims),
+                        DTYPES[dtype], max_shard_bytes)
     error = None
-    if dims.dp_rank == 0 and dims.pp_rank == 0:
-        error = _write_weights(model, out_dir, DTYPES[dtype], max_shard_bytes, dims.rank == 0)
+    if dims.dp_rank == 0:
+        error = _write_weights(named, config, dims, out_dir, DTYPES[dtype], files)
     if dims.rank == 0 and error is None:
         try:
             with open(os.path.join(out_dir, "config.json"), "w") as f:
                 json.dump(hf_config_from(config, dtype), f, indent=2)
         except OSError as err:
-            error = f"could not write {out_dir}/config.json: {err}"
+            error = f"rank 0 could not write {out_dir}/config.json: {err}"
     if dist.is_initialized():
         # Also the barrier: no rank returns before the files are complete.
         errors: list[str | None] = [None] * dims.world_size
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
-        raise OSError(f"save_llama: rank 0 {error}")
+        raise OSError(f"save_llama: {error}")
 
 
-def _write_weights(model: LlamaModel, out_dir: str, dtype: torch.dtype, max_shard_bytes: int,
-                   writes: bool) -> str | None:
-    """Gather every parameter (collective over TP) and, if `writes`, write the safetensors
-    files and index as they complete. After a failed write the gathers go on (the other TP ranks
-    are in them) and the error is returned."""
+def _stage_orders(order: list[str], dims) -> list[list[str]]:
+    """Every stage's parameter names, stage by stage (at PP > 1 collective over the world)."""
+    if dims.pp == 1:
+        return [order]
+    gathered: list = [None] * dims.world_size
+    dist.all_gather_object(gathered, (dims.pp_rank, order))
+    by_stage = dict(sorted(gathered))
+    return [by_stage[stage] for stage in range(dims.pp)]
+
+
+def _write_weights(named: list[tuple[str, nn.Parameter]], config: ModelConfig, dims,
+                   out_dir: str, dtype: torch.dtype, files: dict[str, str]) -> str | None:
+    """Gather every parameter of `named` (collective over TP); TP rank 0 writes the files
+    they fill as they complete, rank 0 the index. After a failed write the gathers go on (the
+    other TP ranks are in them) and the error is returned."""
     from safetensors.torch import save_file
 
-    layout, shapes = weight_layout(model.config), hf_shapes(model.config)
-    files = _plan_files(model.config, [name for name, _ in model.named_parameters()], dtype,
-                        max_shard_bytes)
+    layout, shapes = weight_layout(config), hf_shapes(config)
     tensors_per_file = Counter(files.values())
     pending: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-    error = None
-    for name, param in model.named_parameters():
-        full = gather_full(param.detach(), param, model.dims).cpu() + _norm_offset(
-            model.config, name)
+    writes, error = dims.tp_rank == 0, None
+    for name, param in named:
+        full = gather_full(param.detach(), param, dims).cpu() + _norm_offset(config, name)
         if not writes or error is not None:
             continue
         offset = 0
@@ -331,33 +366,34 @@ def _write_weights(model: LlamaModel, out_dir: str, dtype: torch.dtype, max_shar
                     save_file(pending.pop(file_name), os.path.join(out_dir, file_name),
                               metadata={"format": "pt"})
         except OSError as err:
-            error = f"could not write into {out_dir}: {err}"
-    if writes and error is None and len(tensors_per_file) > 1:
+            error = f"rank {dims.rank} could not write into {out_dir}: {err}"
+    if dims.rank == 0 and error is None and len(tensors_per_file) > 1:
         total = sum(torch.Size(shape).numel() for shape in shapes.values()) * dtype.itemsize
         try:
             with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": files}, f, indent=2)
         except OSError as err:
-            error = f"could not write {out_dir}/{SAFETENSORS_INDEX}: {err}"
+            error = f"rank 0 could not write {out_dir}/{SAFETENSORS_INDEX}: {err}"
     return error
 
 
-def _plan_files(config: ModelConfig, parameter_order: list[str], dtype: torch.dtype,
+def _plan_files(config: ModelConfig, stage_orders: list[list[str]], dtype: torch.dtype,
                 max_shard_bytes: int) -> dict[str, str]:
-    """HF tensor name -> output file, filled in the order the parameters are gathered (so that
-    a file completes before the next one starts) up to max_shard_bytes."""
+    """HF tensor name -> output file, filled in the order each stage gathers its parameters
+    (so that a file completes before the next one starts) up to max_shard_bytes, a new file at
+    each stage (its writer writes it alone)."""
     shapes, layout = hf_shapes(config), weight_layout(config)
-    ordered = list(dict.fromkeys(block.name for name in parameter_order
-                                 for block in layout[name]))
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name in ordered:
-        nbytes = torch.Size(shapes[name]).numel() * dtype.itemsize
-        if groups[-1] and size + nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
+    groups: list[list[str]] = []
+    for order in stage_orders:
+        groups.append([])
+        size = 0
+        for name in dict.fromkeys(block.name for ours in order for block in layout[ours]):
+            nbytes = torch.Size(shapes[name]).numel() * dtype.itemsize
+            if groups[-1] and size + nbytes > max_shard_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(name)
+            size += nbytes
     if len(groups) == 1:
         return dict.fromkeys(groups[0], SAFETENSORS_FILE)
     count = len(groups)

@@ -15,8 +15,12 @@ layer's slice of a stacked key at a time, so a rank holds at most one full (unsh
 tensor beside the model.
 
 Writing (`save_megatron_dist`, or `write_megatron_dist` into one of our checkpoint directories)
-gathers each parameter over TP, and global rank 0 writes the layout megatron-core writes for a
-GPTModel: the Transformer Engine names, layers stacked, the vocabulary padded for the run's TP
+gathers each parameter over TP, and TP rank 0 at DP rank 0 of every pipeline stage writes its
+stage's part of the layout megatron-core writes for a GPTModel (at PP 1, global rank 0 writes it
+all): its layers' rows of each stacked key at their global offsets, and the whole tensors it
+holds (the tied embedding once, from the first stage), through one torch.distributed.checkpoint
+save over those writers, whose index (`.metadata`) then covers every tensor whole. The layout:
+the Transformer Engine names, layers stacked, the vocabulary padded for the run's TP
 degree (megatron-core loads it at a TP degree that pads the vocabulary alike), an empty extra
 state per layer and linear (megatron-core's load asks for them), and `common.pt` with
 `iteration`, `checkpoint_version` 3.0 and `args` (the architecture and counters in Megatron-LM's
@@ -39,13 +43,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megadomino.config import ModelConfig
@@ -137,7 +148,7 @@ class _BlockLoadPlanner(DefaultLoadPlanner):
 
 
 def megatron_args(config: ModelConfig, tp: int, iteration: int, consumed_train_samples: int,
-                  consumed_valid_samples: int) -> argparse.Namespace:
+                  consumed_valid_samples: int, pp: int = 1) -> argparse.Namespace:
     """The `args` Megatron-LM reads back from a checkpoint (check_checkpoint_args, the consumed
     samples), in its argument names."""
     return argparse.Namespace(
@@ -154,7 +165,7 @@ def megatron_args(config: ModelConfig, tp: int, iteration: int, consumed_train_s
         untie_embeddings_and_output_weights=config.untie_embeddings_and_output_weights,
         vocab_size=config.vocab_size, padded_vocab_size=config.padded_vocab_size(tp),
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         data_parallel_random_init=False, ckpt_format="torch_dist", iteration=iteration,
         consumed_train_samples=consumed_train_samples,
         consumed_valid_samples=consumed_valid_samples)
@@ -190,24 +201,39 @@ def save_megatron_dist(model: torch.nn.Module, directory: str | os.PathLike, ite
 
 def write_megatron_dist(model: torch.nn.Module, target: Path, iteration: int, dims, *,
                         consumed_train_samples: int = 0, consumed_valid_samples: int = 0) -> None:
-    """Write the torch_dist files of `model` (`.metadata`, `__0_0.distcp`, `common.pt`,
+    """Write the torch_dist files of `model` (`.metadata`, `__R_0.distcp`, `common.pt`,
     `metadata.json`) into the directory `target` (made if missing; other files in it are left
-    alone). Collective over the world: the TP group of rank 0 gathers each parameter, rank 0
-    writes, and every rank raises the same OSError when it could not. The parameters must be
-    whole (ZeRO stage 3 gathers them first); pipeline-parallel models are not written."""
-    if dims.pp != 1:
-        raise MegatronCheckpointError("torch_dist checkpoints are written at pipeline-parallel "
-                                      f"size 1 only, not {dims.pp}")
+    alone). `model`: a whole model, or at PP > 1 this rank's stage (its `checkpoint_parameters`
+    name them as the whole model does). Collective over the world: the TP group at DP rank 0 of
+    each stage gathers each parameter, its TP rank 0 writes (module docstring), and every rank
+    raises the same OSError when any writer could not. The parameters must be whole (ZeRO
+    stage 3 gathers them first)."""
+    writers = _writer_group(dims)
     error = None
     if dims.dp_rank == 0:
-        tensors = _megatron_tensors(model, dims)
-        if dims.rank == 0:
-            args = megatron_args(model.config, dims.tp, iteration, consumed_train_samples,
-                                 consumed_valid_samples)
-            common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
-                      "args": args}
-            error = _write(tensors, common, target)
+        tensors, stacked = _megatron_tensors(model, dims)
+        if dims.tp_rank == 0:
+            common = None
+            if dims.rank == 0:
+                args = megatron_args(model.config, dims.tp, iteration, consumed_train_samples,
+                                     consumed_valid_samples, dims.pp)
+                common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
+                          "args": args}
+            error = _write(tensors, stacked, model.config.num_layers, common, target, writers)
+            if writers is not None:  # a save's group, not kept: its connections are closed
+                dist.destroy_process_group(writers)
     _agree(error)
+
+
+def _writer_group(dims):
+    """At PP > 1 the group of every stage's writer (TP and DP rank 0: rank s x dp x tp of
+    Megatron's grid), over gloo (the tensors are on the CPU); None at PP 1 (rank 0 writes
+    alone). Collective over the world."""
+    if dims.pp == 1:
+        return None
+    stride = dims.world_size // dims.pp
+    return dist.new_group([stage * stride for stage in range(dims.pp)], backend="gloo",
+                          timeout=dims.timeout)
 
 
 def _agree(error: str | None) -> None:
@@ -217,16 +243,25 @@ def _agree(error: str | None) -> None:
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
-        raise OSError(f"torch_dist checkpoint: rank 0 {error}")
+        raise OSError(f"torch_dist checkpoint: a writer {error}")
 
 
-def _megatron_tensors(model: torch.nn.Module, dims) -> dict[str, torch.Tensor | list]:
-    """Megatron-core's torch_dist entries of `model` (collective over TP): full tensors, the
-    vocabulary padded to this TP degree, layers stacked under `decoder.layers.<name>`; and an
-    empty extra state per layer and linear."""
-    stacked: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+Stacked = dict[str, list[tuple[int, torch.Tensor]]]
+"""A stacked key's rows this rank holds: (first global layer, the rows of consecutive layers)."""
+
+
+def _megatron_tensors(model: torch.nn.Module,
+                      dims) -> tuple[dict[str, torch.Tensor | list], Stacked]:
+    """Megatron-core's torch_dist entries of `model` (collective over TP): the full tensors
+    held whole (the vocabulary padded to this TP degree; a pipeline's second copy of the tied
+    embedding left out) and an empty extra state per held layer and linear; and the stacked
+    keys' rows of the held layers, in runs of consecutive layers."""
+    layers: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     tensors = {}
-    for name, param in model.named_parameters():
+    named = getattr(model, "checkpoint_parameters", model.named_parameters)
+    for name, param in named():
+        if getattr(param, "pipeline_duplicate", False):
+            continue
         full = gather_full(param.detach(), param, dims).cpu()
         vocab = getattr(param, "vocab_size", None)
         if vocab is not None:  # (vocab, h) -> (padded vocab, h), zero rows as Megatron's
@@ -235,28 +270,85 @@ def _megatron_tensors(model: torch.nn.Module, dims) -> dict[str, torch.Tensor | 
         if layer is None:
             tensors[key] = full
         else:
-            stacked[key][layer] = full
-    for key, layers in stacked.items():
-        tensors[key] = torch.stack([layers[i] for i in sorted(layers)])
+            layers[key][layer] = full
+    stacked: Stacked = {key: _runs(rows) for key, rows in layers.items()}
     num_layers = model.config.num_layers
+    held = sorted({layer for rows in layers.values() for layer in rows})
     for module in EXTRA_STATE_MODULES:  # (ShardedObject key)/shard_(layer)_(layers)
-        for layer in range(num_layers):
+        for layer in held:
             # torch.distributed.checkpoint torch.saves it: the bytes megatron-core writes for
             # a ShardedObject (torch.save of the list of the objects' data) of no extra state
             tensors[f"{LAYER_PREFIX}{module}._extra_state/shard_{layer}_{num_layers}"] = [None]
-    return tensors
+    return tensors, stacked
 
 
-def _write(tensors: dict[str, torch.Tensor | list], common: dict[str, Any],
-           target: Path) -> str | None:
-    """Write the files into `target`; the error as text, None when written."""
+def _runs(rows: dict[int, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """The rows of consecutive layers stacked: [(first layer, tensor [count, ...])]."""
+    runs: list[tuple[int, list[torch.Tensor]]] = []
+    for layer in sorted(rows):
+        if runs and runs[-1][0] + len(runs[-1][1]) == layer:
+            runs[-1][1].append(rows[layer])
+        else:
+            runs.append((layer, [rows[layer]]))
+    return [(first, torch.stack(parts)) for first, parts in runs]
+
+
+class _StagePlanner(DefaultSavePlanner):
+    """Saves every whole entry as the default planner does (unflattened), and each stacked
+    key as the runs of rows this rank holds, chunks of the global tensor [num_layers, ...] at
+    their layer offsets; the coordinator's global plan checks the chunks of all the writers
+    tile each tensor."""
+
+    def __init__(self, stacked: Stacked, num_layers: int):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.stacked, self.num_layers = stacked, num_layers
+
+    def create_local_plan(self) -> SavePlan:
+        items = [self._whole(key, value) for key, value in self.state_dict.items()]
+        for key, runs in self.stacked.items():
+            for first, rows in runs:
+                offsets = torch.Size((first,) + (0,) * (rows.dim() - 1))
+                items.append(WriteItem(
+                    index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=rows.shape),
+                        properties=TensorProperties.create_from_tensor(rows),
+                        size=torch.Size((self.num_layers,) + tuple(rows.shape[1:])))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    @staticmethod
+    def _whole(key: str, value: Any) -> WriteItem:
+        if not isinstance(value, torch.Tensor):
+            return WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
+        zeros = torch.Size((0,) * value.dim())
+        return WriteItem(index=MetadataIndex(key, zeros), type=WriteItemType.TENSOR,
+                         tensor_data=TensorWriteData(
+                             chunk=ChunkStorageMetadata(offsets=zeros, sizes=value.shape),
+                             properties=TensorProperties.create_from_tensor(value),
+                             size=value.shape))
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        if index.fqn in self.stacked:
+            return next(rows for first, rows in self.stacked[index.fqn]
+                        if first == index.offset[0])
+        return super().lookup_object(index)
+
+
+def _write(tensors: dict[str, torch.Tensor | list], stacked: Stacked, num_layers: int,
+           common: dict[str, Any] | None, target: Path, writers) -> str | None:
+    """Write this writer's part into `target` (with `common`: common.pt and metadata.json
+    too); the error as text, None when written. `writers`: the group of every writer, None
+    when this rank writes alone."""
     try:
         target.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():  # no_dist is meant: rank 0 writes alone
+        with warnings.catch_warnings():  # no_dist is meant when rank 0 writes alone
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(tensors, checkpoint_id=str(target), no_dist=True)
-        torch.save(common, target / COMMON)
-        (target / DIST_METADATA).write_text(json.dumps(DIST_BACKENDS))
-    except OSError as err:
+            dcp.save(tensors, checkpoint_id=str(target), no_dist=writers is None,
+                     process_group=writers, planner=_StagePlanner(stacked, num_layers))
+        if common is not None:
+            torch.save(common, target / COMMON)
+            (target / DIST_METADATA).write_text(json.dumps(DIST_BACKENDS))
+    except Exception as err:  # every rank must hear of it (a writer's CheckpointException too)
         return f"could not write into {target}: {err!r}"
     return None

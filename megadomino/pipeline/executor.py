@@ -8,7 +8,8 @@ For each action, in order and nothing else:
                    the output are kept until that micro-batch's backward. On the last virtual
                    stage the output is the micro-batch's loss; what is kept for backward is
                    loss / num_micro (times the fp16 loss scale): gradients accumulate over the
-                   micro-batches as Megatron's do, to the gradient of the mean loss
+                   micro-batches as Megatron's do, to the gradient of the mean loss; with
+                   `weights` (per-token loss), loss times the micro-batch's weight instead
   backward         torch.autograd.backward of the kept output with the received output gradient
                    (of the scaled loss on the last virtual stage); the input's gradient is kept
                    for its send
@@ -44,11 +45,13 @@ class Executor:
         return self.stage == self.stages - 1 and chunk == len(self.chunks) - 1
 
     def run(self, actions: Sequence[Action], batches: Sequence[MicroBatch],
-            loss_scale: float = 1.0, train: bool = True) -> list[torch.Tensor]:
+            loss_scale: float = 1.0, train: bool = True,
+            weights: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Run `actions` on `batches` (one per micro-batch). Returns the losses of the
         micro-batches (detached fp32 scalars) on the last stage, [] elsewhere. `train` False:
-        forwards only, without autograd (evaluation)."""
-        state = _State(len(batches), loss_scale, train)
+        forwards only, without autograd (evaluation). `weights`: each micro-batch's factor on
+        its loss for backward (default 1 / micro-batches)."""
+        state = _State(len(batches), loss_scale, train, weights)
         with torch.enable_grad() if train else torch.no_grad():
             for action in actions:
                 self._do(action, batches, state)
@@ -68,7 +71,8 @@ class Executor:
             out = run_chunk(self.chunks[chunk], x, *batches[micro])
             if self._is_last(chunk):
                 state.losses[micro] = out.detach().float()
-                out = out * (state.loss_scale / state.num_micro)
+                out = out * (state.loss_scale / state.num_micro if state.weights is None
+                             else state.loss_scale * state.weights[micro])
             if state.train:
                 state.kept[("x", micro, chunk)] = x
                 state.kept[("out", micro, chunk)] = out
@@ -116,8 +120,10 @@ class Executor:
 class _State:
     """One run's bookkeeping: posted operations, kept tensors, the losses."""
 
-    def __init__(self, num_micro: int, loss_scale: float, train: bool):
+    def __init__(self, num_micro: int, loss_scale: float, train: bool,
+                 weights: Sequence[torch.Tensor] | None):
         self.num_micro, self.loss_scale, self.train = num_micro, loss_scale, train
+        self.weights = weights
         self.pending: dict[tuple, tuple] = {}
         self.kept: dict[tuple, torch.Tensor | None] = {}
         self.losses: dict[int, torch.Tensor] = {}

@@ -8,7 +8,13 @@ finalize step does). The engine's step then clips by the norm over every stage (
 over the pipeline group, zero/sharded.py).
 
 Losses are Megatron's: the last stage computes each micro-batch's loss, the step's is their
-mean, broadcast over the pipeline group so that every rank knows it for logging.
+mean, broadcast over the pipeline group so that every rank knows it for logging. With per-token
+loss (--calculate-per-token-loss) the caller passes each micro-batch's weight instead of
+1 / micro-batches (its token count times dp / the global batch's tokens, which every stage
+computes from the masks it reads): the step's loss is the weighted sum, as at PP 1.
+
+The number of micro-batches may change from step to step (--rampup-batch-size): the schedule's
+action list is generated for each count when first needed, and kept.
 """
 
 from __future__ import annotations
@@ -57,40 +63,54 @@ class PipelineRuntime:
         if plan.size > 1:  # NCCL: the group's first operation must be a collective of it all
             dist.barrier(group=dims.pp_group)
         self.executor = Executor(chunks, transport, stage.index, plan.size)
-        self.actions = schedule(schedule_name, plan.size, stage.index, num_micro, plan.chunks)
+        self.schedule_name = schedule_name
+        self._actions: dict[int, list] = {}
         tied = plan.size > 1 and not model.untie_embeddings_and_output_weights
         self.embedding_group = embedding_group(plan, dims) if tied else None
         self.tied = tied_embedding(chunks, plan)
         position = stage.ranks.index(dims.rank)
         self.loss_source = plan.stages[-1].ranks[position]
 
-    def train_step(self, batches: Sequence[MicroBatch], engine) -> torch.Tensor:
+    def actions(self, num_micro: int) -> list:
+        """This stage's action list for a step of `num_micro` micro-batches (at most the
+        transport's count, whose tags it sizes)."""
+        if num_micro not in self._actions:
+            stage = self.plan.stage_of(self.dims.rank).index
+            self._actions[num_micro] = schedule(self.schedule_name, self.plan.size, stage,
+                                                num_micro, self.plan.chunks)
+        return self._actions[num_micro]
+
+    def train_step(self, batches: Sequence[MicroBatch], engine,
+                   weights: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch, gradients reduced over the embedding
-        group and DP (stages 0 and 1). Returns the mean loss (0-dim fp32, every rank)."""
+        group and DP (stages 0 and 1). Returns the mean loss (0-dim fp32, every rank), or with
+        `weights` (one per micro-batch) the weighted sum."""
         if engine.config.stage == 3:
             raise ConfigError("--zero-stage 3 with pipeline parallelism is not supported: "
                               "its per-layer gathers run in forward hooks that the pipeline's "
                               "interleaved micro-batches would repeat; use --zero-stage 0 or 1")
         scale = engine.loss_scaler.scale if engine.loss_scaler is not None else 1.0
         with engine.no_sync():
-            losses = self.executor.run(self.actions, batches, scale)
+            losses = self.executor.run(self.actions(len(batches)), batches, scale, weights=weights)
         if self.tied is not None:
             dist.all_reduce(engine.accumulated_grad(self.tied), group=self.embedding_group)
         engine.reduce_gradients()
-        return self.mean_loss(losses)
+        return self.mean_loss(losses, weights)
 
     def forward_backward(self, batches: Sequence[MicroBatch]) -> torch.Tensor:
         """Without an engine: gradients accumulate in `.grad` (the tied embedding's summed over
         the embedding group); what tests compare with a model without PP."""
-        losses = self.executor.run(self.actions, batches)
+        losses = self.executor.run(self.actions(len(batches)), batches)
         if self.tied is not None and self.tied.grad is not None:
             dist.all_reduce(self.tied.grad, group=self.embedding_group)
         return self.mean_loss(losses)
 
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[MicroBatch]) -> torch.Tensor:
-        """The mean loss of forwards only, any number of micro-batches (eval mode is the
-        caller's): every forward in the order of the training schedule, no backward."""
+    def evaluate(self, batches: Sequence[MicroBatch],
+                 weights: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """The mean loss (or `weights`' sum) of forwards only, any number of micro-batches
+        (eval mode is the caller's): every forward in the order of the training schedule, no
+        backward."""
         plan, stage = self.plan, self.plan.stage_of(self.dims.rank).index
         name = "interleaved" if plan.chunks > 1 and len(batches) % plan.size == 0 else None
         if name is None and plan.chunks > 1:
@@ -99,15 +119,17 @@ class PipelineRuntime:
             order = [c for c in compute_order(name or "1f1b", plan.size, stage, len(batches),
                                               plan.chunks) if c[0] == "F"]
         actions = with_transfers([[c] for c in order], plan.size, stage, plan.chunks)
-        return self.mean_loss(self.executor.run(actions, batches, train=False))
+        return self.mean_loss(self.executor.run(actions, batches, train=False), weights)
 
-    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean of the last stage's micro-batch losses, broadcast over the pipeline group."""
+    def mean_loss(self, losses: list[torch.Tensor],
+                  weights: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses (or their sum weighted by
+        `weights`), broadcast over the pipeline group."""
         device = next(self.chunks.parameters()).device
         total = torch.zeros((), device=device)
-        for loss in losses:
-            total += loss
-        if losses:
+        for micro, loss in enumerate(losses):
+            total += loss if weights is None else loss * weights[micro]
+        if losses and weights is None:
             total /= len(losses)
         if self.plan.size > 1:
             dist.broadcast(total, self.loss_source, group=self.dims.pp_group)

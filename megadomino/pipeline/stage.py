@@ -63,6 +63,19 @@ class StageChunks(nn.ModuleList):
     def config(self) -> ModelConfig:
         return self[0].config
 
+    @property
+    def dims(self):
+        """The rank's ParallelDims (its chunks')."""
+        return self[0].dims
+
+    def embedding_and_output_weights(self) -> list[nn.Parameter]:
+        """What --decoupled-lr gives its own rate, as Megatron marks them per stage: the word
+        embedding of the first stage, the output layer of the last (with a tied embedding, its
+        copy there), nothing in between."""
+        return [weight for model in self
+                for weight in (getattr(model.word_embeddings, "weight", None),
+                               model.output_weight) if weight is not None]
+
     def checkpoint_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(global_name(model, name), param) for model in self
                 for name, param in model.named_parameters()]

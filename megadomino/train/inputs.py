@@ -17,6 +17,8 @@ from megadomino.data import build_tokenizer, build_train_valid_test_datasets
 from megadomino.data.sft import build_sft_datasets
 from megadomino.data.tokenizer import Tokenizer
 from megadomino.distributed import ParallelDims
+from megadomino.pipeline.runtime import plan_from_config
+from megadomino.pipeline.stage import build_stage
 from megadomino.train.loop import ModelInit
 from megadomino.train.step import Dataset
 
@@ -78,11 +80,20 @@ def vocab_source(data: DataConfig) -> str:
 
 def hf_model_init(hf_dir: str) -> ModelInit:
     """Builds the model from a Hugging Face Llama directory, with the run's resolved config
-    (architecture overrides and precision; how the layers run) applied over config.json's."""
+    (architecture overrides and precision; how the layers run) applied over config.json's; with
+    pipeline stages, this rank's stage (the run's config, which must match the checkpoint's
+    tensors) filled with its layers' tensors."""
     def init(config: Config, dims: ParallelDims):
-        from megadomino.interop.hf import load_llama
+        from megadomino.interop.hf import load_llama, load_llama_weights
 
-        return load_llama(hf_dir, dims, parallel=config.parallel,
-                          fp8=config.train.precision.fp8, **vars(config.model))
+        fp8 = config.train.precision.fp8
+        if dims.pp == 1:
+            return load_llama(hf_dir, dims, parallel=config.parallel, fp8=fp8,
+                              **vars(config.model))
+        plan = plan_from_config(config.model, config.parallel, dims.world_size)
+        stage = build_stage(config.model, dims, plan, "llama", parallel=config.parallel,
+                            fp8=fp8, init_seed=config.train.runtime.seed)
+        load_llama_weights(stage, hf_dir)
+        return stage
 
     return init

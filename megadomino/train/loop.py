@@ -92,7 +92,8 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     Without `train_data`, both datasets are `MockDataset` splits (`config.train.data.mock_data`);
     with it, `valid_data` None means no evaluation.
     `model_init` replaces `build_model` (say, to start from Hugging Face weights); it runs after
-    the RNGs are seeded and before `--load`. `data_description` names the data in the start-up
+    the RNGs are seeded and before `--load`; with pipeline stages it returns this rank's stage
+    (build_stage's, of plan_from_config's plan). `data_description` names the data in the start-up
     summary (default: mock data, or the dataset's type and length). Returns per-iteration lists
     `losses` (DP-averaged), `lrs`, `grad_norms` (nan when a step was skipped), `eval`
     ({iteration, loss, ppl} dicts), `skipped_iterations`, the last interval's `metrics`,
@@ -123,12 +124,10 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     model_parallel_seed(train_config.runtime.seed, dims)
     stages = None  # the pipeline plan, with pipeline stages
     if dims.pp > 1:
-        if model_init is not None:
-            raise ConfigError("a model_init (e.g. --hf-checkpoint) with "
-                              "--pipeline-model-parallel-size > 1 is not supported yet")
         stages = plan_from_config(config.model, config.parallel, dims.world_size)
-        model = build_stage(config.model, dims, stages, family, parallel=config.parallel,
-                            fp8=train_config.precision.fp8, init_seed=train_config.runtime.seed)
+        model = model_init(config, dims) if model_init is not None else build_stage(
+            config.model, dims, stages, family, parallel=config.parallel,
+            fp8=train_config.precision.fp8, init_seed=train_config.runtime.seed)
     else:
         model = (model_init or (lambda c, d: _build_model(c, d, family)))(config, dims)
         overlap.apply(model, config.parallel)  # a model_init's model runs as the config says

@@ -22,7 +22,8 @@ The Stepper drives the data-parallel engine (`megadomino.zero.ZeroPlusPlus`, any
 loss scaling and the DP reduction inside), `step()`. With pipeline stages the pipeline runtime
 (megadomino.pipeline.runtime) runs the micro-batches through its schedule and has the engine
 reduce after the last backward; every stage reads the micro-batches (the first uses the tokens,
-the last the labels and mask).
+the last the labels and mask; with per-token loss every stage counts the masks' tokens, so
+that the last stage's weights need no broadcast).
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ class Stepper:
             dist.all_reduce(count, group=self.dims.dp_group)
         return count.clamp(min=1.0).float().reshape(())
 
+    def _token_weights(self, batches: list) -> list[torch.Tensor]:
+        """Per-token loss through the pipeline: each micro-batch's weight on its mean loss, its
+        token count times dp / the global batch's tokens (the mean times the count is the
+        micro-batch's token sum, as at PP 1)."""
+        scale = self.dims.dp / self._dp_tokens([mask for _, _, mask in batches])
+        return [mask.sum().clamp(min=1.0) * scale for _, _, mask in batches]
+
     def train(self, dataset: Dataset, consumed: int,
               num_micro: int | None = None) -> tuple[torch.Tensor, StepResult]:
         """Accumulate gradients over `num_micro` micro-batches (default: a full global batch),
@@ -110,10 +118,11 @@ class Stepper:
         if self.pipeline is not None:
             with self.timers("data"):
                 batches = [self._micro_batch(dataset, consumed, micro)
-                           for micro in range(self.num_micro)]
+                           for micro in range(num_micro)]
+                weights = self._token_weights(batches) if self.per_token_loss else None
             # Forwards and backwards interleave in the schedule: its whole time is "forward".
             with self.timers("forward"):
-                loss = self.pipeline.train_step(batches, self.engine)
+                loss = self.pipeline.train_step(batches, self.engine, weights)
             with self.timers("optimizer"):
                 return loss, self.engine.step()
         total = torch.zeros((), device=self.device)
@@ -159,7 +168,11 @@ class Stepper:
         for batch in range(iters):
             batches = [self._micro_batch(dataset, consumed + batch * global_batch, micro)
                        for micro in range(self.num_micro)]
-            if self.pipeline is not None:
+            if self.pipeline is not None and self.per_token_loss:  # the token losses' sum
+                total += self.pipeline.evaluate(
+                    batches, [mask.sum().clamp(min=1.0) for _, _, mask in batches])
+                masks += [mask for _, _, mask in batches]
+            elif self.pipeline is not None:
                 total += self.pipeline.evaluate(batches) * self.num_micro
             elif self.per_token_loss:
                 total += sum(self._token_losses(*micro_batch) for micro_batch in batches)
