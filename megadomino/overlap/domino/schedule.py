@@ -78,6 +78,9 @@ class _Unit:
     a_reduced: torch.Tensor | None = None     # forward: reduce(a), waited for glue_mid
     grad_reduced: torch.Tensor | None = None  # backward: the reduced dv or du just waited
     grad_a: torch.Tensor | None = None
+    grad_u: torch.Tensor | None = None        # backward, a linked: du from glue_mid's call
+    in_linked: bool = False  # glue_in reads the previous layer's m itself (no leaf): links()
+    a_linked: bool = False   # glue_mid reads a itself (no leaf): links()
 
 
 class DominoRunner:
@@ -153,9 +156,22 @@ class DominoRunner:
         self._reduce(grad, pending)
         return pending
 
-    def _glue_params(self, index: int, which: str) -> list:
+    def links(self) -> bool:
+        """Whether a reduced output enters the next unit's graph as the partial tensor itself
+        rather than as a detached leaf, so that one `autograd.grad` call runs back through both
+        units (glue_mid with attention; the next glue_in, or glue_out, with mlp). True without
+        sequence parallelism: the all-reduce runs in place on the partial's storage (m of K
+        chunks is their sum, taken in the graph in Pending's order) and its backward is the
+        identity, so values and gradients equal the leaf path's bit for bit. Under SP the
+        reduce-scatter makes a new tensor whose backward is an all-gather: leaves there."""
+        return not self.sp
+
+    def _glue_params(self, index: int, which: str, memo: dict) -> list:
         """The parameters of a glue graph: the norm it applies and the bias its residual adds
-        (the layer's pieces: input_layernorm / pre_mlp_layernorm, attention_bias / mlp_bias)."""
+        (the layer's pieces: input_layernorm / pre_mlp_layernorm, attention_bias / mlp_bias).
+        Looked up once per backward (`memo`), not once per slice."""
+        if (index, which) in memo:
+            return memo[index, which]
         layers = self.block.layers
         if which == "in":
             params = list(layers[index].input_layernorm.parameters())
@@ -165,7 +181,8 @@ class DominoRunner:
                       layers[index].attention_bias]
         else:
             params = [layers[-1].mlp_bias]
-        return [p for p in params if p is not None and p.requires_grad]
+        memo[index, which] = [p for p in params if p is not None and p.requires_grad]
+        return memo[index, which]
 
     def _linear(self, x, linear, dim=None, start=0, length=None, bias=True):
         """The layer pieces' LocalLinear: a GEMM whose weight gradient is deferred to the
@@ -176,7 +193,10 @@ class DominoRunner:
     # ---- the units -----------------------------------------------------------------------
     def _glue_in(self, index: int, unit: _Unit, build: bool) -> None:
         layers = self.block.layers
-        if build:
+        if build and unit.in_linked:
+            unit.in_leaves = [leaf(unit.inputs[0])]
+            values = [unit.in_leaves[0], unit.inputs[1]]
+        elif build:
             unit.in_leaves = [leaf(t) for t in unit.inputs]
             values = unit.in_leaves
         else:
@@ -198,8 +218,12 @@ class DominoRunner:
     def _glue_mid(self, index: int, unit: _Unit, reduced_a: torch.Tensor, build: bool) -> None:
         layer = self.block.layers[index]
         unit.x_leaf = leaf(unit.x) if build else unit.x
-        unit.a_leaf = leaf(reduced_a) if build else reduced_a
-        unit.h = layer.residual(unit.x_leaf, unit.a_leaf, layer.attention_bias)
+        unit.a_linked = build and self.links()
+        if unit.a_linked:  # reduced_a is a's own storage, reduced in place
+            a_in = unit.a
+        else:
+            a_in = unit.a_leaf = leaf(reduced_a) if build else reduced_a
+        unit.h = layer.residual(unit.x_leaf, a_in, layer.attention_bias)
         unit.v = layer.pre_mlp_layernorm(unit.h)
 
     def _mlp(self, index: int, unit: _Unit, pending: Pending | None, build: bool) -> None:
@@ -232,28 +256,32 @@ class DominoRunner:
         pending: dict[tuple, Pending] = {}
         outputs, out_leaves = [None] * n_slices, [None] * n_slices
         last = self.block.layers[-1]
+        built = [build and not self._recomputed(index) for index in range(n_layers)] + [build]
+        dropout, m_linked = self._has_dropout(), [False] * n_slices
         for action in forward_actions(n_layers, n_slices, self.plan.hidden_slices):
             index, i = action.layer, action.slice
             if action.op == "glue_out":
                 h, m = inputs[i]
-                if build:
-                    h, m = leaf(h), leaf(m)
-                    out_leaves[i] = (h, m)
+                if build:  # m linked: out_leaves (h, None), m stays the last mlp's graph
+                    h, m = leaf(h), (m if m_linked[i] else leaf(m))
+                    out_leaves[i] = (h, None if m_linked[i] else m)
                 outputs[i] = last.residual(h, m, last.mlp_bias)
                 continue
             unit = units[index][i]
             if action.op == "wait":
-                reduced = pending.pop((action.waits, index, i)).wait()
                 if action.waits == "m":  # the next layer's glue_in (or glue_out) input
+                    m_linked[i] = built[index] and built[index + 1] and self.links()
+                    reduced = pending.pop(("m", index, i)).wait(
+                        unit.m_parts if m_linked[i] else None)
                     inputs[i] = [inputs[i][0], reduced]
                 else:
-                    unit.a_reduced = reduced
+                    unit.a_reduced = pending.pop(("a", index, i)).wait()
                 continue
-            layer_build = build and not self._recomputed(index)
-            capture = build and not layer_build and self._has_dropout()
+            layer_build = built[index]
+            capture = build and not layer_build and dropout
             with torch.set_grad_enabled(layer_build):
                 if action.op == "glue_in":
-                    unit.inputs = inputs[i]
+                    unit.inputs, unit.in_linked = inputs[i], m_linked[i]
                     if capture:
                         unit.rng["in"] = self._rng_capture()
                     self._glue_in(index, unit, layer_build)
@@ -335,12 +363,15 @@ class DominoRunner:
         grad_inputs = [None] * n_slices
         pending: dict[tuple, Pending] = {}
         recomputed = frozenset(i for i in range(n_layers) if self._recomputed(i))
+        memo: dict = {}
         for action in backward_actions(n_layers, n_slices, recomputed):
             index, i = action.layer, action.slice
             if action.op == "glue_out":
+                if out_leaves[i][1] is None:  # m linked: run with the last mlp (action mlp)
+                    continue
                 grad_h[i], grad_m[i] = self._grad(sink, [outputs[i]], [grad_slices[i]],
                                                   list(out_leaves[i]),
-                                                  self._glue_params(-1, "out"))
+                                                  self._glue_params(-1, "out", memo))
             elif action.op == "recompute":
                 with torch.enable_grad():
                     self._rebuild(index, units[index], rotaries)
@@ -351,38 +382,55 @@ class DominoRunner:
                 units[index][i].grad_reduced = pending.pop((action.waits, index, i)).wait()
             elif action.op == "glue_in":
                 unit = units[index][i]
-                grads = self._glue_in_backward(sink, index, unit, unit.grad_reduced)
+                if unit.in_linked:  # runs with the previous layer's mlp (action mlp)
+                    continue
+                grads = self._glue_in_backward(sink, index, unit, unit.grad_reduced, memo)
                 if index == 0:
                     grad_inputs[i] = grads[0]
                 else:
                     grad_h[i], grad_m[i] = grads
             elif action.op == "mlp":
                 unit = units[index][i]
-                grad_m_full = self._output_grad(grad_m[i])
-                (grad_v,) = self._grad(sink, unit.m_parts, [grad_m_full] * len(unit.m_parts),
-                                       [unit.v_leaf], [])
+                if index + 1 < n_layers and units[index + 1][i].in_linked:
+                    after = units[index + 1][i]
+                    grad_h[i], grad_v = self._grad(
+                        sink, [after.x, after.u], [after.grad_x, after.grad_reduced],
+                        [after.in_leaves[0], unit.v_leaf],
+                        self._glue_params(index + 1, "in", memo))
+                elif index + 1 == n_layers and out_leaves[i][1] is None:
+                    grad_h[i], grad_v = self._grad(sink, [outputs[i]], [grad_slices[i]],
+                                                   [out_leaves[i][0], unit.v_leaf],
+                                                   self._glue_params(-1, "out", memo))
+                else:
+                    grad_m_full = self._output_grad(grad_m[i])
+                    (grad_v,) = self._grad(sink, unit.m_parts,
+                                           [grad_m_full] * len(unit.m_parts), [unit.v_leaf], [])
                 pending[("dv", index, i)] = self._reduce_grad(grad_v)
                 sink.run_deferred()
             elif action.op == "glue_mid":
                 unit = units[index][i]
-                unit.grad_x, unit.grad_a = self._grad(sink, [unit.h, unit.v],
-                                                      [grad_h[i], unit.grad_reduced],
-                                                      [unit.x_leaf, unit.a_leaf],
-                                                      self._glue_params(index, "mid"))
+                leaves = [unit.x_leaf, unit.u_leaf if unit.a_linked else unit.a_leaf]
+                unit.grad_x, grad = self._grad(sink, [unit.h, unit.v],
+                                               [grad_h[i], unit.grad_reduced], leaves,
+                                               self._glue_params(index, "mid", memo))
+                unit.grad_u, unit.grad_a = (grad, None) if unit.a_linked else (None, grad)
             elif action.op == "attention":
                 unit = units[index][i]
-                (grad_u,) = self._grad(sink, [unit.a], [self._output_grad(unit.grad_a)],
-                                       [unit.u_leaf], [])
+                grad_u = unit.grad_u
+                if not unit.a_linked:
+                    (grad_u,) = self._grad(sink, [unit.a], [self._output_grad(unit.grad_a)],
+                                           [unit.u_leaf], [])
                 pending[("du", index, i)] = self._reduce_grad(grad_u)
                 sink.run_deferred()
             else:
                 raise AssertionError(f"backward action {action}")
         return torch.cat(grad_inputs, dim=1)
 
-    def _glue_in_backward(self, sink, index: int, unit: _Unit, grad_u: torch.Tensor):
+    def _glue_in_backward(self, sink, index: int, unit: _Unit, grad_u: torch.Tensor,
+                          memo: dict):
         """Back through glue_in, given its reduced input gradient: returns the gradients of
         glue_in's inputs ((h, m) of the previous layer, or the block input)."""
-        params = self._glue_params(index, "in")
+        params = self._glue_params(index, "in", memo)
         if index == 0:  # x is the input leaf itself: its residual gradient passes straight on
             (grad_input,) = self._grad(sink, [unit.u], [grad_u], unit.in_leaves, params)
             return grad_input + unit.grad_x, None

@@ -13,22 +13,32 @@ import torch.nn.functional as F
 
 
 class WgradSink:
-    """Deferred weight-gradient GEMMs and the per-parameter accumulators of one backward.
+    """Deferred weight-gradient GEMMs and the per-parameter sums of one backward.
 
-    With several batch slices a parameter's gradient is a sum over slices, accumulated in fp32
-    and rounded once; with one slice every element gets exactly one contribution (hidden slices
-    own disjoint rows/columns), accumulated in the parameter's dtype at no conversion cost."""
+    With several batch slices a parameter's gradient is a sum over slices in fp32, rounded once.
+    A whole parameter's contributions (one per slice) are kept as they come, up to two, and are
+    summed when its layer is flushed (_slice_sum); from a third on they go into an fp32
+    accumulator. A hidden chunk's contribution (rows/columns from `start` on `dim`) goes into a
+    whole-parameter accumulator, in fp32 with several slices, else in the parameter's dtype
+    (chunks own disjoint rows/columns: one contribution per element). Every sum equals the
+    zero-started fp32 sum bit for bit, but for the sign of an exact zero that every slice gave
+    as -0 (+0 + -0 is +0)."""
 
     def __init__(self, sums_slices: bool):
         self.deferred: list = []
+        self.whole: dict[int, tuple[torch.nn.Parameter, list[torch.Tensor]]] = {}
         self.acc: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
         self.sums_slices = sums_slices
 
     def add(self, param, grad: torch.Tensor, dim: int | None = None, start: int = 0) -> None:
-        entry = self.acc.get(id(param))
-        if entry is None and dim is None and not self.sums_slices and grad.dtype == param.dtype:
-            self.acc[id(param)] = (param, grad)  # the one contribution: keep it as it is
+        if dim is None and id(param) not in self.acc:
+            parts = self.whole.setdefault(id(param), (param, []))[1]
+            if len(parts) < 2:
+                parts.append(grad)
+            else:  # a third slice: an fp32 accumulator from here on
+                self.acc[id(param)] = (param, _fp32_sum([*self.whole.pop(id(param))[1], grad]))
             return
+        entry = self.acc.get(id(param))
         if entry is None:
             dtype = torch.float32 if self.sums_slices else param.dtype
             entry = (param, torch.zeros(param.shape, dtype=dtype, device=grad.device))
@@ -42,11 +52,36 @@ class WgradSink:
         self.deferred.clear()
 
     def flush(self, params) -> None:
-        """Hand the summed gradients of `params` to autograd (one accumulation each)."""
-        ready = [self.acc.pop(id(p)) for p in params if id(p) in self.acc]
-        if ready:
-            torch.autograd.backward([p for p, _ in ready],
-                                    [g.to(p.dtype) for p, g in ready])
+        """Hand the summed gradients of `params` to autograd in one call (one accumulation and
+        one post-accumulate hook each)."""
+        roots, grads = [], []
+        for p in params:
+            if id(p) in self.whole:
+                roots.append(p)
+                grads.append(_slice_sum(self.whole.pop(id(p))[1], p.dtype))
+            if id(p) in self.acc:
+                roots.append(p)
+                grads.append(self.acc.pop(id(p))[1].to(p.dtype))
+        if roots:
+            torch.autograd.backward(roots, grads)
+
+
+def _slice_sum(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """One or two slices' contributions summed into `dtype`: as they are, or by one add when
+    they are of `dtype` (bf16/fp16 adds compute in fp32 and round once), else in fp32."""
+    if all(part.dtype == dtype for part in parts):
+        return parts[0] if len(parts) == 1 else torch.add(parts[0], parts[1])
+    return _fp32_sum(parts).to(dtype)
+
+
+def _fp32_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + parts[1] + ... in fp32, in order (a new tensor when there are two or more)."""
+    total = parts[0].to(torch.float32)
+    if len(parts) > 1:
+        total = total + parts[1]
+    for part in parts[2:]:
+        total.add_(part)
+    return total
 
 
 class _DominoLinear(torch.autograd.Function):
@@ -73,7 +108,8 @@ class _DominoLinear(torch.autograd.Function):
             grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
             sink.add(param, grad_2d.t().matmul(x.reshape(-1, x.shape[-1])), dim, start)
             if bias_param is not None:
-                sink.add(bias_param, grad_2d.sum(0, dtype=torch.float32), 0, start)
+                sink.add(bias_param, grad_2d.sum(0, dtype=torch.float32),
+                         None if dim is None else 0, start)
 
         sink.deferred.append(weight_grads)
         return None, grad_x, None, None, None, None, None, None
@@ -82,8 +118,12 @@ class _DominoLinear(torch.autograd.Function):
 def domino_linear(sink: WgradSink, x, param, bias_param=None, dim: int | None = None,
                   start: int = 0, length: int | None = None):
     """x @ param^T (+ bias) whose weight-gradient GEMMs queue on `sink` (the runner's current
-    one: a forward re-run inside backward, for recompute, queues on the backward's)."""
+    one: a forward re-run inside backward, for recompute, queues on the backward's). A chunk
+    `length` rows/columns from `start` on `dim`; the whole parameter when dim is None (or the
+    chunk is all of it)."""
     weight, bias = param.detach(), None if bias_param is None else bias_param.detach()
+    if dim is not None and start == 0 and length == param.shape[dim]:
+        dim = None
     if dim is not None:
         weight = weight.narrow(dim, start, length)
         if bias is not None:
@@ -102,12 +142,15 @@ class Pending:
         self.parts.append(tensor)
         self.handles.append(handle)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, parts: list | None = None) -> torch.Tensor:
+        """The sum of the reduced parts, or of `parts` (the same tensors with their graphs:
+        the all-reduce ran in place on their storage) in the same order."""
         for handle in self.handles:
             if handle is not None:
                 handle.wait()
-        total = self.parts[0]
-        for part in self.parts[1:]:
+        parts = self.parts if parts is None else parts
+        total = parts[0]
+        for part in parts[1:]:
             total = total + part
         return total
 
