@@ -8,6 +8,8 @@ launches the unit's input-gradient collective, so the GEMMs overlap it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
@@ -157,3 +159,29 @@ class Pending:
 
 def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().requires_grad_()
+
+
+@dataclass
+class Unit:
+    """The graphs of one (layer, slice) (schedule.py). Fields are filled as the schedule goes."""
+
+    inputs: list = field(default_factory=list)       # glue_in's input values (kept for recompute)
+    rng: dict = field(default_factory=dict)          # generator states (recompute with dropout)
+    in_leaves: list = field(default_factory=list)
+    x: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    u_leaf: torch.Tensor | None = None
+    a: torch.Tensor | None = None
+    x_leaf: torch.Tensor | None = None
+    a_leaf: torch.Tensor | None = None
+    h: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    v_leaf: torch.Tensor | None = None
+    m_parts: list = field(default_factory=list)
+    grad_x: torch.Tensor | None = None
+    a_reduced: torch.Tensor | None = None     # forward: reduce(a), waited for glue_mid
+    grad_reduced: torch.Tensor | None = None  # backward: the reduced dv or du just waited
+    grad_a: torch.Tensor | None = None
+    grad_u: torch.Tensor | None = None        # backward, a linked: du from glue_mid's call
+    in_linked: bool = False  # glue_in reads the previous layer's m itself (no leaf): links()
+    a_linked: bool = False   # glue_mid reads a itself (no leaf): links()
