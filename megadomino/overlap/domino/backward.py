@@ -10,8 +10,9 @@ Under sequence parallelism every unit is its own call (the reduce-scatter's back
 all-gather, sits between them).
 
 Parameter gradients are summed over slices (WgradSink) and handed to autograd once per layer
-(the `flush` action), so gradient hooks (the DP gradient buffer) see one accumulation per
-parameter per backward, layer by layer.
+(the `flush` action: a backward call from the layer's anchor, a node over its parameters made
+in the forward), so gradient hooks (the DP gradient buffer) see one accumulation per parameter
+per backward, layer by layer.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class UnitBackward:
 
     def backward(self, state, grad_output: torch.Tensor) -> torch.Tensor:
         """Run backward_actions; returns the gradient of the block's input."""
-        units, (outputs, out_leaves, rotaries), sink = state
+        units, (outputs, out_leaves, rotaries), sink, anchors = state
         layers = self.block.layers
         n_layers, n_slices = len(layers), len(out_leaves)
         sizes = [o.shape[1] for o in outputs]
@@ -94,7 +95,7 @@ class UnitBackward:
                 with torch.enable_grad():
                     self._rebuild(index, units[index], rotaries)
             elif action.op == "flush":
-                sink.flush(layers[index].parameters())
+                sink.flush(anchors[index])
                 units[index] = None
             elif action.op == "wait":
                 units[index][i].grad_reduced = run.pending.pop((action.waits, index, i)).wait()

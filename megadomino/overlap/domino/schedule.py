@@ -114,8 +114,9 @@ class DominoRunner(UnitBackward):
         tp_random.tracker_of(self.dims).set_states(tracker_states)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        """A unit's input: the whole sequence (all-gathered under sequence parallelism)."""
-        return all_gather_dim0(t.detach(), self.dims.tp_group)[0] if self.sp else t.detach()
+        """A unit's input: the whole sequence (all-gathered under sequence parallelism); the
+        caller detaches it into a leaf where it builds a graph."""
+        return all_gather_dim0(t.detach(), self.dims.tp_group)[0] if self.sp else t
 
     def _reduce(self, partial: torch.Tensor, pending: Pending) -> None:
         """Launch the reduction of a partial output (all-reduce, or reduce-scatter under SP) on
@@ -309,9 +310,11 @@ class _DominoBlock(torch.autograd.Function):
         try:
             with torch.enable_grad():
                 output, units, outs = runner._forward(x, rotary, build=True)
+                flush_anchors = [sink.anchor(list(layer.parameters()))
+                                 for layer in runner.block.layers]
         finally:
             runner.sinks.pop()
-        ctx.runner, ctx.state = runner, (units, outs, sink)
+        ctx.runner, ctx.state = runner, (units, outs, sink, flush_anchors)
         return output
 
     @staticmethod

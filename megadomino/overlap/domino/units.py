@@ -53,19 +53,45 @@ class WgradSink:
             work()
         self.deferred.clear()
 
-    def flush(self, params) -> None:
-        """Hand the summed gradients of `params` to autograd in one call (one accumulation and
-        one post-accumulate hook each)."""
-        roots, grads = [], []
+    def anchor(self, params: list) -> torch.Tensor | None:
+        """An autograd node over `params` (made in the forward, with grad enabled) that `flush`
+        runs back from; None when no parameter requires a gradient."""
+        params = [p for p in params if p.requires_grad]
+        return _FlushAnchor.apply(self, *params) if params else None
+
+    def flush(self, anchor: torch.Tensor | None) -> None:
+        """Hand the summed gradients of the anchor's parameters to autograd in one call: each
+        gets one accumulation and one post-accumulate hook, and a sum no one else holds becomes
+        .grad without a copy."""
+        if anchor is not None:
+            torch.autograd.backward(anchor, torch.empty_like(anchor))
+
+    def take(self, params) -> list:
+        """The summed gradient of each of `params` in its dtype (None if it got none), removed
+        from the sink."""
+        grads = []
         for p in params:
             if id(p) in self.whole:
-                roots.append(p)
                 grads.append(_slice_sum(self.whole.pop(id(p))[1], p.dtype))
-            if id(p) in self.acc:
-                roots.append(p)
+            elif id(p) in self.acc:
                 grads.append(self.acc.pop(id(p))[1].to(p.dtype))
-        if roots:
-            torch.autograd.backward(roots, grads)
+            else:
+                grads.append(None)
+        return grads
+
+
+class _FlushAnchor(torch.autograd.Function):
+    """A node whose inputs are a layer's parameters and whose backward returns their sums from
+    the sink, so that autograd's own AccumulateGrad nodes (and the hooks on them) receive them."""
+
+    @staticmethod
+    def forward(ctx, sink: WgradSink, *params):
+        ctx.sink, ctx.params = sink, params
+        return torch.empty(0, device=params[0].device)
+
+    @staticmethod
+    def backward(ctx, _):
+        return None, *ctx.sink.take(ctx.params)
 
 
 def _slice_sum(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -87,24 +113,28 @@ def _fp32_sum(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _DominoLinear(torch.autograd.Function):
-    """y = x W^T + b whose backward returns only the input gradient and queues the weight (and
-    bias) gradient GEMMs on the sink, to be run after the unit's collective was launched.
-    `weight` / `bias` are detached views of `param` rows/columns starting at `start` on `dim`."""
+    """y = x W^T + b, W = `param`'s `length` rows/columns from `start` on `dim` (all of it when
+    dim is None; b the same rows of `bias_param`), whose backward returns only the input
+    gradient and queues the weight (and bias) gradient GEMMs on the sink, to be run after the
+    unit's collective was launched. The parameters enter as themselves (no detached copies);
+    their gradients from this node are None: the sink hands them over (WgradSink.flush)."""
 
     @staticmethod
-    def forward(ctx, sink, x, weight, bias, param, dim, start, bias_param):
-        ctx.save_for_backward(x, weight)
-        ctx.param, ctx.dim, ctx.start, ctx.bias_param = param, dim, start, bias_param
-        ctx.sink = sink
-        return F.linear(x, weight, bias)
+    def forward(ctx, sink, x, param, bias_param, dim, start, length):
+        ctx.save_for_backward(x, param)
+        ctx.sink, ctx.bias_param, ctx.chunk = sink, bias_param, (dim, start, length)
+        if dim is None:
+            return F.linear(x, param, bias_param)
+        bias = None if bias_param is None else bias_param.narrow(0, start, length)
+        return F.linear(x, param.narrow(dim, start, length), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, param = ctx.saved_tensors
+        sink, bias_param, (dim, start, length) = ctx.sink, ctx.bias_param, ctx.chunk
+        weight = param if dim is None else param.narrow(dim, start, length)
         grad_out = grad_out.contiguous()  # a strided 3-D grad would make matmul batch over s
         grad_x = grad_out.matmul(weight)
-        sink, param, dim, start, bias_param = ctx.sink, ctx.param, ctx.dim, ctx.start, \
-            ctx.bias_param
 
         def weight_grads():
             grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
@@ -114,7 +144,7 @@ class _DominoLinear(torch.autograd.Function):
                          None if dim is None else 0, start)
 
         sink.deferred.append(weight_grads)
-        return None, grad_x, None, None, None, None, None, None
+        return None, grad_x, None, None, None, None, None
 
 
 def domino_linear(sink: WgradSink, x, param, bias_param=None, dim: int | None = None,
@@ -123,14 +153,9 @@ def domino_linear(sink: WgradSink, x, param, bias_param=None, dim: int | None = 
     one: a forward re-run inside backward, for recompute, queues on the backward's). A chunk
     `length` rows/columns from `start` on `dim`; the whole parameter when dim is None (or the
     chunk is all of it)."""
-    weight, bias = param.detach(), None if bias_param is None else bias_param.detach()
     if dim is not None and start == 0 and length == param.shape[dim]:
         dim = None
-    if dim is not None:
-        weight = weight.narrow(dim, start, length)
-        if bias is not None:
-            bias = bias.narrow(0, start, length)
-    return _DominoLinear.apply(sink, x, weight, bias, param, dim, start, bias_param)
+    return _DominoLinear.apply(sink, x, param, bias_param, dim, start, length)
 
 
 class Pending:
