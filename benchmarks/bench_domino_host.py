@@ -14,10 +14,12 @@ explicit_backward=True), bench_layer_tp1's column); `--compiled` adds both with
 backward, the same relative to `plain` (the steps of all variants alternate within one process,
 so a loaded machine slows them alike: the ratio is the figure to compare across trees), and,
 counted in one step, the `torch.autograd.grad` and `torch.autograd.backward` calls, the custom
-autograd Functions applied, and the aten operators dispatched (a GPU run launches a kernel for
-most of those that compute). With `--tree NAME=PATH` each tree runs in its own subprocess with
-its megadomino imported from PATH, the trees alternating over `--rounds`; a figure is the median
-over rounds, and each tree's ratio to plain is compared with the first tree's.
+autograd Functions applied, the aten operators dispatched (a GPU run launches a kernel for most
+of those that compute) and the calls of the layer's element-wise pieces (with
+--compile-layer-pieces each is a compiled call, forward and backward). With `--tree NAME=PATH`
+each tree runs in its own subprocess with its megadomino imported from PATH, the trees
+alternating over `--rounds`; a figure is the median over rounds, and each tree's ratio to plain
+is compared with the first tree's.
 """
 
 from __future__ import annotations
@@ -35,13 +37,17 @@ SHAPES = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_si
               seq_length=8, max_position_embeddings=8, hidden_dropout=0.0,
               attention_dropout=0.0, params_dtype="float32")
 MICRO_BATCH = 2
-COUNTS = ("autograd_grad", "autograd_backward", "function_apply", "aten_ops")
+COUNTS = ("autograd_grad", "autograd_backward", "function_apply", "aten_ops", "pieces")
 
 
 def counted_step(step, layers: int) -> dict:
-    """One step under counters (autograd entry points, Function applies, aten ops), per layer."""
+    """One step under counters, per layer: autograd entry points, Function applies, aten ops,
+    and calls of the layer's element-wise pieces (models.elementwise: each is one compiled call,
+    forward and backward, with --compile-layer-pieces)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megadomino.models import elementwise
 
     counts = dict.fromkeys(COUNTS, 0)
 
@@ -62,12 +68,16 @@ def counted_step(step, layers: int) -> dict:
     torch.autograd.grad = counted("autograd_grad", grad)
     torch.autograd.backward = counted("autograd_backward", backward)
     torch.autograd.Function.apply = classmethod(counted("function_apply", apply))
+    pieces = vars(elementwise.EAGER).copy()
+    for name, fn in pieces.items():
+        setattr(elementwise.EAGER, name, counted("pieces", fn))
     try:
         with Ops():
             step()
     finally:
         torch.autograd.grad, torch.autograd.backward = grad, backward
         torch.autograd.Function.apply = classmethod(apply)
+        vars(elementwise.EAGER).update(pieces)
     return {name: value / layers for name, value in counts.items()}
 
 
@@ -177,7 +187,8 @@ def run_trees(args) -> dict:
 def table(summary: dict) -> str:
     first = next(iter(summary))
     lines = ["| tree | row | variant | wall ms/layer | vs plain | autograd.grad | "
-             f"Function.apply | aten ops | vs plain, / {first}'s |", "|" + " --- |" * 9]
+             f"Function.apply | aten ops | pieces | vs plain, / {first}'s |",
+             "|" + " --- |" * 10]
     for name, tree in summary.items():
         for row, variants in tree["rows"].items():
             for variant, entry in variants.items():
@@ -186,7 +197,7 @@ def table(summary: dict) -> str:
                     f"| {name} | {row} | {variant} | {entry['host_ms_per_layer']:.3f} "
                     f"| {entry['vs_plain']:.2f} | {entry['autograd_grad']:.1f} "
                     f"| {entry['function_apply']:.1f} | {entry['aten_ops']:.0f} "
-                    f"| {entry['vs_plain'] / base:.2f} |")
+                    f"| {entry['pieces']:.0f} | {entry['vs_plain'] / base:.2f} |")
     return "\n".join(lines)
 
 
