@@ -21,14 +21,14 @@ computed; glue_mid / the next layer's glue_in wait for it. So slice i's reduce o
 i+1's GEMMs, chunk k's overlaps chunk k+1's, and the last slice's overlaps the next layer's first
 slice (the schedule owns the loop over layers).
 
-Backward order (explicit; every call is `torch.autograd.grad` on one unit): for l = L-1..0:
-mlp(l, i) for each i - preceded by glue_in(l+1, i) - then attention(l, i) for each i - preceded by
-glue_mid(l, i). A unit's input-gradient reduce is launched right after its data-gradient GEMMs;
-its weight-gradient GEMMs are deferred (units.py) and run right after that launch, so they
-overlap it, and the wait happens only when the next unit of the same slice needs the gradient,
-after the other slices' units ran. Parameter gradients are summed over slices in fp32 and handed
-to autograd once per layer (`torch.autograd.backward` on the leaf parameters), so gradient hooks
-(the DP gradient buffer) see one accumulation per parameter per backward, layer by layer.
+Backward order (explicit, backward.py: `torch.autograd.grad` on one unit, or on two where no
+collective separates them): for l = L-1..0: mlp(l, i) for each i - preceded by glue_in(l+1, i) -
+then attention(l, i) for each i - preceded by glue_mid(l, i). A unit's input-gradient reduce is
+launched right after its data-gradient GEMMs; its weight-gradient GEMMs are deferred (units.py)
+and run right after that launch, so they overlap it, and the wait happens only when the next
+unit of the same slice needs the gradient, after the other slices' units ran. Parameter
+gradients are summed over slices in fp32 and handed to autograd once per layer, so gradient
+hooks (the DP gradient buffer) see one accumulation per parameter per backward, layer by layer.
 
 Streams: everything is enqueued on the current stream; collectives are async work handles whose
 `wait()` makes the current stream wait for them. No reliance on CUDA_DEVICE_MAX_CONNECTIONS.
@@ -46,41 +46,17 @@ Recompute: with `recompute_granularity='full'` the chosen layers ('uniform': eve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from megadomino.config import DominoPlan
 from megadomino.distributed import random as tp_random
 from megadomino.distributed.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
-from megadomino.overlap.domino.actions import backward_actions, forward_actions
-from megadomino.overlap.domino.units import Pending, WgradSink, domino_linear, leaf
+from megadomino.overlap.domino.actions import Action, backward_actions, forward_actions
+from megadomino.overlap.domino.backward import UnitBackward
+from megadomino.overlap.domino.units import Pending, Unit, WgradSink, domino_linear, leaf
 
 
-@dataclass
-class _Unit:
-    """The graphs of one (layer, slice). Fields are filled as the schedule goes."""
-
-    inputs: list = field(default_factory=list)       # glue_in's input values (kept for recompute)
-    rng: dict = field(default_factory=dict)          # generator states (recompute with dropout)
-    in_leaves: list = field(default_factory=list)
-    x: torch.Tensor | None = None
-    u: torch.Tensor | None = None
-    u_leaf: torch.Tensor | None = None
-    a: torch.Tensor | None = None
-    x_leaf: torch.Tensor | None = None
-    a_leaf: torch.Tensor | None = None
-    h: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    v_leaf: torch.Tensor | None = None
-    m_parts: list = field(default_factory=list)
-    grad_x: torch.Tensor | None = None
-    a_reduced: torch.Tensor | None = None     # forward: reduce(a), waited for glue_mid
-    grad_reduced: torch.Tensor | None = None  # backward: the reduced dv or du just waited
-    grad_a: torch.Tensor | None = None
-
-
-class DominoRunner:
+class DominoRunner(UnitBackward):
     """Runs `block.layers` through the Domino schedule (the final norm stays with the block).
     Its forward does not call the layers' modules, so their forward hooks do not run
     (`bypasses_layer_hooks`: ZeRO-3, which gathers a layer in its hook, refuses it)."""
@@ -92,6 +68,7 @@ class DominoRunner:
         self.config, self.dims = block.config, block.dims
         self.parallel = block.parallel
         self.sp = self.parallel.sequence_parallel and self.dims.tp > 1
+        self._action_lists: dict[tuple, list[Action]] = {}
         self.sinks: list[WgradSink] = []
         """The sinks of the passes in progress, innermost last: a forward (or a forward re-run
         by recompute inside a backward) queues its weight-gradient GEMMs on the last one."""
@@ -109,6 +86,14 @@ class DominoRunner:
         return _DominoBlock.apply(x, anchor, self, rotary)
 
     # ---- helpers -------------------------------------------------------------------------
+    def _actions(self, pass_: str, *key) -> list[Action]:
+        """forward_actions(layers, slices, K) ("F") or backward_actions(layers, slices,
+        recomputed) ("B"): pure functions of their key, so each list is made once and kept."""
+        if (pass_, key) not in self._action_lists:
+            make = forward_actions if pass_ == "F" else backward_actions
+            self._action_lists[pass_, key] = make(*key)
+        return self._action_lists[pass_, key]
+
     def _recomputed(self, layer_index: int) -> bool:
         config = self.parallel
         if config.recompute_granularity != "full" or not self.block.training:
@@ -129,8 +114,9 @@ class DominoRunner:
         tp_random.tracker_of(self.dims).set_states(tracker_states)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        """A unit's input: the whole sequence (all-gathered under sequence parallelism)."""
-        return all_gather_dim0(t.detach(), self.dims.tp_group)[0] if self.sp else t.detach()
+        """A unit's input: the whole sequence (all-gathered under sequence parallelism); the
+        caller detaches it into a leaf where it builds a graph."""
+        return all_gather_dim0(t.detach(), self.dims.tp_group)[0] if self.sp else t
 
     def _reduce(self, partial: torch.Tensor, pending: Pending) -> None:
         """Launch the reduction of a partial output (all-reduce, or reduce-scatter under SP) on
@@ -148,24 +134,15 @@ class DominoRunner:
         reduce-scatter's backward is an all-gather)."""
         return all_gather_dim0(grad, self.dims.tp_group)[0] if self.sp else grad
 
-    def _reduce_grad(self, grad: torch.Tensor) -> Pending:
-        pending = Pending()
-        self._reduce(grad, pending)
-        return pending
-
-    def _glue_params(self, index: int, which: str) -> list:
-        """The parameters of a glue graph: the norm it applies and the bias its residual adds
-        (the layer's pieces: input_layernorm / pre_mlp_layernorm, attention_bias / mlp_bias)."""
-        layers = self.block.layers
-        if which == "in":
-            params = list(layers[index].input_layernorm.parameters())
-            params.append(layers[index - 1].mlp_bias if index > 0 else None)
-        elif which == "mid":
-            params = [*layers[index].pre_mlp_layernorm.parameters(),
-                      layers[index].attention_bias]
-        else:
-            params = [layers[-1].mlp_bias]
-        return [p for p in params if p is not None and p.requires_grad]
+    def links(self) -> bool:
+        """Whether a reduced output enters the next unit's graph as the partial tensor itself
+        rather than as a detached leaf, so that one `autograd.grad` call runs back through both
+        units (glue_mid with attention; the next glue_in, or glue_out, with mlp). True without
+        sequence parallelism: the all-reduce runs in place on the partial's storage (m of K
+        chunks is their sum, taken in the graph in Pending's order) and its backward is the
+        identity, so values and gradients equal the leaf path's bit for bit. Under SP the
+        reduce-scatter makes a new tensor whose backward is an all-gather: leaves there."""
+        return not self.sp
 
     def _linear(self, x, linear, dim=None, start=0, length=None, bias=True):
         """The layer pieces' LocalLinear: a GEMM whose weight gradient is deferred to the
@@ -174,9 +151,12 @@ class DominoRunner:
                              dim, start, length)
 
     # ---- the units -----------------------------------------------------------------------
-    def _glue_in(self, index: int, unit: _Unit, build: bool) -> None:
+    def _glue_in(self, index: int, unit: Unit, build: bool) -> None:
         layers = self.block.layers
-        if build:
+        if build and unit.in_linked:
+            unit.in_leaves = [leaf(unit.inputs[0])]
+            values = [unit.in_leaves[0], unit.inputs[1]]
+        elif build:
             unit.in_leaves = [leaf(t) for t in unit.inputs]
             values = unit.in_leaves
         else:
@@ -188,21 +168,25 @@ class DominoRunner:
             x = prev.residual(values[0], values[1], prev.mlp_bias)
         unit.x, unit.u = x, layers[index].input_layernorm(x)
 
-    def _attention(self, index: int, unit: _Unit, rotary, pending: Pending, build: bool):
+    def _attention(self, index: int, unit: Unit, rotary, pending: Pending, build: bool):
         u_full = self._gather(unit.u)
         unit.u_leaf = leaf(u_full) if build else u_full
         unit.a = self.block.layers[index].self_attention.partial(unit.u_leaf, rotary,
                                                                   self._linear)
         self._reduce(unit.a, pending)
 
-    def _glue_mid(self, index: int, unit: _Unit, reduced_a: torch.Tensor, build: bool) -> None:
+    def _glue_mid(self, index: int, unit: Unit, reduced_a: torch.Tensor, build: bool) -> None:
         layer = self.block.layers[index]
         unit.x_leaf = leaf(unit.x) if build else unit.x
-        unit.a_leaf = leaf(reduced_a) if build else reduced_a
-        unit.h = layer.residual(unit.x_leaf, unit.a_leaf, layer.attention_bias)
+        unit.a_linked = build and self.links()
+        if unit.a_linked:  # reduced_a is a's own storage, reduced in place
+            a_in = unit.a
+        else:
+            a_in = unit.a_leaf = leaf(reduced_a) if build else reduced_a
+        unit.h = layer.residual(unit.x_leaf, a_in, layer.attention_bias)
         unit.v = layer.pre_mlp_layernorm(unit.h)
 
-    def _mlp(self, index: int, unit: _Unit, pending: Pending | None, build: bool) -> None:
+    def _mlp(self, index: int, unit: Unit, pending: Pending | None, build: bool) -> None:
         mlp = self.block.layers[index].mlp
         v_full = self._gather(unit.v)
         unit.v_leaf = leaf(v_full) if build else v_full
@@ -227,33 +211,37 @@ class DominoRunner:
         rotaries = [None if rotary is None else
                     tuple(self._slice(t, s, n) for t in rotary) for s, n in zip(starts, sizes)]
         n_layers, n_slices = len(self.block.layers), len(sizes)
-        units = [[_Unit() for _ in range(n_slices)] for _ in range(n_layers)]
+        units = [[Unit() for _ in range(n_slices)] for _ in range(n_layers)]
         inputs = [[x.narrow(1, s, n).contiguous()] for s, n in zip(starts, sizes)]
         pending: dict[tuple, Pending] = {}
         outputs, out_leaves = [None] * n_slices, [None] * n_slices
         last = self.block.layers[-1]
-        for action in forward_actions(n_layers, n_slices, self.plan.hidden_slices):
+        built = [build and not self._recomputed(index) for index in range(n_layers)] + [build]
+        dropout, m_linked = self._has_dropout(), [False] * n_slices
+        for action in self._actions("F", n_layers, n_slices, self.plan.hidden_slices):
             index, i = action.layer, action.slice
             if action.op == "glue_out":
                 h, m = inputs[i]
-                if build:
-                    h, m = leaf(h), leaf(m)
-                    out_leaves[i] = (h, m)
+                if build:  # m linked: out_leaves (h, None), m stays the last mlp's graph
+                    h, m = leaf(h), (m if m_linked[i] else leaf(m))
+                    out_leaves[i] = (h, None if m_linked[i] else m)
                 outputs[i] = last.residual(h, m, last.mlp_bias)
                 continue
             unit = units[index][i]
             if action.op == "wait":
-                reduced = pending.pop((action.waits, index, i)).wait()
                 if action.waits == "m":  # the next layer's glue_in (or glue_out) input
+                    m_linked[i] = built[index] and built[index + 1] and self.links()
+                    reduced = pending.pop(("m", index, i)).wait(
+                        unit.m_parts if m_linked[i] else None)
                     inputs[i] = [inputs[i][0], reduced]
                 else:
-                    unit.a_reduced = reduced
+                    unit.a_reduced = pending.pop(("a", index, i)).wait()
                 continue
-            layer_build = build and not self._recomputed(index)
-            capture = build and not layer_build and self._has_dropout()
+            layer_build = built[index]
+            capture = build and not layer_build and dropout
             with torch.set_grad_enabled(layer_build):
                 if action.op == "glue_in":
-                    unit.inputs = inputs[i]
+                    unit.inputs, unit.in_linked = inputs[i], m_linked[i]
                     if capture:
                         unit.rng["in"] = self._rng_capture()
                     self._glue_in(index, unit, layer_build)
@@ -271,7 +259,7 @@ class DominoRunner:
                     self._mlp(index, unit, pending[("m", index, i)], layer_build)
                     inputs[i] = [unit.h.detach()]
                     if build and not layer_build:  # keep only what the recompute starts from
-                        units[index][i] = _Unit(inputs=unit.inputs, rng=unit.rng)
+                        units[index][i] = Unit(inputs=unit.inputs, rng=unit.rng)
                 else:
                     raise AssertionError(f"forward action {action}")
         output = torch.cat([o.detach() for o in outputs], dim=1) if build else \
@@ -281,13 +269,13 @@ class DominoRunner:
     def _has_dropout(self) -> bool:
         return self.config.hidden_dropout > 0 or self.config.attention_dropout > 0
 
-    def _rebuild(self, index: int, layer_units: list[_Unit], rotaries: list) -> None:
+    def _rebuild(self, index: int, layer_units: list[Unit], rotaries: list) -> None:
         """Recompute one layer's graphs (all slices) from the kept glue_in inputs: the layer's
         forward actions again, each unit's generator states restored, no reduce of m (the
         next layer's input is not needed again)."""
         current = self._rng_capture() if self._has_dropout() else None
         pending: dict[tuple, Pending] = {}
-        for action in forward_actions(len(self.block.layers), len(layer_units),
+        for action in self._actions("F", len(self.block.layers), len(layer_units),
                                       self.plan.hidden_slices):
             if action.layer != index or action.waits == "m":
                 continue
@@ -311,83 +299,6 @@ class DominoRunner:
         if current is not None:
             self._rng_restore(current)
 
-    # ---- backward ------------------------------------------------------------------------
-    def _grad(self, sink: WgradSink, outputs, grads, leaves, params):
-        """Gradients of one unit's graph: returns the leaves' grads, adds the params' to sink."""
-        pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and o.requires_grad]
-        wanted = [leaf for leaf in leaves if leaf is not None] + params
-        result = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                     allow_unused=True)
-        for param, grad in zip(params, result[len(wanted) - len(params):]):
-            if grad is not None:
-                sink.add(param, grad)
-        leaf_grads = iter(result[: len(wanted) - len(params)])
-        return [None if leaf is None else next(leaf_grads) for leaf in leaves]
-
-    def backward(self, state, grad_output: torch.Tensor) -> torch.Tensor:
-        """Run backward_actions; returns the gradient of the block's input."""
-        units, (outputs, out_leaves, rotaries), sink = state
-        layers = self.block.layers
-        n_layers, n_slices = len(layers), len(out_leaves)
-        sizes = [o.shape[1] for o in outputs]
-        grad_slices = [g.contiguous() for g in grad_output.split(sizes, dim=1)]
-        grad_h, grad_m = [None] * n_slices, [None] * n_slices
-        grad_inputs = [None] * n_slices
-        pending: dict[tuple, Pending] = {}
-        recomputed = frozenset(i for i in range(n_layers) if self._recomputed(i))
-        for action in backward_actions(n_layers, n_slices, recomputed):
-            index, i = action.layer, action.slice
-            if action.op == "glue_out":
-                grad_h[i], grad_m[i] = self._grad(sink, [outputs[i]], [grad_slices[i]],
-                                                  list(out_leaves[i]),
-                                                  self._glue_params(-1, "out"))
-            elif action.op == "recompute":
-                with torch.enable_grad():
-                    self._rebuild(index, units[index], rotaries)
-            elif action.op == "flush":
-                sink.flush(layers[index].parameters())
-                units[index] = None
-            elif action.op == "wait":
-                units[index][i].grad_reduced = pending.pop((action.waits, index, i)).wait()
-            elif action.op == "glue_in":
-                unit = units[index][i]
-                grads = self._glue_in_backward(sink, index, unit, unit.grad_reduced)
-                if index == 0:
-                    grad_inputs[i] = grads[0]
-                else:
-                    grad_h[i], grad_m[i] = grads
-            elif action.op == "mlp":
-                unit = units[index][i]
-                grad_m_full = self._output_grad(grad_m[i])
-                (grad_v,) = self._grad(sink, unit.m_parts, [grad_m_full] * len(unit.m_parts),
-                                       [unit.v_leaf], [])
-                pending[("dv", index, i)] = self._reduce_grad(grad_v)
-                sink.run_deferred()
-            elif action.op == "glue_mid":
-                unit = units[index][i]
-                unit.grad_x, unit.grad_a = self._grad(sink, [unit.h, unit.v],
-                                                      [grad_h[i], unit.grad_reduced],
-                                                      [unit.x_leaf, unit.a_leaf],
-                                                      self._glue_params(index, "mid"))
-            elif action.op == "attention":
-                unit = units[index][i]
-                (grad_u,) = self._grad(sink, [unit.a], [self._output_grad(unit.grad_a)],
-                                       [unit.u_leaf], [])
-                pending[("du", index, i)] = self._reduce_grad(grad_u)
-                sink.run_deferred()
-            else:
-                raise AssertionError(f"backward action {action}")
-        return torch.cat(grad_inputs, dim=1)
-
-    def _glue_in_backward(self, sink, index: int, unit: _Unit, grad_u: torch.Tensor):
-        """Back through glue_in, given its reduced input gradient: returns the gradients of
-        glue_in's inputs ((h, m) of the previous layer, or the block input)."""
-        params = self._glue_params(index, "in")
-        if index == 0:  # x is the input leaf itself: its residual gradient passes straight on
-            (grad_input,) = self._grad(sink, [unit.u], [grad_u], unit.in_leaves, params)
-            return grad_input + unit.grad_x, None
-        return self._grad(sink, [unit.x, unit.u], [unit.grad_x, grad_u], unit.in_leaves, params)
-
 
 class _DominoBlock(torch.autograd.Function):
     """The whole layer stack as one autograd node whose backward is DominoRunner.backward."""
@@ -399,9 +310,11 @@ class _DominoBlock(torch.autograd.Function):
         try:
             with torch.enable_grad():
                 output, units, outs = runner._forward(x, rotary, build=True)
+                flush_anchors = [sink.anchor(list(layer.parameters()))
+                                 for layer in runner.block.layers]
         finally:
             runner.sinks.pop()
-        ctx.runner, ctx.state = runner, (units, outs, sink)
+        ctx.runner, ctx.state = runner, (units, outs, sink, flush_anchors)
         return output
 
     @staticmethod
