@@ -40,11 +40,12 @@ validation parts; `--eval-interval` / `--eval-iters` report validation loss and 
 Start: `--hf-checkpoint DIR` (a Hugging Face Llama directory, config.json + safetensors; the
 architecture comes from its config.json, and flags such as `--seq-length` override it; loaded by
 `megadomino.interop.hf.load_llama` at any TP degree, into pipeline stages at any PP), or `--load
-DIR --finetune` (a megadomino checkpoint, weights only), or `--load DIR` alone to resume a fine-
-tuning run. The tokenizer is given as in pretraining (`--tokenizer-type` and its files) and must
-match the checkpoint's vocabulary. Every other flag is Megatron-LM's, with the policy of
-docs/flags.md; the two of this script are `--hf-checkpoint` and `--prompt-template`. `--eod-mask-
-loss` is refused. """
+DIR --finetune` (a megadomino checkpoint, weights only), or `--load DIR` alone to resume a
+fine-tuning run. The tokenizer is given as in pretraining (`--tokenizer-type` and its files) and
+must match the checkpoint's vocabulary. Every other flag is Megatron-LM's, with the policy of
+docs/flags.md; the two of this script are `--hf-checkpoint` and `--prompt-template`.
+`--eod-mask-loss` is refused.
+"""
 
 import sys
 
