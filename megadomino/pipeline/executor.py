@@ -44,11 +44,14 @@ class Executor:
         return self.stage == self.stages - 1 and chunk == len(self.chunks) - 1
 
     def run(self, actions: Sequence[Action], batches: Sequence[MicroBatch],
-            loss_scale: float = 1.0, train: bool = True) -> list[torch.Tensor]:
+            loss_scale: float = 1.0, train: bool = True,
+            loss_weights: Sequence[float] | None = None) -> list[torch.Tensor]:
         """Run `actions` on `batches` (one per micro-batch). Returns the losses of the
         micro-batches (detached fp32 scalars) on the last stage, [] elsewhere. `train` False:
-        forwards only, without autograd (evaluation)."""
+        forwards only, without autograd (evaluation). loss_weights: each micro-batch's loss is
+        multiplied by its weight (a batch-split stage's share of the micro-batch, runtime.py)."""
         state = _State(len(batches), loss_scale, train)
+        state.weights = list(loss_weights) if loss_weights is not None else [1.0] * len(batches)
         with torch.enable_grad() if train else torch.no_grad():
             for action in actions:
                 self._do(action, batches, state)
@@ -67,6 +70,7 @@ class Executor:
             x = state.kept.pop(("in", micro, chunk), None)
             out = run_chunk(self.chunks[chunk], x, *batches[micro])
             if self._is_last(chunk):
+                out = out * state.weights[micro]
                 state.losses[micro] = out.detach().float()
                 out = out * (state.loss_scale / state.num_micro)
             if state.train:
@@ -121,3 +125,4 @@ class _State:
         self.pending: dict[tuple, tuple] = {}
         self.kept: dict[tuple, torch.Tensor | None] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.weights: list[float] = []
