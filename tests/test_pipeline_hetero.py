@@ -11,6 +11,8 @@ validator's refusals of bad plan files, one line each naming the file."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import pytest
 import torch.distributed as dist
@@ -26,8 +28,10 @@ from megadomino.distributed import ParallelDims, mappings
 from megadomino.pipeline.plan import plan_from_stages
 from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.pipeline.stage import build_stage, load_stage_full_state, stage_full_state
+from megadomino.train.loop import train
 
 REL = 1e-5
+ITERS = 10
 
 PLANS = {  # name -> (stages: ranks, tp, layers), layers in all
     "tp2_tp1": ([((0, 1), 2, (0, 4)), ((2,), 1, (4, 7))], 7),
@@ -95,6 +99,44 @@ for family in ("gpt", "llama"):
                "eager-1f1b", 3, 3, True, sequence_parallel=True, worlds=(3,))
 SUITE.case("gpt-tp1-tp2-tp1-tied", check_hetero, "gpt", C.tp1_tp2_tp1, C.ref,
            "tp1_tp2_tp1", "1f1b", 4, 3, False, worlds=(4,))
+
+
+
+def train_run(family: str, dims, layers: int, mbs: int, **changes) -> dict:
+    config = make_config(
+        tiny_config(family, num_layers=layers, vocab_size=331,
+                    untie_embeddings_and_output_weights=True),
+        micro_batch_size=mbs, global_batch_size=3 * 5, train_iters=ITERS, lr=3e-3, min_lr=3e-4,
+        lr_warmup_iters=2, clip_grad=0.5, log_interval=5, eval_interval=ITERS, eval_iters=1,
+        mock_data=True, **changes)
+    return train(config, dims, family, log=lambda line: None)
+
+
+def check_training(family: str, dims, dims_ref, plan_name: str, schedule: str):
+    """AdamW steps through the training loop with the plan, against the same global batches
+    on every rank as plain data parallelism (mock data: every label counts, so the mean over
+    the plan's micro-batches of 5 and over the DP ranks' micro-batches of 1 are the same)."""
+    stages, layers = PLANS[plan_name]
+    path = os.path.join(tempfile.mkdtemp(), "plan.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({"stages": [{"ranks": list(r), "tp": t, "layers": list(la)}
+                              for r, t, la in stages]}, handle)
+    ref = train_run(family, dims_ref, layers, 1)
+    mine = train_run(family, dims, layers, 5, pipeline_plan=path, pipeline_schedule=schedule,
+                     pipeline_model_parallel_size=len(stages))
+    assert ref["losses"][-1] < ref["losses"][0] - 0.3, ref["losses"]
+    for what in ("losses", "grad_norms"):
+        for step, (a, b) in enumerate(zip(mine[what], ref[what], strict=True)):
+            assert abs(a - b) <= REL * abs(b), (what, step, a, b)
+    (a,), (b,) = ([e["loss"] for e in h["eval"]] for h in (mine, ref))
+    assert abs(a - b) <= REL * abs(b), ("validation", a, b)
+
+
+for family in ("gpt", "llama"):
+    SUITE.case(f"{family}-train-dp2-dp3", check_training, family, C.dp2_dp3, C.ref, "dp2_dp3",
+               "eager-1f1b", worlds=(5,))
+SUITE.case("llama-train-tp2-tp1", check_training, "llama", C.tp2_tp1, C.ref, "tp2_tp1", "1f1b",
+           worlds=(3,))
 
 test_hetero_pipeline_matches_no_pp = SUITE.test()
 

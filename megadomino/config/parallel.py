@@ -109,6 +109,11 @@ class ParallelConfig:
         None without one."""
         return read_plan(self.pipeline_plan) if self.pipeline_plan is not None else None
 
+    def data_parallel_size(self, dp: int) -> int:
+        """The DP degree the batch arithmetic counts: the grid's `dp`, or 1 under
+        --pipeline-plan, whose micro-batch holds the sequences of every DP rank of a stage."""
+        return 1 if self.pipeline_plan is not None else dp
+
     @property
     def overlap(self) -> str:
         """The one tensor-parallel overlap in effect: 'none', 'fused-sp' (--sequence-parallel
