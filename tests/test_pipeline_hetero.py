@@ -200,7 +200,6 @@ def test_malformed_plan_files_are_refused(tmp_path, text, message):
      "interleaved"),
     (dict(batch_slices=2), "Domino"),
     (dict(stage=3), "--zero-stage"),
-    (dict(load="checkpoints"), "--save / --load cannot be used"),
 ])
 def test_what_does_not_compose_is_refused(tmp_path, leaves, message):
     with pytest.raises(ConfigError, match=message):

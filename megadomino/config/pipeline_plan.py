@@ -109,22 +109,20 @@ def plan_rules(config, world_size: int | None) -> list[int]:
     """The validator's rules for --pipeline-plan (none without it) on a `Config`: the file,
     the plan, what composes with it. Returns the stages' TP degrees, at which the validator
     checks the layers."""
-    parallel, checkpoint = config.parallel, config.train.checkpoint
-    path = parallel.pipeline_plan
+    parallel, path = config.parallel, config.parallel.pipeline_plan
     if path is None:
         return []
     stages = read_plan(path)
     check_plan(path, stages, config.model.num_layers, world_size)
     check_composition(path, stages, parallel, config.model,
-                      config.train.schedule.micro_batch_size,
-                      checkpoint.save is not None or checkpoint.load is not None)
+                      config.train.schedule.micro_batch_size)
     return sorted({stage.tp for stage in stages})
 
 
 def check_composition(path: str, stages: tuple[StageSpec, ...], parallel, model,
-                      micro_batch_size: int, checkpointing: bool) -> None:
+                      micro_batch_size: int) -> None:
     """What runs beside a plan today, each refusal with its reason. `parallel`: the
-    ParallelConfig; `model`: the ModelConfig; `checkpointing`: --save or --load given."""
+    ParallelConfig; `model`: the ModelConfig."""
     name = f"--pipeline-plan {path}"
     count = len(stages)
     if count < 2:
@@ -147,8 +145,6 @@ def check_composition(path: str, stages: tuple[StageSpec, ...], parallel, model,
          "Domino's batch slices are not composed with a stage's batch split yet"),
         (parallel.zero.stage == 3, "--zero-stage 3",
          "stage 3 is refused with any pipeline (docs/pipeline.md)"),
-        (checkpointing, "--save / --load",
-         "checkpoints of a heterogeneous plan are not written or read yet"),
     )
     for refused, flag, reason in refusals:
         if refused:

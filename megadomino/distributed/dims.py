@@ -69,6 +69,8 @@ class ParallelDims:
         self.timeout = timeout
         self.uniform = len({block.shape for block in blocks}) == 1
         """Every stage has the same (dp, tp) shape (Megatron's grid)."""
+        self.stages = tuple((tuple(block.flatten().tolist()), block.shape[1]) for block in blocks)
+        """Each stage's (ranks, TP degree): what a checkpoint records of the plan."""
 
         # new_group is collective over the whole world: every rank creates every group, in order.
         self.tp_group = _groups_containing(rank, [row for block in blocks for row in block],
