@@ -3,13 +3,14 @@ dropout 0, vocabulary 331 that pads): the mean loss over the micro-batches and e
 gradient within 1e-5 relative, GPT and Llama, 1F1B and eager-1F1B, for the plans of issue 20:
 a TP=2 stage feeding a TP=1 stage (3 ranks; with and without sequence parallelism), TP=2 then
 two TP=1 stages (4 ranks), a TP=1 / TP=2 / TP=1 chain whose ends share GPT's tied embedding (4
-ranks), and a stage of 2 batch-split ranks feeding one of 3 (5 ranks: a micro-batch of 5
-sequences splits 3 + 2, then 2 + 2 + 1). Each rank takes its rows of each whole micro-batch;
-the gradients of a stage are averaged over its own DP group, as the engine does. Through the
-training loop: 10 AdamW steps (clipping on) of DP2 -> DP3 (GPT and Llama, eager-1F1B; GPT at
-ZeRO stage 1) and TP2 -> TP1 (Llama, 1F1B) give plain data parallelism's losses, grad norms and
-validation loss within 1e-5. Also: the validator's refusals of bad plan files, one line each
-naming the file."""
+ranks), a stage of 2 batch-split ranks feeding one of 3 (5 ranks: a micro-batch of 5
+sequences splits 3 + 2, then 2 + 2 + 1), and a DP2 x TP2 stage with sequence parallelism (a 2-D
+mesh: batch over DP, seq over TP) feeding a TP=1 stage (5 ranks). Each rank takes its rows of
+each whole micro-batch; the gradients of a stage are averaged over its own DP group, as the
+engine does. Through the training loop: 10 AdamW steps (clipping on) of DP2 -> DP3 (GPT and
+Llama, eager-1F1B; GPT at ZeRO stage 1) and TP2 -> TP1 (Llama, 1F1B) give plain data
+parallelism's losses, grad norms and validation loss within 1e-5. Also: the validator's
+refusals of bad plan files, one line each naming the file."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ PLANS = {  # name -> (stages: ranks, tp, layers), layers in all
     "tp2_tp1_tp1": ([((0, 1), 2, (0, 2)), ((2,), 1, (2, 4)), ((3,), 1, (4, 5))], 5),
     "tp1_tp2_tp1": ([((0,), 1, (0, 2)), ((1, 2), 2, (2, 3)), ((3,), 1, (3, 5))], 5),
     "dp2_dp3": ([((0, 1), 1, (0, 3)), ((2, 3, 4), 1, (3, 5))], 5),
+    "dp2tp2_tp1": ([((0, 1, 2, 3), 2, (0, 2)), ((4,), 1, (2, 4))], 4),
 }
 
 
@@ -100,6 +102,8 @@ for family in ("gpt", "llama"):
                    "dp2_dp3", schedule, 3, 5, True, worlds=(5,))
     SUITE.case(f"{family}-tp2-sp-tp1", check_hetero, family, C.tp2_tp1, C.ref, "tp2_tp1",
                "eager-1f1b", 3, 3, True, sequence_parallel=True, worlds=(3,))
+SUITE.case("llama-dp2tp2-sp-tp1", check_hetero, "llama", C.dp2tp2_tp1, C.ref, "dp2tp2_tp1",
+           "eager-1f1b", 4, 3, True, sequence_parallel=True, worlds=(5,))
 SUITE.case("gpt-tp1-tp2-tp1-tied", check_hetero, "gpt", C.tp1_tp2_tp1, C.ref,
            "tp1_tp2_tp1", "1f1b", 4, 3, False, worlds=(4,))
 

@@ -50,8 +50,8 @@ class Executor:
         micro-batches (detached fp32 scalars) on the last stage, [] elsewhere. `train` False:
         forwards only, without autograd (evaluation). loss_weights: each micro-batch's loss is
         multiplied by its weight (a batch-split stage's share of the micro-batch, runtime.py)."""
-        state = _State(len(batches), loss_scale, train)
-        state.weights = list(loss_weights) if loss_weights is not None else [1.0] * len(batches)
+        state = _State(len(batches), loss_scale, train,
+                       list(loss_weights) if loss_weights is not None else [1.0] * len(batches))
         with torch.enable_grad() if train else torch.no_grad():
             for action in actions:
                 self._do(action, batches, state)
@@ -118,11 +118,12 @@ class Executor:
 
 
 class _State:
-    """One run's bookkeeping: posted operations, kept tensors, the losses."""
+    """One run's bookkeeping: posted operations, kept tensors, the losses (each micro-batch's
+    times its weight)."""
 
-    def __init__(self, num_micro: int, loss_scale: float, train: bool):
+    def __init__(self, num_micro: int, loss_scale: float, train: bool, weights: list[float]):
         self.num_micro, self.loss_scale, self.train = num_micro, loss_scale, train
+        self.weights = weights
         self.pending: dict[tuple, tuple] = {}
         self.kept: dict[tuple, torch.Tensor | None] = {}
         self.losses: dict[int, torch.Tensor] = {}
-        self.weights: list[float] = []
