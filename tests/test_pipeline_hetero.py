@@ -25,6 +25,7 @@ from test_tp_equivalence import batch, tiny_config
 
 from configs import make_config, parallel_config
 from dist_utils import C, DistSuite, assert_close
+from megadomino.cli.arguments import parse_args
 from megadomino.config import ConfigError, ModelConfig
 from megadomino.config.pipeline_plan import StageSpec
 from megadomino.config.validate import validate
@@ -233,3 +234,14 @@ def test_heads_must_divide_by_each_stage_tp(tmp_path):
     stages = [((0, 1, 2), 3, (0, 2)), ((3,), 1, (2, 4))]  # gpt-tiny's heads do not split by 3
     with pytest.raises(ConfigError):
         validate(plan_config(plan_file(tmp_path, stages)), 4)
+
+
+def test_sequence_parallel_is_kept_under_a_plan():
+    """--tensor-model-parallel-size stays 1 under a plan; --sequence-parallel is then not
+    dropped (as it is at TP 1): the plan's TP=2 stages use it."""
+    plan = os.path.join(os.path.dirname(__file__), "fixtures", "pipeline_plan_tp2_tp1.json")
+    config, notices = parse_args(["--model-preset", "gpt-tiny", "--num-layers", "3",
+                                  "--untie-embeddings-and-output-weights", "--mock-data",
+                                  "--train-iters", "1", "--pipeline-model-parallel-size", "2",
+                                  "--pipeline-plan", plan, "--sequence-parallel"], "gpt")
+    assert config.parallel.sequence_parallel and notices == []
