@@ -19,6 +19,7 @@ from megadomino.config.validate import validate
 from megadomino.zero import ZeroConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "tests" / "fixtures" / "pipeline_plan_tp2_tp1.json"
 BASE = ["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "10"]
 
 
@@ -69,6 +70,9 @@ MAPPED = [
       "interleaved", "--num-layers-per-virtual-pipeline-stage", "1"),
      "parallel.num_layers_per_virtual_pipeline_stage", 1),
     (("--pipeline-schedule", "eager-1f1b"), "parallel.pipeline_schedule", "eager-1f1b"),
+    (("--num-layers", "3", "--pipeline-model-parallel-size", "2",
+      "--untie-embeddings-and-output-weights", "--pipeline-plan", str(PLAN)),
+     "parallel.pipeline_plan", str(PLAN)),
     (("--num-layers", "3", "--pipeline-model-parallel-size", "2",
       "--decoder-first-pipeline-num-layers", "1"), "parallel.decoder_first_pipeline_num_layers",
      1),

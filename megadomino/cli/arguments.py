@@ -253,7 +253,9 @@ def _apply_model_rules(group_query_attention: bool, model_fields: dict[str, Any]
     if parallel_fields.get("recompute_granularity") == "selective" and parallel_fields.get(
             "recompute_method"):
         raise ConfigError("--recompute-method applies to --recompute-granularity full only")
-    if tp == 1 and parallel_fields.get("sequence_parallel"):
+    # Under --pipeline-plan each stage's TP degree is the plan's: a TP > 1 stage uses SP.
+    if tp == 1 and parallel_fields.get("sequence_parallel") and not parallel_fields.get(
+            "pipeline_plan"):
         parallel_fields["sequence_parallel"] = False
         return ["--sequence-parallel: dropped, it has no effect with "
                 "--tensor-model-parallel-size 1"]

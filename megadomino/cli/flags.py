@@ -109,6 +109,10 @@ FLAGS: tuple[Flag, ...] = (
           "1f1b (Megatron's), interleaved (virtual stages, Megatron's) or eager-1f1b (Alpa's "
           "overlap-friendly 1F1B: more warm-up forwards, each forward's send overlaps the next "
           "compute).", choices=("1f1b", "interleaved", "eager-1f1b")),
+    _ours("--pipeline-plan", "parallel.pipeline_plan", str,
+          "A JSON file of pipeline stages, each with its ranks, TP degree and layer range: "
+          "stage meshes of different shapes, joined by cross-mesh resharding (docs/pipeline.md); "
+          "default Megatron's uniform plan."),
     _impl("--sequence-parallel", "parallel.sequence_parallel", None,
           "Shard norm and dropout activations over TP ranks; dropped with a notice at TP 1, as in "
           "Megatron-LM."),

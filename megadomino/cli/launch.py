@@ -62,10 +62,12 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     parallel, timeout = config.parallel, config.train.runtime.distributed_timeout_minutes
     _init_process_group(timeout)
     try:
+        plan = parallel.plan_stages()  # --pipeline-plan: each stage's own DP x TP block
         dims = ParallelDims(tp=parallel.tensor_model_parallel_size,
                             pp=parallel.pipeline_model_parallel_size,
                             gpus_per_node=parallel.gpus_per_node or local_size,
-                            timeout=datetime.timedelta(minutes=timeout))
+                            timeout=datetime.timedelta(minutes=timeout),
+                            stages=None if plan is None else [(s.ranks, s.tp) for s in plan])
         train_data, valid_data = build_datasets(config, dims, tokenizer, finetune)
         model_init = None
         if config.train.checkpoint.hf_checkpoint is not None:

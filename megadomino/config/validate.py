@@ -21,6 +21,7 @@ from megadomino.config.batches import BatchSchedule
 from megadomino.config.check import ConfigError, check
 from megadomino.config.model import ModelConfig
 from megadomino.config.parallel import ParallelConfig, check_degrees, check_gpus_per_node
+from megadomino.config.pipeline_plan import plan_rules
 from megadomino.config.pipeline_split import layer_split
 from megadomino.config.train import WSD_STYLES, FP8Recipe, ScheduleConfig, TrainConfig
 from megadomino.config.tree import Config
@@ -34,6 +35,8 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
     `data_given`: datasets are handed to train(), so no data flag is needed."""
     _train_rules(config.train, finetune, data_given)
     _parallel_rules(config.model, config.parallel, config.train.precision.fp8)
+    for tp in plan_rules(config, world_size):  # each stage's TP degree under --pipeline-plan
+        validate_layers(config.model, config.parallel, tp, config.train.precision.fp8)
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)
 
@@ -97,8 +100,9 @@ def _pipeline_rules(model: ModelConfig, parallel: ParallelConfig) -> None:
           "--num-layers-per-virtual-pipeline-stage)")
     check(interleaved or chunks == 1, "--pipeline-schedule", parallel.pipeline_schedule,
           "'interleaved' with virtual stages (1f1b and eager-1f1b run one chunk a stage)")
-    layer_split(model.num_layers, pp, chunks, parallel.decoder_first_pipeline_num_layers,
-                parallel.decoder_last_pipeline_num_layers)
+    if parallel.pipeline_plan is None:  # a plan gives each stage's layers (plan_rules)
+        layer_split(model.num_layers, pp, chunks, parallel.decoder_first_pipeline_num_layers,
+                    parallel.decoder_last_pipeline_num_layers)
     if pp == 1:
         return
     check(not parallel.domino_auto, "--domino-batch-slices", "auto", "an explicit plan with "
@@ -192,7 +196,10 @@ def _world_rules(config: Config, world_size: int, local_world_size: int | None) 
     parallel, schedule, logging = config.parallel, config.train.schedule, config.train.logging
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     dp = world_size // (tp * pp) if tp >= 1 and pp >= 1 and world_size % (tp * pp) == 0 else -1
-    check_degrees(world_size, tp, pp, dp)
+    if parallel.pipeline_plan is not None:  # the plan tiles the world (plan_rules); the
+        dp = 1  # micro-batch holds every DP rank's sequences: one replica of the pipeline
+    else:
+        check_degrees(world_size, tp, pp, dp)
     if parallel.gpus_per_node is not None:
         check_gpus_per_node(world_size, tp, parallel.gpus_per_node)
     batches = BatchSchedule.from_config(schedule, dp)

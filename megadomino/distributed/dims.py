@@ -6,6 +6,10 @@ made of neighbouring ranks and stays inside a node:
     grid = arange(world).view(pp, dp, tp)
     tp_group  of rank r: grid[p, d, :]     dp_group: grid[p, :, t]     pp_group: grid[:, d, t]
 
+A heterogeneous pipeline plan (--pipeline-plan) replaces grid[p] by stage p's own DP x TP block
+(`stages`): each stage has its own TP degree and DP size, and the groups are cut from each block
+the same way; ranks of different stages then have different `tp` and `dp`.
+
 For ZeRO++ the DP group is further cut by node: `intra_node_group` holds the DP peers on the same
 node, `inter_node_group` the DP peers with the same position on other nodes. `gpus_per_node`
 defaults to LOCAL_WORLD_SIZE and may be set smaller so that one host stands in for several nodes.
@@ -14,6 +18,7 @@ defaults to LOCAL_WORLD_SIZE and may be set smaller so that one host stands in f
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,53 +31,90 @@ class ParallelDims:
     timeout: how long the groups' collectives wait for a silent rank (None: torch's default for
     new groups, not the world group's; the launcher passes --distributed-timeout-minutes).
     gpus_per_node: ranks per node (consecutive ranks share a node); None: the whole world is one
-    node. The launcher passes torchrun's LOCAL_WORLD_SIZE (or --gpus-per-node)."""
+    node. The launcher passes torchrun's LOCAL_WORLD_SIZE (or --gpus-per-node).
+    stages: a pipeline plan's stages, each (its ranks, its TP degree), the ranks its DP x TP
+    block in Megatron's order; then tp, pp and dp are this rank's stage's (each stage has its
+    own TP and DP groups) and the arguments tp / pp / dp are not used."""
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 gpus_per_node: int | None = None, timeout: datetime.timedelta | None = None):
+                 gpus_per_node: int | None = None, timeout: datetime.timedelta | None = None,
+                 stages: Sequence[tuple[Sequence[int], int]] | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ParallelDims needs torch.distributed.init_process_group() first")
         world = dist.get_world_size()
         rank = dist.get_rank()
-        if dp is None:
-            dp = world // (tp * pp) if tp >= 1 and pp >= 1 and world % (tp * pp) == 0 else -1
-        check_degrees(world, tp, pp, dp)
+        if stages is None:
+            if dp is None:
+                dp = world // (tp * pp) if tp >= 1 and pp >= 1 and world % (tp * pp) == 0 else -1
+            check_degrees(world, tp, pp, dp)
+            grid = torch.arange(world).view(pp, dp, tp)
+            blocks = [grid[p] for p in range(pp)]
+        else:
+            blocks = [torch.tensor(list(ranks)).view(-1, stage_tp) for ranks, stage_tp in stages]
         if gpus_per_node is None:  # one node (the launcher passes the node's process count)
             gpus_per_node = world
-        check_gpus_per_node(world, tp, gpus_per_node)
+        for block in blocks:
+            check_gpus_per_node(world, block.shape[1], gpus_per_node)
 
         self.world_size, self.rank = world, rank
-        self.tp, self.pp, self.dp = tp, pp, dp
+        self.pp_rank = next(p for p, block in enumerate(blocks) if rank in block)
+        (self.dp_rank, self.tp_rank), = (blocks[self.pp_rank] == rank).nonzero().tolist()
+        self.dp, self.tp = blocks[self.pp_rank].shape
+        self.pp = len(blocks)
         self.gpus_per_node = gpus_per_node
         self.rng = None
         """The TP RNG tracker (`distributed.random.RNGStatesTracker`) that
         `distributed.random.model_parallel_seed` makes: dropout on TP-sharded activations draws
         from it. None until seeded."""
         self.timeout = timeout
-        grid = torch.arange(world).view(pp, dp, tp)
-        (self.pp_rank, self.dp_rank, self.tp_rank), = (grid == rank).nonzero().tolist()
+        self.uniform = len({block.shape for block in blocks}) == 1
+        """Every stage has the same (dp, tp) shape (Megatron's grid)."""
+        self.stages = tuple((tuple(block.flatten().tolist()), block.shape[1]) for block in blocks)
+        """Each stage's (ranks, TP degree): what a checkpoint records of the plan."""
 
         # new_group is collective over the whole world: every rank creates every group, in order.
-        self.tp_group = _groups_containing(rank, [grid[p, d, :] for p in range(pp)
-                                                  for d in range(dp)], timeout=timeout)
-        self.dp_group = _groups_containing(rank, [grid[p, :, t] for p in range(pp)
-                                                  for t in range(tp)], timeout=timeout)
-        self.pp_group = _groups_containing(rank, [grid[:, d, t] for d in range(dp)
-                                                  for t in range(tp)], timeout=timeout)
-        # A node holds gpus_per_node consecutive ranks; the DP ranks of one (p, t) column that
-        # share a node form the intra-node group, those at the same offset on each node the
-        # inter-node group.
-        dp_per_node = max(1, min(dp, gpus_per_node // tp))
-        self.dp_per_node = dp_per_node
-        self.num_nodes_dp = (dp + dp_per_node - 1) // dp_per_node
+        self.tp_group = _groups_containing(rank, [row for block in blocks for row in block],
+                                           timeout=timeout)
+        self.dp_group = _groups_containing(rank, [block[:, t] for block in blocks
+                                                  for t in range(block.shape[1])],
+                                           timeout=timeout)
+        self._pipeline_groups(rank, blocks, timeout)
+        self._node_groups(rank, blocks, gpus_per_node, timeout)
+
+    def _pipeline_groups(self, rank: int, blocks: list[torch.Tensor], timeout) -> None:
+        """Megatron's grid: one rank per stage, grid[:, d, t]. Stages of different shapes
+        have no such columns: the pipeline group is then the world, holding every rank of each
+        stage; `pp_replicas` says how many, so that a sum over stages of a value every rank of a
+        stage holds is all_reduce(value / pp_replicas, pp_group)."""
+        if self.uniform:
+            grid = torch.stack(blocks)
+            self.pp_group = _groups_containing(rank, [grid[:, d, t]
+                                                      for d in range(grid.shape[1])
+                                                      for t in range(grid.shape[2])],
+                                               timeout=timeout)
+            self.pp_replicas = 1
+        else:
+            self.pp_group = dist.group.WORLD
+            self.pp_replicas = blocks[self.pp_rank].numel()
+
+    def _node_groups(self, rank: int, blocks: list[torch.Tensor], gpus_per_node: int,
+                     timeout) -> None:
+        """A node holds gpus_per_node consecutive ranks; the DP ranks of one (stage, t) column
+        that share a node form the intra-node group, those at the same offset on each node the
+        inter-node group."""
         intra, inter = [], []
-        for p in range(pp):
+        for block in blocks:
+            dp, tp = block.shape
+            dp_per_node = max(1, min(dp, gpus_per_node // tp))
             for t in range(tp):
-                column = grid[p, :, t]
+                column = block[:, t]
                 for n in range(0, dp, dp_per_node):
                     intra.append(column[n:n + dp_per_node])
                 for j in range(dp_per_node):
                     inter.append(column[j::dp_per_node])
+        dp_per_node = max(1, min(self.dp, gpus_per_node // self.tp))
+        self.dp_per_node = dp_per_node
+        self.num_nodes_dp = (self.dp + dp_per_node - 1) // dp_per_node
         self.intra_node_group = _groups_containing(rank, intra, timeout=timeout)
         self.inter_node_group = _groups_containing(rank, inter, timeout=timeout)
         self.intra_node_rank = self.dp_rank % dp_per_node

@@ -1,8 +1,9 @@
 """Pipeline parallelism: stage plans (`plan`), a stage's chunks of the model (`stage`), schedules
 as action lists (`schedules`: 1F1B, interleaved 1F1B, eager-1F1B), their executor (`executor`),
-the transports between stages (`transport`: plain P2P between same-layout stages; cross-mesh
-resharding in `reshard/` between meshes of different shapes), and the training step that joins
-them to the data-parallel engine (`runtime`). docs/pipeline.md says what composes.
+the transports between stages (`transport`: plain P2P between same-layout stages;
+`reshard_transport`: the cross-mesh resharding plans of `reshard/` between stages of different
+layouts, for --pipeline-plan), and the training step that joins them to the data-parallel engine
+(`runtime`). docs/pipeline.md says what composes.
 
 Drives `models` (a stage runs a range of the layer stack) and is never imported by it.
 """

@@ -46,12 +46,16 @@ class Executor:
 
     def run(self, actions: Sequence[Action], batches: Sequence[MicroBatch],
             loss_scale: float = 1.0, train: bool = True,
-            weights: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+            weights: Sequence[torch.Tensor] | None = None,
+            loss_weights: Sequence[float] | None = None) -> list[torch.Tensor]:
         """Run `actions` on `batches` (one per micro-batch). Returns the losses of the
         micro-batches (detached fp32 scalars) on the last stage, [] elsewhere. `train` False:
         forwards only, without autograd (evaluation). `weights`: each micro-batch's factor on
-        its loss for backward (default 1 / micro-batches)."""
-        state = _State(len(batches), loss_scale, train, weights)
+        its loss for backward (default 1 / micro-batches). `loss_weights`: each micro-batch's
+        loss is first multiplied by its weight (a batch-split stage's share of the micro-batch,
+        runtime.py)."""
+        state = _State(len(batches), loss_scale, train, weights,
+                       list(loss_weights) if loss_weights is not None else [1.0] * len(batches))
         with torch.enable_grad() if train else torch.no_grad():
             for action in actions:
                 self._do(action, batches, state)
@@ -70,6 +74,7 @@ class Executor:
             x = state.kept.pop(("in", micro, chunk), None)
             out = run_chunk(self.chunks[chunk], x, *batches[micro])
             if self._is_last(chunk):
+                out = out * state.loss_weights[micro]
                 state.losses[micro] = out.detach().float()
                 out = out * (state.loss_scale / state.num_micro if state.weights is None
                              else state.loss_scale * state.weights[micro])
@@ -118,12 +123,13 @@ class Executor:
 
 
 class _State:
-    """One run's bookkeeping: posted operations, kept tensors, the losses."""
+    """One run's bookkeeping: posted operations, kept tensors, the losses (each micro-batch's
+    times its weight)."""
 
     def __init__(self, num_micro: int, loss_scale: float, train: bool,
-                 weights: Sequence[torch.Tensor] | None):
+                 weights: Sequence[torch.Tensor] | None, loss_weights: list[float]):
         self.num_micro, self.loss_scale, self.train = num_micro, loss_scale, train
-        self.weights = weights
+        self.weights, self.loss_weights = weights, loss_weights
         self.pending: dict[tuple, tuple] = {}
         self.kept: dict[tuple, torch.Tensor | None] = {}
         self.losses: dict[int, torch.Tensor] = {}

@@ -10,6 +10,9 @@ TP degree and layer ranges (heterogeneous meshes); `uniform_plan` builds Megatro
     --decoder-first/last-pipeline-num-layers: the first / last stage hold that many layers
     and the stages between split the rest evenly (V = 1 only)
 
+`plan_from_stages` builds the plan of a --pipeline-plan file (config/pipeline_plan.py): stages
+of different TP degrees and DP sizes, joined by the resharding transport (reshard_transport.py).
+
 e.g. 7 layers over PP=2 with --decoder-first-pipeline-num-layers 4: [0, 4) and [4, 7).
 The split's arithmetic is config/pipeline_split.py's `layer_split`, which the validator runs too:
 a split that does not divide is refused there, one line naming the flag.
@@ -17,9 +20,11 @@ a split that does not divide is refused there, one line naming the flag.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megadomino.config import ConfigError
+from megadomino.config.pipeline_plan import StageSpec
 from megadomino.config.pipeline_split import layer_split
 
 
@@ -37,6 +42,11 @@ class Stage:
     def num_layers(self) -> int:
         return sum(end - start for start, end in self.layers)
 
+    @property
+    def dp(self) -> int:
+        """Batch-split data-parallel ranks: the stage's rank (d, t) is ranks[d * tp + t]."""
+        return len(self.ranks) // self.tp
+
 
 @dataclass(frozen=True)
 class PipelinePlan:
@@ -45,6 +55,10 @@ class PipelinePlan:
 
     stages: tuple[Stage, ...]
     num_layers: int
+    batch_split: bool = False
+    """A --pipeline-plan file's: a micro-batch is the whole pipeline's, each stage splitting it
+    over its DP ranks (the resharding transport joins the stages); False: Megatron's, each DP
+    rank runs its own micro-batches through its own column of stages."""
 
     @property
     def size(self) -> int:
@@ -82,6 +96,14 @@ class PipelinePlan:
             lines.append(f"stage {stage.index}: ranks {list(stage.ranks)} tp {stage.tp} "
                          f"layers {layers}")
         return "\n".join(lines) + "\n"
+
+
+def plan_from_stages(stages: Sequence[StageSpec], num_layers: int) -> PipelinePlan:
+    """The plan of a --pipeline-plan file's stages (config/pipeline_plan.py, checked by the
+    validator): one chunk a stage."""
+    return PipelinePlan(tuple(Stage(index, spec.ranks, spec.tp, (spec.layers,))
+                              for index, spec in enumerate(stages)), num_layers,
+                        batch_split=True)
 
 
 def uniform_plan(num_layers: int, world: int, tp: int, pp: int, chunks: int = 1,

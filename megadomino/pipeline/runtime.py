@@ -28,14 +28,18 @@ from torch import nn
 from megadomino.config import ConfigError, ModelConfig, ParallelConfig
 from megadomino.models.blocks import DTYPES
 from megadomino.pipeline.executor import Executor, MicroBatch
-from megadomino.pipeline.plan import PipelinePlan, uniform_plan
+from megadomino.pipeline.plan import PipelinePlan, plan_from_stages, uniform_plan
+from megadomino.pipeline.reshard.layout import part_range
+from megadomino.pipeline.reshard_transport import ReshardTransport
 from megadomino.pipeline.schedules import compute_order, schedule, with_transfers
 from megadomino.pipeline.stage import embedding_group, tied_embedding
 from megadomino.pipeline.transport import P2PTransport
 
 
 def plan_from_config(model: ModelConfig, parallel: ParallelConfig, world: int) -> PipelinePlan:
-    """Megatron's uniform plan for the flags (plan.py)."""
+    """--pipeline-plan's plan, else Megatron's uniform plan for the flags (plan.py)."""
+    if parallel.pipeline_plan is not None:
+        return plan_from_stages(parallel.plan_stages(), model.num_layers)
     chunks = parallel.virtual_chunks(model.num_layers)
     return uniform_plan(model.num_layers, world, parallel.tensor_model_parallel_size,
                         parallel.pipeline_model_parallel_size, chunks,
@@ -53,13 +57,18 @@ class PipelineRuntime:
                  num_micro: int):
         stage = plan.stage_of(dims.rank)
         self.plan, self.dims, self.chunks, self.num_micro = plan, dims, chunks, num_micro
-        seq = model.seq_length
-        if parallel.sequence_parallel and dims.tp > 1:
-            seq //= dims.tp
-        device = next(chunks.parameters()).device
-        transport = P2PTransport(plan, dims.rank, dims.pp_group,
-                                 (seq, micro_batch_size, model.hidden_size),
-                                 DTYPES[model.params_dtype], device, num_micro)
+        device, dtype = next(chunks.parameters()).device, DTYPES[model.params_dtype]
+        if plan.batch_split:  # the whole micro-batch's activation, resharded between stages
+            transport = ReshardTransport(
+                plan, dims.rank, (model.seq_length, micro_batch_size, model.hidden_size),
+                dtype, device, num_micro, parallel.sequence_parallel, dims.gpus_per_node)
+        else:
+            seq = model.seq_length
+            if parallel.sequence_parallel and dims.tp > 1:
+                seq //= dims.tp
+            transport = P2PTransport(plan, dims.rank, dims.pp_group,
+                                     (seq, micro_batch_size, model.hidden_size), dtype,
+                                     device, num_micro)
         if plan.size > 1:  # NCCL: the group's first operation must be a collective of it all
             dist.barrier(group=dims.pp_group)
         self.executor = Executor(chunks, transport, stage.index, plan.size)
@@ -68,8 +77,8 @@ class PipelineRuntime:
         tied = plan.size > 1 and not model.untie_embeddings_and_output_weights
         self.embedding_group = embedding_group(plan, dims) if tied else None
         self.tied = tied_embedding(chunks, plan)
-        position = stage.ranks.index(dims.rank)
-        self.loss_source = plan.stages[-1].ranks[position]
+        last = plan.stages[-1].ranks
+        self.loss_source = last[stage.ranks.index(dims.rank)] if dims.uniform else last[0]
 
     def actions(self, num_micro: int) -> list:
         """This stage's action list for a step of `num_micro` micro-batches (at most the
@@ -90,8 +99,10 @@ class PipelineRuntime:
                               "its per-layer gathers run in forward hooks that the pipeline's "
                               "interleaved micro-batches would repeat; use --zero-stage 0 or 1")
         scale = engine.loss_scaler.scale if engine.loss_scaler is not None else 1.0
+        batches, shard_weights = self.shards(batches)
         with engine.no_sync():
-            losses = self.executor.run(self.actions(len(batches)), batches, scale, weights=weights)
+            losses = self.executor.run(self.actions(len(batches)), batches, scale,
+                                       weights=weights, loss_weights=shard_weights)
         if self.tied is not None:
             dist.all_reduce(engine.accumulated_grad(self.tied), group=self.embedding_group)
         engine.reduce_gradients()
@@ -100,7 +111,9 @@ class PipelineRuntime:
     def forward_backward(self, batches: Sequence[MicroBatch]) -> torch.Tensor:
         """Without an engine: gradients accumulate in `.grad` (the tied embedding's summed over
         the embedding group); what tests compare with a model without PP."""
-        losses = self.executor.run(self.actions(len(batches)), batches)
+        batches, shard_weights = self.shards(batches)
+        losses = self.executor.run(self.actions(len(batches)), batches,
+                                   loss_weights=shard_weights)
         if self.tied is not None and self.tied.grad is not None:
             dist.all_reduce(self.tied.grad, group=self.embedding_group)
         return self.mean_loss(losses)
@@ -119,7 +132,26 @@ class PipelineRuntime:
             order = [c for c in compute_order(name or "1f1b", plan.size, stage, len(batches),
                                               plan.chunks) if c[0] == "F"]
         actions = with_transfers([[c] for c in order], plan.size, stage, plan.chunks)
-        return self.mean_loss(self.executor.run(actions, batches, train=False), weights)
+        batches, shard_weights = self.shards(batches)
+        return self.mean_loss(self.executor.run(actions, batches, train=False,
+                                                loss_weights=shard_weights), weights)
+
+    def shards(self, batches: Sequence[MicroBatch]
+               ) -> tuple[Sequence[MicroBatch], list[float] | None]:
+        """Under a batch-split plan, this rank's part of each whole micro-batch (its DP
+        position's rows, part_range's rule, as the transport's layouts) and each part's loss
+        weight dp x (its loss-mask tokens / the micro-batch's): the DP average of the weighted
+        losses (and of the gradients) is the whole micro-batch's. Else unchanged, no weights."""
+        if not self.plan.batch_split:
+            return batches, None
+        dp = self.dims.dp
+        parts, weights = [], []
+        for tokens, labels, loss_mask in batches:
+            start, stop = part_range(tokens.shape[0], dp, self.dims.dp_rank)
+            parts.append((tokens[start:stop], labels[start:stop], loss_mask[start:stop]))
+            mine = loss_mask[start:stop].sum().clamp(min=1.0)
+            weights.append(dp * (mine / loss_mask.sum().clamp(min=1.0)).item())
+        return parts, weights
 
     def mean_loss(self, losses: list[torch.Tensor],
                   weights: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
@@ -129,8 +161,12 @@ class PipelineRuntime:
         total = torch.zeros((), device=device)
         for micro, loss in enumerate(losses):
             total += loss if weights is None else loss * weights[micro]
-        if losses and weights is None:
-            total /= len(losses)
+        if losses:
+            if weights is None:
+                total /= len(losses)
+            if self.plan.batch_split and self.dims.dp > 1:  # the weighted parts' DP mean
+                dist.all_reduce(total, group=self.dims.dp_group)
+                total /= self.dims.dp
         if self.plan.size > 1:
             dist.broadcast(total, self.loss_source, group=self.dims.pp_group)
         return total

@@ -12,8 +12,8 @@ methods, each posting an asynchronous operation and returning a handle with `wai
 last stage's chunk v feeds the first stage's chunk v + 1. `P2PTransport` is the plain one between
 same-layout stages: rank (stage s, dp d, tp t) talks to (s +- 1, d, t) with isend / irecv.
 `flush()` starts what was posted since the last flush, as one batch.
-A resharding transport (pipeline/reshard/) implements the same four methods between stages of
-different layouts.
+The resharding transport (reshard_transport.py) implements the same four methods between stages
+of different layouts.
 
 Every message has its own tag (direction, chunk, micro-batch), so gloo matches them whatever the
 posting order; backends that ignore tags (NCCL) match in posting order, which the schedules keep

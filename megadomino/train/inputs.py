@@ -54,7 +54,8 @@ def build_datasets(config: Config, dims: ParallelDims, tokenizer: Tokenizer | No
     seq, vocab = config.model.seq_length, config.model.vocab_size
     if data.mock_data:
         return None, None
-    train_samples, valid_samples, _ = sample_counts(config.train.schedule, dims.dp)
+    train_samples, valid_samples, _ = sample_counts(config.train.schedule,
+                                                   config.parallel.data_parallel_size(dims.dp))
     if finetune:
         return build_sft_datasets(data.data_path, data.split, tokenizer, seq,
                                   data.prompt_template, seed, (train_samples, valid_samples),

@@ -107,9 +107,10 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     train_config = config.train
     schedule_config, logging = train_config.schedule, train_config.logging
     checkpoint = train_config.checkpoint
-    batches = BatchSchedule.from_config(schedule_config, dims.dp)
+    data_dp = config.parallel.data_parallel_size(dims.dp)
+    batches = BatchSchedule.from_config(schedule_config, data_dp)
     gbs, iters = batches.global_batch_size, batches.train_iterations(schedule_config)
-    num_micro = gbs // (batches.micro_batch_size * dims.dp)
+    num_micro = gbs // (batches.micro_batch_size * data_dp)
     mbs = schedule_config.micro_batch_size
     config = dataclasses.replace(config, model=config.model.replace(
         params_dtype=train_config.precision.params_dtype))
@@ -326,7 +327,7 @@ def _check_grid(config: ParallelConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"--pipeline-model-parallel-size="
                           f"{config.pipeline_model_parallel_size} disagrees with the process "
                           f"grid's pp={dims.pp}")
-    if config.tensor_model_parallel_size != dims.tp:
+    if config.tensor_model_parallel_size != dims.tp and config.pipeline_plan is None:
         raise ConfigError(f"--tensor-model-parallel-size={config.tensor_model_parallel_size}"
                           f" disagrees with the process grid's tp={dims.tp}")
     if config.gpus_per_node not in (None, dims.gpus_per_node):

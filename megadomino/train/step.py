@@ -72,11 +72,14 @@ class Stepper:
         self.mbs, self.num_micro, self.device, self.timers = (micro_batch_size, num_micro, device,
                                                               timers)
         self.per_token_loss = per_token_loss
+        # A batch-split plan's stages split each whole micro-batch themselves (runtime.py).
+        split = pipeline is not None and pipeline.plan.batch_split
+        self.data_dp, self.data_rank = (1, 0) if split else (dims.dp, dims.dp_rank)
 
     def _micro_batch(self, dataset: Dataset, consumed: int,
                      micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens, labels, loss_mask), each [mbs, seq], of micro-batch `micro` for this DP rank."""
-        start = consumed + (micro * self.dims.dp + self.dims.dp_rank) * self.mbs
+        start = consumed + (micro * self.data_dp + self.data_rank) * self.mbs
         tokens, loss_mask = collate([dataset[i] for i in range(start, start + self.mbs)])
         tokens = tokens.to(self.device, non_blocking=True)
         loss_mask = loss_mask.to(self.device, non_blocking=True)
@@ -164,7 +167,7 @@ class Stepper:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         masks = []
-        global_batch = self.num_micro * self.mbs * self.dims.dp
+        global_batch = self.num_micro * self.mbs * self.data_dp
         for batch in range(iters):
             batches = [self._micro_batch(dataset, consumed + batch * global_batch, micro)
                        for micro in range(self.num_micro)]

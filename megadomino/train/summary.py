@@ -31,9 +31,10 @@ def count_parameters(model: nn.Module, dims) -> int:
     if dims.tp > 1:
         dist.all_reduce(total, group=dims.tp_group)
     total += replicated
-    if dims.pp > 1:
+    if dims.pp > 1:  # each stage's count once (ParallelDims.pp_replicas)
+        total /= dims.pp_replicas
         dist.all_reduce(total, group=dims.pp_group)
-    return int(total.item())
+    return round(total.item())
 
 
 def _count(n: float) -> str:

@@ -149,7 +149,8 @@ class ShardedOptimizer:
         stats = square if self.loss_scaler is None else torch.cat([square, found])
         if self.dims.tp > 1:
             self.comm.all_reduce(stats, self.dims.tp_group, "scalars")
-        if self.dims.pp > 1:
+        if self.dims.pp > 1:  # each stage's sum counted once (ParallelDims.pp_replicas)
+            stats /= self.dims.pp_replicas
             self.comm.all_reduce(stats, self.dims.pp_group, "scalars")
         return stats[0], stats[1:].sum()
 

@@ -199,7 +199,8 @@ def checkpoint_files(directory: str | os.PathLike, state: TrainingState, model: 
                 files[shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp)] = {
                     "format": FORMAT_VERSION,
                     "model_config": dataclasses.asdict(model.config),
-                    "parallel": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp},
+                    "parallel": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp,
+                                 "stages": [[list(r), tp] for r, tp in dims.stages]},
                     "state": dataclasses.asdict(state),
                     "model": {name: compact(p) for name, p in named_parameters(model)},
                     "sharding": {name: _sharding(p) for name, p in named_parameters(model)},
@@ -454,14 +455,21 @@ class _ShardReader:
                  manifest: Manifest | None):
         self.source, self.dims = source, dims
         saved_pp = saved_pipeline_size(source)
-        same_pp = saved_pp == dims.pp
-        first = shard_path(source, 0, dims.pp_rank if same_pp else 0, saved_pp)
+        own_stage = dims.pp_rank if saved_pp == dims.pp else 0
+        first = shard_path(source, 0, own_stage, saved_pp)
         head = open_shard(first, manifest)
         saved = head["parallel"]
         _check_config(first, head["model_config"], dataclasses.asdict(model.config))
-        stages = [dims.pp_rank] if same_pp else list(range(saved_pp))
+        # This rank's stage saved with the same layers: its shards alone. Else (another pipeline
+        # degree or plan) every stage's, each at the TP degree it was saved at.
+        names = {name for name, _ in named_parameters(model)}
+        same_pp = saved_pp == dims.pp and set(head["model"]) == names
+        stages = [own_stage] if same_pp else list(range(saved_pp))
+        heads = {p: head if p == own_stage else open_shard(shard_path(source, 0, p, saved_pp),
+                                                             manifest) for p in stages}
+        self.saved_tps = {p: heads[p]["parallel"]["tp"] for p in stages}
         paths = {(t, p): shard_path(source, t, p, saved_pp)
-                 for p in stages for t in range(saved["tp"])}
+                 for p in stages for t in range(self.saved_tps[p])}
         missing = [str(p) for p in paths.values() if not p.exists()]
         if missing:
             raise CheckpointError(f"checkpoint shard missing: {', '.join(missing)} (saved at "
@@ -471,9 +479,9 @@ class _ShardReader:
         self.same_tp = self.saved_tp == dims.tp
         self.same_layout = self.same_tp and same_pp
         self.head = head
-        tps = [dims.tp_rank] if self.same_tp else list(range(saved["tp"]))
-        self.paths = {p: [paths[t, p] for t in tps] for p in stages}
-        self.stages = {p: [head if path == first else open_shard(path, manifest)
+        self.paths = {p: [paths[t, p] for t in ([dims.tp_rank] if self.saved_tps[p] == dims.tp
+                                                else range(self.saved_tps[p]))] for p in stages}
+        self.stages = {p: [heads[p] if path == paths[0, p] else open_shard(path, manifest)
                            for path in self.paths[p]] for p in stages}
         self.own = self.stages[dims.pp_rank][0] if self.same_layout else head
         """This rank's own shard at the saved layout (its RNG and FP8 states), else the head."""
@@ -539,7 +547,8 @@ class _ShardReader:
         shards = self._shards(name)
         sharding = shards[0]["sharding"][name]
         nonzero_pad = False
-        if self.same_tp or sharding is None or key == "step":
+        if self.saved_tps[self.where[name]] == self.dims.tp or sharding is None \
+                or key == "step":
             local, nonzero_pad = without_pad_rows(saved(shards[0]), param, self.dims.tp_rank)
         else:
             full = unshard_rows([saved(s) for s in shards], sharding["dim"],
