@@ -18,7 +18,8 @@ non-interleaved schedule: stage s of P runs min(P - s - 1, m) warm-up forwards),
 warm-up forwards, all of them when m = P; its steady state pairs a forward with a backward in one
 step of transfers) and eager-1F1B (Alpa's overlap-friendly PipeDream schedule, arXiv 2211.05322:
 min(m, 2 (P - s) - 1) warm-up forwards; a forward's send is waited only after the next compute,
-so it overlaps it; backward sends are waited at once).
+so it overlaps it; backward sends are waited at once; its receives are prefetched, see
+`with_transfers`).
 
 Transfers (`with_transfers`), one rule for every order: after a compute, post its send, then post
 the receive the next compute needs, then wait (the sends to wait now, then the receive). Every
