@@ -12,9 +12,10 @@ from whatever else runs on the machine), `--warmup` rounds first, then `--steps`
 - step: the executor's run of the schedule's action list over `--micro` micro-batches (every
   forward, backward and transfer; not the tied-embedding all-reduce, DP reduction or optimizer,
   which do not depend on the schedule), after a barrier; a step's time is the slower rank's.
-- bubble of a stage: 1 - (time in its forward and backward actions) / (its step time), from
-  the executor's timeline; against `schedules.bubble_fraction` ((p-1)/(m+p-1), interleaved
-  (p-1)/(v m+p-1)), which assumes free transfers and equal stages.
+- bubble of a stage: 1 - (time in its forward and backward actions, from the executor's
+  timeline) / (the step's time: both ranks leave the barrier together, the step ends with the
+  slower), the idle fraction of the step's span that `schedules.bubble_fraction` gives for
+  free transfers and equal stages ((p-1)/(m+p-1), interleaved (p-1)/(v m+p-1)).
 - memory of a stage: the peak bytes of the distinct storages autograd holds for backward
   (saved_tensors_hooks; parameters excluded): the activations of the micro-batches in flight.
   Not counted: parameters, gradients, received buffers autograd does not save, the allocator's
@@ -151,8 +152,8 @@ def compute_times(chunks, batch, shape: tuple[int, ...], runs: int) -> list[floa
 
 
 def timed_step(runtime: PipelineRuntime, batches) -> dict:
-    """One step of the runtime's schedule: its time, this stage's busy fraction and peak saved
-    bytes, the peak number of micro-batches in flight."""
+    """One step of the runtime's schedule on this stage: its time, the time in forwards and
+    backwards, the peak saved bytes and micro-batches in flight."""
     runtime.chunks.zero_grad(set_to_none=True)
     tracker = SavedBytes({p.untyped_storage().data_ptr() for p in runtime.chunks.parameters()})
     timeline: list = []
@@ -163,7 +164,7 @@ def timed_step(runtime: PipelineRuntime, batches) -> dict:
     seconds = time.perf_counter() - start
     busy = sum(end - begin for action, begin, end in timeline
                if action.op in ("forward", "backward"))
-    return {"seconds": seconds, "bubble": 1.0 - busy / seconds, "peak_saved": tracker.peak,
+    return {"seconds": seconds, "busy": busy, "peak_saved": tracker.peak,
             "in_flight": peak_in_flight(timeline)}
 
 
@@ -235,6 +236,8 @@ def write_rows(args: argparse.Namespace, c: float, every: list[dict],
         for name, v in chunks.items():
             per_rank = [rank["steps"][name] for rank in every]
             step_s = [max(a["seconds"], b["seconds"]) for a, b in zip(*per_rank, strict=True)]
+            bubbles = [[1.0 - s["busy"] / span for s, span in zip(steps, step_s, strict=True)]
+                       for steps in per_rank]
             out.write(json.dumps({
                 "rate": args.rate, "rate_mbit": args.rate_mbit, "schedule": name,
                 "load_average": load, "cpus": os.cpu_count(),
@@ -247,11 +250,10 @@ def write_rows(args: argparse.Namespace, c: float, every: list[dict],
                 "step_s": step_s, "step_median_s": statistics.median(step_s),
                 "bubble_formula": bubble_fraction(2, args.micro, v),
                 "per_stage": [{
-                    "bubble": [s["bubble"] for s in steps],
-                    "bubble_median": statistics.median(s["bubble"] for s in steps),
+                    "bubble": bubble, "bubble_median": statistics.median(bubble),
                     "peak_saved_bytes": max(s["peak_saved"] for s in steps),
                     "peak_in_flight": max(s["in_flight"] for s in steps),
-                } for steps in per_rank],
+                } for steps, bubble in zip(per_rank, bubbles, strict=True)],
             }) + "\n")
 
 
