@@ -6,7 +6,7 @@
 #
 #   sudo bash benchmarks/bench_pipeline_netns.sh [worker flags, e.g. --micro 8 --steps 9]
 #
-# Environment: RATES_MBIT ("1000 100"), RUN_TIMEOUT seconds per rate (900), PYTHON (python3: one
+# Environment: RATES_MBIT ("1000 100 50"), RUN_TIMEOUT seconds per rate (900), PYTHON (python3: one
 # that imports megadomino), OUT_DIR (a temporary directory: results.jsonl, results.json and the
 # ranks' logs land there).
 # Needs root (ip netns, tc). Traffic only reaches the two namespaces' addresses and their
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 FLAGS=("$@")
 PYTHON=${PYTHON:-python3}
-RATES_MBIT=${RATES_MBIT:-"1000 100"}
+RATES_MBIT=${RATES_MBIT:-"1000 100 50"}
 RUN_TIMEOUT=${RUN_TIMEOUT:-900}
 OUT_DIR=${OUT_DIR:-$(mktemp -d)}
 mkdir -p "$OUT_DIR"

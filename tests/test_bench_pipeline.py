@@ -72,7 +72,8 @@ def test_two_ranks_on_localhost_write_every_field(tmp_path):
 
 
 def _row(rate: str, schedule: str, step: float, ratio: float) -> dict:
-    return {"rate": rate, "schedule": schedule, "step_median_s": step, "c_over_fb": ratio}
+    return {"rate": rate, "schedule": schedule, "step_median_s": step, "c_over_fb": ratio,
+            "step_s": [step, 2 * step]}
 
 
 def test_target_applies_where_the_link_is_slow():
@@ -81,5 +82,5 @@ def test_target_applies_where_the_link_is_slow():
             _row("10mbit", "1f1b", 1.0, 2.0), _row("10mbit", "eager-1f1b", 1.0, 2.0)]
     lines = bench.check_target(rows)
     assert lines[0].endswith(": n/a)") and "1.00x" in lines[0]
-    assert "1.50x" in lines[1] and lines[1].endswith(": met)")
+    assert "1.50x 1f1b (paired 1.50x" in lines[1] and lines[1].endswith(": met)")
     assert lines[2].endswith(": MISSED)")
