@@ -178,17 +178,11 @@ def peak_in_flight(timeline: list) -> int:
     return peak
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One rank (stage) of the PP=2 world: c and F+B alone, then the schedules' steps in
-    rounds; rank 0 writes one JSON line per schedule to OUT/results.jsonl."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}",
-                            rank=args.rank, world_size=2)
-    dims = ParallelDims(tp=1, pp=2)
+def build_runtimes(args: argparse.Namespace, dims: ParallelDims) -> dict[str, PipelineRuntime]:
+    """A runtime per schedule or control of `--schedules`; those with one chunk a stage share
+    their stage's model (collective: both ranks build the same list)."""
     config = model_config(args)
     parallel = ParallelConfig(pipeline_model_parallel_size=2)
-    shape = (args.seq, args.mbs, args.hidden)
-    batches = micro_batches(args)
     runtimes, stages = {}, {}
     for name in args.schedules.split(","):
         base, prefetch = VARIANTS.get(name, (name, None))
@@ -204,9 +198,18 @@ def worker(args: argparse.Namespace) -> None:
             runtimes[name].actions = with_transfers(
                 compute_steps(base, 2, args.rank, args.micro), 2, args.rank, 1,
                 eager=base == "eager-1f1b", prefetch=prefetch)
-    alone = stages[1][0] if 1 in stages else stages[2][0]
-    steps = {name: [] for name in runtimes}
-    c, fb, load = [], [], [os.getloadavg()[0]]
+    return runtimes
+
+
+def run_rounds(args: argparse.Namespace, runtimes: dict[str, PipelineRuntime]) -> tuple:
+    """`--warmup` untimed rounds, then `--steps` timed ones; a round is one step of every
+    runtime in turn, then `--repeats` runs of c and of F+B (through the first runtime's
+    chunks). Returns (steps per runtime, c times, F+B times)."""
+    shape = (args.seq, args.mbs, args.hidden)
+    batches = micro_batches(args)
+    alone = next(iter(runtimes.values())).chunks
+    steps: dict[str, list] = {name: [] for name in runtimes}
+    c, fb = [], []
     for round_ in range(-args.warmup, args.steps):
         for name, runtime in runtimes.items():
             step = timed_step(runtime, batches)
@@ -216,10 +219,21 @@ def worker(args: argparse.Namespace) -> None:
         compute = compute_times(alone, batches[0], shape, args.repeats)
         if round_ >= 0:
             c, fb = c + link, fb + compute
+    return steps, c, fb
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank (stage) of the PP=2 world: the rounds, then rank 0 writes one JSON line per
+    schedule to OUT/results.jsonl."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}",
+                            rank=args.rank, world_size=2)
+    runtimes = build_runtimes(args, ParallelDims(tp=1, pp=2))
+    load = [os.getloadavg()[0]]
+    steps, c, fb = run_rounds(args, runtimes)
     load.append(os.getloadavg()[0])
-    mine = {"fb": statistics.median(fb), "steps": steps}
     every = [None, None]
-    dist.all_gather_object(every, mine)
+    dist.all_gather_object(every, {"fb": statistics.median(fb), "steps": steps})
     if args.rank == 0:
         write_rows(args, statistics.median(c), every,
                    {name: r.plan.chunks for name, r in runtimes.items()}, load)
