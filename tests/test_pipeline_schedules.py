@@ -45,7 +45,8 @@ GOLDEN_1F1B = """\
 """
 
 # Eager-1F1B, stage 0 of 2: three forwards before the first backward, and each forward's send is
-# waited only after the next forward ran (lines 4, 8, 12).
+# waited only after the next forward ran (lines 4, 8, 12); each gradient's receive is posted as
+# soon as the previous one was waited (lines 10, 14: prefetched), before the backward between.
 GOLDEN_EAGER = """\
   0 F M0    forward
   1 F M0    send
@@ -57,12 +58,12 @@ GOLDEN_EAGER = """\
   7 B M0    recv
   8 F M1    wait send
   9 B M0    wait recv
- 10 B M0    backward
- 11 B M1    recv
+ 10 B M1    recv
+ 11 B M0    backward
  12 F M2    wait send
  13 B M1    wait recv
- 14 B M1    backward
- 15 B M2    recv
+ 14 B M2    recv
+ 15 B M1    backward
  16 B M2    wait recv
  17 B M2    backward
 """
@@ -120,6 +121,24 @@ def test_eager_matches_alpa_docstring():
         assert " ".join(order[:len(expected.split())]) == expected
         # min(m, 2 (n - i) - 1) forwards before the first backward
         assert order.index("B0") == min(6, 2 * (3 - stage) - 1)
+
+
+def test_eager_prefetches_every_receive():
+    """Eager-1F1B posts each receive right after the previous receive of its pass was waited
+    (a rendezvous transport moves a message only once its receive is posted: so the transfer
+    overlaps the computes between); 1F1B posts it after the compute before its own."""
+    for stages, micro in itertools.product((2, 3, 4), (1, 3, 8)):
+        for stage in range(stages):
+            actions = schedule("eager-1f1b", stages, stage, micro)
+            for pass_ in "FB":
+                mine = [(i, a) for i, a in enumerate(actions) if a.pass_ == pass_]
+                posts = [i for i, a in mine if a.op == "recv"]
+                waits = [i for i, a in mine if a.op == "wait" and a.waits == "recv"]
+                assert [actions[i + 1].op for i in waits[:-1]] == ["recv"] * len(posts[1:])
+                assert [actions[i].micro for i in posts] == [actions[i].micro for i in waits]
+    plain = schedule("1f1b", 2, 1, 3)
+    assert [str(a) for a in plain[:3]] == ["F M0    recv", "F M0    wait recv", "F M0    forward"]
+    assert str(schedule("eager-1f1b", 2, 1, 3)[2]) == "F M1    recv"
 
 
 def test_one_f_one_b_warmup():

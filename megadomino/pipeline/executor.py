@@ -17,10 +17,16 @@ For each action, in order and nothing else:
 Parameter gradients accumulate wherever autograd puts them (`.grad`, or the data-parallel
 engine's hooks); reducing them is the caller's (pipeline/runtime.py). Every kept tensor is
 released once its last use has run, so an executor holds exactly the activations in flight.
+
+Timeline (`run(..., timeline=[])`): each action is appended as (action, start, end), seconds of
+`time.perf_counter()` around its handling (a compute's includes the flush of the posts before it,
+a wait's the time blocked); what benchmarks/bench_pipeline.py derives each stage's idle time
+from. Nothing is recorded without a list.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -47,18 +53,23 @@ class Executor:
     def run(self, actions: Sequence[Action], batches: Sequence[MicroBatch],
             loss_scale: float = 1.0, train: bool = True,
             weights: Sequence[torch.Tensor] | None = None,
-            loss_weights: Sequence[float] | None = None) -> list[torch.Tensor]:
+            loss_weights: Sequence[float] | None = None,
+            timeline: list[tuple[Action, float, float]] | None = None) -> list[torch.Tensor]:
         """Run `actions` on `batches` (one per micro-batch). Returns the losses of the
         micro-batches (detached fp32 scalars) on the last stage, [] elsewhere. `train` False:
         forwards only, without autograd (evaluation). `weights`: each micro-batch's factor on
         its loss for backward (default 1 / micro-batches). `loss_weights`: each micro-batch's
         loss is first multiplied by its weight (a batch-split stage's share of the micro-batch,
-        runtime.py)."""
+        runtime.py). `timeline`: a list to append each action's (action, start, end) to
+        (module docstring)."""
         state = _State(len(batches), loss_scale, train, weights,
                        list(loss_weights) if loss_weights is not None else [1.0] * len(batches))
         with torch.enable_grad() if train else torch.no_grad():
             for action in actions:
+                start = time.perf_counter() if timeline is not None else 0.0
                 self._do(action, batches, state)
+                if timeline is not None:
+                    timeline.append((action, start, time.perf_counter()))
         self.transport.flush()
         if state.pending or state.kept:
             raise RuntimeError(f"the action list left operations or tensors behind: "

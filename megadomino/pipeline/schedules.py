@@ -18,7 +18,8 @@ non-interleaved schedule: stage s of P runs min(P - s - 1, m) warm-up forwards),
 warm-up forwards, all of them when m = P; its steady state pairs a forward with a backward in one
 step of transfers) and eager-1F1B (Alpa's overlap-friendly PipeDream schedule, arXiv 2211.05322:
 min(m, 2 (P - s) - 1) warm-up forwards; a forward's send is waited only after the next compute,
-so it overlaps it; backward sends are waited at once).
+so it overlaps it; backward sends are waited at once; its receives are prefetched, see
+`with_transfers`).
 
 Transfers (`with_transfers`), one rule for every order: after a compute, post its send, then post
 the receive the next compute needs, then wait (the sends to wait now, then the receive). Every
@@ -133,18 +134,33 @@ def _sends(pass_: str, stage: int, chunk: int, stages: int, chunks: int) -> bool
 
 
 def with_transfers(steps: list[list[Compute]], stages: int, stage: int, chunks: int,
-                   eager: bool = False) -> list[Action]:
+                   eager: bool = False, prefetch: bool = False) -> list[Action]:
     """The computes, in steps, with their sends, receives and waits (module docstring's rule,
     applied per step: a step is one compute, or the interleaved schedule's steady-state
     forward + backward pair). `eager`: a forward's send is waited after the next step instead
-    of at once."""
+    of at once. `prefetch`: each receive is posted right after the previous receive of its
+    pass (F or B) was waited, one compute of that pass ahead, instead of after the compute
+    before it: gloo and NCCL move a message only once its receive is posted, so without it a
+    transfer cannot overlap the receiver's computes, and a send waited at once blocks until
+    the receiver gets to its post. Receives keep their order either way."""
     def action(pass_: str, op: str, micro: int, chunk: int, waits: str | None = None):
         return Action(pass_, op, micro, chunk if chunks > 1 else None, waits)
 
+    received = [c for step in steps for c in step if _receives(c[0], stage, c[2], stages, chunks)]
+    ahead = {p: iter([c for c in received if c[0] == p][1:] if prefetch else []) for p in "FB"}
+    early: set[Compute] = set()
+
     def receives(step: list[Compute]) -> tuple[list[Action], list[Action]]:
         needed = [c for c in step if _receives(c[0], stage, c[2], stages, chunks)]
-        return ([action(p, "recv", m, v) for p, m, v in needed],
-                [action(p, "wait", m, v, "recv") for p, m, v in needed])
+        waits = []
+        for pass_, micro, chunk in needed:
+            waits.append(action(pass_, "wait", micro, chunk, "recv"))
+            following = next(ahead[pass_], None)
+            if following is not None:
+                early.add(following)
+                waits.append(action(*following[:1], "recv", *following[1:]))
+        return ([action(p, "recv", m, v) for p, m, v in needed if (p, m, v) not in early],
+                waits)
 
     out: list[Action] = []
     deferred: list[Action] = []
@@ -168,8 +184,9 @@ def with_transfers(steps: list[list[Compute]], stages: int, stage: int, chunks: 
 
 def schedule(name: str, stages: int, stage: int, micro: int, chunks: int = 1) -> list[Action]:
     """The action list of `stage` (0-based) of `stages` for `micro` micro-batches."""
+    eager = name == "eager-1f1b"
     return with_transfers(compute_steps(name, stages, stage, micro, chunks), stages, stage,
-                          chunks, eager=name == "eager-1f1b")
+                          chunks, eager=eager, prefetch=eager)
 
 
 def bubble_fraction(stages: int, micro: int, chunks: int = 1) -> float:
