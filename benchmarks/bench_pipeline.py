@@ -151,16 +151,16 @@ def compute_times(chunks, batch, shape: tuple[int, ...], runs: int) -> list[floa
     return times
 
 
-def timed_step(runtime: PipelineRuntime, batches) -> dict:
-    """One step of the runtime's schedule on this stage: its time, the time in forwards and
-    backwards, the peak saved bytes and micro-batches in flight."""
+def timed_step(runtime: PipelineRuntime, actions: list, batches) -> dict:
+    """One step of `actions` (the runtime's schedule or a control's) on this stage: its time,
+    the time in forwards and backwards, the peak saved bytes and micro-batches in flight."""
     runtime.chunks.zero_grad(set_to_none=True)
     tracker = SavedBytes({p.untyped_storage().data_ptr() for p in runtime.chunks.parameters()})
     timeline: list = []
     dist.barrier()
     start = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-        runtime.executor.run(runtime.actions, batches, timeline=timeline)
+        runtime.executor.run(actions, batches, timeline=timeline)
     seconds = time.perf_counter() - start
     busy = sum(end - begin for action, begin, end in timeline
                if action.op in ("forward", "backward"))
@@ -178,9 +178,9 @@ def peak_in_flight(timeline: list) -> int:
     return peak
 
 
-def build_runtimes(args: argparse.Namespace, dims: ParallelDims) -> dict[str, PipelineRuntime]:
-    """A runtime per schedule or control of `--schedules`; those with one chunk a stage share
-    their stage's model (collective: both ranks build the same list)."""
+def build_runtimes(args: argparse.Namespace, dims: ParallelDims) -> dict[str, tuple]:
+    """(runtime, action list) per schedule or control of `--schedules`; those with one chunk a
+    stage share their stage's model (collective: both ranks build the same list)."""
     config = model_config(args)
     parallel = ParallelConfig(pipeline_model_parallel_size=2)
     runtimes, stages = {}, {}
@@ -192,27 +192,27 @@ def build_runtimes(args: argparse.Namespace, dims: ParallelDims) -> dict[str, Pi
             stages[chunks] = (build_stage(config, dims, plan, "gpt", "cpu", parallel=parallel,
                                           init_seed=1234), plan)
         stage, plan = stages[chunks]
-        runtimes[name] = PipelineRuntime(stage, plan, dims, config, parallel, base, args.mbs,
-                                         args.micro)
-        if prefetch is not None:
-            runtimes[name].actions = with_transfers(
-                compute_steps(base, 2, args.rank, args.micro), 2, args.rank, 1,
-                eager=base == "eager-1f1b", prefetch=prefetch)
+        runtime = PipelineRuntime(stage, plan, dims, config, parallel, base, args.mbs,
+                                  args.micro)
+        actions = runtime.actions(args.micro) if prefetch is None else with_transfers(
+            compute_steps(base, 2, args.rank, args.micro), 2, args.rank, 1,
+            eager=base == "eager-1f1b", prefetch=prefetch)
+        runtimes[name] = (runtime, actions)
     return runtimes
 
 
-def run_rounds(args: argparse.Namespace, runtimes: dict[str, PipelineRuntime]) -> tuple:
+def run_rounds(args: argparse.Namespace, runtimes: dict[str, tuple]) -> tuple:
     """`--warmup` untimed rounds, then `--steps` timed ones; a round is one step of every
     runtime in turn, then `--repeats` runs of c and of F+B (through the first runtime's
     chunks). Returns (steps per runtime, c times, F+B times)."""
     shape = (args.seq, args.mbs, args.hidden)
     batches = micro_batches(args)
-    alone = next(iter(runtimes.values())).chunks
+    alone = next(iter(runtimes.values()))[0].chunks
     steps: dict[str, list] = {name: [] for name in runtimes}
     c, fb = [], []
     for round_ in range(-args.warmup, args.steps):
-        for name, runtime in runtimes.items():
-            step = timed_step(runtime, batches)
+        for name, (runtime, actions) in runtimes.items():
+            step = timed_step(runtime, actions, batches)
             if round_ >= 0:
                 steps[name].append(step)
         link = link_times(shape, args.rank, args.repeats)
@@ -236,7 +236,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(every, {"fb": statistics.median(fb), "steps": steps})
     if args.rank == 0:
         write_rows(args, statistics.median(c), every,
-                   {name: r.plan.chunks for name, r in runtimes.items()}, load)
+                   {name: r.plan.chunks for name, (r, _) in runtimes.items()}, load)
     dist.destroy_process_group()
 
 

@@ -172,12 +172,16 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: 
                   out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """(a / a_scale) @ (b / b_scale) (+ bias [N]) for FP8 a [M, K] row-major and b [K, N]
     column-major (the casts write them so), in out_dtype. `_scaled_mm` where M, K and N are
-    multiples of 16 (the bias added in its epilogue, before the one rounding to out_dtype), else
-    the dequantized fp32 GEMM."""
+    multiples of 16 (the bias added in its epilogue, before the one rounding to a 16-bit
+    out_dtype; after it for fp32, which the epilogue does not take), else the dequantized fp32
+    GEMM."""
     (m, k), n = a.shape, b.shape[1]
     if bias is not None:
         bias = bias.to(out_dtype)
     if m % 16 == 0 and k % 16 == 0 and n % 16 == 0:
+        if out_dtype == torch.float32 and bias is not None:  # CUDA's epilogue: 16-bit outputs
+            return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv,
+                                    out_dtype=out_dtype) + bias
         return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, bias=bias,
                                 out_dtype=out_dtype)
     if (m, k, n) not in _warned_shapes:
