@@ -15,10 +15,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timeline import median_ms  # noqa: E402
 
 SHAPES = {"gpt3-1.3b": (4, 16, 2048, 128), "gpt3-6.7b": (4, 32, 2048, 128),
           "llama2-7b": (4, 32, 2048, 128)}
@@ -31,21 +36,6 @@ def qkv_views(b: int, heads: int, s: int, d: int) -> list[torch.Tensor]:
     qkv = torch.randn(s, b, heads, 3, d, device="cuda", dtype=torch.bfloat16)
     return [t.squeeze(3).permute(1, 2, 0, 3).detach().requires_grad_()
             for t in qkv.split(1, dim=3)]
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def measure(shape: tuple[int, int, int, int], backend, dropout: float, iters: int) -> dict:
@@ -63,8 +53,8 @@ def measure(shape: tuple[int, int, int, int], backend, dropout: float, iters: in
     flops = 2 * 2 * b * heads * s * s * d / 2
     try:
         with torch.no_grad():
-            fwd = timed(forward, iters)
-        both = timed(forward_backward, iters)
+            fwd = median_ms(forward, iters)
+        both = median_ms(forward_backward, iters)
     except RuntimeError as error:  # the backend cannot serve these tensors
         return {"error": str(error).splitlines()[0][:160]}
     return {"fwd_ms": fwd, "fwd_bwd_ms": both, "fwd_tflops": flops / fwd / 1e9,

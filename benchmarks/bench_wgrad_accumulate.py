@@ -15,28 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timeline import median_ms  # noqa: E402
 
 LINEARS = {"gpt3-1.3b": {"qkv": (6144, 2048), "proj": (2048, 2048), "fc1": (8192, 2048),
                          "fc2": (2048, 8192)},
            "gpt3-6.7b": {"qkv": (12288, 4096), "proj": (4096, 4096), "fc1": (16384, 4096),
                          "fc2": (4096, 16384)}}
-
-
-def median_ms(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def row(out_features: int, in_features: int, tokens: int) -> dict:

@@ -122,6 +122,23 @@ def compact_trace(prof, path: str) -> None:
         json.dump({"gpu": gpu, "launch": launch, "ops": ops}, f)
 
 
+def median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of `fn()` on the current CUDA stream (CUDA events, each call
+    timed alone after `warmup` untimed calls)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
     """Capture `step()` in a CUDA graph after `warmup` eager calls on a side stream (which also
     create every gradient buffer, so that the captured backward accumulates into them in place;
