@@ -68,13 +68,17 @@ def fixture_configs(kind: str, **overrides) -> tuple[Config, list[float]]:
 
 
 def check_fixture_resumes(kind: str, root: str) -> None:
-    """The fixture's iteration-2 checkpoint resumed at its TP=2 x DP=2 gives the losses of
-    iterations 3 and 4 of the run that wrote it, bit for bit."""
+    """The fixture's iteration-2 checkpoint resumed at its TP=2 x DP=2 gives the loss of
+    iteration 3 of the run that wrote it bit for bit (the restored weights, data position and
+    RNG), and iteration 4's within 1e-6: the step between them clips inside fused AdamW now
+    (gradients divided by 1 / the coefficient as the kernel reads them), which rounds the update
+    otherwise than the multiply of the code that wrote the fixture."""
     directory = shared_copy(FIXTURES[kind] / kind, f"{root}/resume-{kind}")
     config, losses = fixture_configs(kind, tensor_model_parallel_size=2, load=directory)
     lines: list[str] = []
     history = train(config, ParallelDims(tp=2), "gpt", log=lines.append)
-    assert history["losses"] == losses[2:], (history["losses"], losses)
+    assert history["losses"][0] == losses[2], (history["losses"], losses)
+    assert abs(history["losses"][1] - losses[3]) <= 1e-6 * abs(losses[3]), (history, losses)
     notices = [line for line in lines if "manifest.json (saved before checkpoints" in line]
     has_manifest = (FIXTURES[kind] / kind / "iter_0000002" / "manifest.json").exists()
     assert len(notices) == (dist.get_rank() == 0 and not has_manifest), lines

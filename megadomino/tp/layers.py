@@ -77,12 +77,12 @@ def weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor,
     main_grad = ref() if ref is not None else None
     if main_grad is None or not getattr(weight, "fused_wgrad", False):
         return grad_2d.t().matmul(input_2d)
-    if main_grad.dtype == grad_2d.dtype:
-        main_grad.addmm_(grad_2d.t(), input_2d)
-    elif grad_2d.is_cuda:
-        torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
-    else:  # mixed-dtype addmm is CUDA-only
+    if not grad_2d.is_cuda:  # the same arithmetic as unfused (mixed-dtype addmm is CUDA-only)
         main_grad.add_(grad_2d.t().matmul(input_2d))
+    elif main_grad.dtype == grad_2d.dtype:
+        main_grad.addmm_(grad_2d.t(), input_2d)
+    else:
+        torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
     return torch.empty_like(weight)
 
 
