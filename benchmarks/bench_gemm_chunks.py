@@ -16,7 +16,7 @@ import functools
 import json
 
 import torch
-from timeline import graphed
+from timeline import graphed, median_ms
 
 SHAPES = {  # name: (K, N) at TP=tp for GPT-3 6.7B (hidden 4096, ffn 16384)
     "qkv fwd": lambda tp: (4096, 3 * 4096 // tp),
@@ -46,16 +46,7 @@ def split(a, b, out, streams, sizes, two_streams=False):
 
 def graphed_ms(fn, iters: int) -> float:
     """Median ms of fn over `iters` replays of a graph of 10 calls."""
-    replay = graphed(lambda: [fn() for _ in range(10)])
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 10)
-    return sorted(times)[len(times) // 2]
+    return median_ms(graphed(lambda: [fn() for _ in range(10)]), iters, warmup=0) / 10
 
 
 def main() -> None:
