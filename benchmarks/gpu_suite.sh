@@ -31,6 +31,9 @@
 #   profile      where a step's GPU time goes by kernel kind (benchmarks/timeline.py): gpt3-1.3b
 #                (TP=1, micro-batch 4, compiled pieces) and gpt3-6.7b with 4 layers in FP8, one
 #                profiled iteration each ($OUT/profile_*.json)
+#   mfu-1.3b     issue 19's gpt3-1.3b command (TP=1, micro-batch 4, dropout as the preset has it):
+#                eager, compiled pieces, and each with the layers in CUDA graphs, one call
+#   optimizer    benchmarks/bench_optimizer.py: the optimizer step's passes over 1.3B parameters
 #   graph-dp     scripts/debug/cuda_graph_dp_drift.py (--enable-cuda-graph at TP 2 x DP 2: eager,
 #                graphed, graphed without the gradient hooks' stream join)
 set -uo pipefail
@@ -107,6 +110,12 @@ for name in "$@"; do
            --variants '--hidden-dropout 0 --attention-dropout 0' \
            '--hidden-dropout 0 --attention-dropout 0 --sequence-parallel --tp-comm-overlap --enable-cuda-graph' \
            --out "$OUT/e2e.json" ;;
+    mfu-1.3b) step mfu-1.3b 500 python3 benchmarks/bench_pretrain.py --preset gpt3-1.3b --tp 1 \
+                --iters 15 --log-interval 5 --micro-batch-size 4 --variants '' \
+                ' --compile-layer-pieces' ' --enable-cuda-graph' \
+                ' --compile-layer-pieces --enable-cuda-graph' --out "$OUT/mfu_1.3b.json" ;;
+    optimizer) step optimizer 200 python3 benchmarks/bench_optimizer.py --preset gpt3-1.3b \
+                 --out "$OUT/optimizer.json" ;;
     graph-dp) step graph-dp 200 torchrun --standalone \
                 --nproc_per_node 4 scripts/debug/cuda_graph_dp_drift.py ;;
     *) echo "unknown step $name" >&2; exit 2 ;;

@@ -6,7 +6,8 @@ span, and the top kernels by total time. `graphed(step)` captures `step()` (forw
 gradients accumulated into buffers that already exist) in a CUDA graph and returns its replay,
 so that a step's host time drops out of its device time. `python3 benchmarks/timeline.py TRACE`
 sums a Chrome trace's GPU kernels (e.g. pretrain_gpt.py --profile --use-pytorch-profiler) by kind
-(`kernel_kinds`: GEMM, attention, optimizer, loss, norm, ...) to say where a step's time goes.
+(`kernel_kinds`: GEMM, attention, optimizer, loss, norm, ...) to say where a step's time goes,
+and its idle time by gap length (`idle_gaps`).
 """
 
 from __future__ import annotations
@@ -204,12 +205,45 @@ def kernel_kinds(path: str, top: int = 25) -> dict:
     span = (merged[-1][1] - merged[0][0]) / 1e3 if merged else 0.0
     ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
     return {"span_ms": span, "gpu_busy_ms": _busy(merged) / 1e3,
-            "gpu_idle_ms": span - _busy(merged) / 1e3,
+            "gpu_idle_ms": span - _busy(merged) / 1e3, "gaps": idle_gaps(events, ops),
             "kinds_ms": dict(sorted(((k, round(v, 3)) for k, v in kinds.items()),
                                     key=lambda item: -item[1])),
             "top_kernels": {name: [round(ms, 3), n, kind] for name, (ms, n, kind) in ranked},
             "top_ops": {name: [round(ms, 3), n] for name, (ms, n)
                         in sorted(by_op.items(), key=lambda item: -item[1][0])[:top]}}
+
+
+GAP_BUCKETS_US = (2, 10, 100, 1000)
+
+
+def idle_gaps(events: list[dict], ops: dict, top: int = 12) -> dict:
+    """The GPU's idle time inside the span by gap length (`by_us`: [count, total ms] of the gaps
+    up to 2 us, 2-10, 10-100, 100-1000 and over 1000 us: many short gaps are the launch
+    pipeline's between back-to-back kernels, a few long ones the host or a synchronization)
+    and the `top` longest gaps ([ms, ms into the span, the op of the kernel before, the op of
+    the kernel after])."""
+    kernels = sorted((event["ts"], event["ts"] + event.get("dur", 0), ops.get(
+        event.get("args", {}).get("External id"), event.get("name", "?"))[:50])
+        for event in events if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not kernels:
+        return {}
+    labels = [f"<={GAP_BUCKETS_US[0]}"] + [f"{a}-{b}" for a, b in zip(GAP_BUCKETS_US,
+                                                                       GAP_BUCKETS_US[1:])]
+    labels.append(f">{GAP_BUCKETS_US[-1]}")
+    by_us = {label: [0, 0.0] for label in labels}
+    longest, end, before = [], kernels[0][1], kernels[0][2]
+    for start, stop, name in kernels[1:]:
+        gap = start - end
+        if gap > 0:
+            bucket = labels[sum(gap > edge for edge in GAP_BUCKETS_US)]
+            by_us[bucket][0] += 1
+            by_us[bucket][1] += gap / 1e3
+            longest.append([round(gap / 1e3, 3), round((start - kernels[0][0]) / 1e3, 2),
+                            before, name])
+        if stop > end:
+            end, before = stop, name
+    return {"by_us": {k: [n, round(ms, 3)] for k, (n, ms) in by_us.items()},
+            "longest": sorted(longest, reverse=True)[:top]}
 
 
 if __name__ == "__main__":

@@ -142,10 +142,6 @@ def validate_layers(model: ModelConfig, parallel: ParallelConfig, tp: int,
         check(model.seq_length % tp == 0, "--seq-length", model.seq_length,
               f"a multiple of --tensor-model-parallel-size ({tp}) with --sequence-parallel")
     if parallel.enable_cuda_graph:
-        for flag, value in (("--hidden-dropout", model.hidden_dropout),
-                            ("--attention-dropout", model.attention_dropout)):
-            check(value == 0.0, flag, value, "0 with --enable-cuda-graph (the model-parallel "
-                  "RNG tracker swaps generator states, which a CUDA graph cannot capture)")
         check(parallel.recompute_granularity is None, "--recompute-granularity",
               parallel.recompute_granularity, "unset with --enable-cuda-graph (recompute saves "
               "and restores RNG states, which a CUDA graph cannot capture)")

@@ -27,51 +27,74 @@ def _device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _get_state(device_type: str) -> torch.Tensor:
-    return torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()
-
-
-def _set_state(device_type: str, state: torch.Tensor) -> None:
+def _default_generator(device_type: str) -> torch.Generator:
     if device_type == "cuda":
-        torch.cuda.set_rng_state(state)
-    else:
-        torch.set_rng_state(state)
+        return torch.cuda.default_generators[torch.cuda.current_device()]
+    return torch.default_generator
 
 
 class RNGStatesTracker:
-    """Named generator states that can be swapped into the device's default generator."""
+    """Named generator streams that `fork` swaps into the device's default generator.
+
+    Each stream is a generator object of its own. On CUDA the swap is graph-safe: `fork` points
+    the default generator at the stream's state (`Generator.graphsafe_set_state`) instead of
+    copying seed and offset in and out through host tensors, so the draws inside a fork can be
+    captured in a CUDA graph whose capture registered the streams (`generators()`), and each
+    replay advances them as an eager call would. On CPU (whose generators have no graph-safe
+    states) the state is copied in and out. Either way a stream draws exactly the numbers the
+    same seed gives the default generator."""
 
     def __init__(self, device_type: str | None = None):
         self.device_type = device_type or _device_type()
-        self.states: dict[str, torch.Tensor] = {}
+        self.states: dict[str, torch.Generator] = {}
+
+    def _generator(self, seed: int) -> torch.Generator:
+        device = (torch.device("cuda", torch.cuda.current_device()) if self.device_type == "cuda"
+                  else torch.device("cpu"))
+        return torch.Generator(device=device).manual_seed(seed)
 
     def add(self, name: str, seed: int) -> None:
-        original = _get_state(self.device_type)
-        if self.device_type == "cuda":
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
-        self.states[name] = _get_state(self.device_type)
-        _set_state(self.device_type, original)
+        self.states[name] = self._generator(seed)
+
+    def generators(self) -> list[torch.Generator]:
+        """The streams' generators, for a CUDA graph capture to register."""
+        return list(self.states.values())
 
     def get_states(self) -> dict[str, torch.Tensor]:
-        return {name: state.clone() for name, state in self.states.items()}
+        return {name: generator.get_state() for name, generator in self.states.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = {name: state.clone() for name, state in states.items()}
+        """Sets each named stream's state in place (a captured graph keeps drawing from the same
+        generator objects); streams not named are dropped."""
+        for name in list(self.states):
+            if name not in states:
+                del self.states[name]
+        for name, state in states.items():
+            if name not in self.states:
+                self.states[name] = self._generator(0)
+            self.states[name].set_state(state)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
-        """Run the block with the default generator swapped for the named stream."""
+        """Run the block with the default generator drawing from the named stream."""
         if name not in self.states:
             raise RuntimeError(f"RNG stream {name!r} is not seeded: call model_parallel_seed()")
-        original = _get_state(self.device_type)
-        _set_state(self.device_type, self.states[name])
+        default, stream = _default_generator(self.device_type), self.states[name]
+        if self.device_type == "cuda":
+            original = default.graphsafe_get_state()
+            default.graphsafe_set_state(stream)
+            try:
+                yield
+            finally:
+                default.graphsafe_set_state(original)
+            return
+        original = default.get_state()
+        default.set_state(stream.get_state())
         try:
             yield
         finally:
-            self.states[name] = _get_state(self.device_type)
-            _set_state(self.device_type, original)
+            stream.set_state(default.get_state())
+            default.set_state(original)
 
 
 def model_parallel_seed(seed: int, dims) -> RNGStatesTracker:

@@ -1,10 +1,11 @@
 """CUDA graphs for the decoder's layer stack (`--enable-cuda-graph`).
 
-The layers' forward and backward of one micro-batch are captured once, at start-up, with
-`torch.cuda.make_graphed_callables`, and replayed every micro-batch after: one graph launch
-instead of hundreds of kernel and collective launches, so the step's time is the GPU's, not the
-host's. This is what makes the fused GEMM + communication path (`--sequence-parallel
---tp-comm-overlap`, whose per-chunk pipelining is host-heavy) pay: BENCHMARKS.md.
+The layers' forward and backward of one micro-batch are captured once, at start-up (`capture`,
+what `torch.cuda.make_graphed_callables` does, with the RNG streams registered), and replayed
+every micro-batch after: one graph launch instead of hundreds of kernel and collective launches,
+so the step's time is the GPU's, not the host's. This is what makes the fused GEMM +
+communication path (`--sequence-parallel --tp-comm-overlap`, whose per-chunk pipelining is
+host-heavy) pay: BENCHMARKS.md.
 
 What is captured: the transformer layers only (not the embedding, final norm, output layer or
 loss), forward and backward, tensor-parallel collectives included (NCCL and symmetric-memory ops
@@ -20,12 +21,17 @@ while the embedding's run on the main stream: the hooks join the streams a bucke
 came from before its DP reduction is enqueued (`distributed.streams`; without that join, TP 2 x
 DP 2 drifted from eager training by 1e-4 relative, scripts/debug/cuda_graph_dp_drift.py).
 
-Limits, refused up front by the validator (megadomino.config.validate) with the flag named:
-dropout must be 0 (the model-parallel RNG tracker swaps generator states, which a graph cannot
-capture), no activation recompute (it saves and restores RNG states), no Domino slicing (its
-schedule hands parameter gradients to autograd from inside its backward), no ZeRO stage 3 (its
-per-layer gather hooks run on the host). Shapes are static: a call whose input shape differs
-from the captured one (or in eval mode / without grad) runs the layers eagerly, same math.
+Dropout is captured: the default generator and the TP RNG tracker's streams (which its fork
+swaps in graph-safely, `distributed.random`) are registered with the graphs, so each replay draws
+new masks and advances every stream as an eager micro-batch would.
+
+Limits, refused up front by the validator (megadomino.config.validate) with the flag named: no
+activation recompute (it saves and restores RNG states by copying them on the host), no Domino
+slicing (its schedule hands parameter gradients to autograd from inside its backward), no ZeRO
+stage 3 (its per-layer gather hooks run on the host).
+
+Shapes are static: a call whose input shape differs from the captured one (or in eval mode /
+without grad) runs the layers eagerly, same math.
 Memory: the graphs keep one micro-batch's activations in a private pool, about what an eager
 step holds at its peak.
 """
@@ -36,6 +42,7 @@ import torch
 from torch import nn
 
 from megadomino.config import ConfigError
+from megadomino.distributed import random as tp_random
 
 
 class _LayerStack(nn.Module):
@@ -49,6 +56,94 @@ class _LayerStack(nn.Module):
         for layer in self.layers:
             x = layer(x, rotary or None)
         return x
+
+
+class _Replay(torch.autograd.Function):
+    """Replays a captured forward and backward: copies the inputs (and later the output
+    gradients) into the graphs' static buffers unless they already are them, replays, and
+    returns the static outputs (and input and parameter gradients) detached."""
+
+    @staticmethod
+    def forward(ctx, captured: _Captured, *args: torch.Tensor):
+        for static, arg in zip(captured.inputs, args):
+            if static.data_ptr() != arg.data_ptr():
+                static.copy_(arg)
+        captured.forward_graph.replay()
+        ctx.captured = captured
+        return tuple(out.detach() for out in captured.outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor):
+        captured = ctx.captured
+        for static, grad in zip(captured.grad_outputs, grads):
+            if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        captured.backward_graph.replay()
+        return (None, *(None if grad is None else grad.detach() for grad in captured.grads))
+
+
+class _Captured:
+    """The static buffers and graphs of one captured callable (capture())."""
+
+    def __init__(self, module: nn.Module, sample: tuple[torch.Tensor, ...], warmup: int,
+                 generators: list[torch.Generator]):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.inputs = sample
+        wrt = [t for t in (*sample, *self.params) if t.requires_grad]
+        streams = [torch.cuda.default_generators[torch.cuda.current_device()], *generators]
+        states = [generator.get_state() for generator in streams]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy initialisation, autotuning, communicators
+            for _ in range(warmup):
+                outputs = _as_tuple(module(*sample))
+                torch.autograd.grad([o for o in outputs if o.requires_grad], wrt,
+                                    [torch.empty_like(o) for o in outputs if o.requires_grad],
+                                    allow_unused=True)
+                del outputs
+        torch.cuda.current_stream().wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        for graph in (self.forward_graph, self.backward_graph):
+            for generator in generators:
+                graph.register_generator_state(generator)
+        with torch.cuda.graph(self.forward_graph, pool=pool):
+            self.outputs = _as_tuple(module(*sample))
+        self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None
+                             for o in self.outputs]
+        with torch.cuda.graph(self.backward_graph, pool=pool):
+            grads = iter(torch.autograd.grad(
+                [o for o in self.outputs if o.requires_grad], wrt,
+                [g for g in self.grad_outputs if g is not None], allow_unused=True))
+        self.grads = [next(grads) if t.requires_grad else None for t in (*sample, *self.params)]
+        for generator, state in zip(streams, states):  # warm-up and capture draw nothing
+            generator.set_state(state)
+
+
+def _as_tuple(value) -> tuple[torch.Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def capture(module: nn.Module, sample: tuple[torch.Tensor, ...], warmup: int = 3,
+            generators: list[torch.Generator] = ()):
+    """`module`'s forward on tensors shaped like `sample` and its backward (gradients of the
+    inputs that require one and of every trainable parameter), captured in two CUDA graphs that
+    share one memory pool; returns a function of the same arguments that replays them under
+    autograd, with the parameters' gradients accumulated by autograd outside the graphs (so
+    gradient hooks run as usual). What torch.cuda.make_graphed_callables does for one callable,
+    plus `generators`: CUDA generators besides the default one that the module draws from (the
+    TP RNG tracker's streams, swapped in graph-safely by its fork), registered with both graphs
+    so that dropout replays advance them as eager calls would. `warmup` eager forward and
+    backward calls run first on a side stream (gradients discarded); the generators are put back
+where they were, so a graphed run draws the masks an eager one draws."""
+    captured = _Captured(module, tuple(sample), warmup, list(generators))
+
+    def replay(*args: torch.Tensor):
+        outputs = _Replay.apply(captured, *args, *captured.params)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    return replay
 
 
 class GraphedLayers:
@@ -130,7 +225,7 @@ def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> 
     stack = _LayerStack(block.layers)
     stack.train(block.training)
     torch.cuda.synchronize(device)
-    graphed = torch.cuda.make_graphed_callables(stack, sample, num_warmup_iters=warmup)
+    graphed = capture(stack, sample, warmup, tp_random.tracker_of(dims).generators())
     torch.cuda.synchronize(device)
     layers = GraphedLayers(graphed, sample, _workspace_guard(model))
     block.runner = GraphedRunner(block, layers, block.runner)

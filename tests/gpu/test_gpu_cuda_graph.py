@@ -1,6 +1,7 @@
 """On the GPU machine: `--enable-cuda-graph` training equals eager training. A small GPT and a
 small Llama train the same iterations with the layers captured in CUDA graphs and without, fp32
-(TF32 off: same kernels, so the losses agree to rounding) and bf16 (bound: bf16 rounding), at
+(TF32 off: same kernels, so the losses agree to rounding; also with dropout 0.1, whose masks
+the graphs draw as eager calls do) and bf16 (bound: bf16 rounding), at
 TP = 1 (one GPU) and at TP = each power-of-two GPU count from 2 up with sequence parallelism and
 the fused symmetric-memory GEMM + communication (`--tp-comm-overlap`), and at TP = half the GPUs x
 DP 2 (the DP gradient hooks then run on two streams: megadomino/distributed/streams.py), there also
@@ -22,10 +23,11 @@ DTYPES = {"fp32": ("float32", 1e-5), "bf16": ("bfloat16", 2e-2)}
 
 
 def _losses(family: str, dims: ParallelDims, dtype: str, graph: bool, sp: bool,
-            zero_stage: int = 0) -> list[float]:
+            zero_stage: int = 0, dropout: float = 0.0) -> list[float]:
     preset = "gpt-tiny" if family == "gpt" else "llama-tiny"
     extra = {} if family == "gpt" else {"num_query_groups": 2 if dims.tp <= 2 else dims.tp}
-    model_config = ModelConfig.preset(preset, **extra, hidden_dropout=0.0, attention_dropout=0.0,
+    model_config = ModelConfig.preset(preset, **extra, hidden_dropout=dropout,
+                                      attention_dropout=dropout,
                                       seq_length=64, params_dtype=dtype)
     config = make_config(model_config, sequence_parallel=sp, tp_comm_overlap=sp,
                          enable_cuda_graph=graph, tensor_model_parallel_size=dims.tp,
@@ -37,9 +39,9 @@ def _losses(family: str, dims: ParallelDims, dtype: str, graph: bool, sp: bool,
 
 
 def check_graphed_equals_eager(family: str, dims: ParallelDims, dtype: str, rel: float,
-                               sp: bool, zero_stage: int = 0) -> None:
-    eager = _losses(family, dims, dtype, False, sp, zero_stage)
-    graphed = _losses(family, dims, dtype, True, sp, zero_stage)
+                               sp: bool, zero_stage: int = 0, dropout: float = 0.0) -> None:
+    eager = _losses(family, dims, dtype, False, sp, zero_stage, dropout)
+    graphed = _losses(family, dims, dtype, True, sp, zero_stage, dropout)
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=rel, atol=0)
     assert eager[-1] < eager[0], f"did not learn: {eager[0]:.3f} -> {eager[-1]:.3f}"
 
@@ -78,6 +80,10 @@ def _cases() -> dict[str, tuple]:
                 for name, (dtype, rel) in DTYPES.items():
                     add(f"{family}-tp{tp}-sp{sp}-{name}", world, check_graphed_equals_eager,
                         family, dims, dtype, rel, sp)
+                # dropout: the graphs draw the eager run's masks (generators registered, the
+                # warm-up's draws undone)
+                add(f"{family}-tp{tp}-sp{sp}-fp32-dropout", world, check_graphed_equals_eager,
+                    family, dims, "float32", DTYPES["fp32"][1], sp, 0, 0.1)
                 if tp < world:  # the distributed optimizer's reducer hooks too (fp32)
                     add(f"{family}-tp{tp}-sp{sp}-fp32-zero1", world, check_graphed_equals_eager,
                         family, dims, "float32", DTYPES["fp32"][1], sp, 1)

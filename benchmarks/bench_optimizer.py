@@ -1,0 +1,148 @@
+"""The optimizer step of a one-GPU step, alone: what each of its passes over the parameters costs,
+and how close a fused pass gets to the HBM rate.
+
+    python3 benchmarks/bench_optimizer.py --preset gpt3-1.3b --out optimizer.json
+
+Parameters of the preset's shapes (bf16 model weights, fp32 masters, gradients and AdamW
+moments, flat per layer as the ZeRO engine keeps them, each parameter a view). Variants, median
+ms of CUDA events:
+- `engine`: what megadomino.zero's stage 0 runs today: the gradients' global norm
+  (torch.nn.utils.get_total_norm), torch's fused AdamW over the per-parameter views with
+  clipping as its `grad_scale`, the fp32 masters copied into the bf16 weights, the gradients
+  zeroed for the next step;
+- `norm`, `adamw`, `copy`, `zero`: each of those passes alone;
+- `compiled_flat`: the norm, then one torch.compile'd pass per flat buffer doing the AdamW
+  update (weight decay by a per-element mask), the bf16 copy and the zeroing, each element read
+  and written once.
+`bytes_gb` and `tb_per_s`: the bytes each pass must move (reads + writes) and the rate it reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timeline import median_ms  # noqa: E402
+
+from megadomino.config import ModelConfig  # noqa: E402
+
+
+def layer_shapes(config: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, decayed) of one GPT layer's parameters."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    return [((h,), False), ((h,), False), ((3 * h, h), True), ((3 * h,), False), ((h, h), True),
+            ((h,), False), ((h,), False), ((h,), False), ((f, h), True), ((f,), False),
+            ((h, f), True), ((h,), False)]
+
+
+class Flat:
+    """One unit: flat fp32 master / grad / moments, a bf16 copy and the per-parameter views."""
+
+    def __init__(self, shapes: list[tuple[tuple[int, ...], bool]]):
+        numel = sum(torch.Size(shape).numel() for shape, _ in shapes)
+        self.master = torch.randn(numel, device="cuda") * 0.02
+        self.grad = torch.randn(numel, device="cuda") * 1e-3
+        self.exp_avg = torch.zeros(numel, device="cuda")
+        self.exp_avg_sq = torch.zeros(numel, device="cuda")
+        self.weights = self.master.to(torch.bfloat16)
+        self.decay = torch.zeros(numel, device="cuda", dtype=torch.bool)
+        self.views, offset = [], 0
+        for shape, decayed in shapes:
+            n = torch.Size(shape).numel()
+            self.decay[offset:offset + n] = decayed
+            self.views.append((self.master[offset:offset + n], self.grad[offset:offset + n],
+                               decayed))
+            offset += n
+
+
+def _adamw_flat(master, grad, exp_avg, exp_avg_sq, weights, decay, lr, beta1, beta2, eps,
+                weight_decay, step, inv_scale):
+    """AdamW (torch's formula) over one flat buffer, then the bf16 copy and the zeroing."""
+    g = grad * inv_scale
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias1 = 1 - beta1 ** step
+    bias2 = 1 - beta2 ** step
+    denom = (exp_avg_sq / bias2).sqrt() + eps
+    master.mul_(torch.where(decay, 1 - lr * weight_decay, 1.0))
+    master.sub_(lr * (exp_avg / bias1) / denom)
+    weights.copy_(master)
+    grad.zero_()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="gpt3-1.3b")
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--out", default="optimizer.json")
+    args = parser.parse_args()
+    config = ModelConfig.preset(args.preset)
+    layers = args.num_layers or config.num_layers
+    vocab = -(-config.vocab_size // 128) * 128
+    units = [Flat([((vocab, config.hidden_size), True), ((config.seq_length, config.hidden_size),
+                                                         True)])]
+    units += [Flat(layer_shapes(config)) for _ in range(layers)]
+    units.append(Flat([((config.hidden_size,), False), ((config.hidden_size,), False)]))
+    numel = sum(unit.master.numel() for unit in units)
+    groups = [{"params": [], "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}]
+    for unit in units:
+        for master, grad, decayed in unit.views:
+            master.grad = grad
+            groups[0 if decayed else 1]["params"].append(master)
+    optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=True)
+    grads = [grad for unit in units for _, grad, _ in unit.views]
+    scale = torch.ones(1, device="cuda")
+    lr, beta1, beta2, eps, wd = 1e-4, 0.9, 0.95, 1e-8, 0.1
+
+    def norm():
+        return torch.nn.utils.get_total_norm(grads)
+
+    def adamw():
+        optimizer.grad_scale = scale
+        optimizer.step()
+
+    def copy():
+        for unit in units:
+            unit.weights.copy_(unit.master)
+
+    def zero():
+        for unit in units:
+            unit.grad.zero_()
+
+    def engine():
+        norm()
+        adamw()
+        copy()
+        zero()
+
+    compiled = torch.compile(_adamw_flat, dynamic=False)
+    step = torch.tensor(1.0, device="cuda")
+
+    def compiled_flat():
+        total = norm()
+        inv = torch.clamp(1.0 / (total + 1e-6), max=1.0)
+        for unit in units:
+            compiled(unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, unit.weights,
+                     unit.decay, lr, beta1, beta2, eps, wd, step, inv)
+
+    moved = {"norm": 4, "adamw": 28, "copy": 6, "zero": 4, "engine": 42, "compiled_flat": 39}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "preset": args.preset, "layers": layers, "parameters": numel, "variants": {}}
+    for name, fn in (("norm", norm), ("adamw", adamw), ("copy", copy), ("zero", zero),
+                     ("engine", engine), ("compiled_flat", compiled_flat)):
+        ms = median_ms(fn, iters=10)
+        gb = moved[name] * numel / 1e9
+        result["variants"][name] = {"ms": round(ms, 3), "bytes_gb": round(gb, 2),
+                                    "tb_per_s": round(gb / ms, 2)}
+        print(name, result["variants"][name], flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
