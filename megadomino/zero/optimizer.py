@@ -228,6 +228,7 @@ class ZeroPlusPlus:
             if moments:
                 torch_state["state"][index[id(master)]] = moments
         adamw.load_state_dict(torch_state)
+        self.optimizer.adopt_state()
         if self.loss_scaler is not None and loss_scaler is not None:
             self.loss_scaler.load_state_dict(loss_scaler)
         self.optimizer.copy_masters_to_shards()
