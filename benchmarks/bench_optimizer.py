@@ -6,14 +6,14 @@ and how close a fused pass gets to the HBM rate.
 Parameters of the preset's shapes (bf16 model weights, fp32 masters, gradients and AdamW
 moments, flat per layer as the ZeRO engine keeps them, each parameter a view). Variants, median
 ms of CUDA events:
-- `engine`: what megadomino.zero's stage 0 runs today: the gradients' global norm
+- `torch_fused`: the engine's step on CPU and before the flat pass: the gradients' global norm
   (torch.nn.utils.get_total_norm), torch's fused AdamW over the per-parameter views with
   clipping as its `grad_scale`, the fp32 masters copied into the bf16 weights, the gradients
   zeroed for the next step;
 - `norm`, `adamw`, `copy`, `zero`: each of those passes alone;
-- `compiled_flat`: the norm, then one torch.compile'd pass per flat buffer doing the AdamW
-  update (weight decay by a per-element mask), the bf16 copy and the zeroing, each element read
-  and written once.
+- `flat`: the engine's step on CUDA (megadomino/zero/sharded.py): the norm, then the compiled
+  `adamw_flat` per flat buffer (AdamW, each element's group by a uint8 index, the bf16 copy in
+  the same pass), then the zeroing.
 `bytes_gb` and `tb_per_s`: the bytes each pass must move (reads + writes) and the rate it reached.
 """
 
@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timeline import median_ms  # noqa: E402
 
 from megadomino.config import ModelConfig  # noqa: E402
+from megadomino.zero.sharded import _compiled_adamw_flat  # noqa: E402
 
 
 def layer_shapes(config: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
@@ -50,29 +51,14 @@ class Flat:
         self.exp_avg = torch.zeros(numel, device="cuda")
         self.exp_avg_sq = torch.zeros(numel, device="cuda")
         self.weights = self.master.to(torch.bfloat16)
-        self.decay = torch.zeros(numel, device="cuda", dtype=torch.bool)
+        self.group = torch.zeros(numel, device="cuda", dtype=torch.uint8)
         self.views, offset = [], 0
         for shape, decayed in shapes:
             n = torch.Size(shape).numel()
-            self.decay[offset:offset + n] = decayed
+            self.group[offset:offset + n] = 0 if decayed else 1
             self.views.append((self.master[offset:offset + n], self.grad[offset:offset + n],
                                decayed))
             offset += n
-
-
-def _adamw_flat(master, grad, exp_avg, exp_avg_sq, weights, decay, lr, beta1, beta2, eps,
-                weight_decay, step, inv_scale):
-    """AdamW (torch's formula) over one flat buffer, then the bf16 copy and the zeroing."""
-    g = grad * inv_scale
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias1 = 1 - beta1 ** step
-    bias2 = 1 - beta2 ** step
-    denom = (exp_avg_sq / bias2).sqrt() + eps
-    master.mul_(torch.where(decay, 1 - lr * weight_decay, 1.0))
-    master.sub_(lr * (exp_avg / bias1) / denom)
-    weights.copy_(master)
-    grad.zero_()
 
 
 def main() -> None:
@@ -114,27 +100,31 @@ def main() -> None:
         for unit in units:
             unit.grad.zero_()
 
-    def engine():
+    def torch_fused():
         norm()
         adamw()
         copy()
         zero()
 
-    compiled = torch.compile(_adamw_flat, dynamic=False)
+    compiled = _compiled_adamw_flat()
     step = torch.tensor(1.0, device="cuda")
+    rates = torch.tensor([lr, lr], device="cuda")
+    decays = torch.tensor([wd, 0.0], device="cuda")
+    no_skip = torch.zeros((), device="cuda")
 
-    def compiled_flat():
-        total = norm()
-        inv = torch.clamp(1.0 / (total + 1e-6), max=1.0)
+    def flat():
+        coef = torch.clamp(1.0 / (norm() + 1e-6), max=1.0)
         for unit in units:
-            compiled(unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, unit.weights,
-                     unit.decay, lr, beta1, beta2, eps, wd, step, inv)
+            compiled(unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, unit.group, rates,
+                     decays, beta1, beta2, eps, step, coef, no_skip, unit.weights)
+        zero()
 
-    moved = {"norm": 4, "adamw": 28, "copy": 6, "zero": 4, "engine": 42, "compiled_flat": 39}
+    # bytes an element: reads + writes (flat: norm 4, the pass 16 + 1 read and 12 + 2 written)
+    moved = {"norm": 4, "adamw": 28, "copy": 6, "zero": 4, "torch_fused": 42, "flat": 39}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "preset": args.preset, "layers": layers, "parameters": numel, "variants": {}}
     for name, fn in (("norm", norm), ("adamw", adamw), ("copy", copy), ("zero", zero),
-                     ("engine", engine), ("compiled_flat", compiled_flat)):
+                     ("torch_fused", torch_fused), ("flat", flat)):
         ms = median_ms(fn, iters=10)
         gb = moved[name] * numel / 1e9
         result["variants"][name] = {"ms": round(ms, 3), "bytes_gb": round(gb, 2),
