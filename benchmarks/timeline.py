@@ -173,7 +173,7 @@ def kernel_kinds(path: str, top: int = 25) -> dict:
     """GPU time of a Chrome trace by kernel kind (KERNEL_KINDS), its span (first kernel start to
     last end), the GPU idle time inside it, the `top` kernels by total ms ([ms, count, kind]) and
     the `top` host ops that launched them (the innermost op, matched by the profiler's
-    "External id": [GPU ms, kernels])."""
+    "External id": [GPU ms, kernels]), and the 2 x `top` (op, kernel) pairs."""
     import gzip
     import json
     opener = gzip.open if path.endswith(".gz") else open
@@ -182,6 +182,7 @@ def kernel_kinds(path: str, top: int = 25) -> dict:
     kinds: dict[str, float] = {}
     by_name: dict[str, list] = {}
     by_op: dict[str, list] = {}
+    by_pair: dict[str, list] = {}
     spans = []
     ops = {event["args"]["External id"]: event["name"] for event in events
            if event.get("cat") == "cpu_op" and "External id" in event.get("args", {})}
@@ -201,6 +202,9 @@ def kernel_kinds(path: str, top: int = 25) -> dict:
         row = by_op.setdefault(op[:90], [0.0, 0])
         row[0] += duration
         row[1] += 1
+        row = by_pair.setdefault(f"{op[:40]} | {name[:70]}", [0.0, 0])
+        row[0] += duration
+        row[1] += 1
     merged = _union(spans)
     span = (merged[-1][1] - merged[0][0]) / 1e3 if merged else 0.0
     ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
@@ -210,7 +214,9 @@ def kernel_kinds(path: str, top: int = 25) -> dict:
                                     key=lambda item: -item[1])),
             "top_kernels": {name: [round(ms, 3), n, kind] for name, (ms, n, kind) in ranked},
             "top_ops": {name: [round(ms, 3), n] for name, (ms, n)
-                        in sorted(by_op.items(), key=lambda item: -item[1][0])[:top]}}
+                        in sorted(by_op.items(), key=lambda item: -item[1][0])[:top]},
+            "top_op_kernels": {name: [round(ms, 3), n] for name, (ms, n)
+                               in sorted(by_pair.items(), key=lambda item: -item[1][0])[:2 * top]}}
 
 
 GAP_BUCKETS_US = (2, 10, 100, 1000)

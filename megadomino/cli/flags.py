@@ -338,8 +338,8 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--enable-cuda-graph", "parallel.enable_cuda_graph", None,
           "Capture the transformer layers' forward + backward of a micro-batch in CUDA graphs at "
           "start-up and replay them (megadomino/overlap/cuda_graph.py): host launch time drops "
-          "out of the step. Needs CUDA, dropout 0, no recompute, no Domino slicing, no ZeRO "
-          "stage 3. With --sequence-parallel --tp-comm-overlap it is the fastest TP path "
+          "out of the step; dropout is captured too (the RNG streams are registered with the "
+          "graphs). Needs CUDA, no recompute, no Domino slicing, no ZeRO stage 3. With --sequence-parallel --tp-comm-overlap it is the fastest TP path "
           "measured (BENCHMARKS.md)."),
     # ZeRO and ZeRO++ (megadomino.zero).
     _impl("--use-distributed-optimizer", None, None,
