@@ -4,13 +4,15 @@ capture itself runs in tests/gpu/test_gpu_cuda_graph_domino.py).
 
 Block: the outputs, the input's and every layer parameter's gradient of two forward + backward
 passes (gradients accumulating), and the one `autograd.grad` over (input, parameters) that
-torch.cuda.make_graphed_callables captures, equal the eager runner's exactly (values and signs
-of zeros), GPT and Llama, fp32 and bf16, batch slices N in {1, 2, 3} on an uneven batch (5),
-hidden slices K in {1, 2}, at TP 1, and at TP 2 with and without sequence parallelism.
+the capture records, equal the eager runner's exactly (values and signs of zeros), GPT and
+Llama, fp32 and bf16, batch slices N in {1, 2, 3} on an uneven batch (5), hidden slices K in
+{1, 2}, at TP 1, and at TP 2 with and without sequence parallelism; and with dropout (the
+generators seeded alike: the capture mode draws the eager mode's masks).
 Engine: two optimizer steps of three micro-batches each (gradients accumulating under
 `no_sync`) through megadomino.zero, with the decoder's runner a GraphedRunner over the capture
 mode's stack (installed after the engine, as the training loop captures), give the eager
-Domino run's losses and weights exactly, at DP 1 and DP 2 (ZeRO stages 0 and 1)."""
+Domino run's losses and weights exactly, at DP 1 and DP 2 (ZeRO stages 0 and 1), and at TP 2
+with sequence parallelism and dropout."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from configs import make_config, parallel_config
 from dist_utils import C, DistSuite
 from megadomino.build import build_model
 from megadomino.distributed import ParallelDims
+from megadomino.distributed.random import model_parallel_seed
 from megadomino.overlap.cuda_graph import GraphedLayers, GraphedRunner, layer_stack
 from megadomino.overlap.domino.schedule import DominoRunner
 from megadomino.zero.optimizer import build_engine
@@ -42,17 +45,23 @@ def assert_identical(actual: list, expected: list, what: str) -> None:
             assert torch.equal(a.signbit(), b.signbit()), f"{what} [{n}]: signs of zeros differ"
 
 
-def _model(family: str, dims, dtype: str, n: int, k: int, sp: bool):
+def _config(family: str, dtype: str, dropout: float):
+    return domino_config(family, params_dtype=dtype, hidden_dropout=dropout,
+                         attention_dropout=dropout)
+
+
+def _model(family: str, dims, dtype: str, n: int, k: int, sp: bool, dropout: float = 0.0):
     parallel = parallel_config(sequence_parallel=sp, batch_slices=n, hidden_slices=k,
                                explicit_backward=True)
     torch.manual_seed(7)
-    return build_model(domino_config(family, params_dtype=dtype), dims, family, device="cpu",
+    return build_model(_config(family, dtype, dropout), dims, family, device="cpu",
                        parallel=parallel)
 
 
 def _passes(call, block, x: torch.Tensor, grad_out: torch.Tensor, steps: int = 2) -> list:
-    """The outputs of `steps` forward + backward passes (gradients accumulating), then x's and
-    every layer parameter's gradient."""
+    """The outputs of `steps` forward + backward passes (gradients accumulating; generators
+    seeded first), then x's and every layer parameter's gradient."""
+    model_parallel_seed(21, block.dims)
     block.zero_grad(set_to_none=True)
     x.grad = None
     outputs = []
@@ -63,8 +72,9 @@ def _passes(call, block, x: torch.Tensor, grad_out: torch.Tensor, steps: int = 2
     return outputs + [x.grad] + [p.grad for p in block.layers.parameters()]
 
 
-def check_block(family: str, dims, dtype: str, n: int, k: int, sp: bool) -> None:
-    model = _model(family, dims, dtype, n, k, sp)
+def check_block(family: str, dims, dtype: str, n: int, k: int, sp: bool,
+                dropout: float = 0.0) -> None:
+    model = _model(family, dims, dtype, n, k, sp, dropout)
     block, config = model.decoder, model.config
     eager = block.runner
     stack = layer_stack(block)
@@ -85,6 +95,7 @@ def check_block(family: str, dims, dtype: str, n: int, k: int, sp: bool) -> None
     expected = _passes(lambda: eager(x, rotary), block, x, grad_out)
     captured = _passes(lambda: stack(*args), block, x, grad_out)
     assert_identical(captured, expected, "two passes, capture mode vs eager")
+    model_parallel_seed(21, dims)
     once = torch.autograd.grad(stack(*args), (x, *params), grad_out)
     first = _passes(lambda: eager(x, rotary), block, x, grad_out, steps=1)
     assert_identical(list(once), first[1:], "autograd.grad over (x, params) vs eager backward")
@@ -114,18 +125,20 @@ def _install_capture_mode(model, micro_batch_size: int) -> _Counting:
     return layers
 
 
-def check_engine(family: str, dims, dtype: str, n: int, k: int, sp: bool, stage: int) -> None:
+def check_engine(family: str, dims, dtype: str, n: int, k: int, sp: bool, stage: int,
+                 dropout: float = 0.0) -> None:
     micro, steps = 3, 2
-    config = make_config(domino_config(family, params_dtype=dtype), sequence_parallel=sp,
+    config = make_config(_config(family, dtype, dropout), sequence_parallel=sp,
                          batch_slices=n, hidden_slices=k, explicit_backward=True,
                          tensor_model_parallel_size=dims.tp, micro_batch_size=BATCH,
                          global_batch_size=BATCH * micro * dims.dp, lr=1e-2,
                          bf16=dtype == "bfloat16", stage=stage)
     runs = []
     for capture in (False, True):
-        model = _model(family, dims, dtype, n, k, sp)
+        model = _model(family, dims, dtype, n, k, sp, dropout)
         engine = build_engine(model, dims, config)
         graphed = _install_capture_mode(model, BATCH) if capture else None
+        model_parallel_seed(21, dims)
         losses = []
         for step in range(steps):
             for m in range(micro):
@@ -160,11 +173,14 @@ for family in FAMILIES:
         for tp, sp in ((1, False), (2, False), (2, True)):
             SUITE.case(f"{family}-{dtype}-tp{tp}-sp{sp}-N{n}-K{k}", check_block, family,
                        C.dp if tp == 1 else C.tp, dtype, n, k, sp, worlds=(tp,))
+    for tp, sp in ((1, False), (2, True)):
+        SUITE.case(f"{family}-tp{tp}-sp{sp}-N3-K2-dropout", check_block, family,
+                   C.dp if tp == 1 else C.tp, "float32", 3, 2, sp, 0.2, worlds=(tp,))
     for dtype, stage in (("float32", 0), ("bfloat16", 0), ("float32", 1)):
         for dp in (1, 2):
             SUITE.case(f"{family}-{dtype}-engine-dp{dp}-zero{stage}", check_engine, family,
                        C.dp, dtype, 2, 1, False, stage, worlds=(dp,))
-    SUITE.case(f"{family}-engine-tp2-sp-N3-K2", check_engine, family, C.tp, "float32", 3, 2,
-               True, 1, worlds=(2,))
+    SUITE.case(f"{family}-engine-tp2-sp-N3-K2-dropout", check_engine, family, C.tp, "float32",
+               3, 2, True, 1, 0.2, worlds=(2,))
 
 test_domino_capture_mode_equals_eager = SUITE.test()
