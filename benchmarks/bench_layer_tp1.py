@@ -11,7 +11,13 @@ Columns (ms per layer, bf16, dropout 0, seq 2048, micro-batch 4, `--layers` laye
   compiled   the same with --compile-layer-pieces
   mcore      megatron-core 0.16.1 TransformerBlock (local spec, SDPA core attention as ours,
              its bias-activation and bias-dropout-add fusions on; benchmarks/peers.py)
-  domino     our Domino N=2 x K=1 eager and compiled: device and host (enqueue) time per layer
+  domino     our Domino N=2 x K=1 eager and compiled: device and host (enqueue) time per layer;
+             `domino_2x1_graphed` is the product's --enable-cuda-graph path: a model built as
+             the training loop builds it (build_model with the Domino plan), its layers
+             captured by overlap.cuda_graph.capture_layers (Domino's schedule in capture
+             mode), each step a call of the decoder's GraphedRunner (inputs copied into the
+             graphs' buffers, forward and backward replays, parameter gradients accumulated
+             outside the graph) - never under the benchmark's own `--cuda-graph` capture
   fp8        our layer with FP8 hybrid (delayed scaling) linears, eager and compiled pieces
 Host time is the median wall time to enqueue one step; where it nears the device time the step
 is CPU-bound. `--cuda-graph` times CUDA-graph replays of every column instead (the compiled
@@ -35,11 +41,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_domino import log, make_step, model_config, ours, time_step  # noqa: E402
 from timeline import graphed  # noqa: E402
 
+from megadomino.build import build_model  # noqa: E402
 from megadomino.config import DominoPlan, FP8Recipe, ParallelConfig  # noqa: E402
 from megadomino.distributed import ParallelDims  # noqa: E402
 from megadomino.distributed.random import model_parallel_seed  # noqa: E402
 from megadomino.models.blocks import rotary_tables  # noqa: E402
 from megadomino.models.transformer import TransformerBlock  # noqa: E402
+from megadomino.overlap.cuda_graph import GraphedRunner, capture_layers  # noqa: E402
 
 
 class GemmsAndAttention(torch.nn.Module):
@@ -88,11 +96,13 @@ def bench_row(row: str, args, dims) -> dict:
               "layers": args.layers, "ms_per_layer": {}, "host_ms_per_layer": {},
               "peak_gib": {}, "skipped": {}}
 
-    def measure(name, module, forward):
+    def measure(name, module, forward, captured=False):
+        """captured: `forward` replays the product's graphs (no capture by the benchmark)."""
         params = [p for p in module.parameters() if p.requires_grad]
         torch.cuda.reset_peak_memory_stats()
-        step = make_step(module, forward, x, grad_out, params, keep_grads=args.cuda_graph)
-        if args.cuda_graph:
+        own_capture = args.cuda_graph and not captured
+        step = make_step(module, forward, x, grad_out, params, keep_grads=own_capture)
+        if own_capture:
             try:
                 step = graphed(step)
             except Exception as error:  # reported, not fatal
@@ -123,6 +133,7 @@ def bench_row(row: str, args, dims) -> dict:
         block, forward = ours(config, dims, rotary, ParallelConfig(**fields))
         measure(name, block, forward)
         del block, forward
+    measure_product_graph(config, family, micro_batch, dims, rotary, result, measure)
     if family == "gpt":
         for name, compiled in (("fp8_eager", False), ("fp8_compiled", True)):
             block = TransformerBlock(config, dims, ParallelConfig(compile_layer_pieces=compiled),
@@ -131,6 +142,26 @@ def bench_row(row: str, args, dims) -> dict:
             del block
     run_megatron(row, config, family, micro_batch, args, result, measure)
     return result
+
+
+def measure_product_graph(config, family, micro_batch, dims, rotary, result, measure) -> None:
+    """The `domino_2x1_graphed` column: --enable-cuda-graph's own capture of Domino 2x1."""
+    plan = DominoPlan(2, 1, explicit_backward=True)
+    model_parallel_seed(1, dims)
+    model = build_model(config, dims, family, device="cuda",
+                        parallel=ParallelConfig(domino=plan, enable_cuda_graph=True))
+    model.train()
+    try:
+        capture_layers(model, micro_batch, log=log)
+    except Exception as error:  # reported, not fatal
+        result["skipped"]["domino_2x1_graphed"] = f"capture: {type(error).__name__}: {error}"[:300]
+        log(f"  domino_2x1_graphed: capture failed: {error}")
+        return
+    block = model.decoder
+    assert isinstance(block.runner, GraphedRunner) and block.runner.fallback is not None
+    measure("domino_2x1_graphed", block, lambda inp, block=block: block.runner(inp, rotary),
+            captured=True)
+    del model, block
 
 
 def run_megatron(row, config, family, micro_batch, args, result, measure) -> None:
@@ -156,9 +187,10 @@ def run_megatron(row, config, family, micro_batch, args, result, measure) -> Non
 
 def table(results: list[dict]) -> str:
     lines = ["| row | limit | eager | compiled | mcore (fused) | mcore unfused | compiled / limit "
-             "| mcore / compiled | eager / compiled | Domino 2x1 eager / compiled, host ms "
-             "| FP8 eager / compiled | bf16 compiled / FP8 compiled |",
-             "|" + " --- |" * 12]
+             "| mcore / compiled | eager / compiled | Domino 2x1 eager / compiled / graphed, "
+             "host ms | Domino 2x1 graphed | FP8 eager / compiled | bf16 compiled / FP8 compiled "
+             "|",
+             "|" + " --- |" * 13]
     for r in results:
         ms, host = r["ms_per_layer"], r["host_ms_per_layer"]
         fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
@@ -170,6 +202,7 @@ def table(results: list[dict]) -> str:
             f"| {ratio(get('compiled'), get('limit'))} | {ratio(get('mcore'), get('compiled'))} "
             f"| {ratio(get('eager'), get('compiled'))} "
             f"| {fmt(host.get('domino_2x1_eager'))} / {fmt(host.get('domino_2x1_compiled'))} "
+            f"/ {fmt(host.get('domino_2x1_graphed'))} | {fmt(get('domino_2x1_graphed'))} "
             f"| {fmt(get('fp8_eager'))} / {fmt(get('fp8_compiled'))} "
             f"| {ratio(get('compiled'), get('fp8_compiled'))} |")
     return "\n".join(lines)

@@ -555,14 +555,16 @@ NO_DROPOUT = ("--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropo
 @pytest.mark.parametrize("argv, named", [
     ((*NO_DROPOUT, "--recompute-granularity", "selective"),
      "--recompute-granularity=selective is invalid: it must be unset with --enable-cuda-graph"),
-    ((*NO_DROPOUT, "--tensor-model-parallel-size", "2", "--domino-batch-slices", "2"),
-     "--enable-cuda-graph=True is invalid: it must be off with Domino slicing"),
-    ((*NO_DROPOUT, "--domino-explicit-backward"),
-     "--enable-cuda-graph=True is invalid: it must be off with Domino"),
+    ((*NO_DROPOUT, "--tensor-model-parallel-size", "2", "--domino-batch-slices", "2",
+      "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"),
+     "--recompute-granularity=full is invalid: it must be unset with --enable-cuda-graph"),
+    ((*NO_DROPOUT, "--tensor-model-parallel-size", "2", "--domino-batch-slices", "2",
+      "--zero-stage", "3"), "--enable-cuda-graph captures the layers, but --zero-stage 3"),
     ((*NO_DROPOUT, "--tensor-model-parallel-size", "2", "--domino"),
-     "--domino-batch-slices auto may pick a Domino plan"),
+     "--domino-batch-slices auto times the plans eagerly"),
     ((*NO_DROPOUT, "--domino-batch-slices", "auto"),
-     "--domino-batch-slices auto may pick a Domino plan"),
+     "--domino-batch-slices auto times the plans eagerly"),
     ((*NO_DROPOUT, "--zero-stage", "3"), "--enable-cuda-graph captures the layers, but "
      "--zero-stage 3"),
 ])
@@ -582,6 +584,20 @@ def test_cuda_graph_allows_data_parallelism():
     """TP 2 x DP 2 graphed training equals eager (tests/gpu/test_gpu_cuda_graph.py)."""
     config, _ = parse(*NO_DROPOUT, "--tensor-model-parallel-size", "2",
                                           "--micro-batch-size", "2", "--global-batch-size", "8")
+    validate(config, 4)
+
+
+@pytest.mark.parametrize("plan", [
+    ("--domino-batch-slices", "2", "--domino-hidden-slices", "1"),
+    ("--domino-batch-slices", "3", "--domino-hidden-slices", "2", "--sequence-parallel"),
+    ("--domino-explicit-backward",)])
+def test_cuda_graph_captures_domino(plan):
+    """Domino's schedule is captured in its capture mode (tests/gpu/test_gpu_cuda_graph_domino.py),
+    also with the distributed optimizer."""
+    config, _ = parse(*NO_DROPOUT, "--tensor-model-parallel-size", "2", *plan,
+                      "--micro-batch-size", "4", "--global-batch-size", "16",
+                      "--use-distributed-optimizer")
+    assert config.parallel.enable_cuda_graph and config.parallel.domino.enabled
     validate(config, 4)
 
 

@@ -28,3 +28,25 @@ def test_zero_host_overhead_times_both_stages(tmp_path):
               "--warmup", "1", "--out", str(tmp_path / "host.json"))
     assert "stage 3: hooks" in out and "stage 1: hooks" in out, out
     assert (tmp_path / "host.json").exists()
+
+
+def test_layer_tp1_table_has_the_graphed_domino_column():
+    """bench_layer_tp1.py runs on a GPU only; its table (pure) puts the product's graphed Domino
+    host time beside the eager Domino's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_layer_tp1", ROOT / "benchmarks" / "bench_layer_tp1.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = {"row": "gpt3-6.7b", "ms_per_layer": {"domino_2x1_eager": 20.5,
+                                                   "domino_2x1_graphed": 19.25},
+              "host_ms_per_layer": {"domino_2x1_eager": 3.61, "domino_2x1_compiled": 4.5,
+                                    "domino_2x1_graphed": 0.12}}
+    header, rule, row = bench.table([result]).splitlines()
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    names = [cell.strip() for cell in header.strip("|").split("|")]
+    assert len(cells) == len(names) == rule.count("---")
+    assert cells[names.index("Domino 2x1 eager / compiled / graphed, host ms")] == \
+        "3.61 / 4.50 / 0.12"
+    assert cells[names.index("Domino 2x1 graphed")] == "19.25"

@@ -339,8 +339,10 @@ FLAGS: tuple[Flag, ...] = (
           "Capture the transformer layers' forward + backward of a micro-batch in CUDA graphs at "
           "start-up and replay them (megadomino/overlap/cuda_graph.py): host launch time drops "
           "out of the step; dropout is captured too (the RNG streams are registered with the "
-          "graphs). Needs CUDA, no recompute, no Domino slicing, no ZeRO stage 3. With --sequence-parallel --tp-comm-overlap it is the fastest TP path "
-          "measured (BENCHMARKS.md)."),
+          "graphs), and with a Domino plan its sliced schedule is what is captured. Needs CUDA, "
+          "no recompute, no ZeRO stage 3, no --domino-batch-slices auto. With "
+          "--sequence-parallel --tp-comm-overlap it is the fastest TP path measured "
+          "(BENCHMARKS.md)."),
     # ZeRO and ZeRO++ (megadomino.zero).
     _impl("--use-distributed-optimizer", None, None,
           "Shard the optimizer states and fp32 master weights over the data-parallel ranks "

@@ -51,8 +51,9 @@ def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe
         raise ConfigError("--domino-batch-slices auto may pick a Domino plan, whose schedule "
                           "runs high-precision GEMMs: it is off with --fp8-format")
     if parallel.enable_cuda_graph and parallel.domino_auto:
-        raise ConfigError("--domino-batch-slices auto may pick a Domino plan, which "
-                          "--enable-cuda-graph cannot capture: give one of them")
+        raise ConfigError("--domino-batch-slices auto times the plans eagerly, not as the "
+                          "graphs --enable-cuda-graph replays: give an explicit plan "
+                          "(--domino-batch-slices N --domino-hidden-slices K) with it")
     if parallel.zero.stage == 3 and parallel.enable_cuda_graph:
         raise ConfigError("--enable-cuda-graph captures the layers, but --zero-stage 3 gathers "
                           "each layer's parameters from host-side hooks: use --zero-stage 1 "
@@ -145,10 +146,6 @@ def validate_layers(model: ModelConfig, parallel: ParallelConfig, tp: int,
         check(parallel.recompute_granularity is None, "--recompute-granularity",
               parallel.recompute_granularity, "unset with --enable-cuda-graph (recompute saves "
               "and restores RNG states, which a CUDA graph cannot capture)")
-        check(not domino.enabled, "--enable-cuda-graph", True,
-              "off with Domino slicing (--domino-*): its schedule hands parameter gradients "
-              "to autograd inside its backward; use --sequence-parallel --tp-comm-overlap "
-              "--enable-cuda-graph for overlapped communication under graphs")
     if fp8 is not None:
         _fp8_rules(parallel, fp8)
 

@@ -25,13 +25,22 @@ Dropout is captured: the default generator and the TP RNG tracker's streams (whi
 swaps in graph-safely, `distributed.random`) are registered with the graphs, so each replay draws
 new masks and advances every stream as an eager micro-batch would.
 
+Domino slicing (`--domino-*`): what is captured is Domino's schedule over the layers, its async
+TP collectives and waits included, run by a DominoRunner in capture mode
+(overlap/domino/schedule.py): there the schedule's autograd node takes the layers' parameters as
+inputs and returns their slice-summed gradients from its backward, where the eager runner hands
+them to autograd layer by layer from nested backward calls (invisible to the one `autograd.grad`
+that `capture` records, and accumulating into `.grad` inside the graph's memory). Same values
+and gradients, bit for bit; a replay is one graph launch for the whole sliced stack, so slicing
+is no longer host-bound. The eager Domino runner stays the fallback.
+
 Limits, refused up front by the validator (megadomino.config.validate) with the flag named: no
-activation recompute (it saves and restores RNG states by copying them on the host), no Domino
-slicing (its schedule hands parameter gradients to autograd from inside its backward), no ZeRO
-stage 3 (its per-layer gather hooks run on the host).
+activation recompute (it saves and restores RNG states by copying them on the host; Domino's
+full recompute is refused alike), no ZeRO stage 3 (its per-layer gather hooks run on the host),
+no `--domino-batch-slices auto` (its start-up timing runs the plans eagerly).
 
 Shapes are static: a call whose input shape differs from the captured one (or in eval mode /
-without grad) runs the layers eagerly, same math.
+without grad) runs the layers eagerly through the block's previous runner, same math.
 Memory: the graphs keep one micro-batch's activations in a private pool, about what an eager
 step holds at its peak.
 """
@@ -43,19 +52,34 @@ from torch import nn
 
 from megadomino.config import ConfigError
 from megadomino.distributed import random as tp_random
+from megadomino.overlap.domino.schedule import DominoRunner
 
 
 class _LayerStack(nn.Module):
-    """The block's layers as one module (the callable that is captured)."""
+    """The block's layers as one module (the callable that is captured; its parameters are the
+    ones `capture` differentiates): the layers in order, or `runner(x, rotary)` when given (a
+    DominoRunner in capture mode, whose autograd node takes these parameters)."""
 
-    def __init__(self, layers: nn.ModuleList):
+    def __init__(self, layers: nn.ModuleList, runner: DominoRunner | None = None):
         super().__init__()
         self.layers = layers
+        self.runner = runner
 
     def forward(self, x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        if self.runner is not None:
+            return self.runner(x, rotary or None)
         for layer in self.layers:
             x = layer(x, rotary or None)
         return x
+
+
+def layer_stack(block) -> _LayerStack:
+    """What capture_layers captures for `block`: Domino's schedule in capture mode when the
+    block's runner is a DominoRunner (its plan), else the layers in order."""
+    runner = block.runner
+    if not isinstance(runner, DominoRunner):
+        return _LayerStack(block.layers)
+    return _LayerStack(block.layers, DominoRunner(block, runner.plan, capture_mode=True))
 
 
 class _Replay(torch.autograd.Function):
@@ -222,7 +246,7 @@ def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> 
                     generator=gen).requires_grad_()
     rotary = model.rotary(config.seq_length, None, device)
     sample = (x, *rotary) if rotary is not None else (x,)
-    stack = _LayerStack(block.layers)
+    stack = layer_stack(block)
     stack.train(block.training)
     torch.cuda.synchronize(device)
     graphed = capture(stack, sample, warmup, tp_random.tracker_of(dims).generators())
@@ -230,6 +254,9 @@ def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> 
     layers = GraphedLayers(graphed, sample, _workspace_guard(model))
     block.runner = GraphedRunner(block, layers, block.runner)
     if dims.rank == 0:
-        log(f"cuda graph: captured {len(block.layers)} layers, forward + backward of a "
+        how = "" if stack.runner is None else \
+            f" through Domino's schedule ({stack.runner.plan.batch_slices} x " \
+            f"{stack.runner.plan.hidden_slices})"
+        log(f"cuda graph: captured {len(block.layers)} layers{how}, forward + backward of a "
             f"({seq}, {micro_batch_size}, {config.hidden_size}) micro-batch")
     return layers

@@ -15,7 +15,8 @@ wait consumes):
     backward  the same units in reverse; mlp / attention launch the reduce of their input's
               gradient (dv / du) and then run their deferred weight-gradient GEMMs, which
               overlap it; recompute rebuilds a layer's forward graphs (--recompute-granularity
-              full); flush hands a layer's summed parameter gradients to autograd.
+              full); flush hands a layer's summed parameter gradients to autograd (in the
+              runner's capture mode, the block's node returns them at the end instead).
     wait      block until the named reduction has finished (the only synchronisation).
 
 A reduction launched by slice i is waited only after the other slices' work of the same stage

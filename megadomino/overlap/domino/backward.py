@@ -12,7 +12,8 @@ all-gather, sits between them).
 Parameter gradients are summed over slices (WgradSink) and handed to autograd once per layer
 (the `flush` action: a backward call from the layer's anchor, a node over its parameters made
 in the forward), so gradient hooks (the DP gradient buffer) see one accumulation per parameter
-per backward, layer by layer.
+per backward, layer by layer. In capture mode (schedule.py) a layer has no anchor: `flush` only
+drops its units, and the block's node returns the sums when the whole backward is done.
 """
 
 from __future__ import annotations

@@ -30,6 +30,15 @@ unit of the same slice needs the gradient, after the other slices' units ran. Pa
 gradients are summed over slices in fp32 and handed to autograd once per layer, so gradient
 hooks (the DP gradient buffer) see one accumulation per parameter per backward, layer by layer.
 
+Capture mode (`DominoRunner(..., capture_mode=True)`, what `--enable-cuda-graph` captures:
+overlap/cuda_graph.py): the block's autograd node takes the layers' parameters as inputs and its
+backward returns their slice sums (WgradSink.take) with the input's gradient, instead of handing
+them over layer by layer from nested backward calls, which `torch.cuda.make_graphed_callables`
+(one `autograd.grad` over inputs and parameters) could not see and which would accumulate into
+`.grad` inside the graph's memory. The sums are the same tensors, so values and gradients equal
+the eager mode's bit for bit; the gradient hooks then fire once the whole block's backward is
+done, not layer by layer.
+
 Streams: everything is enqueued on the current stream; collectives are async work handles whose
 `wait()` makes the current stream wait for them. No reliance on CUDA_DEVICE_MAX_CONNECTIONS.
 
@@ -63,8 +72,8 @@ class DominoRunner(UnitBackward):
 
     bypasses_layer_hooks = True
 
-    def __init__(self, block, plan: DominoPlan):
-        self.block, self.plan = block, plan
+    def __init__(self, block, plan: DominoPlan, capture_mode: bool = False):
+        self.block, self.plan, self.capture_mode = block, plan, capture_mode
         self.config, self.dims = block.config, block.dims
         self.parallel = block.parallel
         self.sp = self.parallel.sequence_parallel and self.dims.tp > 1
@@ -83,7 +92,9 @@ class DominoRunner(UnitBackward):
             finally:
                 self.sinks.pop()
         anchor = torch.empty(0, device=x.device, requires_grad=True)
-        return _DominoBlock.apply(x, anchor, self, rotary)
+        params = [p for p in self.block.layers.parameters() if p.requires_grad] \
+            if self.capture_mode else []
+        return _DominoBlock.apply(x, anchor, self, rotary, *params)
 
     # ---- helpers -------------------------------------------------------------------------
     def _actions(self, pass_: str, *key) -> list[Action]:
@@ -301,29 +312,32 @@ class DominoRunner(UnitBackward):
 
 
 class _DominoBlock(torch.autograd.Function):
-    """The whole layer stack as one autograd node whose backward is DominoRunner.backward."""
+    """The whole layer stack as one autograd node whose backward is DominoRunner.backward.
+    `params`: none (eager mode: each layer's gradients go to autograd through its flush anchor),
+    or the layers' parameters that require a gradient (capture mode: the backward returns
+    their sums)."""
 
     @staticmethod
-    def forward(ctx, x, anchor, runner: DominoRunner, rotary):
+    def forward(ctx, x, anchor, runner: DominoRunner, rotary, *params):
         sink = WgradSink(runner.plan.batch_slices > 1)
         runner.sinks.append(sink)
         try:
             with torch.enable_grad():
                 output, units, outs = runner._forward(x, rotary, build=True)
-                flush_anchors = [sink.anchor(list(layer.parameters()))
+                flush_anchors = [None if params else sink.anchor(list(layer.parameters()))
                                  for layer in runner.block.layers]
         finally:
             runner.sinks.pop()
-        ctx.runner, ctx.state = runner, (units, outs, sink, flush_anchors)
+        ctx.runner, ctx.state, ctx.params = runner, (units, outs, sink, flush_anchors), params
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        runner, state = ctx.runner, ctx.state
-        ctx.state = None
+        runner, state, params = ctx.runner, ctx.state, ctx.params
+        ctx.state = ctx.params = None
         runner.sinks.append(state[2])
         try:
             grad_x = runner.backward(state, grad_output.contiguous())
         finally:
             runner.sinks.pop()
-        return grad_x, None, None, None
+        return grad_x, None, None, None, *state[2].take(params)
