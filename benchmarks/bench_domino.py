@@ -17,6 +17,7 @@ timeline summary: compute busy time, NCCL time, and how much of NCCL ran under c
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -89,6 +90,15 @@ def time_step(step, warmup: int, iters: int) -> tuple[float, float]:
     return median[0].item(), median[1].item()
 
 
+def reset_peak_memory() -> None:
+    """Start a column's peak-memory count (torch.cuda.max_memory_allocated) from what is alive
+    for it: the earlier columns' blocks are unreferenced by then, but a Domino block and its
+    runner refer to each other (block.runner, runner.block), so without a collection such a
+    block's weights and gradients stay allocated into the next columns' peaks."""
+    gc.collect()
+    torch.cuda.reset_peak_memory_stats()
+
+
 def make_step(module, forward, x, grad_out, params, keep_grads=False):
     """forward + backward; grads set to None first unless keep_grads (CUDA-graph capture: the
     captured backward accumulates into the buffers the warm-up made)."""
@@ -136,7 +146,7 @@ def bench_row(row: str, args, dims) -> dict:
         params = [p for p in module.parameters() if p.requires_grad]
         step = make_step(module, forward, *(inputs or (x, grad_out)), params,
                          keep_grads=args.cuda_graph)
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory()
         if args.cuda_graph:
             try:
                 if comm:

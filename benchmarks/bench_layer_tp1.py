@@ -21,7 +21,10 @@ Columns (ms per layer, bf16, dropout 0, seq 2048, micro-batch 4, `--layers` laye
   fp8        our layer with FP8 hybrid (delayed scaling) linears, eager and compiled pieces
 Host time is the median wall time to enqueue one step; where it nears the device time the step
 is CPU-bound. `--cuda-graph` times CUDA-graph replays of every column instead (the compiled
-pieces' kernels captured with the rest), which takes host time out.
+pieces' kernels captured with the rest), which takes host time out. `peak_gib` in the JSON is
+torch.cuda.max_memory_allocated over a column's warm-up, capture and timed steps, from what is
+alive for that column alone (its block with its gradients, the input and its gradient; the
+earlier columns are collected first: bench_domino.reset_peak_memory).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_domino import log, make_step, model_config, ours, time_step  # noqa: E402
+from bench_domino import log, make_step, model_config, ours, reset_peak_memory, time_step  # noqa: E402
 from timeline import graphed  # noqa: E402
 
 from megadomino.build import build_model  # noqa: E402
@@ -99,7 +102,7 @@ def bench_row(row: str, args, dims) -> dict:
     def measure(name, module, forward, captured=False):
         """captured: `forward` replays the product's graphs (no capture by the benchmark)."""
         params = [p for p in module.parameters() if p.requires_grad]
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory()
         own_capture = args.cuda_graph and not captured
         step = make_step(module, forward, x, grad_out, params, keep_grads=own_capture)
         if own_capture:
