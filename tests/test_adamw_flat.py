@@ -91,8 +91,9 @@ def _saved(engine: ZeroPlusPlus) -> dict:
 
 def _case_resumes(dims: ParallelDims, stage: int) -> None:
     """Saved after 3 steps and loaded into a fresh engine, 3 more steps equal the uninterrupted
-    run bit for bit; a state saved by torch's optimizer (flat off) resumes under the flat pass
-    as torch's own run continues (to rounding)."""
+    run bit for bit; that state also resumes under torch's AdamW (to rounding, one step count
+    per parameter), and a state saved by torch's optimizer (flat off) resumes under the flat
+    pass as torch's own run continues (to rounding)."""
     whole = _engine(dims, True, stage)
     straight = _run(whole, dims, range(6))
     first = _engine(dims, True, stage)
@@ -101,6 +102,14 @@ def _case_resumes(dims: ParallelDims, stage: int) -> None:
     second.load_state_dict(_saved(first))
     for name, value in _run(second, dims, range(3, 6)).items():
         assert torch.equal(value, straight[name]), name
+    # and back: the flat pass's state loads into torch's AdamW, whose step counts stay apart
+    back = _engine(dims, False, stage)
+    back.load_state_dict(_saved(first))
+    steps = [state["step"] for state in back.optimizer.optimizer.state.values()]
+    assert len({id(step) for step in steps}) == len(steps)
+    for name, value in _run(back, dims, range(3, 6)).items():
+        assert_close(value, straight[name], 1e-5, name)
+    assert all(step == 6 for step in steps)
     torch_run = _engine(dims, False, stage)
     _run(torch_run, dims, range(3))
     resumed = _engine(dims, True, stage)

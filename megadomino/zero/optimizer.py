@@ -191,7 +191,8 @@ class ZeroPlusPlus:
 
     def state_by_parameter(self) -> dict[int, dict[str, torch.Tensor]]:
         """Stage 0: per parameter (keyed by id), its AdamW state and, for a parameter that is not
-        fp32, its fp32 master, each in the parameter's shape (references). The layout-free
+        fp32, its fp32 master, each in the parameter's shape (references; the step count a
+        copy, since the flat AdamW pass shares one among its parameters). The layout-free
         form a checkpoint keeps by parameter name, loadable at another TP degree."""
         if self.sharded:
             raise RuntimeError("state_by_parameter() is stage 0's: a sharded engine's state "
@@ -199,7 +200,7 @@ class ZeroPlusPlus:
         state = self.optimizer.optimizer.state
         entries = {}
         for param, master in self.optimizer.pieces:
-            entry = {key: value if key == "step" else value.view(param.shape)
+            entry = {key: value.clone() if key == "step" else value.view(param.shape)
                      for key, value in state.get(master, {}).items()}
             if param.dtype != torch.float32:
                 entry["master"] = master.view(param.shape)

@@ -45,7 +45,8 @@ come from its parameter group by a small per-element group index, and the same p
 parameter shard's bf16/fp16 copy. Each element is read and written once: the per-parameter fused
 kernel plus the separate copy moved 34 bytes an element, this moves 31 (about 30% less time for
 the step of a 1.3B model: benchmarks/bench_optimizer.py). The step count is one device tensor
-shared by every parameter of the optimizer (all of them step together). Elsewhere (CPU, SGD)
+shared by every parameter of the optimizer (all of them step together; state_dict gives each its
+own copy). Elsewhere (CPU, SGD)
 torch's optimizer steps over the per-parameter views.
 """
 
@@ -200,7 +201,9 @@ class ShardedOptimizer:
         groups = self.optimizer.param_groups
         device = self.masters[0].device
         hyper = torch.tensor([[g["lr"] for g in groups], [g["weight_decay"] for g in groups]],
-                             dtype=torch.float32).to(device, non_blocking=True)
+                             dtype=torch.float32)
+        if device.type == "cuda":  # from pinned memory: the copy never waits for the stream
+            hyper = hyper.pin_memory().to(device, non_blocking=True)
         beta1, beta2 = groups[0]["betas"]
         eps = groups[0]["eps"]
         scale = torch.ones((), device=device) if coef is None else coef.reshape(())
@@ -298,8 +301,15 @@ class ShardedOptimizer:
             offset += grad.numel()
 
     def state_dict(self) -> dict:
-        """This rank's optimizer state, fp32 master shards and loss scaler (references)."""
-        return {"optimizer": self.optimizer.state_dict(), "masters": self.masters,
+        """This rank's optimizer state, fp32 master shards and loss scaler (references, but for
+        the step counts: each parameter gets its own copy of the shared one, as torch's
+        optimizers keep them, so that torch's AdamW loading it does not count a step once per
+        parameter)."""
+        optimizer = self.optimizer.state_dict()
+        if self.flat:
+            optimizer["state"] = {index: {**entry, "step": entry["step"].clone()}
+                                  for index, entry in optimizer["state"].items()}
+        return {"optimizer": optimizer, "masters": self.masters,
                 "loss_scaler": None if self.loss_scaler is None
                 else self.loss_scaler.state_dict()}
 
