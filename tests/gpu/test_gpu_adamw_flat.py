@@ -2,13 +2,20 @@
 default) equals the eager one the CPU tests check against torch's AdamW, at sizes that are not
 multiples of anything (one compiled kernel for every size), with clipping, two groups, a skipped
 step and the bf16 weights written; and on the same data torch's fused AdamW over the
-per-parameter views. `python -m pytest tests/gpu/test_gpu_adamw_flat.py -q` runs it."""
+per-parameter views; and a training run with compiled pieces, evaluation and a learning rate
+that changes every step compiles the pass in its first step and never after (dynamo's counters).
+`python -m pytest tests/gpu/test_gpu_adamw_flat.py -q` runs it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
+from configs import make_config
+from megadomino.config import ModelConfig
+from megadomino.distributed import ParallelDims
+from megadomino.train.loop import train
 from megadomino.zero.sharded import _compiled_adamw_flat, adamw_flat
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -53,3 +60,25 @@ def test_compiled_flat_adamw_equals_eager_and_torch(n):
         pieces[0].grad, pieces[1].grad = grad[:split] * 0.5, grad[split:] * 0.5
         optimizer.step()
     torch.testing.assert_close(runs["compiled"][0], torch.cat(pieces), rtol=1e-5, atol=1e-6)
+
+
+def _train(iters: int) -> dict:
+    model = ModelConfig.preset("gpt-tiny", seq_length=32, max_position_embeddings=32,
+                               vocab_size=331, params_dtype="bfloat16")
+    config = make_config(model, compile_layer_pieces=True, micro_batch_size=2,
+                         global_batch_size=4, train_iters=iters, lr=1e-3, lr_warmup_iters=5,
+                         log_interval=50, eval_interval=10, eval_iters=2, mock_data=True,
+                         bf16=True)
+    return train(config, ParallelDims(tp=1), "gpt", log=lambda _line: None)
+
+
+@pytest.mark.usefixtures("single_process_group")
+def test_training_compiles_the_flat_pass_once():
+    torch._dynamo.reset()
+    history = _train(iters=1)
+    assert history["optimizer"].optimizer.flat
+    compiled = counters["stats"]["unique_graphs"]
+    history = _train(iters=30)
+    assert len(history["eval"]) == 3
+    assert history["losses"][-1] < history["losses"][0]
+    assert counters["stats"]["unique_graphs"] == compiled, "compiled again after the first step"
