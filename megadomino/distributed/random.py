@@ -27,9 +27,12 @@ def _device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _default_generator(device_type: str) -> torch.Generator:
-    if device_type == "cuda":
-        return torch.cuda.default_generators[torch.cuda.current_device()]
+def _default_generator(stream: torch.Generator) -> torch.Generator:
+    """The default generator of `stream`'s device (the one its fork swaps)."""
+    if stream.device.type == "cuda":
+        index = stream.device.index
+        return torch.cuda.default_generators[torch.cuda.current_device() if index is None
+                                             else index]
     return torch.default_generator
 
 
@@ -79,7 +82,8 @@ class RNGStatesTracker:
         """Run the block with the default generator drawing from the named stream."""
         if name not in self.states:
             raise RuntimeError(f"RNG stream {name!r} is not seeded: call model_parallel_seed()")
-        default, stream = _default_generator(self.device_type), self.states[name]
+        stream = self.states[name]
+        default = _default_generator(stream)
         if self.device_type == "cuda":
             original = default.graphsafe_get_state()
             default.graphsafe_set_state(stream)
