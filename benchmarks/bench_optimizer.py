@@ -14,7 +14,8 @@ ms of CUDA events:
 - `flat`: the engine's step on CUDA (megadomino/zero/sharded.py): the norm, then the compiled
   `adamw_flat` per flat buffer (AdamW, each element's group by a uint8 index, the bf16 copy in
   the same pass), then the zeroing.
-`bytes_gb` and `tb_per_s`: the bytes each pass must move (reads + writes) and the rate it reached.
+`bytes_gb` and `tb_per_s`: the bytes each pass must move (reads + writes) and the rate it reached;
+for the two whole steps also one profiled call's top kernels and GPU idle time inside it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timeline import median_ms  # noqa: E402
+from timeline import median_ms, profile_summary  # noqa: E402
 
 from megadomino.config import ModelConfig  # noqa: E402
 from megadomino.zero.sharded import _compiled_adamw_flat  # noqa: E402
@@ -129,6 +130,10 @@ def main() -> None:
         gb = moved[name] * numel / 1e9
         result["variants"][name] = {"ms": round(ms, 3), "bytes_gb": round(gb, 2),
                                     "tb_per_s": round(gb / ms, 2)}
+        if name in ("torch_fused", "flat"):  # the kernels of one call, and the GPU's idle time
+            summary = profile_summary(fn, top=6)
+            result["variants"][name].update(
+                gpu_idle_ms=round(summary["gpu_idle_ms"], 3), kernels=summary["top_kernels"])
         print(name, result["variants"][name], flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
