@@ -18,7 +18,7 @@ registration order (so the ranks' collectives stay matched). Each case's name is
 `C.<name>` in a case's arguments stands for the setup's value of that name in the rank (`C.rank`
 and `C.world` always exist). A case may also name `slow_worlds`: world sizes at which it runs only
 in the slow tier, for a grid whose every code path already has a representative at that world in
-the default tier; a world runs only the cases of the tiers pytest was asked for.
+the default tier; a run without the slow tier leaves them out of the world it starts.
 `SUITE.test()` freezes the suite; `tests/conftest.py` refuses, at collection, a module whose
 suite was never turned into a test, so no case runs unasserted.
 
@@ -50,6 +50,7 @@ import torch
 DEFAULT_CASE_TIMEOUT = 180.0  # seconds; the slowest CPU case today takes about 40 s
 SPAWN_GRACE = 60.0  # seconds a world may spend importing torch and forming its group
 LOG_TAIL = 4000  # characters of a dead rank's output shown in a failure
+BOTH = frozenset({"main", "slow"})  # a world's cases outside and inside their slow_worlds
 
 
 def free_port() -> int:
@@ -174,11 +175,12 @@ class DistSuite:
                                            case.timeout, case.requires)
         return suite
 
-    def names(self, world: int, slow: bool = True) -> list[str]:
-        """The cases of `world` (without its slow-tier ones unless `slow`), including those
-        skipped for a missing module (their tests skip before asking for results)."""
+    def names(self, world: int, parts: frozenset[str] = BOTH) -> list[str]:
+        """The cases of `world` in `parts` ("main": those not in its slow_worlds, "slow": those
+        in), including those skipped for a missing module (their tests skip before asking for
+        results)."""
         return [case.name for case in self.cases.values() if world in case.worlds
-                and (slow or world not in case.slow_worlds)]
+                and ("slow" if world in case.slow_worlds else "main") in parts]
 
     def test(self, args_fixture: str | None = None, marks: tuple = ()) -> Callable:
         """The pytest test for every registered (world, case): assign it to a `test_*` name.
@@ -196,8 +198,10 @@ class DistSuite:
             if not suite.cases[case].available():
                 pytest.skip(f"needs {suite.cases[case].requires}, which is not installed")
             args = request.getfixturevalue(args_fixture) if args_fixture else ()
-            slow = "slow" in getattr(request.config, "chosen_tiers", {"slow"})
-            check_result(suite.results(world, *args, slow=slow), case)
+            # a run without the slow tier leaves the world's slow cases out
+            chosen = getattr(request.config, "chosen_tiers", {"slow"})
+            parts = BOTH if "slow" in chosen else frozenset({"main"})
+            check_result(suite.results(world, *args, parts=parts), case)
 
         test.dist_suite = self  # what conftest's collection check looks for
         marks = [*marks, *([pytest.mark.gpu] if self.backend == "nccl" else [])]
@@ -212,12 +216,12 @@ class DistSuite:
             pytest.skip(f"tier gpu: needs {world} CUDA GPU{plural}, "
                         f"{torch.cuda.device_count()} here")
 
-    def results(self, world: int, *args, slow: bool = True) -> dict[str, str | None]:
-        """{case: None or the error} for every case of `world` (its slow-tier ones if `slow`),
-        spawned once per (world, args, slow) and remembered, failures included."""
-        key = (world, slow, *(id(arg) for arg in args))
+    def results(self, world: int, *args, parts: frozenset[str] = BOTH) -> dict[str, str | None]:
+        """{case: None or the error} for every case of `world` in `parts` (see `names`), run
+        once per (world, args, parts) and remembered, failures included."""
+        key = (world, parts, *(id(arg) for arg in args))
         if key not in self._results:
-            self._results[key] = run_world(self, world, args, slow=slow)
+            self._results[key] = run_world(self, world, args, parts)
         return self._results[key]
 
 
@@ -291,11 +295,14 @@ def _running_case(log: str) -> str | None:
     return started[-1][4:].split(":")[0] if started else None
 
 
-def _rank_starter():
-    """Ranks start as forks of one server process that imported torch and the library once (a
-    fresh interpreter per rank re-imports them, seconds of CPU each). The server only imports and
-    never joins a group or runs a case, so each rank starts from the state of a fresh import, as
-    a spawned one would."""
+def _rank_starter(backend: str):
+    """A gloo world's ranks start as forks of one server process that imported torch and the
+    library once (a fresh interpreter per rank re-imports them, seconds of CPU each). The server
+    only imports, never joins a group or runs a case, so each rank starts from the state of a
+    fresh import, as a spawned one would. An NCCL world's ranks are spawned: nothing may have
+    touched CUDA before a fork, and the GPU tier is not timed."""
+    if backend == "nccl":
+        return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.distributed", "dist_utils",
                                     "megadomino.train.loop"])
@@ -303,13 +310,13 @@ def _rank_starter():
 
 
 def run_world(suite: DistSuite, world: int, args: tuple = (),
-              slow: bool = True) -> dict[str, str | None]:
-    """Start `world` ranks of `suite` running its cases of that world (the slow-tier ones if
-    `slow`), wait at most the sum of the budgets, and merge the ranks' results: a case fails if
-    it failed on any rank, or did not finish on one (named, with why)."""
-    names = [name for name in suite.names(world, slow) if suite.cases[name].available()]
+              parts: frozenset[str] = BOTH) -> dict[str, str | None]:
+    """Start `world` ranks of `suite` running its cases of that world in `parts` (see
+    `DistSuite.names`), wait at most the sum of the budgets, and merge the ranks' results: a case
+    fails if it failed on any rank, or did not finish on one (named, with why)."""
+    names = [name for name in suite.names(world, parts) if suite.cases[name].available()]
     deadline = SPAWN_GRACE + suite.timeout + sum(suite.cases[n].timeout for n in names)
-    starter = _rank_starter()
+    starter = _rank_starter(suite.backend)
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         procs = [starter.Process(target=_rank_main,

@@ -88,8 +88,9 @@ def test_slow_worlds_are_the_slow_tier_and_a_default_world_runs_without_them():
     with pytest.raises(ValueError, match="overlap"):
         suite.case("both", passes, slow_worlds=(2,))
     assert suite.names(2) == ["everywhere", "slow_at_3", "slow_only"]
-    assert suite.names(2, slow=False) == ["everywhere", "slow_at_3"]
-    assert suite.names(3) == ["slow_at_3"] and suite.names(3, slow=False) == []
+    assert suite.names(2, frozenset({"main"})) == ["everywhere", "slow_at_3"]
+    assert suite.names(2, frozenset({"slow"})) == ["slow_only"]
+    assert suite.names(3) == ["slow_at_3"] and suite.names(3, frozenset({"main"})) == []
     (parametrize,) = suite.test().pytestmark
     tiers = {param.id: [mark.name for mark in param.marks] for param in parametrize.args[1]}
     assert tiers == {"w2-everywhere": [], "w2-slow_at_3": [], "w2-slow_only": ["slow"],
