@@ -2,7 +2,8 @@
 
 Every test belongs to one tier, named by its marker (none: `default`):
   default  CPU CI: `bash scripts/test.sh` (pytest's time under 10 minutes on 2 idle cores)
-  slow     network namespaces, long fault tests, 8-rank worlds, the oldest dependencies
+  slow     network namespaces, long fault tests, 8-rank worlds, the oldest dependencies, the
+           rest of a grid whose every code path has a representative in the default tier
   gpu      CUDA: tests/gpu and every NCCL suite, on the GPU machine
   peers    parity with megatron-core and DeepSpeed, where they are installed
 `--tier` picks the tiers a run takes (default: `default`); a test of another tier is skipped with

@@ -1,6 +1,6 @@
 """Multi-process test cases: each case is registered once, every spawned world is bounded in time.
 
-Spawning ranks costs seconds, so a module registers its cases on one `DistSuite`, which spawns
+Starting ranks costs seconds, so a module registers its cases on one `DistSuite`, which starts
 one process group per world size and runs every case of that world in every rank, in
 registration order (so the ranks' collectives stay matched). Each case's name is written once:
 
@@ -16,8 +16,11 @@ registration order (so the ranks' collectives stay matched). Each case's name is
     test_model = SUITE.test()                  # one pytest test per (world, case)
 
 `C.<name>` in a case's arguments stands for the setup's value of that name in the rank (`C.rank`
-and `C.world` always exist). `SUITE.test()` freezes the suite; `tests/conftest.py` refuses, at
-collection, a module whose suite was never turned into a test, so no case runs unasserted.
+and `C.world` always exist). A case may also name `slow_worlds`: world sizes at which it runs only
+in the slow tier, for a grid whose every code path already has a representative at that world in
+the default tier; a run without the slow tier leaves them out of the world it starts.
+`SUITE.test()` freezes the suite; `tests/conftest.py` refuses, at collection, a module whose
+suite was never turned into a test, so no case runs unasserted.
 
 Bounded in time: every case has a budget (`timeout`, seconds). A rank arms `faulthandler` for
 it, so a deadlocked case dumps every rank's stack and ends the world; the pytest process also
@@ -47,6 +50,7 @@ import torch
 DEFAULT_CASE_TIMEOUT = 180.0  # seconds; the slowest CPU case today takes about 40 s
 SPAWN_GRACE = 60.0  # seconds a world may spend importing torch and forming its group
 LOG_TAIL = 4000  # characters of a dead rank's output shown in a failure
+BOTH = frozenset({"main", "slow"})  # a world's cases outside and inside their slow_worlds
 
 
 def free_port() -> int:
@@ -106,6 +110,7 @@ class _Case:
     worlds: tuple[int, ...]
     timeout: float
     requires: str | None = None
+    slow_worlds: tuple[int, ...] = ()
 
     def available(self) -> bool:
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
@@ -141,17 +146,23 @@ class DistSuite:
         return fn
 
     def case(self, name: str, fn: Callable, *args, worlds: tuple[int, ...] | None = None,
-             timeout: float | None = None, requires: str | None = None, **kwargs) -> None:
+             timeout: float | None = None, requires: str | None = None,
+             slow_worlds: tuple[int, ...] = (), **kwargs) -> None:
         """Register fn(*args, **kwargs) as case `name` (C.<name> arguments resolved in the rank).
         It passes in a rank when it returns, and fails when it raises on any rank. requires: a
-        module the case needs; without it the case is skipped (and not run in the ranks)."""
+        module the case needs; without it the case is skipped (and not run in the ranks).
+        slow_worlds: further world sizes at which the case runs in the slow tier only (with
+        `worlds=()`, a case of the slow tier alone)."""
         if self.frozen:
             raise RuntimeError(f"case {name!r} registered after the suite's test() was made")
         if name in self.cases:
             raise ValueError(f"case {name!r} is registered twice")
-        case_worlds = tuple(worlds or self.worlds)
-        self.cases[name] = _Case(name, fn, args, kwargs, case_worlds, timeout or self.timeout,
-                                 requires)
+        case_worlds = tuple(self.worlds if worlds is None else worlds)
+        if set(slow_worlds) & set(case_worlds):
+            raise ValueError(f"case {name!r}: worlds {case_worlds} and slow_worlds "
+                             f"{tuple(slow_worlds)} overlap")
+        self.cases[name] = _Case(name, fn, args, kwargs, case_worlds + tuple(slow_worlds),
+                                 timeout or self.timeout, requires, tuple(slow_worlds))
 
     def derived(self, *, backend: str, setup: Callable, worlds: tuple[int, ...]) -> DistSuite:
         """A suite of the same cases (same names, functions and arguments) on another backend,
@@ -164,19 +175,22 @@ class DistSuite:
                                            case.timeout, case.requires)
         return suite
 
-    def names(self, world: int) -> list[str]:
-        """The cases of `world`, including those skipped for a missing module (their tests skip
-        before asking for results)."""
-        return [case.name for case in self.cases.values() if world in case.worlds]
+    def names(self, world: int, parts: frozenset[str] = BOTH) -> list[str]:
+        """The cases of `world` in `parts` ("main": those not in its slow_worlds, "slow": those
+        in), including those skipped for a missing module (their tests skip before asking for
+        results)."""
+        return [case.name for case in self.cases.values() if world in case.worlds
+                and ("slow" if world in case.slow_worlds else "main") in parts]
 
     def test(self, args_fixture: str | None = None, marks: tuple = ()) -> Callable:
         """The pytest test for every registered (world, case): assign it to a `test_*` name.
         args_fixture: a fixture whose value (a tuple) is passed to setup after the world;
         marks: pytest marks for it (e.g. a tier)."""
         self.frozen = True
-        params = [(world, name) for world in sorted({w for c in self.cases.values()
-                                                     for w in c.worlds})
-                  for name in self.names(world)]
+        params = [pytest.param(world, name, id=f"w{world}-{name}",
+                               marks=[pytest.mark.slow] if world in case.slow_worlds else [])
+                  for world in sorted({w for c in self.cases.values() for w in c.worlds})
+                  for name in self.names(world) for case in (self.cases[name],)]
         suite = self
 
         def test(request, world: int, case: str) -> None:
@@ -184,12 +198,14 @@ class DistSuite:
             if not suite.cases[case].available():
                 pytest.skip(f"needs {suite.cases[case].requires}, which is not installed")
             args = request.getfixturevalue(args_fixture) if args_fixture else ()
-            check_result(suite.results(world, *args), case)
+            # a run without the slow tier leaves the world's slow cases out
+            chosen = getattr(request.config, "chosen_tiers", {"slow"})
+            parts = BOTH if "slow" in chosen else frozenset({"main"})
+            check_result(suite.results(world, *args, parts=parts), case)
 
         test.dist_suite = self  # what conftest's collection check looks for
         marks = [*marks, *([pytest.mark.gpu] if self.backend == "nccl" else [])]
-        decorated = pytest.mark.parametrize(
-            "world, case", params, ids=[f"w{world}-{name}" for world, name in params])(test)
+        decorated = pytest.mark.parametrize("world, case", params)(test)
         for mark in marks:
             decorated = mark(decorated)
         return decorated
@@ -200,18 +216,18 @@ class DistSuite:
             pytest.skip(f"tier gpu: needs {world} CUDA GPU{plural}, "
                         f"{torch.cuda.device_count()} here")
 
-    def results(self, world: int, *args) -> dict[str, str | None]:
-        """{case: None or the error} for every case of `world`, spawned once per (world, args)
-        and remembered, failures included."""
-        key = (world, *(id(arg) for arg in args))
+    def results(self, world: int, *args, parts: frozenset[str] = BOTH) -> dict[str, str | None]:
+        """{case: None or the error} for every case of `world` in `parts` (see `names`), run
+        once per (world, args, parts) and remembered, failures included."""
+        key = (world, parts, *(id(arg) for arg in args))
         if key not in self._results:
-            self._results[key] = run_world(self, world, args)
+            self._results[key] = run_world(self, world, args, parts)
         return self._results[key]
 
 
 def _rank_main(rank: int, world: int, port: int, suite: DistSuite, args: tuple,
-               out_dir: str) -> None:
-    """One rank: run setup, then each case of this world under its faulthandler budget,
+               names: list[str], out_dir: str) -> None:
+    """One rank: run setup, then each case of `names` under its faulthandler budget,
     appending {"case", "error"} lines to rank<r>.jsonl as it goes (so a crash loses nothing)."""
     log = open(os.path.join(out_dir, f"rank{rank}.log"), "w", buffering=1)  # noqa: SIM115
     os.dup2(log.fileno(), 1)
@@ -246,9 +262,7 @@ def _rank_main(rank: int, world: int, port: int, suite: DistSuite, args: tuple,
     except Exception:
         record("<setup>", traceback.format_exc())
         os._exit(3)  # a non-zero exit tells the parent to stop the ranks waiting on this one
-    for case in suite.cases.values():
-        if world not in case.worlds or not case.available():
-            continue
+    for case in (suite.cases[name] for name in names):
         try:
             under_budget(case.name, case.timeout, case.fn,
                          *_resolve(case.args, context, rank, world),
@@ -281,16 +295,33 @@ def _running_case(log: str) -> str | None:
     return started[-1][4:].split(":")[0] if started else None
 
 
-def run_world(suite: DistSuite, world: int, args: tuple = ()) -> dict[str, str | None]:
-    """Spawn `world` ranks of `suite`, wait at most the sum of the budgets, and merge the ranks'
-    results: a case fails if it failed on any rank, or did not finish on one (named, with why)."""
-    names = [name for name in suite.names(world) if suite.cases[name].available()]
+def _rank_starter(backend: str):
+    """A gloo world's ranks start as forks of one server process that imported torch and the
+    library once (a fresh interpreter per rank re-imports them, seconds of CPU each). The server
+    only imports, never joins a group or runs a case, so each rank starts from the state of a
+    fresh import, as a spawned one would. An NCCL world's ranks are spawned: nothing may have
+    touched CUDA before a fork, and the GPU tier is not timed."""
+    if backend == "nccl":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "dist_utils",
+                                    "megadomino.train.loop"])
+    return context
+
+
+def run_world(suite: DistSuite, world: int, args: tuple = (),
+              parts: frozenset[str] = BOTH) -> dict[str, str | None]:
+    """Start `world` ranks of `suite` running its cases of that world in `parts` (see
+    `DistSuite.names`), wait at most the sum of the budgets, and merge the ranks' results: a case
+    fails if it failed on any rank, or did not finish on one (named, with why)."""
+    names = [name for name in suite.names(world, parts) if suite.cases[name].available()]
     deadline = SPAWN_GRACE + suite.timeout + sum(suite.cases[n].timeout for n in names)
-    spawn = multiprocessing.get_context("spawn")
+    starter = _rank_starter(suite.backend)
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
-        procs = [spawn.Process(target=_rank_main, args=(rank, world, port, suite, args, out_dir),
-                               ) for rank in range(world)]
+        procs = [starter.Process(target=_rank_main,
+                                 args=(rank, world, port, suite, args, names, out_dir))
+                 for rank in range(world)]
         for proc in procs:
             proc.start()
         watchdog = _wait(procs, time.monotonic() + deadline)

@@ -1,6 +1,6 @@
 """The multi-process harness itself: a hang ends in bounded time naming the case, a crash in setup
-or in a rank shows why, a case is registered once, and a suite no test asserts is refused at
-collection."""
+or in a rank shows why, a case is registered once, a case's slow worlds are the slow tier, and a
+suite no test asserts is refused at collection."""
 
 from __future__ import annotations
 
@@ -78,6 +78,23 @@ def test_a_case_is_registered_once_and_only_before_its_test():
     suite.test()
     with pytest.raises(RuntimeError, match="'two' registered after"):
         suite.case("two", passes)
+
+
+def test_slow_worlds_are_the_slow_tier_and_a_default_world_runs_without_them():
+    suite = DistSuite(worlds=(2,))
+    suite.case("everywhere", passes)
+    suite.case("slow_at_3", passes, slow_worlds=(3,))
+    suite.case("slow_only", passes, worlds=(), slow_worlds=(2,))
+    with pytest.raises(ValueError, match="overlap"):
+        suite.case("both", passes, slow_worlds=(2,))
+    assert suite.names(2) == ["everywhere", "slow_at_3", "slow_only"]
+    assert suite.names(2, frozenset({"main"})) == ["everywhere", "slow_at_3"]
+    assert suite.names(2, frozenset({"slow"})) == ["slow_only"]
+    assert suite.names(3) == ["slow_at_3"] and suite.names(3, frozenset({"main"})) == []
+    (parametrize,) = suite.test().pytestmark
+    tiers = {param.id: [mark.name for mark in param.marks] for param in parametrize.args[1]}
+    assert tiers == {"w2-everywhere": [], "w2-slow_at_3": [], "w2-slow_only": ["slow"],
+                     "w3-slow_at_3": ["slow"]}
 
 
 def test_a_suite_no_test_asserts_is_refused_at_collection(tmp_path):

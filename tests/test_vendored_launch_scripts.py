@@ -117,8 +117,21 @@ def test_every_transcribed_script_is_accounted_for():
     assert all(SCRIPTS[name]["launcher"] in ("torchrun", "deepspeed") for name in SCRIPTS)
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
-@pytest.mark.parametrize("name", RUNNABLE)
+def _launches() -> list:
+    """Every runnable script under both launchers; under the launcher other than its own (the
+    same environment translation, already run by the scripts transcribed with that launcher) in
+    the slow tier."""
+    return [pytest.param(name, launcher, marks=() if launcher == SCRIPTS[name]["launcher"]
+                         else pytest.mark.slow)
+            for name in RUNNABLE for launcher in ("torchrun", "deepspeed")]
+
+
+def test_both_launchers_run_in_the_default_tier():
+    assert {SCRIPTS[name]["launcher"] for name in RUNNABLE} == {"torchrun", "deepspeed"}
+    assert {family(name) for name in RUNNABLE} == {"gpt", "llama"}
+
+
+@pytest.mark.parametrize("name, launcher", _launches())
 def test_script_trains_under_both_launchers(name, launcher, tmp_path):
     """2 iterations on 2 gloo ranks, launched as torchrun or the deepspeed launcher would: both
     ranks exit 0 and rank 0 logs both iterations."""
