@@ -66,9 +66,9 @@ def _train(iters: int) -> dict:
     model = ModelConfig.preset("gpt-tiny", seq_length=32, max_position_embeddings=32,
                                vocab_size=331, params_dtype="bfloat16")
     config = make_config(model, compile_layer_pieces=True, micro_batch_size=2,
-                         global_batch_size=4, train_iters=iters, lr=1e-3, lr_warmup_iters=5,
-                         log_interval=50, eval_interval=10, eval_iters=2, mock_data=True,
-                         bf16=True)
+                         global_batch_size=4, train_iters=iters, lr=1e-3,
+                         lr_warmup_iters=min(5, iters), log_interval=50, eval_interval=10,
+                         eval_iters=2, mock_data=True, bf16=True)
     return train(config, ParallelDims(tp=1), "gpt", log=lambda _line: None)
 
 
