@@ -1,6 +1,7 @@
 """AdamW in one pass per flat master (megadomino/zero/sharded.py `adamw_flat`, the CUDA default)
-against torch's AdamW over the per-parameter views (fused kernel), on gloo at DP 2: stage 0 and
-stage 1 (chunks of the masters), fp32 and bf16 models (the pass writes the bf16 weights), with
+against torch's AdamW over the per-parameter views (fused kernel), on gloo at DP 2: stages 0, 1
+and 3 (chunks of the masters), fp32, bf16 and fp16 models (the pass writes the half-precision
+weights; fp16 with the loss scaler unscaling first), with
 clipping and the decoupled groups' own learning rate; a non-finite step changes nothing; its
 state saves in torch's format and resumes exactly, and a state saved by torch's optimizer loads
 into it. On CPU the pass runs eagerly (the same function the GPU compiles;
@@ -50,16 +51,21 @@ def _run(engine: ZeroPlusPlus, dims: ParallelDims, steps: range, decoupled: bool
     return engine.full_state_dict()
 
 
+def _scaler(dtype: str):
+    return DynamicLossScaler(1024.0, 1.0, window=10, hysteresis=1) if dtype == "float16" \
+        else None
+
+
 def _case_matches_torch(dims: ParallelDims, stage: int, dtype: str, decoupled: bool) -> None:
-    """fp32: 6 steps within 1e-5. bf16: one step (the weights may round one ulp apart where
+    """fp32: 6 steps within 1e-5. bf16 / fp16: one step (the weights may round one ulp apart where
     the two formulas' fp32 results straddle a bf16 boundary, and Adam's normalised update
     turns such differences in later gradients into full-size steps)."""
     steps = range(6) if dtype == "float32" else range(1)
-    expected = _run(_engine(dims, False, stage, dtype, decoupled=decoupled), dims, steps,
+    expected = _run(_engine(dims, False, stage, dtype, _scaler(dtype), decoupled), dims, steps,
                     decoupled)
-    actual = _run(_engine(dims, True, stage, dtype, decoupled=decoupled), dims, steps,
+    actual = _run(_engine(dims, True, stage, dtype, _scaler(dtype), decoupled), dims, steps,
                   decoupled)
-    rel = 1e-5 if dtype == "float32" else 1e-2
+    rel = 1e-5 if dtype == "float32" else 1e-2 if dtype == "bfloat16" else 2e-3
     for name, value in expected.items():
         assert_close(actual[name].float(), value.float(), rel, name)
 
@@ -162,6 +168,8 @@ for _stage in (0, 1):
 SUITE.case("stage1_fp32_decoupled", _case_matches_torch, C.dp, 1, "float32", True)
 SUITE.case("stage1_bf16_decoupled", _case_matches_torch, C.dp, 1, "bfloat16", True)
 SUITE.case("stage0_bf16", _case_matches_torch, C.dp, 0, "bfloat16", False)
+SUITE.case("stage3_fp32", _case_matches_torch, C.dp, 3, "float32", False)
+SUITE.case("stage1_fp16_loss_scaler", _case_matches_torch, C.dp, 1, "float16", False)
 SUITE.case("skip", _case_skip, C.dp)
 SUITE.case("resume_stage1", _case_resumes, C.dp, 1)
 SUITE.case("resume_stage0", _case_resumes, C.dp, 0)
