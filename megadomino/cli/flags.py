@@ -339,7 +339,8 @@ FLAGS: tuple[Flag, ...] = (
           "Capture the transformer layers' forward + backward of a micro-batch in CUDA graphs at "
           "start-up and replay them (megadomino/overlap/cuda_graph.py): host launch time drops "
           "out of the step; dropout is captured too (the RNG streams are registered with the "
-          "graphs), and with a Domino plan its sliced schedule is what is captured. Needs CUDA, "
+          "graphs), and with a Domino plan its sliced schedule is what is captured (run on one "
+          "GPU; Domino's captured collectives at TP >= 2 have not run on GPUs yet). Needs CUDA, "
           "no recompute, no ZeRO stage 3, no --domino-batch-slices auto. With "
           "--sequence-parallel --tp-comm-overlap it is the fastest TP path measured "
           "(BENCHMARKS.md)."),
