@@ -43,7 +43,7 @@ def _replace(model, piece: str) -> None:
             layer.self_attention.core = lambda q, k, v, core=core: 1.5 * core(q, k, v)
         elif piece == "activation":
             act = layer.mlp.activation
-            layer.mlp.activation = lambda h, up=None, act=act: 1.5 * act(h, up)
+            layer.mlp.activation = lambda h, up=None, bias=None, act=act: 1.5 * act(h, up, bias)
         elif piece == "residual":
             residual = layer.residual
             layer.residual = lambda x, y, bias=None, residual=residual: residual(

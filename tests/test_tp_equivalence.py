@@ -63,11 +63,13 @@ def check_model(family: str, sequence_parallel: bool, dims_ref, dims_tp, explici
     """The model at dims_tp (params_dtype) against the fp32 model at TP=1, same full weights.
     rel = (tolerance for logits and loss, tolerance for gradients)."""
     comm_overlap = changes.pop("tp_comm_overlap", False)
+    compile_pieces = changes.pop("compile_layer_pieces", False)
     config = tiny_config(family, **changes)
     torch.manual_seed(7)
     reference = build_model(config, dims_ref, family, device=device)
     full = reference.full_state_dict()
-    parallel = parallel_config(sequence_parallel=sequence_parallel, tp_comm_overlap=comm_overlap)
+    parallel = parallel_config(sequence_parallel=sequence_parallel, tp_comm_overlap=comm_overlap,
+                               compile_layer_pieces=compile_pieces)
     model = build_model(config.replace(params_dtype=params_dtype), dims_tp, family,
                         device=device, parallel=parallel)
     model.load_full_state_dict(full)
@@ -145,6 +147,51 @@ def check_column(dims_ref, dims_tp, gather_output: bool, sequence_parallel: bool
                  "weight grad")
     assert_close(layer.bias.grad, dense.bias.grad.chunk(dims_tp.tp)[dims_tp.tp_rank], REL,
                  "bias grad")
+
+
+def check_bias_modes(dims_ref, dims_tp, sequence_parallel: bool):
+    """The linears' bias modes, which let a layer piece own the bias: a column linear's "skip"
+    leaves the bias out of its output and gradient; "detached" adds it with no gradient (the
+    consumer returns it); a row linear's add_bias=False leaves it out. Everything else is the
+    dense layer's; an unknown mode is refused by name."""
+    torch.manual_seed(4)
+    x = torch.randn(8, 3, 10)
+    dense = ColumnParallelLinear(10, 12, dims_ref, init_std=0.3)
+    dense.bias.data.normal_()
+    column = ColumnParallelLinear(10, 12, dims_tp, sequence_parallel=sequence_parallel)
+    column.weight.data.copy_(dense.weight.data.chunk(dims_tp.tp)[dims_tp.tp_rank])
+    column.bias.data.copy_(dense.bias.data.chunk(dims_tp.tp)[dims_tp.tp_rank])
+    x_tp = mappings.split_dim0(x, dims_tp.tp_group) if sequence_parallel else x
+    grad_out = torch.randn(8, 3, 12)
+    x_ref = x.clone().requires_grad_()
+    dense(x_ref).backward(grad_out)
+    local_bias = column.bias.detach()
+    for mode, shift in (("skip", -local_bias), ("detached", torch.zeros_like(local_bias))):
+        column.zero_grad(set_to_none=True)
+        x_in = x_tp.clone().requires_grad_()
+        out = column(x_in, bias=mode)
+        expected = mappings.split_last_dim(dense(x).detach(), dims_tp.tp_group) + shift
+        assert_close(out, expected, REL, f"{mode} output")
+        out.backward(mappings.split_last_dim(grad_out, dims_tp.tp_group))
+        assert column.bias.grad is None, mode
+        assert_close(column.weight.grad, dense.weight.grad.chunk(dims_tp.tp)[dims_tp.tp_rank],
+                     REL, f"{mode} weight grad")
+        expected_grad = x_ref.grad
+        if sequence_parallel:
+            expected_grad = mappings.split_dim0(expected_grad, dims_tp.tp_group)
+        assert_close(x_in.grad, expected_grad, REL, f"{mode} input grad")
+    try:
+        column(x_tp, bias="fused")
+    except ValueError as error:
+        assert "'fused'" in str(error) and "detached" in str(error), error
+    else:
+        raise AssertionError("an unknown bias mode was accepted")
+    row = RowParallelLinear(12, 10, dims_tp, sequence_parallel=sequence_parallel)
+    row.bias.data.normal_()
+    h = torch.randn(8, 3, 12)
+    h_tp = mappings.split_last_dim(h, dims_tp.tp_group)
+    with_bias, without = row(h_tp), row(h_tp, add_bias=False)
+    assert_close(with_bias - without, row.bias.detach().expand_as(without), REL, "row bias")
 
 
 def check_row(dims_ref, dims_tp, input_is_parallel: bool, sequence_parallel: bool):
@@ -250,6 +297,8 @@ for parallel_input in (False, True):
                False)
 SUITE.case("row-sp", check_row, C.ref, C.tp, True, True)
 for sp in (False, True):
+    SUITE.case(f"bias-modes-sp{sp}", check_bias_modes, C.ref, C.tp, sp)
+for sp in (False, True):
     SUITE.case(f"embedding-ce-sp{sp}", check_embedding_and_cross_entropy, C.ref, C.tp, sp)
 for family in FAMILIES:
     for sp in (False, True):
@@ -257,6 +306,10 @@ for family in FAMILIES:
     SUITE.case(f"{family}-positions", check_model, family, True, C.ref, C.tp, True)
     SUITE.case(f"{family}-comm-overlap", check_model, family, True, C.ref, C.tp, False,
                tp_comm_overlap=True)
+    # compiled pieces own the biases (fc1's in the activation, the projections' in the
+    # residual add, QKV's gradient in the split's backward): against the eager dense model
+    SUITE.case(f"{family}-compiled-pieces", check_model, family, True, C.ref, C.tp, False,
+               worlds=(2,), slow_worlds=(4,), compile_layer_pieces=True)
     SUITE.case(f"{family}-init", check_init_is_tp_independent, family, C.ref, C.tp)
     SUITE.case(f"{family}-recompute-selective", check_recompute_with_dropout, family,
                "selective", None, C.tp)

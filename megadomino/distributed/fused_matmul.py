@@ -70,7 +70,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, x_shard, weight, bias, group):
         x_full, y = _all_gather_matmul(x_shard, weight.t(), group)
         ctx.save_for_backward(x_full, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group = group
         return y if bias is None else y + bias
 
     @staticmethod
@@ -79,7 +79,8 @@ class _AllGatherMatmul(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = _matmul_reduce_scatter(grad_out, weight, ctx.group)
         grad_weight = _weight_grad(grad_out, x_full)
-        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.needs_input_grad[2] \
+            else None
         return grad_x, grad_weight, grad_bias, None
 
 

@@ -131,12 +131,15 @@ class Attention(nn.Module):
         return linear(self.attend(linear(u, self.linear_qkv), rotary), self.linear_proj,
                       bias=False)
 
-    def attend(self, qkv: torch.Tensor, rotary) -> torch.Tensor:
-        """This rank's fused QKV projection (s, b, groups*(hpg+2)*d) -> context (s, b, heads*d)."""
+    def attend(self, qkv: torch.Tensor, rotary, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's fused QKV projection (s, b, groups*(hpg+2)*d) -> context (s, b, heads*d).
+        `bias`: the projection's bias, already in qkv but without its gradient there (the
+        linear's "detached" mode): the split's backward returns it."""
         s, b = qkv.shape[:2]
         # (s, b, groups*(hpg+2)*d) -> (s, b, groups, hpg+2, d)
         qkv = qkv.view(s, b, self.groups_local, self.heads_per_group + 2, self.head_dim)
-        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q, k, v = _SplitQKV.apply(qkv, bias, self.heads_per_group,
+                                  elementwise.pieces(self.compile_pieces).qkv_grad)
         q = q.reshape(s, b, self.heads_local, self.head_dim)
         k = k.reshape(s, b, self.groups_local, self.head_dim)
         v = v.reshape(s, b, self.groups_local, self.head_dim)
@@ -153,9 +156,30 @@ class Attention(nn.Module):
         # (b, heads, s, d) -> (s, b, heads*d)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias` False leaves the output projection's bias to the caller's residual piece.
+        The QKV bias is added in its GEMM, its gradient summed by the split's backward."""
         # linear_proj's forward fuses the GEMM with its reduce-scatter under --tp-comm-overlap
-        return self.linear_proj(self.attend(self.linear_qkv(x), rotary))
+        qkv_bias = self.linear_qkv.bias
+        qkv = self.linear_qkv(x, bias="add" if qkv_bias is None else "detached")
+        return self.linear_proj(self.attend(qkv, rotary, qkv_bias), add_bias)
+
+
+class _SplitQKV(torch.autograd.Function):
+    """qkv (s, b, groups, hpg+2, d) -> q, k, v: views of it, split along dim 3 as [hpg, 1, 1].
+    Its backward is `grad_fn` (a layer piece, elementwise.qkv_grad, compiled with the others): the
+    interleaved gradient in one pass, and `bias`'s gradient from the same pass when the bias
+    rode in qkv's GEMM without one."""
+
+    @staticmethod
+    def forward(ctx, qkv, bias, heads_per_group: int, grad_fn):
+        ctx.grad_fn = grad_fn
+        return qkv.split([heads_per_group, 1, 1], dim=3)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        dqkv, dbias = ctx.grad_fn(dq, dk, dv, ctx.needs_input_grad[1])
+        return dqkv, dbias, None, None
 
 
 class MLP(nn.Module):
@@ -187,14 +211,18 @@ class MLP(nn.Module):
             compile_fp8_casts=self.compile_pieces,
             fuse_wgrad=parallel.fused_weight_gradients, device=device, dtype=dtype)
 
-    def activation(self, h: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    def activation(self, h: torch.Tensor, up: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
         """GELU(tanh) of fc1's output, or SwiGLU: silu(gate) * up, of [gate, up] stacked (h) or
-        given apart (h the gate)."""
+        given apart (h the gate). `bias`: fc1's bias when its GEMM left it out (stacked like h),
+        added by the piece."""
         ops = elementwise.pieces(self.compile_pieces)
         if self.config.swiglu:
             gate, up = h.chunk(2, dim=-1) if up is None else (h, up)
-            return ops.swiglu(gate, up)
-        return ops.gelu(h)
+            if bias is None:
+                return ops.swiglu(gate, up)
+            return ops.swiglu(gate, up, *bias.chunk(2))
+        return ops.gelu(h, bias)
 
     def partial(self, v: torch.Tensor, linear: LocalLinear, start: int = 0,
                 length: int | None = None) -> torch.Tensor:
@@ -213,6 +241,12 @@ class MLP(nn.Module):
             act = self.activation(linear(v, fc1, 0, start, length))
         return linear(act, fc2, 1, start, length, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias` False leaves fc2's bias to the caller's residual piece. With compiled
+        pieces, fc1's bias is added by the activation piece (its add and gradient sum fused
+        there); eagerly, by fc1's GEMM epilogue (no extra pass)."""
+        fc1 = self.linear_fc1
+        in_piece = self.compile_pieces and fc1.bias is not None
+        h = fc1(x, bias="skip" if in_piece else "add")
         # linear_fc2's forward fuses the GEMM with its reduce-scatter under --tp-comm-overlap
-        return self.linear_fc2(self.activation(self.linear_fc1(x)))
+        return self.linear_fc2(self.activation(h, bias=fc1.bias if in_piece else None), add_bias)

@@ -45,13 +45,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def gelu(h: torch.Tensor) -> torch.Tensor:
-    """GELU with the tanh approximation (GPT-3's)."""
-    return F.gelu(h, approximate="tanh")
+def gelu(h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """GELU with the tanh approximation (GPT-3's) of h (+ fc1's bias, when fc1 left it out: the
+    add rides on this piece's read of h, and the bias's gradient on its backward's write)."""
+    return F.gelu(h if bias is None else h + bias, approximate="tanh")
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor | None = None,
+           up_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up, each (+ its half of fc1's bias when fc1 left it out)."""
+    if gate_bias is not None:
+        gate, up = gate + gate_bias, up + up_bias
     return F.silu(gate) * up
+
+
+def qkv_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+             bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The QKV split's backward: the gradients of q (s, b, groups, hpg, d), k and v (s, b,
+    groups, 1, d) assembled into the fused projection's interleaved layout (s, b, groups, hpg+2,
+    d), and, with `bias`, the projection bias's gradient: its sum over s and b, flattened. One
+    pass over the gradients when compiled, where the cat alone was a strided copy and the bias
+    sum a second read."""
+    dqkv = torch.cat([dq, dk, dv], dim=3)
+    return dqkv, (dqkv.sum((0, 1)).flatten() if bias else None)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,7 +79,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-_PIECES = ("bias_dropout_add", "layer_norm", "rms_norm", "gelu", "swiglu", "rotary")
+_PIECES = ("bias_dropout_add", "layer_norm", "rms_norm", "gelu", "swiglu", "rotary", "qkv_grad")
 
 EAGER = SimpleNamespace(**{name: globals()[name] for name in _PIECES})
 """The pieces run eagerly (the reference)."""

@@ -53,8 +53,11 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         # x: (s, b, h), or (s/tp, b, h) under sequence parallelism
-        h = self.residual(x, self.self_attention(self.input_layernorm(x), rotary))
-        return self.residual(h, self.mlp(self.pre_mlp_layernorm(h)))
+        # the output projections' biases are added by the residual pieces (fused with dropout)
+        h = self.residual(x, self.self_attention(self.input_layernorm(x), rotary, add_bias=False),
+                          self.attention_bias)
+        return self.residual(h, self.mlp(self.pre_mlp_layernorm(h), add_bias=False),
+                             self.mlp_bias)
 
 
 class TransformerBlock(nn.Module):

@@ -208,7 +208,7 @@ class _FP8Linear(torch.autograd.Function):
         w_q, w_t, w_inv = state.cast(WEIGHT, weight, record, transposed=ctx.needs_input_grad[0])
         y = scaled_matmul(x_q, w_q.t(), x_inv, w_inv, x.dtype, bias)
         ctx.save_for_backward(x_t, w_t, x_inv, w_inv)
-        ctx.state, ctx.record, ctx.has_bias = state, record, bias is not None
+        ctx.state, ctx.record = state, record
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -224,7 +224,7 @@ class _FP8Linear(torch.autograd.Function):
             grad_x = scaled_matmul(g_q, w_t.t(), g_inv, w_inv, ctx.x_dtype).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = scaled_matmul(g_t, x_t.t(), g_inv, x_inv, ctx.w_dtype)
-        if ctx.has_bias:
+        if ctx.needs_input_grad[2]:
             grad_b = g_2d.sum(dim=0)
         return grad_x, grad_w, grad_b, None, None
 

@@ -120,7 +120,6 @@ class _LinearWithAsyncGradReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
-        ctx.has_bias = bias is not None
         total = all_gather_dim0(x, group)[0] if sequence_parallel else x
         ctx.save_for_backward(x, weight)
         return F.linear(total, weight, bias)
@@ -145,7 +144,7 @@ class _LinearWithAsyncGradReduce(torch.autograd.Function):
                 reduce_handle = all_reduce(grad_input, group, async_op=True)
         grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = weight_grad(weight, grad_out_2d, total.reshape(-1, total.shape[-1]))
-        grad_bias = grad_out_2d.sum(dim=0) if ctx.has_bias else None
+        grad_bias = grad_out_2d.sum(dim=0) if ctx.needs_input_grad[2] else None
         if reduce_handle is not None:
             reduce_handle.wait()
         return (grad_input if ctx.needs_input_grad[0] else None), grad_weight, grad_bias, None, None
@@ -199,16 +198,25 @@ class ColumnParallelLinear(nn.Module):
         self.fp8_state = None if fp8 is None else FP8State(fp8, device, _amax_group(dims),
                                                             compile_fp8_casts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: str = "add") -> torch.Tensor:
+        """`bias`: "add" adds it in the GEMM's epilogue with its gradient here; "skip" leaves it
+        out (Megatron's skip_bias_add: the consuming piece adds it, and its gradient fuses with
+        that piece's backward); "detached" adds it with no gradient here (the consumer returns
+        the bias's gradient: Attention's QKV split sums it in the pass that assembles dqkv)."""
+        if bias not in _BIAS_MODES:
+            raise ValueError(f"bias mode {bias!r}: expected one of {_BIAS_MODES}")
         group = self.dims.tp_group
+        b = None if self.bias is None or bias == "skip" else self.bias
+        if b is not None and bias == "detached":
+            b = b.detach()
         if self.fp8_state is not None:
             if self.sequence_parallel:
                 total = mappings.gather_from_sequence_parallel_region(x, group)
             else:
                 total = mappings.copy_to_tensor_parallel_region(x, group)
-            out = fp8_linear(total, self.weight, self.bias, self.fp8_state)
+            out = fp8_linear(total, self.weight, b, self.fp8_state)
         else:
-            out = column_parallel_matmul(x, self.weight, self.bias, group, self.sequence_parallel,
+            out = column_parallel_matmul(x, self.weight, b, group, self.sequence_parallel,
                                          self.comm_overlap)
         if self.gather_output:
             out = mappings.gather_from_tensor_parallel_region(out, group)
@@ -261,19 +269,21 @@ class RowParallelLinear(nn.Module):
             return _LocalLinear.apply(x, self.weight)
         return F.linear(x, self.weight)
 
-    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+    def reduce(self, partial: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         group = self.dims.tp_group
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(partial, group)
         else:
             out = mappings.reduce_from_tensor_parallel_region(partial, group)
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None or not add_bias else out + self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """`add_bias` False leaves the bias out (Megatron's skip_bias_add): the caller adds it in
+        its residual piece, where the add and its gradient's sum fuse with the dropout."""
         if self.comm_overlap:
             out = fused_matmul.matmul_reduce_scatter(x, self.weight, self.dims.tp_group)
-            return out if self.bias is None else out + self.bias
-        return self.reduce(self.partial(x))
+            return out if self.bias is None or not add_bias else out + self.bias
+        return self.reduce(self.partial(x), add_bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -311,6 +321,9 @@ class VocabParallelEmbedding(nn.Module):
         if self.reduce_scatter:
             return mappings.reduce_scatter_to_sequence_parallel_region(partial, group)
         return mappings.reduce_from_tensor_parallel_region(partial, group)
+
+
+_BIAS_MODES = ("add", "skip", "detached")
 
 
 def _check_fp8(fp8: FP8Recipe | None, comm_overlap: bool) -> None:
