@@ -121,6 +121,32 @@ def test_grad_reducer_sums_backwards_of_incomplete_units(stage):
         assert torch.equal(shard, want)
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_grad_reducer_overwrite_writes_each_backward(stage):
+    """One process, `overwrite` (one backward a step): each backward's gradients replace the
+    last step's with no zeroing between; a parameter without a gradient this time reads 0, not
+    its last gradient; zero_grad() after a step does not touch the buffers; a second backward
+    before zero_grad() is refused."""
+    w, b, spare = (nn.Parameter(torch.zeros(shape)) for shape in ((2, 3), (3,), (4,)))
+    units = [FlatUnit("a", [w, b], dp=1, dp_rank=0), FlatUnit("b", [spare], dp=1, dp_rank=0)]
+    dims = type("Dims", (), dict(dp=1))()
+    reducer = GradReducer(units, dims, ZeroConfig(stage=stage), None, MemoryMeter(),
+                          overwrite=True)
+    for step in range(3):
+        reducer.zero_grad()
+        x = torch.arange(6.0).view(2, 3) + step
+        loss = (w * x).sum() + (b * (step + 1)).sum()
+        if step != 1:
+            loss = loss + (spare * (step + 2)).sum()
+        loss.backward()
+        reducer.finish()
+        shards = reducer.grad_shards if stage == 1 else reducer.buffers
+        assert torch.equal(shards[0][:9], torch.cat([x.reshape(-1), torch.full((3,), step + 1.0)]))
+        assert torch.equal(shards[1][:4], torch.full((4,), 0.0 if step == 1 else step + 2.0))
+    with pytest.raises(RuntimeError, match="a second backward in one step"):
+        (w.sum() + b.sum()).backward()
+
+
 def test_dropped_reducers_free_their_buffers():
     """Gradient hooks hold their reducer weakly (parallel.streams.weak_grad_hook): dropping a
     GradReducer (stage 1, or stage 0's in-place buckets) frees it and its buffers, although the
@@ -243,7 +269,8 @@ FACTORIES = {"adam": _factory, "sgd": _sgd, "adam-fused": _fused_adam}
 
 
 def _engine(dims: ParallelDims, clip: float = 1.0, model_overrides: dict | None = None,
-            loss_scaler=None, optimizer: str = "adam", **zero) -> ZeroPlusPlus:
+            loss_scaler=None, optimizer: str = "adam", one_backward_per_step: bool = False,
+            **zero) -> ZeroPlusPlus:
     # One layer a unit unless a case says otherwise: the tiny models would otherwise be one unit
     # (ZeroConfig.unit_params), and the cases exercise the pipeline across units.
     zero.setdefault("stage", 3)
@@ -252,7 +279,8 @@ def _engine(dims: ParallelDims, clip: float = 1.0, model_overrides: dict | None 
     else:
         zero.setdefault("layers_per_unit", 1)
     return ZeroPlusPlus(_build(dims, **(model_overrides or {})), dims, FACTORIES[optimizer],
-                        ZeroConfig(**zero), clip_grad=clip, loss_scaler=loss_scaler)
+                        ZeroConfig(**zero), clip_grad=clip, loss_scaler=loss_scaler,
+                        one_backward_per_step=one_backward_per_step)
 
 
 def _train(engine: ZeroPlusPlus, dims: ParallelDims, steps: range, num_micro: int = 1,
@@ -365,6 +393,29 @@ def _case_matches_plain_dp(dims: ParallelDims, stage: int, depth: int = 2,
         # parameters and gradient buffers of the root and at most two units at a time
         assert engine.memory_stats()["transient_peak"] <= 2 * (unit_bytes[0] + sum(largest))
         assert engine.memory_stats()["params"] * dims.dp == sum(unit_bytes)
+
+
+def _case_one_backward_matches_dp(dims: ParallelDims, stage: int, **overrides) -> None:
+    """one_backward_per_step: each backward writes its gradients over the last step's (hooks
+    copy, the fused weight-gradient GEMMs write; nothing zeroes the buffers), and trains as plain
+    DP with one micro-batch a step: losses, grad norms and final weights to 1e-5. A second
+    backward in one step is refused before its reduction, on every rank alike."""
+    steps = 3
+    reference, expected = _plain_dp(dims, steps, 1, clip=0.5, **overrides)
+    engine = _engine(dims, clip=0.5, stage=stage, model_overrides=overrides,
+                     one_backward_per_step=True)
+    assert engine.grads.overwrite
+    got = _train(engine, dims, range(steps), 1)
+    for (loss, result), (want_loss, want) in zip(got, expected):
+        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
+        assert_close(result.grad_norm, want.grad_norm, 1e-5, "grad norm")
+    full, want_full = engine.full_state_dict(), reference.full_state_dict()
+    for name, value in want_full.items():
+        assert_close(full[name], value, 1e-5, name)
+    tokens, labels = _batch(dims, steps)
+    engine.backward(engine(tokens, labels=labels).mean())
+    with pytest.raises(RuntimeError, match="a second backward in one step"):
+        engine.backward(engine(tokens, labels=labels).mean())
 
 
 def _case_qgz_matches_reduce_scatter(bits: int, full_range: bool = False) -> None:
@@ -627,6 +678,10 @@ SUITE.case("stage0_matches_dp", _case_matches_plain_dp, C.nodes, 0, num_layers=3
 SUITE.case("stage0_tp2_sp_matches_dp", _case_matches_plain_dp, C.tp_dp, 0,
            sequence_parallel=True, units=1)
 SUITE.case("stage1_matches_dp", _case_matches_plain_dp, C.nodes, 1, num_layers=4)
+SUITE.case("stage0_one_backward_matches_dp", _case_one_backward_matches_dp, C.nodes, 0,
+           num_layers=3)
+SUITE.case("stage1_one_backward_tp2_sp_matches_dp", _case_one_backward_matches_dp, C.tp_dp, 1,
+           sequence_parallel=True)
 for stage in (0, 1, 3):  # --optimizer sgd: torch's SGD with momentum on the same masters
     SUITE.case(f"stage{stage}_sgd_matches_dp", _case_matches_plain_dp, C.nodes, stage,
                optimizer="sgd", units=1 if stage == 0 else None)

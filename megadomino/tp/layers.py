@@ -71,18 +71,27 @@ def weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor,
     (`weight.fused_wgrad`, set by the linear modules when their every backward comes here),
     the GEMM accumulates into that buffer in fp32 (on CUDA in its epilogue: no bf16 rounding
     of each micro-batch's gradient, no separate add) and a placeholder of the weight's shape
-    goes to autograd, which the engine's hook does not add (grads.py). Otherwise the
-    gradient itself is returned."""
+    goes to autograd, which the engine's hook does not add (grads.py). Where the engine runs
+    one backward a step (`ref.overwrite`, grads.py MainGradRef), the GEMM writes the buffer
+    instead (beta 0: the buffer is neither zeroed nor read). Otherwise the gradient itself is
+    returned."""
     ref = getattr(weight, "main_grad_ref", None)
     main_grad = ref() if ref is not None else None
     if main_grad is None or not getattr(weight, "fused_wgrad", False):
         return grad_2d.t().matmul(input_2d)
+    beta = 0.0 if ref.overwrite else 1.0
     if not grad_2d.is_cuda:  # the same arithmetic as unfused (mixed-dtype addmm is CUDA-only)
-        main_grad.add_(grad_2d.t().matmul(input_2d))
+        product = grad_2d.t().matmul(input_2d)
+        if beta == 0.0:
+            main_grad.copy_(product)
+        else:
+            main_grad.add_(product)
     elif main_grad.dtype == grad_2d.dtype:
-        main_grad.addmm_(grad_2d.t(), input_2d)
+        main_grad.addmm_(grad_2d.t(), input_2d, beta=beta)
     else:
-        torch.addmm(main_grad, grad_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
+        torch.addmm(main_grad, grad_2d.t(), input_2d, beta=beta, out_dtype=main_grad.dtype,
+                    out=main_grad)
+    ref.written()
     return torch.empty_like(weight)
 
 

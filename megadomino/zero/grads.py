@@ -10,6 +10,12 @@ frees. The hook is one tensor op and a few statements: with hundreds of small pa
 time is what a small-micro-batch step waits on (benchmarks/zero_host_overhead.py). Holding a unit's
 gradients for one `torch._foreach_add_` measured no faster (bf16 into fp32 takes foreach's
 per-tensor path) and kept them alive longer.
+A run with one backward a step (one micro-batch per global batch, no pipeline, no batch ramp-up:
+`overwrite`) never zeroes the buffers: each gradient is written over its view (the hooks copy,
+the fused GEMMs run with beta 0, which also spares them reading the buffer), a parameter that got
+no gradient in a backward has its view zeroed before its unit's reduction, and a second backward
+in one step is refused. Otherwise `zero_grad()` zeroes only what a backward wrote since the last
+zeroing (a step's end and the next step's start zero once).
 Stages 0 and 1 keep one flat buffer per unit for the whole step,
 accumulating micro-batches in fp32 (`no_sync()` defers the reduction to the last micro-batch;
 a synced backward reduces what accumulated since the last reduction). At stage 0 a unit is a bucket
@@ -65,12 +71,46 @@ from megadomino.zero.params import MemoryMeter
 from megadomino.zero.partition import FlatUnit
 
 
+class _BufferState:
+    """What the main-gradient references share with their reducer: whether a gradient written
+    to a buffer replaces it (`overwrite`), and whether anything was written since the last
+    zeroing (`dirty`)."""
+
+    __slots__ = ("overwrite", "dirty")
+
+    def __init__(self, overwrite: bool):
+        self.overwrite, self.dirty = overwrite, True  # dirty: nothing is known of the start
+
+
+class MainGradRef:
+    """`param.main_grad_ref`: called, the parameter's view of its unit's fp32 buffer (None once
+    the reducer is gone: weak, the buffers go with it). A writer (tp/layers.py `weight_grad`)
+    writes over the view when `overwrite`, else adds to it, and calls `written()`."""
+
+    __slots__ = ("_view", "_state")
+
+    def __init__(self, view: torch.Tensor, state: _BufferState):
+        self._view, self._state = weakref.ref(view), state
+
+    def __call__(self) -> torch.Tensor | None:
+        return self._view()
+
+    @property
+    def overwrite(self) -> bool:
+        return self._state.overwrite
+
+    def written(self) -> None:
+        self._state.dirty = True
+
+
 class GradReducer:
     """The gradient path of both stages; `on_unit_done(i)` is called once unit i's gradients of
-    this backward are all in its buffer (stage 3 frees its gathered parameters there)."""
+    this backward are all in its buffer (stage 3 frees its gathered parameters there).
+    `overwrite` (stages 0 and 1): the run has one backward a step (module docstring)."""
 
     def __init__(self, units: list[FlatUnit], dims, config: ZeroConfig, comm: CommCounter,
-                 meter: MemoryMeter, on_unit_done: Callable[[int], None] | None = None):
+                 meter: MemoryMeter, on_unit_done: Callable[[int], None] | None = None,
+                 overwrite: bool = False):
         self.units, self.dims, self.config, self.comm, self.meter = units, dims, config, comm, \
             meter
         self.on_unit_done = on_unit_done
@@ -78,6 +118,10 @@ class GradReducer:
         self.found_nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         self.persistent = config.stage in (0, 1)
         self.in_place = config.stage == 0
+        self.overwrite = overwrite and self.persistent
+        self._state = _BufferState(self.overwrite)
+        self._got = [bytearray(len(unit.params)) for unit in units]  # this backward's reports
+        self._backwards = 0  # finished since the last zero_grad
         self.depth = len(units) + 1 if self.in_place else config.reduce_pipeline_depth
         self.buffers: list[torch.Tensor | None] = [None] * len(units)
         self._views: list[list[torch.Tensor] | None] = [None] * len(units)  # into buffers[i]
@@ -85,8 +129,8 @@ class GradReducer:
             for index in range(len(units)):
                 self._allocate(index)
                 for param, view in zip(units[index].params, self._views[index]):
-                    # tp/layers.py weight_grad accumulates here; weak: the buffers go with us
-                    param.main_grad_ref = weakref.ref(view)
+                    # tp/layers.py weight_grad accumulates (or writes) here
+                    param.main_grad_ref = MainGradRef(view, self._state)
         self.grad_shards = list(self.buffers) if self.in_place else [
             torch.zeros(u.shard_numel, device=self.device) for u in units]
         self.order = list(range(len(units)))[::-1]
@@ -116,24 +160,36 @@ class GradReducer:
         return self._sync or not self.persistent
 
     def zero_grad(self) -> None:
-        """Zero the shards (and stage 1's buffers) and the non-finite flag; start of a step."""
+        """Zero the shards (and stage 1's buffers) and the non-finite flag; start of a step.
+        Nothing to do when nothing was written since the last call; with `overwrite` the
+        buffers are not zeroed (stage 0's shards are its buffers)."""
         if self._inflight or self._next:
             raise RuntimeError("zero_grad() during a backward's reduction: call "
                                "engine.backward() to the end first")
-        for shard in self.grad_shards:
-            shard.zero_()
-        if self.persistent and not self.in_place:
+        self._backwards = 0
+        if not self._state.dirty:
+            return
+        if not (self.overwrite and self.in_place):
+            for shard in self.grad_shards:
+                shard.zero_()
+        if self.persistent and not self.in_place and not self.overwrite:
             for buffer in self.buffers:
                 buffer.zero_()
         self.found_nonfinite.zero_()
+        self._state.dirty = False
 
     def finish(self) -> None:
         """After backward: reduce every unit not reduced yet (in order) and wait for all."""
         if self.syncing:
             self._launch_ready(force=True)
             self._finish_inflight()
+        elif self.overwrite:
+            self._zero_unreported()
         self._next = 0
         self._reported = [0] * len(self.units)
+        for got in self._got:
+            got[:] = bytes(len(got))
+        self._backwards += 1
 
     def accumulated(self, param: nn.Parameter) -> torch.Tensor:
         """Stages 0 and 1: `param`'s view of its unit's persistent buffer."""
@@ -152,10 +208,21 @@ class GradReducer:
             raise RuntimeError(
                 f"a gradient for {self.units[index].name} arrived after its reduction was "
                 "launched: a parameter must receive its gradient once per backward")
+        if self.overwrite and self._backwards:
+            raise RuntimeError(
+                "a second backward in one step: this engine was built for one backward a step "
+                "(one micro-batch per global batch), so it writes gradients over the last ones "
+                "instead of adding them; build it with one_backward_per_step=False")
         if self.buffers[index] is None:
             self._allocate(index)
+        self._state.dirty = True
+        self._got[index][position] = 1
         if not (self.persistent and getattr(param, "fused_wgrad", False)):
-            self._views[index][position].add_(param.grad)  # else: in main_grad already
+            view = self._views[index][position]  # else: in main_grad already
+            if self.overwrite:
+                view.copy_(param.grad)
+            else:
+                view.add_(param.grad)
         param.grad = None
         self._streams.note(index, self.buffers[index])
         self._reported[index] += 1
@@ -187,10 +254,21 @@ class GradReducer:
             self._inflight.append((index, self._launch(index)))
             self._next += 1
 
+    def _zero_unreported(self, index: int | None = None) -> None:
+        """With `overwrite`: zero the views of unit `index`'s (default: every unit's) parameters
+        that got no gradient in this backward (they still hold the last step's)."""
+        for i in range(len(self.units)) if index is None else (index,):
+            if self._reported[i] < len(self.units[i].params) and self._views[i] is not None:
+                for position, got in enumerate(self._got[i]):
+                    if not got:
+                        self._views[i][position].zero_()
+
     def _launch(self, index: int) -> Pending:
         config = self.config
         if self.buffers[index] is None:
             self._allocate(index)
+        if self.overwrite:
+            self._zero_unreported(index)
         flat = self.buffers[index]
         self._streams.join(index)
         if self.dims.dp == 1:
@@ -216,7 +294,8 @@ class GradReducer:
             return
         self.grad_shards[index].add_(pending.wait())
         if self.persistent:
-            self.buffers[index].zero_()  # reduced: a further synced backward starts afresh
+            if not self.overwrite:  # reduced: a further synced backward starts afresh
+                self.buffers[index].zero_()
         else:
             self.meter.drop(self.buffers[index])
             self.buffers[index] = self._views[index] = None

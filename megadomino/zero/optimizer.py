@@ -61,10 +61,12 @@ class ZeroPlusPlus:
     def __init__(self, model: nn.Module, dims, optimizer_factory: OptimizerFactory,
                  config: ZeroConfig, *, clip_grad: float = 0.0,
                  loss_scaler: DynamicLossScaler | None = None,
-                 decoupled: tuple[nn.Parameter, ...] = ()):
+                 decoupled: tuple[nn.Parameter, ...] = (), one_backward_per_step: bool = False):
         """`decoupled`: parameters the optimizer keeps in their own groups, whose LR
         `set_lr(lr, decoupled_lr)` sets apart (Megatron's --decoupled-lr: the word embedding
-        and the output layer)."""
+        and the output layer). `one_backward_per_step` (stages 0 and 1): every step runs exactly
+        one backward, so gradients are written over the last step's instead of zeroed and
+        added to (grads.py); a second backward in a step is refused."""
         config.check_dims(dims)
         runner = getattr(getattr(model, "decoder", None), "runner", None)
         if config.overlap_param_gather and getattr(runner, "bypasses_layer_hooks", False):
@@ -100,7 +102,8 @@ class ZeroPlusPlus:
             self.params = PartitionedParams(self.units, [m for _, m, _ in found], model, dims,
                                             config, self.comm, self.meter)
             on_unit_done = self.params.release
-        self.grads = GradReducer(self.units, dims, config, self.comm, self.meter, on_unit_done)
+        self.grads = GradReducer(self.units, dims, config, self.comm, self.meter, on_unit_done,
+                                 overwrite=one_backward_per_step)
         self.optimizer = ShardedOptimizer(self.units, self.params.shards, self.grads.grad_shards,
                                           dims, self.comm, optimizer_factory, clip_grad,
                                           loss_scaler, config.on_nonfinite,
@@ -309,6 +312,10 @@ def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
     decoupled = ()
     if train.schedule.decoupled_lr is not None:
         decoupled = tuple(model.embedding_and_output_weights())
+    schedule = train.schedule
+    one_backward = (config.parallel.pipeline_model_parallel_size == 1
+                    and schedule.rampup_batch_size is None
+                    and schedule.global_batch_size in (None, schedule.micro_batch_size * dims.dp))
     return ZeroPlusPlus(model, dims, factory, config.parallel.zero,
                         clip_grad=train.optimizer.clip_grad, loss_scaler=scaler,
-                        decoupled=decoupled)
+                        decoupled=decoupled, one_backward_per_step=one_backward)
