@@ -5,6 +5,7 @@ TP=2 saved, a crash during a save, missing / truncated shards and config mismatc
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 from pathlib import Path
@@ -204,6 +205,32 @@ def _case_nan_stops(dims: ParallelDims, root: str) -> None:
     assert latest_iteration(f"{root}/nan") is None
 
 
+def _case_skipped_step_holds_the_schedule(dims: ParallelDims, root: str) -> None:
+    """An inf gradient on one rank at iteration 3 skips that step on both ranks; the LR schedule
+    does not advance for it, although the loop reads a step's skip only once the next step's
+    passes are enqueued: the LRs are the clean run's, held for one iteration, and the saved
+    state counts 5 steps of 6 iterations."""
+    def poisoned(config: Config, model_dims: ParallelDims):
+        model = build_model(config.model, model_dims, "gpt")
+        calls = []
+
+        def hook(grad):
+            calls.append(1)
+            return grad * math.inf if len(calls) == 3 and dims.rank == 1 else grad
+        model.word_embeddings.weight.register_hook(hook)
+        return model
+
+    common = dict(train_iters=6, lr_warmup_iters=0, lr_decay_style="linear", log_interval=2,
+                  eval_interval=100)
+    clean = _train(dims, **common)
+    run = _train(dims, model_init=poisoned, save=f"{root}/skip", save_interval=6, **common)
+    assert run["skipped_iterations"] == 1 and clean["skipped_iterations"] == 0
+    assert math.isnan(run["grad_norms"][2]) and not math.isnan(run["grad_norms"][3])
+    assert run["lrs"][:3] == clean["lrs"][:3] and run["lrs"][3:] == clean["lrs"][2:5]
+    state = run["state"]
+    assert (state.iteration, state.scheduler_steps, state.scheduler_samples) == (6, 5, 20)
+
+
 SUITE = DistSuite(worlds=(2,))
 
 
@@ -225,5 +252,7 @@ SUITE.case("bad_checkpoints", _case_bad_checkpoints, C.tp2, C.root)
 SUITE.case("load_semantics", _case_load_semantics, C.tp2, C.root)
 SUITE.case("exit_duration_and_missing_load", _case_exit_duration_and_missing_load, C.dp2, C.root)
 SUITE.case("nan_stops", _case_nan_stops, C.dp2, C.root)
+SUITE.case("skipped_step_holds_the_schedule", _case_skipped_step_holds_the_schedule, C.dp2,
+           C.root)
 
 test_checkpoint = SUITE.test(args_fixture="checkpoint_root")

@@ -147,6 +147,26 @@ def test_grad_reducer_overwrite_writes_each_backward(stage):
         (w.sum() + b.sum()).backward()
 
 
+@pytest.mark.usefixtures("single_process_group")
+def test_a_skip_decided_on_the_device_is_read_when_asked():
+    """Fused AdamW, no loss scaler, on_nonfinite 'skip': step() enqueues the update without
+    reading the skip flag (the host does not wait for the step); the StepResult reads it on
+    first access. A skipped step's grad norm is NaN and leaves the weights as they were."""
+    dims = ParallelDims(tp=1)
+    engine = _engine(dims, optimizer="adam-fused", stage=1, one_backward_per_step=True)
+    params = [p for p in engine.model.parameters() if p.requires_grad]
+    for poison in (1.0, math.inf):
+        before = [p.detach().clone() for p in params]
+        tokens, labels = _batch(dims, 0)
+        engine.backward(engine(tokens, labels=labels).mean() * poison)
+        result = engine.step()
+        assert not result.settled
+        assert result.skipped == (poison != 1.0) and result.settled
+        assert math.isnan(result.grad_norm.item()) == result.skipped
+        changed = any(not torch.equal(p.detach(), b) for p, b in zip(params, before))
+        assert changed != result.skipped
+
+
 def test_dropped_reducers_free_their_buffers():
     """Gradient hooks hold their reducer weakly (parallel.streams.weak_grad_hook): dropping a
     GradReducer (stage 1, or stage 0's in-place buckets) frees it and its buffers, although the

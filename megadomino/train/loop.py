@@ -77,6 +77,7 @@ from megadomino.train.summary import count_parameters, startup_lines
 from megadomino.train.tensorboard import open_writer
 from megadomino.train.timers import Timers
 from megadomino.zero import ZeroPlusPlus
+from megadomino.zero.loss_scaler import StepResult
 from megadomino.zero.optimizer import build_engine
 
 ModelInit = Callable[[Config, ParallelDims], nn.Module]
@@ -179,19 +180,36 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
         with StopConditions(train_config.runtime, device) as stop, \
                 ManualGC(train_config.runtime) as manual_gc:
             first_iteration = state.iteration + 1
-            for iteration in range(first_iteration, iters + 1):
+            # The LR schedule advances only on steps that were not skipped, and a step's skip
+            # may be decided on the device (StepResult): the last step's is read when the next
+            # one's LR is needed, after its forward and backward are enqueued, so the host never
+            # waits for a step to finish before it launches the next.
+            pending: list[tuple[StepResult, int]] = []
+            rates: list[float] = []
+
+            def settle() -> None:
+                for done, samples in pending:
+                    state.scheduler_steps += not done.skipped
+                    state.scheduler_samples += 0 if done.skipped else samples
+                pending.clear()
+
+            def set_lr() -> None:
+                settle()
                 lr, decoupled_lr = schedule.rates(state.scheduler_samples)
                 engine.set_lr(lr, decoupled_lr)
+                rates[:] = [lr]
+
+            for iteration in range(first_iteration, iters + 1):
                 batch = batches.global_batch(state.consumed_train_samples)
                 profile.before(iteration)
                 loss, result = step.train(train_data, state.consumed_train_samples,
-                                          batches.micro_batches(state.consumed_train_samples))
+                                          batches.micro_batches(state.consumed_train_samples),
+                                          before_step=set_lr)
                 profile.after(iteration)
                 state.iteration = iteration
                 state.consumed_train_samples += batch
-                state.scheduler_steps += not result.skipped
-                state.scheduler_samples += 0 if result.skipped else batch
-                reporter.record(loss, result, lr, batch / gbs)
+                pending.append((result, batch))
+                reporter.record(loss, result, rates[0], batch / gbs)
                 if saver is not None:
                     saver.poll()
                 if iteration == first_iteration and config.parallel.compile_layer_pieces \
@@ -213,11 +231,14 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                     reporter.validation(iteration, valid_loss)
                 interval = checkpoint.save_interval
                 if checkpoint.save and (last or interval and iteration % interval == 0):
+                    settle()  # the saved schedule state counts this step's skip
                     reporter.check_finite(iteration)  # never save a diverged model
                     with reporter.outside_training():
                         _save(checkpoint, state, model, engine, dims, log,
                               functools.partial(step.probe, train_data,
                                                 state.consumed_train_samples - batch), saver)
+                if last:
+                    settle()
                 if reason is not None:
                     history["exit_reason"] = reason
                     if dims.rank == 0:

@@ -49,6 +49,7 @@ class Reporter:
         self.timers, self.writer, self.zero = timers, writer, zero
         self.losses: list[torch.Tensor] = []
         self.norms: list[torch.Tensor] = []
+        self.results: list[StepResult] = []  # the interval's steps (skips read at flush)
         self.skipped = 0
         self.batch_fractions: list[float] = []
         self.start = time.perf_counter()
@@ -64,8 +65,7 @@ class Reporter:
         self.batch_fractions.append(batch_fraction)
         no_norm = torch.full((), math.nan, device=self.device)
         self.norms.append(no_norm if result.grad_norm is None else result.grad_norm)
-        self.skipped += result.skipped
-        self.history["skipped_iterations"] += result.skipped
+        self.results.append(result)  # its skip may be pending: read at the flush
         self.history["lrs"].append(lr)
 
     @contextlib.contextmanager
@@ -100,6 +100,8 @@ class Reporter:
         and the per-phase times; the engine's memory and bytes per iteration."""
         losses = self.check_finite(iteration)
         norms = torch.stack(self.norms).tolist()
+        self.skipped = sum(result.skipped for result in self.results)
+        self.history["skipped_iterations"] += self.skipped
         self.history["losses"] += losses
         self.history["grad_norms"] += norms
         if self.device.type == "cuda":
@@ -138,6 +140,7 @@ class Reporter:
                             for key in ZERO_SCALARS})
             self.writer.write(scalars, iteration)
         self.losses, self.norms, self.skipped, self.batch_fractions = [], [], 0, []
+        self.results = []
         self.start, self.excluded = time.perf_counter(), 0.0
         self.excluded_bytes = {"intra": 0, "inter": 0}
 

@@ -111,11 +111,13 @@ class Stepper:
         scale = self.dims.dp / self._dp_tokens([mask for _, _, mask in batches])
         return [mask.sum().clamp(min=1.0) * scale for _, _, mask in batches]
 
-    def train(self, dataset: Dataset, consumed: int,
-              num_micro: int | None = None) -> tuple[torch.Tensor, StepResult]:
+    def train(self, dataset: Dataset, consumed: int, num_micro: int | None = None,
+              before_step: Callable[[], None] | None = None) -> tuple[torch.Tensor, StepResult]:
         """Accumulate gradients over `num_micro` micro-batches (default: a full global batch),
         reduce (with the last backward), step. Returns (this rank's share of the loss as a 0-dim
-        tensor, whose DP mean is the iteration's loss; StepResult)."""
+        tensor, whose DP mean is the iteration's loss; StepResult). `before_step` runs once the
+        forward and backward passes are enqueued, before the optimizer step (the loop sets the
+        LR there: it may read the last step's skip flag without the GPU idling)."""
         num_micro = num_micro or self.num_micro
         self.engine.zero_grad()
         if self.pipeline is not None:
@@ -127,6 +129,8 @@ class Stepper:
             with self.timers("forward"):
                 loss = self.pipeline.train_step(batches, self.engine, weights)
             with self.timers("optimizer"):
+                if before_step is not None:
+                    before_step()
                 return loss, self.engine.step()
         total = torch.zeros((), device=self.device)
         with self.timers("data"):
@@ -144,6 +148,8 @@ class Stepper:
                     self.engine.backward(loss / divisor)
             total += loss.detach()
         with self.timers("optimizer"):
+            if before_step is not None:
+                before_step()
             result = self.engine.step()
         return total / divisor, result
 

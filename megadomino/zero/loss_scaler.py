@@ -7,8 +7,6 @@ LR schedule for a skipped step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from megadomino.config import ConfigError
@@ -59,11 +57,31 @@ class DynamicLossScaler:
         self._hysteresis_tracker = state["hysteresis_tracker"]
 
 
-@dataclass
 class StepResult:
     """What one optimizer step did. grad_norm: the global norm of the unscaled gradients before
-    clipping (a 0-dim fp32 tensor on the device), None when the step was skipped."""
+    clipping (a 0-dim fp32 tensor on the device), None (or, when the skip is pending, NaN) when
+    the step was skipped. `skipped` may be given as a 0-dim bool tensor on the device, the skip
+    the step decided there: then the step was enqueued without the host waiting for it, and the
+    flag is read on first access (`settled` says whether it has been), which the training loop
+    puts off until the next step's forward and backward are enqueued."""
 
-    skipped: bool
-    grad_norm: torch.Tensor | None
-    loss_scale: float | None
+    __slots__ = ("_skipped", "grad_norm", "loss_scale")
+
+    def __init__(self, skipped: bool | torch.Tensor, grad_norm: torch.Tensor | None,
+                 loss_scale: float | None):
+        self._skipped, self.grad_norm, self.loss_scale = skipped, grad_norm, loss_scale
+
+    @property
+    def skipped(self) -> bool:
+        if isinstance(self._skipped, torch.Tensor):
+            self._skipped = bool(self._skipped.item())
+        return self._skipped
+
+    @property
+    def settled(self) -> bool:
+        return not isinstance(self._skipped, torch.Tensor)
+
+    def __repr__(self) -> str:
+        skipped = self._skipped if self.settled else "pending"
+        return f"StepResult(skipped={skipped}, grad_norm={self.grad_norm}, " \
+               f"loss_scale={self.loss_scale})"

@@ -145,7 +145,7 @@ class ZeroPlusPlus:
         with inf/NaN gradients is skipped (see ZeroConfig.on_nonfinite)."""
         self.params.release_all()
         result = self.optimizer.step(self.grads.found_nonfinite)
-        if not result.skipped:
+        if not result.settled or not result.skipped:  # pending: unchanged weights if skipped
             self.params.refresh()
         self.grads.zero_grad()
         return result

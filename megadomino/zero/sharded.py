@@ -235,9 +235,9 @@ class ShardedOptimizer:
                 if self.clip_grad > 0 else None)
         if coef is not None and not (self._skips_on_device or self.flat):
             torch._foreach_mul_(self.grad_shards, coef)
+        on_device = self.flat or self._skips_on_device
         if self.flat:  # the masters' shards are written in the same pass
             self._step_flat(coef, nonfinite)
-            skipped = bool(nonfinite.item())  # read once the step is enqueued
         elif self._skips_on_device:
             # the fused kernel divides each gradient by grad_scale as it reads it: clipping
             # costs no pass of its own over the gradients
@@ -245,6 +245,13 @@ class ShardedOptimizer:
             self.optimizer.found_inf = nonfinite.float()
             self.optimizer.step()
             self.copy_masters_to_shards()  # the same values again if the step was skipped
+        if on_device and self.loss_scaler is None and self.on_nonfinite == "skip":
+            # nothing on the host depends on the skip before the next step: leave it pending
+            # (StepResult) so that the host does not wait here for the step to finish
+            flag = nonfinite.reshape(())
+            return StepResult(skipped=flag, loss_scale=None,
+                              grad_norm=torch.where(flag, torch.nan, grad_norm.reshape(())))
+        if on_device:
             skipped = bool(nonfinite.item())  # read once the step is enqueued
         elif not (skipped := bool(nonfinite.item())):
             self.optimizer.step()
