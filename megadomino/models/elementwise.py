@@ -23,6 +23,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from megadomino.kernels.bias_grad import gelu_bias_backward, qkv_backward
+
 
 def bias_dropout_add(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
                      p: float) -> torch.Tensor:
@@ -85,12 +87,44 @@ EAGER = SimpleNamespace(**{name: globals()[name] for name in _PIECES})
 """The pieces run eagerly (the reference)."""
 
 
+class _BiasGelu(torch.autograd.Function):
+    """gelu(h + bias) by the compiled piece `forward`; backward by one Triton pass
+    (kernels/bias_grad.py) that writes dh and sums the bias's gradient as it goes, where the
+    compiled backward reads dh again for the sum."""
+
+    @staticmethod
+    def forward(ctx, h, bias, forward):
+        ctx.save_for_backward(h, bias)
+        return forward(h, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, bias = ctx.saved_tensors
+        width = h.shape[-1]
+        dh, dbias = gelu_bias_backward(grad.reshape(-1, width).contiguous(),
+                                       h.reshape(-1, width).contiguous(), bias)
+        return dh.view(h.shape), dbias, None
+
+
+def _fused_gelu(compiled_gelu):
+    def gelu(h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if bias is None or not torch.is_grad_enabled():
+            return compiled_gelu(h, bias)
+        return _BiasGelu.apply(h, bias, compiled_gelu)
+    return gelu
+
+
 @functools.cache
 def compiled() -> SimpleNamespace:
     """The pieces, each wrapped by torch.compile (compiled on first call). Cached: one wrapper per
-    piece for the process, so every layer shares its compiled code."""
-    return SimpleNamespace(**{name: torch.compile(getattr(EAGER, name), dynamic=False)
-                              for name in _PIECES})
+    piece for the process, so every layer shares its compiled code. Where a bias's gradient is a
+    column sum of what a backward writes (GELU with fc1's bias, the QKV split), the backward is
+    a Triton kernel that sums as it writes (kernels/bias_grad.py: torch.compile reads the
+    gradient again for the sum); on CPU, its torch reference."""
+    pieces = {name: torch.compile(getattr(EAGER, name), dynamic=False)
+              for name in _PIECES if name != "qkv_grad"}
+    pieces["gelu"] = _fused_gelu(pieces["gelu"])
+    return SimpleNamespace(**pieces, qkv_grad=qkv_backward)
 
 
 def pieces(compile_pieces: bool) -> SimpleNamespace:

@@ -2,7 +2,9 @@
 for bit, bf16 output rounded to nearest even as torch does), larger than the interpreter allows,
 plus offsets past 2^31, a tensor on another GPU than the current one, and the row layouts
 (quantized data read and written in place in payload rows) of tests/test_kernels.py; and the
-fused FP8 cast (kernels/fp8_cast.py) on random inputs (tests/test_fp8_kernel.py). Skipped
+fused FP8 cast (kernels/fp8_cast.py) on random inputs (tests/test_fp8_kernel.py), and the
+bias-gradient kernels (kernels/bias_grad.py, tests/test_bias_grad_kernel.py) at the default tiles
+and at layer sizes. Skipped
 without CUDA; `python -m pytest tests/gpu/test_gpu_kernels.py -q` runs it."""
 
 from __future__ import annotations
@@ -145,3 +147,18 @@ def test_fp8_cast_transpose(shape: tuple[int, int], dtype: str, fp8: str) -> Non
     from test_fp8_kernel import check_cast
     check_cast("cuda", False, shape, dtype, fp8, exact=False)
     check_cast("cuda", False, shape, dtype, fp8, exact=False, nan=True)
+
+
+@pytest.mark.parametrize("rows, cols", [(37, 70), (8192, 8192), (3000, 1000)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gelu_bias_backward(rows: int, cols: int, dtype: str) -> None:
+    from test_bias_grad_kernel import check_gelu
+    check_gelu("cuda", False, rows, cols, dtype, block=(64, 128))
+
+
+@pytest.mark.parametrize("shape", [(7, 3, 2, 3, 8), (2048, 4, 16, 1, 128), (512, 2, 8, 4, 64)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["sdpa", "views"])
+def test_qkv_backward(shape: tuple, dtype: str, layout: str) -> None:
+    from test_bias_grad_kernel import check_qkv
+    check_qkv("cuda", False, *shape, dtype, layout, block=(64, 128))
