@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from megadomino.kernels.bias_grad import gelu_bias_backward, qkv_backward
+from megadomino.kernels.bias_grad import gelu_bias_backward
 
 
 def bias_dropout_add(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
@@ -117,14 +117,13 @@ def _fused_gelu(compiled_gelu):
 @functools.cache
 def compiled() -> SimpleNamespace:
     """The pieces, each wrapped by torch.compile (compiled on first call). Cached: one wrapper per
-    piece for the process, so every layer shares its compiled code. Where a bias's gradient is a
-    column sum of what a backward writes (GELU with fc1's bias, the QKV split), the backward is
-    a Triton kernel that sums as it writes (kernels/bias_grad.py: torch.compile reads the
-    gradient again for the sum); on CPU, its torch reference."""
-    pieces = {name: torch.compile(getattr(EAGER, name), dynamic=False)
-              for name in _PIECES if name != "qkv_grad"}
+    piece for the process, so every layer shares its compiled code. GELU with fc1's bias runs
+    its backward as a Triton kernel that sums the bias's gradient as it writes dh
+    (kernels/bias_grad.py: torch.compile reads dh again for the sum); on CPU, its torch
+    reference."""
+    pieces = {name: torch.compile(getattr(EAGER, name), dynamic=False) for name in _PIECES}
     pieces["gelu"] = _fused_gelu(pieces["gelu"])
-    return SimpleNamespace(**pieces, qkv_grad=qkv_backward)
+    return SimpleNamespace(**pieces)
 
 
 def pieces(compile_pieces: bool) -> SimpleNamespace:

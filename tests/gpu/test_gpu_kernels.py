@@ -3,7 +3,7 @@ for bit, bf16 output rounded to nearest even as torch does), larger than the int
 plus offsets past 2^31, a tensor on another GPU than the current one, and the row layouts
 (quantized data read and written in place in payload rows) of tests/test_kernels.py; and the
 fused FP8 cast (kernels/fp8_cast.py) on random inputs (tests/test_fp8_kernel.py), and the
-bias-gradient kernels (kernels/bias_grad.py, tests/test_bias_grad_kernel.py) at the default tiles
+bias-gradient kernel (kernels/bias_grad.py, tests/test_bias_grad_kernel.py) at the default tiles
 and at layer sizes. Skipped
 without CUDA; `python -m pytest tests/gpu/test_gpu_kernels.py -q` runs it."""
 
@@ -155,10 +155,3 @@ def test_gelu_bias_backward(rows: int, cols: int, dtype: str) -> None:
     from test_bias_grad_kernel import check_gelu
     check_gelu("cuda", False, rows, cols, dtype, block=(64, 128))
 
-
-@pytest.mark.parametrize("shape", [(7, 3, 2, 3, 8), (2048, 4, 16, 1, 128), (512, 2, 8, 4, 64)])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("layout", ["sdpa", "views"])
-def test_qkv_backward(shape: tuple, dtype: str, layout: str) -> None:
-    from test_bias_grad_kernel import check_qkv
-    check_qkv("cuda", False, *shape, dtype, layout, block=(64, 128))
