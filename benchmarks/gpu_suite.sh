@@ -34,6 +34,8 @@
 #   mfu-1.3b     issue 19's gpt3-1.3b command (TP=1, micro-batch 4, dropout as the preset has it):
 #                eager, compiled pieces, and each with the layers in CUDA graphs, one call
 #   optimizer    benchmarks/bench_optimizer.py: the optimizer step's passes over 1.3B parameters
+#   bias-grad    benchmarks/bench_bias_grad.py: the bias-gradient sums beside the passes that
+#                write the gradients (compiled, and our GELU kernel), GPT-3 1.3B and 6.7B layers
 #   graph-dp     scripts/debug/cuda_graph_dp_drift.py (--enable-cuda-graph at TP 2 x DP 2: eager,
 #                graphed, graphed without the gradient hooks' stream join)
 set -uo pipefail
@@ -116,6 +118,8 @@ for name in "$@"; do
                 ' --compile-layer-pieces --enable-cuda-graph' --out "$OUT/mfu_1.3b.json" ;;
     optimizer) step optimizer 200 python3 benchmarks/bench_optimizer.py --preset gpt3-1.3b \
                  --out "$OUT/optimizer.json" ;;
+    bias-grad) step bias-grad 120 python3 benchmarks/bench_bias_grad.py --iters 10 \
+                 --out "$OUT/bias_grad.json" ;;
     graph-dp) step graph-dp 200 torchrun --standalone \
                 --nproc_per_node 4 scripts/debug/cuda_graph_dp_drift.py ;;
     *) echo "unknown step $name" >&2; exit 2 ;;

@@ -327,9 +327,10 @@ FLAGS: tuple[Flag, ...] = (
           "input-gradient all-reduce (the Domino plan that measured fastest)."),
     _ours("--compile-layer-pieces", "parallel.compile_layer_pieces", None,
           "Compile each element-wise piece of the layers (bias + dropout + residual add, norms, "
-          "GELU / SwiGLU, rotary) and of the loss with torch.compile, one region per piece: "
-          "fused kernels where eager runs several; with --fp8-format each operand's cast, "
-          "transpose and amax are one Triton kernel on CUDA. Composes with every execution path; "
+          "GELU / SwiGLU with fc1's bias, rotary) and of the loss with torch.compile, one region "
+          "per piece: fused kernels where eager runs several; on CUDA GELU's backward sums fc1's "
+          "bias gradient in one Triton kernel, and with --fp8-format each operand's cast, "
+          "transpose and amax are one Triton kernel. Composes with every execution path; "
           "compile time is printed at start-up (megadomino/models/elementwise.py)."),
     _impl("--tp-comm-overlap", "parallel.tp_comm_overlap", None,
           "With --sequence-parallel: the all-gather / reduce-scatter fused into the GEMMs (torch "

@@ -90,8 +90,9 @@ class ParallelConfig:
     keep returning their gradients."""
     compile_layer_pieces: bool = False
     """Compile each element-wise piece of the layers (bias + dropout + residual add, norms, GELU /
-    SwiGLU, rotary) and of the loss with torch.compile (megadomino/models/elementwise.py,
-    tp/cross_entropy.py); FP8 operands' casts run as one Triton kernel (kernels/fp8_cast.py)."""
+    SwiGLU with fc1's bias, rotary, the QKV split's backward) and of the loss with torch.compile
+    (megadomino/models/elementwise.py, tp/cross_entropy.py); GELU's backward with fc1's bias and
+    FP8 operands' casts run as Triton kernels (kernels/bias_grad.py, kernels/fp8_cast.py)."""
     recompute_granularity: str | None = None
     """None, 'full' (whole layers) or 'selective' (the attention core)."""
     recompute_method: str | None = None

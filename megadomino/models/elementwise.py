@@ -3,7 +3,10 @@ torch.compile (`ParallelConfig.compile_layer_pieces`, `--compile-layer-pieces`).
 
 Between the GEMMs and attention a layer spends a fifth (GPT) to a third (Llama) of its time in
 element-wise traffic: the bias + dropout + residual add after each reduce, the norms, GELU or
-SwiGLU, rotary. Eagerly each is several kernels that each read and write the whole activation;
+SwiGLU, rotary, the QKV split's backward. The pieces own the linears' biases (the projections'
+in the residual add, fc1's in the activation when compiled, QKV's gradient in the split's
+backward), so a bias's add and its gradient's sum ride on a pass that runs anyway. Eagerly
+each is several kernels that each read and write the whole activation;
 compiled, each piece is one or two fused kernels forward and backward. Pieces are compiled one by
 one (regional compilation), not the layer: every execution strategy (plain, recompute, Domino's
 schedule, CUDA graphs) calls the same pieces, and the GEMMs, collectives and SDPA stay outside
