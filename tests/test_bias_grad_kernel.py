@@ -12,17 +12,13 @@ tests/gpu/test_gpu_kernels.py runs the same checks on CUDA.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreted import interpreted_test, run_cases
 
 from megadomino.kernels.bias_grad import gelu_bias_backward, gelu_bias_backward_reference
-from megadomino.kernels.quant_launch import HAS_TRITON
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
@@ -66,31 +62,7 @@ def cases() -> dict[str, tuple]:
 CASES = cases()
 
 
-def run_cases(device: str, force_triton: bool) -> dict[str, str | None]:
-    results = {}
-    for name, args in CASES.items():
-        try:
-            check_gelu(device, force_triton, *args)
-            results[name] = None
-        except Exception:  # reported per case by the test below
-            results[name] = traceback.format_exc(limit=3)
-    return results
-
-
-@pytest.fixture(scope="module")
-def interpreted_results() -> dict[str, str | None]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (the test extra brings it where a wheel exists)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_bias_grad_kernel_interpreted(case: str, interpreted_results: dict) -> None:
-    assert interpreted_results[case] is None, interpreted_results[case]
+test_bias_grad_kernel_interpreted = interpreted_test(__file__, CASES)
 
 
 def test_bias_grad_references_on_cpu() -> None:
@@ -104,4 +76,4 @@ def test_bias_grad_kernel_refuses_what_it_cannot_tile() -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_cases("cpu", True)))
+    print(json.dumps(run_cases(CASES, lambda *args: check_gelu("cpu", True, *args))))

@@ -14,16 +14,12 @@ runs the same checks on CUDA with random inputs, where the conversion rounds to 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 import torch
+from interpreted import interpreted_test, run_cases
 
 from megadomino.kernels.fp8_cast import FP8_MAX, cast_transpose, cast_transpose_reference
-from megadomino.kernels.quant_launch import HAS_TRITON
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -88,31 +84,7 @@ def cases() -> dict[str, tuple]:
 CASES = cases()
 
 
-def run_cases(device: str, force_triton: bool, exact: bool) -> dict[str, str | None]:
-    results = {}
-    for name, (shape, dtype, fp8, _, *rest) in CASES.items():
-        try:
-            check_cast(device, force_triton, shape, dtype, fp8, exact, *rest)
-            results[name] = None
-        except Exception:  # reported per case by the test below
-            results[name] = traceback.format_exc(limit=3)
-    return results
-
-
-@pytest.fixture(scope="module")
-def interpreted_results() -> dict[str, str | None]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed (the test extra brings it where a wheel exists)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_fp8_cast_kernel_interpreted(case: str, interpreted_results: dict) -> None:
-    assert interpreted_results[case] is None, interpreted_results[case]
+test_fp8_cast_kernel_interpreted = interpreted_test(__file__, CASES)
 
 
 def test_fp8_cast_reference_on_cpu() -> None:
@@ -126,5 +98,9 @@ def test_fp8_cast_refuses_what_it_cannot_tile() -> None:
                        True)
 
 
+def _check_interpreted(shape, dtype, fp8, exact, *rest) -> None:
+    check_cast("cpu", True, shape, dtype, fp8, exact, *rest)
+
+
 if __name__ == "__main__":
-    print(json.dumps(run_cases("cpu", True, exact=True)))
+    print(json.dumps(run_cases(CASES, _check_interpreted)))
