@@ -15,63 +15,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 
 import torch
 
-from megadomino.kernels.bias_grad import gelu_bias_backward
+from megadomino.kernels.bias_grad import gelu_bias_backward, gelu_bias_backward_reference
+from megadomino.models import elementwise
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timeline import queued_ms  # noqa: E402
 
 SHAPES = {"gpt3-1.3b": (2048, 16, 128), "gpt3-6.7b": (4096, 32, 128)}  # hidden, heads, head dim
 
 
 def qkv_floor(dq, dk, dv):
-    return torch.cat([dq, dk, dv], dim=3)
+    return elementwise.qkv_grad(dq, dk, dv, bias=False)[0]
 
 
 def qkv_sum(dq, dk, dv):
-    dqkv = torch.cat([dq, dk, dv], dim=3)
-    return dqkv, dqkv.sum((0, 1)).flatten()
-
-
-def _gelu_grad(g, h, b):
-    x = (h + b).float()
-    k = 0.7978845608028654
-    u = k * (x + 0.044715 * x * x * x)
-    t = torch.tanh(u)
-    return (g.float() * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x))
-            ).to(g.dtype)
+    return elementwise.qkv_grad(dq, dk, dv, bias=True)
 
 
 def gelu_floor(g, h, b):
-    return _gelu_grad(g, h, b)
+    return gelu_bias_backward_reference(g, h, b)[0]  # the sum unused: compiled away
 
 
 def gelu_sum(g, h, b):
-    dh = _gelu_grad(g, h, b)
-    return dh, dh.sum((0, 1))
+    return gelu_bias_backward_reference(g, h, b)
 
 
 def gelu_ours(g, h, b):
-    width = h.shape[-1]
-    return gelu_bias_backward(g.reshape(-1, width), h.reshape(-1, width), b)
-
-
-def time_ms(fn, args, iters: int, calls: int = 20) -> float:
-    """Median over `iters` of the mean of `calls` back-to-back calls (the GPU's time, not the
-    host's: a compiled call's guards take longer than these kernels)."""
-    for _ in range(3):
-        fn(*args)
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # queue the calls behind a spin: the host runs ahead
-        start.record()
-        for _ in range(calls):
-            fn(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return gelu_bias_backward(g, h, b)
 
 
 def main() -> None:
@@ -85,7 +60,7 @@ def main() -> None:
         # SDPA's gradients as the layer sees them: (b, heads, s, d) memory, viewed (s, b, g, 1, d)
         dq, dk, dv = (torch.randn(b, heads, s, d, device=device, dtype=dtype)
                       .permute(2, 0, 1, 3).unsqueeze(3) for _ in range(3))
-        g, h = (torch.randn(s, b, 4 * hidden, device=device, dtype=dtype) for _ in range(2))
+        g, h = (torch.randn(s * b, 4 * hidden, device=device, dtype=dtype) for _ in range(2))
         bias = torch.randn(4 * hidden, device=device, dtype=dtype)
         reference = qkv_sum(dq, dk, dv)[1].float()
         for label, fn, inputs, ref in (
@@ -95,9 +70,10 @@ def main() -> None:
                 ("gelu sum over s, b", gelu_sum, (g, h, bias), None),
                 ("gelu ours (Triton)", gelu_ours, (g, h, bias), None)):
             compiled = fn if fn is gelu_ours else torch.compile(fn, dynamic=False)
-            ms = time_ms(compiled, inputs, args.iters)
+            ms = queued_ms(lambda _, f=compiled, a=inputs: f(*a), iters=args.iters)
             row = {"shape": name, "variant": label, "compiled_ms": round(ms, 4),
-                   "eager_ms": round(time_ms(fn, inputs, args.iters), 4)}
+                   "eager_ms": round(queued_ms(lambda _, f=fn, a=inputs: f(*a),
+                                               iters=args.iters), 4)}
             if ref is not None:
                 got = compiled(*inputs)[1].float()
                 row["max_rel_error"] = float((got - ref).abs().max() / ref.abs().max())

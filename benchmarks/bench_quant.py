@@ -25,7 +25,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -33,26 +32,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megadomino import kernels as quant  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timeline import queued_ms  # noqa: E402
+
 TILES = [(4096, 2), (4096, 4), (8192, 4), (8192, 16), (16384, 8), (16384, 16),
          (32768, 16)]  # --sweep's; the default is quant_launch.default_tile
-
-
-def time_ms(fn, inner: int = 20, repeats: int = 15) -> float:
-    """Median over `repeats` of the mean time of `inner` queued calls fn(i)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(3):
-        fn(i)
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)  # ~10 ms: the host queues every call before the GPU runs
-        start.record()
-        for i in range(inner):
-            fn(i)
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / inner)
-    return statistics.median(samples)
 
 
 def load_deepspeed():
@@ -82,7 +66,7 @@ class Bench:
         self.copy_tbps = self.bandwidth(lambda i: self.x["fp16"][i % 2].clone(), 4 * numel)
 
     def bandwidth(self, fn, nbytes: float) -> float:
-        return nbytes / time_ms(fn) / 1e9  # TB/s
+        return nbytes / queued_ms(fn) / 1e9  # TB/s
 
     def record(self, op: str, impl: str, group: int, dtype: str, fn, nbytes: float,
                input_bytes: float | None = None, **extra) -> None:
@@ -90,7 +74,7 @@ class Bench:
             return
         row = {"op": op, "impl": impl, "group": group, "dtype": dtype, **extra}
         try:
-            ms = time_ms(fn)
+            ms = queued_ms(fn)
             row.update(ms=ms, tbps=nbytes / ms / 1e9, fraction_of_copy=nbytes / ms / 1e9
                        / self.copy_tbps)
             if input_bytes is not None:

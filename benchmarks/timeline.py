@@ -12,6 +12,7 @@ and its idle time by gap length (`idle_gaps`).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -138,6 +139,28 @@ def median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> flo
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def queued_ms(fn: Callable[[int], object], calls: int = 20, iters: int = 15,
+              warmup: int = 3) -> float:
+    """Median over `iters` of the mean milliseconds of `calls` calls fn(0) .. fn(calls - 1),
+    queued behind a spin of the GPU (about 10 ms) so that the host has enqueued them all before
+    the first runs: the GPU's time, not the host's (a compiled call's guards, or a launcher's
+    Python, can take longer than its kernels)."""
+    for i in range(warmup):
+        fn(i)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)
+        start.record()
+        for i in range(calls):
+            fn(i)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return statistics.median(samples)
 
 
 def graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:

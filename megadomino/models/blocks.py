@@ -168,8 +168,8 @@ class Attention(nn.Module):
 class _SplitQKV(torch.autograd.Function):
     """qkv (s, b, groups, hpg+2, d) -> q, k, v: views of it, split along dim 3 as [hpg, 1, 1].
     Its backward is `grad_fn` (a layer piece, elementwise.qkv_grad, compiled with the others): the
-    interleaved gradient in one pass, and `bias`'s gradient from the same pass when the bias
-    rode in qkv's GEMM without one."""
+    interleaved gradient, and `bias`'s gradient (its column sums) when the bias rode in qkv's GEMM
+    without one."""
 
     @staticmethod
     def forward(ctx, qkv, bias, heads_per_group: int, grad_fn):

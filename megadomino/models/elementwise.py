@@ -52,7 +52,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def gelu(h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """GELU with the tanh approximation (GPT-3's) of h (+ fc1's bias, when fc1 left it out: the
-    add rides on this piece's read of h, and the bias's gradient on its backward's write)."""
+    add rides on this piece's read of h; compiled, `_BiasGelu` sums the bias's gradient as its
+    backward writes dh)."""
     return F.gelu(h if bias is None else h + bias, approximate="tanh")
 
 
@@ -68,9 +69,9 @@ def qkv_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
              bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The QKV split's backward: the gradients of q (s, b, groups, hpg, d), k and v (s, b,
     groups, 1, d) assembled into the fused projection's interleaved layout (s, b, groups, hpg+2,
-    d), and, with `bias`, the projection bias's gradient: its sum over s and b, flattened. One
-    pass over the gradients when compiled, where the cat alone was a strided copy and the bias
-    sum a second read."""
+    d), and, with `bias`, the projection bias's gradient: its sum over s and b, flattened.
+    Compiled, the cat is one kernel (torch's cat of the three strided gradients is a slow
+    non-vectorized copy); the sum is a second kernel that reads dqkv again."""
     dqkv = torch.cat([dq, dk, dv], dim=3)
     return dqkv, (dqkv.sum((0, 1)).flatten() if bias else None)
 

@@ -185,7 +185,7 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
             # one's LR is needed, after its forward and backward are enqueued, so the host never
             # waits for a step to finish before it launches the next.
             pending: list[tuple[StepResult, int]] = []
-            rates: list[float] = []
+            lr = 0.0
 
             def settle() -> None:
                 for done, samples in pending:
@@ -194,10 +194,10 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                 pending.clear()
 
             def set_lr() -> None:
+                nonlocal lr
                 settle()
                 lr, decoupled_lr = schedule.rates(state.scheduler_samples)
                 engine.set_lr(lr, decoupled_lr)
-                rates[:] = [lr]
 
             for iteration in range(first_iteration, iters + 1):
                 batch = batches.global_batch(state.consumed_train_samples)
@@ -209,7 +209,7 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                 state.iteration = iteration
                 state.consumed_train_samples += batch
                 pending.append((result, batch))
-                reporter.record(loss, result, rates[0], batch / gbs)
+                reporter.record(loss, result, lr, batch / gbs)
                 if saver is not None:
                     saver.poll()
                 if iteration == first_iteration and config.parallel.compile_layer_pieces \

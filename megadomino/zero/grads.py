@@ -120,7 +120,7 @@ class GradReducer:
         self.in_place = config.stage == 0
         self.overwrite = overwrite and self.persistent
         self._state = _BufferState(self.overwrite)
-        self._got = [bytearray(len(unit.params)) for unit in units]  # this backward's reports
+        self._got = [bytearray(len(unit.params)) for unit in units]  # overwrite: who reported
         self._backwards = 0  # finished since the last zero_grad
         self.depth = len(units) + 1 if self.in_place else config.reduce_pipeline_depth
         self.buffers: list[torch.Tensor | None] = [None] * len(units)
@@ -187,8 +187,9 @@ class GradReducer:
             self._zero_unreported()
         self._next = 0
         self._reported = [0] * len(self.units)
-        for got in self._got:
-            got[:] = bytes(len(got))
+        if self.overwrite:
+            for got in self._got:
+                got[:] = bytes(len(got))
         self._backwards += 1
 
     def accumulated(self, param: nn.Parameter) -> torch.Tensor:
@@ -216,7 +217,8 @@ class GradReducer:
         if self.buffers[index] is None:
             self._allocate(index)
         self._state.dirty = True
-        self._got[index][position] = 1
+        if self.overwrite:
+            self._got[index][position] = 1
         if not (self.persistent and getattr(param, "fused_wgrad", False)):
             view = self._views[index][position]  # else: in main_grad already
             if self.overwrite:
