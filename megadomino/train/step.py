@@ -81,6 +81,11 @@ class Stepper:
         """(tokens, labels, loss_mask), each [mbs, seq], of micro-batch `micro` for this DP rank."""
         start = consumed + (micro * self.data_dp + self.data_rank) * self.mbs
         tokens, loss_mask = collate([dataset[i] for i in range(start, start + self.mbs)])
+        if self.device.type == "cuda":
+            # from pageable memory the copy would first wait for everything queued on the
+            # stream (the last step's optimizer pass), and the GPU would then idle while the
+            # host enqueued this step's first kernels; from pinned memory it does not wait
+            tokens, loss_mask = tokens.pin_memory(), loss_mask.pin_memory()
         tokens = tokens.to(self.device, non_blocking=True)
         loss_mask = loss_mask.to(self.device, non_blocking=True)
         return tokens[:, :-1], tokens[:, 1:], loss_mask

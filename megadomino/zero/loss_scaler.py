@@ -63,17 +63,32 @@ class StepResult:
     the step was skipped. `skipped` may be given as a 0-dim bool tensor on the device, the skip
     the step decided there: then the step was enqueued without the host waiting for it, and the
     flag is read on first access (`settled` says whether it has been), which the training loop
-    puts off until the next step's forward and backward are enqueued."""
+    puts off until the next step's forward and backward are enqueued.
 
-    __slots__ = ("_skipped", "grad_norm", "loss_scale")
+    On CUDA the flag is copied to pinned host memory as soon as it is given, behind an event:
+    reading it waits for that event, the step it belongs to, and not for what was enqueued on
+    the stream since (`.item()` would wait for all of it, the next step's backward too, and the
+    GPU would then idle while the host enqueued the next optimizer step)."""
+
+    __slots__ = ("_skipped", "_ready", "grad_norm", "loss_scale")
 
     def __init__(self, skipped: bool | torch.Tensor, grad_norm: torch.Tensor | None,
                  loss_scale: float | None):
+        self._ready = None
+        if isinstance(skipped, torch.Tensor) and skipped.is_cuda:
+            host = torch.empty(skipped.shape, dtype=skipped.dtype, pin_memory=True)
+            host.copy_(skipped, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+            skipped = host
         self._skipped, self.grad_norm, self.loss_scale = skipped, grad_norm, loss_scale
 
     @property
     def skipped(self) -> bool:
         if isinstance(self._skipped, torch.Tensor):
+            if self._ready is not None:
+                self._ready.synchronize()
+                self._ready = None
             self._skipped = bool(self._skipped.item())
         return self._skipped
 
