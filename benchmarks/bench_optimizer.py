@@ -11,9 +11,12 @@ ms of CUDA events:
   clipping as its `grad_scale`, the fp32 masters copied into the bf16 weights, the gradients
   zeroed for the next step;
 - `norm`, `adamw`, `copy`, `zero`: each of those passes alone;
-- `flat`: the engine's step on CUDA (megadomino/zero/sharded.py): the norm, then the compiled
-  `adamw_flat` per flat buffer (AdamW, each element's group by a uint8 index, the bf16 copy in
-  the same pass), then the zeroing.
+- `flat`: the engine's step on CUDA (megadomino/zero/sharded.py): the norm, then the Triton
+  `adamw_flat` per flat buffer (kernels/adamw_flat.py: AdamW, each element's group by a uint8
+  index, the bf16 copy in the same pass), then the zeroing; `flat_compiled`: the same with
+  torch.compile's kernel of the pass's torch reference instead.
+`--sweep` also times the Triton pass alone over the block sizes and warps it could use
+(`adamw_<block>_<warps>`, ms and TB/s; the kernel's defaults are the fastest).
 `bytes_gb` and `tb_per_s`: the bytes each pass must move (reads + writes) and the rate it reached;
 for the two whole steps also one profiled call's top kernels and GPU idle time inside it.
 """
@@ -31,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timeline import median_ms, profile_summary  # noqa: E402
 
 from megadomino.config import ModelConfig  # noqa: E402
-from megadomino.zero.sharded import _compiled_adamw_flat  # noqa: E402
+from megadomino.kernels.adamw_flat import adamw_flat, adamw_flat_reference  # noqa: E402
 
 
 def layer_shapes(config: ModelConfig) -> list[tuple[tuple[int, ...], bool]]:
@@ -67,6 +70,7 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt3-1.3b")
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--out", default="optimizer.json")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     config = ModelConfig.preset(args.preset)
     layers = args.num_layers or config.num_layers
@@ -107,30 +111,45 @@ def main() -> None:
         copy()
         zero()
 
-    compiled = _compiled_adamw_flat()
+    compiled = torch.compile(adamw_flat_reference, dynamic=True)
     step = torch.tensor(1.0, device="cuda")
     rates = torch.tensor([lr, lr], device="cuda")
     decays = torch.tensor([wd, 0.0], device="cuda")
     no_skip = torch.zeros((), device="cuda")
 
-    def flat():
+    def flat_pass(kernel, **options):
         coef = torch.clamp(1.0 / (norm() + 1e-6), max=1.0)
         for unit in units:
-            compiled(unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, unit.group, rates,
-                     decays, beta1, beta2, eps, step, coef, no_skip, unit.weights)
+            kernel(unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, unit.group, rates,
+                   decays, beta1, beta2, eps, step, coef, no_skip, unit.weights, **options)
         zero()
 
+    def adamw_alone(block, warps):
+        for unit in units:
+            adamw_flat(unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, unit.group, rates,
+                       decays, beta1, beta2, eps, step, scale, no_skip, unit.weights,
+                       block=block, num_warps=warps)
+
     # bytes an element: reads + writes (flat: norm 4, the pass 16 + 1 read and 12 + 2 written)
-    moved = {"norm": 4, "adamw": 28, "copy": 6, "zero": 4, "torch_fused": 42, "flat": 39}
+    moved = {"norm": 4, "adamw": 28, "copy": 6, "zero": 4, "torch_fused": 42, "flat": 39,
+             "flat_compiled": 39}
+    variants = [("norm", norm), ("adamw", adamw), ("copy", copy), ("zero", zero),
+                ("torch_fused", torch_fused), ("flat", lambda: flat_pass(adamw_flat)),
+                ("flat_compiled", lambda: flat_pass(compiled))]
+    if args.sweep:
+        for block in (512, 1024, 2048, 4096):
+            for warps in (4, 8, 16):
+                moved[f"adamw_{block}_{warps}"] = 31
+                variants.append((f"adamw_{block}_{warps}",
+                                 lambda b=block, w=warps: adamw_alone(b, w)))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "preset": args.preset, "layers": layers, "parameters": numel, "variants": {}}
-    for name, fn in (("norm", norm), ("adamw", adamw), ("copy", copy), ("zero", zero),
-                     ("torch_fused", torch_fused), ("flat", flat)):
+    for name, fn in variants:
         ms = median_ms(fn, iters=10)
         gb = moved[name] * numel / 1e9
         result["variants"][name] = {"ms": round(ms, 3), "bytes_gb": round(gb, 2),
                                     "tb_per_s": round(gb / ms, 2)}
-        if name in ("torch_fused", "flat"):  # the kernels of one call, and the GPU's idle time
+        if name in ("torch_fused", "flat", "flat_compiled"):  # one call's kernels, GPU idle
             summary = profile_summary(fn, top=6)
             result["variants"][name].update(
                 gpu_idle_ms=round(summary["gpu_idle_ms"], 3), kernels=summary["top_kernels"])

@@ -1,11 +1,11 @@
-"""AdamW in one pass per flat master (megadomino/zero/sharded.py `adamw_flat`, the CUDA default)
+"""AdamW in one pass per flat master (kernels/adamw_flat.py `adamw_flat`, the CUDA default)
 against torch's AdamW over the per-parameter views (fused kernel), on gloo at DP 2: stages 0, 1
 and 3 (chunks of the masters), fp32, bf16 and fp16 models (the pass writes the half-precision
 weights; fp16 with the loss scaler unscaling first), with
 clipping and the decoupled groups' own learning rate; a non-finite step changes nothing; its
 state saves in torch's format and resumes exactly, and a state saved by torch's optimizer loads
-into it. On CPU the pass runs eagerly (the same function the GPU compiles;
-tests/gpu/test_gpu_adamw_flat.py checks the compiled one)."""
+into it. On CPU the pass runs its torch reference (tests/test_adamw_flat_kernel.py checks the
+Triton kernel against it under the interpreter, tests/gpu/test_gpu_adamw_flat.py on CUDA)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import torch
 
 from dist_utils import C, DistSuite, assert_close
 from megadomino.distributed import ParallelDims
+from megadomino.kernels.adamw_flat import adamw_flat
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 from megadomino.zero.loss_scaler import DynamicLossScaler
-from megadomino.zero.sharded import ShardedOptimizer, adamw_flat
+from megadomino.zero.sharded import ShardedOptimizer
 
 
 @contextlib.contextmanager

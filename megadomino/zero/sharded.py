@@ -38,8 +38,9 @@ reads the decision only afterwards (reading it first would leave the GPU idle wh
 enqueues the optimizer). Other optimizers (SGD: torch's fused SGD initialises its momentum on a
 skipped first step) are stepped only after the host has read the decision.
 
-On CUDA, AdamW runs as one pass per flat master (`adamw_flat`, compiled by torch.compile): its
-moments are flat buffers beside the masters (torch's optimizer state holds views of them, so its
+On CUDA, AdamW runs as one pass per flat master (`adamw_flat`, a Triton kernel:
+kernels/adamw_flat.py; its torch reference on CPU): its moments are flat buffers beside the
+masters (torch's optimizer state holds views of them, so its
 state_dict and load_state_dict keep their format), each element's learning rate and weight decay
 come from its parameter group by a small per-element group index, and the same pass writes the
 parameter shard's bf16/fp16 copy. Each element is read and written once: the per-parameter fused
@@ -52,49 +53,17 @@ torch's optimizer steps over the per-parameter views.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from megadomino.kernels.adamw_flat import adamw_flat
 from megadomino.zero.collectives import CommCounter
 from megadomino.zero.loss_scaler import DynamicLossScaler, StepResult
 from megadomino.zero.partition import FlatUnit
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
-
-
-def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-               exp_avg_sq: torch.Tensor, group: torch.Tensor, lr: torch.Tensor,
-               weight_decay: torch.Tensor, beta1: float, beta2: float, eps: float,
-               step: torch.Tensor, inv_scale: torch.Tensor, skip: torch.Tensor,
-               weights: torch.Tensor | None) -> None:
-    """torch's AdamW update (its fused kernel's formula) of one flat fp32 master in place:
-    `group` [n] (uint8) picks each element's `lr` and `weight_decay` from the groups' [G]
-    tensors; gradients are multiplied by `inv_scale` (clipping) as they are read;
-    `step` is the step number after this one (0-dim); where `skip` (0-dim, nonzero) nothing
-    changes. `weights`, when given, receives the updated master in its dtype."""
-    g = grad.float() * inv_scale
-    m = torch.lerp(exp_avg, g, 1 - beta1)
-    v = exp_avg_sq * beta2 + (1 - beta2) * g * g
-    index = group.long()
-    rate = lr[index]
-    bias2_sqrt = torch.sqrt(1 - beta2 ** step)
-    denom = torch.sqrt(v) / bias2_sqrt + eps
-    p = master * (1 - rate * weight_decay[index]) - rate / (1 - beta1 ** step) * m / denom
-    keep = skip != 0
-    master.copy_(torch.where(keep, master, p))
-    exp_avg.copy_(torch.where(keep, exp_avg, m))
-    exp_avg_sq.copy_(torch.where(keep, exp_avg_sq, v))
-    if weights is not None:
-        weights.copy_(master)
-
-
-@functools.cache
-def _compiled_adamw_flat():
-    """adamw_flat compiled once per process (dynamic shapes: one kernel for every flat size)."""
-    return torch.compile(adamw_flat, dynamic=True)
 
 
 class ShardedOptimizer:
@@ -196,7 +165,7 @@ class ShardedOptimizer:
         self._point_state()
 
     def _step_flat(self, coef: torch.Tensor | None, nonfinite: torch.Tensor) -> None:
-        """Step 4 by adamw_flat: one pass per flat master (compiled on CUDA), clipping by
+        """Step 4 by adamw_flat: one pass per flat master (a Triton kernel on CUDA), clipping by
         `coef` as the gradients are read, nothing changed where `nonfinite`."""
         groups = self.optimizer.param_groups
         device = self.masters[0].device
@@ -210,12 +179,11 @@ class ShardedOptimizer:
         skip = nonfinite.reshape(()).float()
         self._step += 1 - skip
         step = torch.clamp(self._step, min=1.0)
-        kernel = _compiled_adamw_flat() if self.masters[0].is_cuda else adamw_flat
         for unit, (master, grad, shard) in enumerate(zip(self.masters, self.grad_shards,
                                                          self.param_shards)):
-            kernel(master, grad, self._exp_avg[unit], self._exp_avg_sq[unit], self._group[unit],
-                   hyper[0], hyper[1], beta1, beta2, eps, step, scale, skip,
-                   None if shard is master else shard)
+            adamw_flat(master, grad, self._exp_avg[unit], self._exp_avg_sq[unit],
+                       self._group[unit], hyper[0], hyper[1], beta1, beta2, eps, step, scale,
+                       skip, None if shard is master else shard)
 
     def step(self, found_nonfinite: torch.Tensor) -> StepResult:
         """Steps 1-4 of the module docstring; `found_nonfinite`: this rank's flag from the

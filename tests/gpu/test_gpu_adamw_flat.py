@@ -1,28 +1,29 @@
-"""On the GPU machine: the compiled flat AdamW pass (megadomino/zero/sharded.py, the CUDA
-default) equals the eager one the CPU tests check against torch's AdamW, at sizes that are not
-multiples of anything (one compiled kernel for every size), with clipping, two groups, a skipped
-step and the bf16 weights written; and on the same data torch's fused AdamW over the
+"""On the GPU machine: the flat AdamW kernel (kernels/adamw_flat.py, the engine's step on CUDA)
+equals its torch reference, which the CPU tests check against torch's AdamW, at sizes that are
+not multiples of anything, with clipping, two to four groups, a skipped step and the bf16 weights
+written (rounded to nearest, exactly); and on the same data torch's fused AdamW over the
 per-parameter views; and a training run with compiled pieces, evaluation and a learning rate
-that changes every step compiles the pass in its first step and never after (dynamo's counters).
+that changes every step compiles in its first step and never after (dynamo's counters).
 `python -m pytest tests/gpu/test_gpu_adamw_flat.py -q` runs it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_adamw_flat_kernel import CASES, check_adamw
 from torch._dynamo.utils import counters
 
 from configs import make_config
 from megadomino.config import ModelConfig
 from megadomino.distributed import ParallelDims
+from megadomino.kernels.adamw_flat import adamw_flat, adamw_flat_reference
 from megadomino.train.loop import train
-from megadomino.zero.sharded import _compiled_adamw_flat, adamw_flat
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("n", [1, 4097, 3_000_001])
-def test_compiled_flat_adamw_equals_eager_and_torch(n):
+def test_flat_adamw_kernel_equals_reference_and_torch(n):
     torch.manual_seed(n)
     device = torch.device("cuda")
     split = n // 3
@@ -32,7 +33,7 @@ def test_compiled_flat_adamw_equals_eager_and_torch(n):
     weight_decay = torch.tensor([0.1, 0.0], device=device)
     start = torch.randn(n, device=device)
     runs = {}
-    for name, kernel in (("eager", adamw_flat), ("compiled", _compiled_adamw_flat())):
+    for name, kernel in (("reference", adamw_flat_reference), ("kernel", adamw_flat)):
         master, exp_avg, exp_avg_sq = start.clone(), torch.zeros(n, device=device), \
             torch.zeros(n, device=device)
         weights = torch.empty(n, dtype=torch.bfloat16, device=device)
@@ -46,8 +47,8 @@ def test_compiled_flat_adamw_equals_eager_and_torch(n):
                    step, torch.tensor(0.5, device=device), skip, weights)
         assert torch.equal(weights, master.to(torch.bfloat16))
         runs[name] = (master, exp_avg, exp_avg_sq)
-    for eager, compiled in zip(runs["eager"], runs["compiled"]):
-        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+    for reference, kernel in zip(runs["reference"], runs["kernel"]):
+        torch.testing.assert_close(kernel, reference, rtol=1e-6, atol=1e-7)
     pieces = [start[:split].clone(), start[split:].clone()]
     optimizer = torch.optim.AdamW([{"params": pieces[:1], "lr": 1e-3},
                                    {"params": pieces[1:], "lr": 2e-3, "weight_decay": 0.0}],
@@ -59,7 +60,13 @@ def test_compiled_flat_adamw_equals_eager_and_torch(n):
             continue
         pieces[0].grad, pieces[1].grad = grad[:split] * 0.5, grad[split:] * 0.5
         optimizer.step()
-    torch.testing.assert_close(runs["compiled"][0], torch.cat(pieces), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(runs["kernel"][0], torch.cat(pieces), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_flat_adamw_kernel_cases_on_cuda(case):
+    """The interpreted CPU cases (tests/test_adamw_flat_kernel.py) on CUDA, bf16 copy exact."""
+    check_adamw("cuda", False, *CASES[case], exact_weights=True, block=1024)
 
 
 def _train(iters: int) -> dict:
@@ -73,7 +80,7 @@ def _train(iters: int) -> dict:
 
 
 @pytest.mark.usefixtures("single_process_group")
-def test_training_compiles_the_flat_pass_once():
+def test_training_compiles_once():
     torch._dynamo.reset()
     history = _train(iters=1)
     assert history["optimizer"].optimizer.flat
@@ -82,3 +89,4 @@ def test_training_compiles_the_flat_pass_once():
     assert len(history["eval"]) == 3
     assert history["losses"][-1] < history["losses"][0]
     assert counters["stats"]["unique_graphs"] == compiled, "compiled again after the first step"
+

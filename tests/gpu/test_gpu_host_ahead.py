@@ -36,6 +36,7 @@ def test_pending_skip_is_read_without_waiting_for_later_work():
     torch.cuda.synchronize()
 
 
+@pytest.mark.usefixtures("single_process_group")
 def test_micro_batch_copy_does_not_wait_for_the_stream():
     device = torch.device("cuda")
     stepper = Stepper(torch.nn.Identity(), None, ParallelDims(tp=1), micro_batch_size=2,
