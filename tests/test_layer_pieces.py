@@ -25,18 +25,12 @@ RUNNERS = {"plain": type(None), "recompute": FullRecompute, "domino 2x2": Domino
 
 
 class _Scaled(nn.Module):
-    """A norm whose output is scaled by `factor`, alone and after its residual add."""
-
     def __init__(self, inner: nn.Module, factor: float):
         super().__init__()
         self.inner, self.factor = inner, factor
 
     def forward(self, x):
         return self.factor * self.inner(x)
-
-    def residual_norm(self, x, y, bias, p):
-        h, normed = self.inner.residual_norm(x, y, bias, p)
-        return h, self.factor * normed
 
 
 def _replace(model, piece: str) -> None:
@@ -51,10 +45,9 @@ def _replace(model, piece: str) -> None:
             act = layer.mlp.activation
             layer.mlp.activation = lambda h, up=None, bias=None, act=act: 1.5 * act(h, up, bias)
         elif piece == "residual":
-            for name in ("residual", "residual_norm"):
-                residual = getattr(layer, name)
-                setattr(layer, name, lambda x, y, bias=None, residual=residual: residual(
-                    x, 0.5 * y, None if bias is None else 0.5 * bias))
+            residual = layer.residual
+            layer.residual = lambda x, y, bias=None, residual=residual: residual(
+                x, 0.5 * y, None if bias is None else 0.5 * bias)
         else:
             raise ValueError(piece)
 

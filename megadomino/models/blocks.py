@@ -33,12 +33,9 @@ class LocalLinear(Protocol):
 
 class _PieceNorm:
     """What the norms share: torch's module (same parameters and state dict) running the
-    element-wise pieces, compiled when `compile_pieces`: `forward` the norm alone, `residual_norm`
-    the residual add that makes the norm's input together with the norm. `zero_centered`
-    (--apply-layernorm-1p, Megatron's LayerNorm1P): the weight holds gamma - 1 (zeros at init) and
-    the norm scales by weight + 1, so weight decay pulls gamma towards 1, not 0."""
-
-    rms: bool  # RMSNorm (scale only), else LayerNorm (scale and shift: `bias`, possibly None)
+    element-wise piece, compiled when `compile_pieces`. `zero_centered` (--apply-layernorm-1p,
+    Megatron's LayerNorm1P): the weight holds gamma - 1 (zeros at init) and the norm scales by
+    weight + 1, so weight decay pulls gamma towards 1, not 0."""
 
     def __init__(self, hidden_size: int, eps: float, compile_pieces: bool = False,
                  zero_centered: bool = False, **kwargs):
@@ -50,28 +47,16 @@ class _PieceNorm:
     def gamma(self) -> torch.Tensor:
         return self.weight + 1 if self.zero_centered else self.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = elementwise.pieces(self.compile_pieces)
-        if self.rms:
-            return ops.rms_norm(x, self.gamma(), self.eps)
-        return ops.layer_norm(x, self.gamma(), self.bias, self.eps)
-
-    def residual_norm(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
-                      p: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, this norm of h) for h = x + dropout_p(y (+ bias)), as one piece
-        (`elementwise.bias_dropout_add_norm`): the same values as the residual piece then
-        `forward`. Dropout draws from the current default generator."""
-        ops = elementwise.pieces(self.compile_pieces)
-        return ops.bias_dropout_add_norm(x, y, bias, p, self.gamma(),
-                                         None if self.rms else self.bias, self.eps, self.rms)
-
 
 class LayerNorm(_PieceNorm, nn.LayerNorm):
-    rms = False
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = elementwise.pieces(self.compile_pieces)
+        return ops.layer_norm(x, self.gamma(), self.bias, self.eps)
 
 
 class RMSNorm(_PieceNorm, nn.RMSNorm):
-    rms = True
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return elementwise.pieces(self.compile_pieces).rms_norm(x, self.gamma(), self.eps)
 
 
 def build_norm(config: ModelConfig, sequence_parallel: bool = False, device=None,

@@ -5,14 +5,12 @@ Between the GEMMs and attention a layer spends a fifth (GPT) to a third (Llama) 
 element-wise traffic: the bias + dropout + residual add after each reduce, the norms, GELU or
 SwiGLU, rotary, the QKV split's backward. The pieces own the linears' biases (the projections'
 in the residual add, fc1's in the activation when compiled, QKV's gradient in the split's
-backward), so a bias's add and its gradient's sum ride on a pass that runs anyway. The residual
-add in the middle of the layer and the MLP's norm that reads its output are one piece
-(`bias_dropout_add_norm`), so that compiled the norm's backward also adds the residual stream's
-gradient of h. Eagerly each piece is several kernels that each read and write the whole
-activation; compiled, each is one or two fused kernels forward and backward. Pieces are compiled
-one by one (regional compilation), not the layer: every execution strategy (plain, recompute,
-Domino's schedule, CUDA graphs) calls the same pieces, and the GEMMs, collectives and SDPA stay
-outside the compiled regions, so no collective or custom autograd Function is ever traced.
+backward), so a bias's add and its gradient's sum ride on a pass that runs anyway. Eagerly
+each is several kernels that each read and write the whole activation;
+compiled, each piece is one or two fused kernels forward and backward. Pieces are compiled one by
+one (regional compilation), not the layer: every execution strategy (plain, recompute, Domino's
+schedule, CUDA graphs) calls the same pieces, and the GEMMs, collectives and SDPA stay outside
+the compiled regions, so no collective or custom autograd Function is ever traced.
 
 Compiled with `dynamic=False`: shapes are fixed by the run (micro-batch, sequence, Domino's at
 most two slice sizes), so each piece compiles once per shape, grad mode and train/eval, all in
@@ -52,19 +50,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def bias_dropout_add_norm(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, p: float,
-                          norm_weight: torch.Tensor, norm_bias: torch.Tensor | None, eps: float,
-                          rms: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, norm(h)) for h = `bias_dropout_add`(x, y, bias, p): the residual add and the norm that
-    reads its output, as one piece. The norm is `rms_norm` when `rms` (norm_bias None), else
-    `layer_norm`; norm_weight is its scale (a zero-centred module's weight + 1). Eagerly the same
-    kernels as the two pieces one after the other; compiled, one kernel forward, and a backward
-    that adds h's two gradients (the residual stream's and the norm's) inside the norm's backward,
-    with the dropout's backward and the bias's gradient sum."""
-    h = bias_dropout_add(x, y, bias, p)
-    return h, rms_norm(h, norm_weight, eps) if rms else layer_norm(h, norm_weight, norm_bias, eps)
-
-
 def gelu(h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """GELU with the tanh approximation (GPT-3's) of h (+ fc1's bias, when fc1 left it out: the
     add rides on this piece's read of h; compiled, `_BiasGelu` sums the bias's gradient as its
@@ -100,8 +85,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-_PIECES = ("bias_dropout_add", "bias_dropout_add_norm", "layer_norm", "rms_norm", "gelu", "swiglu",
-           "rotary", "qkv_grad")
+_PIECES = ("bias_dropout_add", "layer_norm", "rms_norm", "gelu", "swiglu", "rotary", "qkv_grad")
 
 EAGER = SimpleNamespace(**{name: globals()[name] for name in _PIECES})
 """The pieces run eagerly (the reference)."""

@@ -7,8 +7,6 @@ Nothing here chooses how the layers run beyond one after the other: an execution
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -41,36 +39,25 @@ class TransformerLayer(nn.Module):
         """fc2's bias, added after its reduce."""
         return self.mlp.linear_fc2.bias
 
-    def _residual_piece(self, piece: Callable, x: torch.Tensor, y: torch.Tensor,
-                        bias: torch.Tensor | None):
-        """piece(x, y, bias, p), p the residual stream's dropout (0 when not training). Dropout on
+    def residual(self, x: torch.Tensor, y: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x + dropout(y (+ bias)): the residual add of a sub-block's reduced output. Dropout on
         the residual stream replicated over TP ranks draws from the default generator (identical
         on every TP rank); sharded along the sequence, from this rank's own stream."""
         p = self.config.hidden_dropout if self.training else 0.0
+        bias_dropout_add = elementwise.pieces(self.compile_pieces).bias_dropout_add
         if p > 0.0 and self.sequence_parallel:
             with tp_random.tracker_of(self.dims).fork():
-                return piece(x, y, bias, p)
-        return piece(x, y, bias, p)
-
-    def residual(self, x: torch.Tensor, y: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x + dropout(y (+ bias)): the residual add of a sub-block's reduced output."""
-        piece = elementwise.pieces(self.compile_pieces).bias_dropout_add
-        return self._residual_piece(piece, x, y, bias)
-
-    def residual_norm(self, x: torch.Tensor, y: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, pre_mlp_layernorm(h)) for h = `residual`(x, y, bias): the attention's residual add
-        and the MLP's norm as one piece, so that compiled the norm reads h as the add writes it
-        and h's two gradients are summed inside the norm's backward."""
-        return self._residual_piece(self.pre_mlp_layernorm.residual_norm, x, y, bias)
+                return bias_dropout_add(x, y, bias, p)
+        return bias_dropout_add(x, y, bias, p)
 
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
         # x: (s, b, h), or (s/tp, b, h) under sequence parallelism
         # the output projections' biases are added by the residual pieces (fused with dropout)
-        a = self.self_attention(self.input_layernorm(x), rotary, add_bias=False)
-        h, v = self.residual_norm(x, a, self.attention_bias)  # v = pre_mlp_layernorm(h)
-        return self.residual(h, self.mlp(v, add_bias=False), self.mlp_bias)
+        h = self.residual(x, self.self_attention(self.input_layernorm(x), rotary, add_bias=False),
+                          self.attention_bias)
+        return self.residual(h, self.mlp(self.pre_mlp_layernorm(h), add_bias=False),
+                             self.mlp_bias)
 
 
 class TransformerBlock(nn.Module):

@@ -6,9 +6,8 @@ Units. Each layer and batch slice i is cut at its communication points into smal
 graphs whose inputs are detached leaves, so that the schedule (not autograd's node order) decides
 what runs between a collective's launch and its wait. The schedule is data: the action lists of
 actions.py (forward_actions, backward_actions), which DominoRunner executes one action at a time
-and `actions.table` prints. The units run the layer's own pieces (TransformerLayer.residual and
-.residual_norm, its norms, Attention.partial, MLP.partial) with GEMMs whose weight gradients are
-deferred:
+and `actions.table` prints. The units run the layer's own pieces (TransformerLayer.residual,
+its norms, Attention.partial, MLP.partial) with GEMMs whose weight gradients are deferred:
 
     glue_in(l, i):   (h_{l-1}, m_{l-1}) -> x = h_{l-1} + dropout(m_{l-1} + b_fc2), u = ln1(x)
     attention(l, i): u (gathered under SP)  -> a: this rank's partial attention output
@@ -195,7 +194,8 @@ class DominoRunner(UnitBackward):
             a_in = unit.a
         else:
             a_in = unit.a_leaf = leaf(reduced_a) if build else reduced_a
-        unit.h, unit.v = layer.residual_norm(unit.x_leaf, a_in, layer.attention_bias)
+        unit.h = layer.residual(unit.x_leaf, a_in, layer.attention_bias)
+        unit.v = layer.pre_mlp_layernorm(unit.h)
 
     def _mlp(self, index: int, unit: Unit, pending: Pending | None, build: bool) -> None:
         mlp = self.block.layers[index].mlp
