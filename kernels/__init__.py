@@ -1,8 +1,9 @@
 """Triton kernels, installed as `megadomino.kernels`: one module per op family (small kernels,
 then the launcher, then the functional wrappers), each with a torch reference beside it that
 CPU tensors run: the FP8 cast of a GEMM operand (`fp8_cast`: scale, saturate, convert, the
-transposed copy and the amax in one pass, for the FP8 linears), and block-wise int8 / int4
-quantization for ZeRO++ (qwZ weights, qgZ gradients):
+transposed copy and the amax in one pass, for the FP8 linears), GELU's backward with its bias
+gradient (`bias_grad`), AdamW's pass over a flat buffer (`adamw_flat`, the engine's optimizer
+step), and block-wise int8 / int4 quantization for ZeRO++ (qwZ weights, qgZ gradients):
 
     quant_scheme      the scheme (its docstring is the exact specification) and the math every
                       op shares, as Triton device functions and in torch
