@@ -16,7 +16,7 @@ ms of CUDA events:
   index, the bf16 copy in the same pass), then the zeroing; `flat_compiled`: the same with
   torch.compile's kernel of the pass's torch reference instead.
 `--sweep` also times the Triton pass alone over the block sizes and warps it could use
-(`adamw_<block>_<warps>`, ms and TB/s; the kernel's defaults are the fastest).
+(`adamw_<block>_<warps>`, ms and TB/s), the measurement behind the kernel's defaults.
 `bytes_gb` and `tb_per_s`: the bytes each pass must move (reads + writes) and the rate it reached;
 for the two whole steps also one profiled call's top kernels and GPU idle time inside it.
 """
