@@ -1,7 +1,8 @@
 """Records the collectives a training step issues, to compare data-parallel engines' protocols.
 
-`CollectiveTrace` wraps every collective function of `torch.distributed` (and every name
-megadomino's modules bound to one with `from ... import`) and records, while a `Timers` phase
+`CollectiveTrace` wraps every collective function of `megadomino.distributed.comm`, the one
+module through which the package calls torch.distributed (and every name megadomino's modules
+bound to one with `from ... import`), and records, while a `Timers` phase
 (data / forward / backward / optimizer) is open: the phase, how many parameter gradients had
 arrived in this phase (post-accumulate-grad hooks run so far: the collective's place in the
 backward), the op, the group's ranks, the reduce op, and the dtype and element count of every
@@ -26,10 +27,8 @@ import torch
 import torch.distributed as dist
 
 EXPECTED = Path(__file__).parent / "fixtures" / "collective_trace.json"
-OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-       "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "all_to_all_single",
-       "all_to_all", "broadcast", "reduce", "barrier", "all_gather_object",
-       "broadcast_object_list")
+OPS = ("all_reduce", "all_gather", "all_gather_single", "reduce_scatter_single",
+       "all_to_all_single", "broadcast", "barrier", "all_gather_object", "broadcast_object")
 
 
 def _describe(value) -> list:
@@ -50,10 +49,12 @@ class CollectiveTrace:
         self._undo: list = []
 
     def __enter__(self) -> CollectiveTrace:
-        originals = {getattr(dist, name): name for name in OPS if hasattr(dist, name)}
+        from megadomino.distributed import comm
+
+        originals = {getattr(comm, name): name for name in OPS}
         wrappers = {fn: self._wrap(name, fn) for fn, name in originals.items()}
-        for module in [dist, *[m for n, m in list(sys.modules.items())
-                               if n.startswith("megadomino") and m is not None]]:
+        for module in [m for n, m in list(sys.modules.items())
+                       if n.startswith("megadomino") and m is not None]:
             for attr, value in list(vars(module).items()):
                 if callable(value) and value in wrappers:
                     self._patch(module, attr, wrappers[value])
@@ -77,8 +78,7 @@ class CollectiveTrace:
                 group = kwargs.get("group")
                 ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
                 op = kwargs.get("op", dist.ReduceOp.SUM if "reduce" in name else None)
-                self.events.append([self.phase, self.arrived, name.replace("_into_tensor", "")
-                                    .replace("_tensor", "").replace("_single", ""), ranks,
+                self.events.append([self.phase, self.arrived, name.replace("_single", ""), ranks,
                                     None if op is None else str(op).rsplit(".", 1)[-1],
                                     _describe(list(args) + [v for k, v in kwargs.items()
                                                             if k != "group"])])

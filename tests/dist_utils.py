@@ -22,10 +22,13 @@ the default tier; a run without the slow tier leaves them out of the world it st
 `SUITE.test()` freezes the suite; `tests/conftest.py` refuses, at collection, a module whose
 suite was never turned into a test, so no case runs unasserted.
 
-Bounded in time: every case has a budget (`timeout`, seconds). A rank arms `faulthandler` for
-it, so a deadlocked case dumps every rank's stack and ends the world; the pytest process also
-kills a world that outlives the sum of its budgets. The failure names the case, the rank and the
-stacks. A crash in setup (an exception, or a rank that dies) fails every case with the traceback
+Bounded in time: every case has a budget (`timeout`, seconds), and so have set-up and teardown.
+A rank arms `faulthandler` for it, so a deadlocked case dumps every rank's stack and ends the
+world. The pytest process watches too: a case that a rank entered more than its budget plus
+`grace` seconds ago (a rank stuck where faulthandler cannot end it, say inside a CUDA driver
+call) makes it kill the world, and every case of that world left unfinished fails with a line
+naming the case that overran and the ranks still in it. The failure names the case, the rank
+and the stacks. A crash in setup (an exception, or a rank that dies) fails every case with the traceback
 or the rank's last output.
 """
 
@@ -49,6 +52,7 @@ import torch
 
 DEFAULT_CASE_TIMEOUT = 180.0  # seconds; the slowest CPU case today takes about 40 s
 SPAWN_GRACE = 60.0  # seconds a world may spend importing torch and forming its group
+CASE_GRACE = 30.0  # seconds past a case's budget before the parent ends its world
 LOG_TAIL = 4000  # characters of a dead rank's output shown in a failure
 BOTH = frozenset({"main", "slow"})  # a world's cases outside and inside their slow_worlds
 
@@ -126,6 +130,7 @@ class DistSuite:
     worlds: tuple[int, ...] = (2,)
     backend: str = "gloo"
     timeout: float = DEFAULT_CASE_TIMEOUT
+    grace: float = CASE_GRACE
     cases: dict[str, _Case] = field(default_factory=dict)
     frozen: bool = False
     _setup: Callable | None = None
@@ -238,8 +243,13 @@ def _rank_main(rank: int, world: int, port: int, suite: DistSuite, args: tuple,
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    init = {}
     if suite.backend == "nccl":
         torch.cuda.set_device(rank)
+        # Bound to its device, NCCL creates the world's communicator now and splits each new
+        # group from it, instead of a lazy creation that waits for every member at a group's
+        # first collective (a batch of P2P ops that names only some of them then hangs).
+        init["device_id"] = torch.device("cuda", rank)
     results = open(os.path.join(out_dir, f"rank{rank}.jsonl"), "w", buffering=1)  # noqa: SIM115
 
     def record(case: str, error: str | None) -> None:
@@ -256,7 +266,7 @@ def _rank_main(rank: int, world: int, port: int, suite: DistSuite, args: tuple,
     context = None
     try:
         under_budget("<setup>", SPAWN_GRACE, dist.init_process_group, suite.backend,
-                     rank=rank, world_size=world)
+                     rank=rank, world_size=world, **init)
         if suite._setup is not None:
             context = under_budget("<setup>", suite.timeout, suite._setup, world, *args)
     except Exception:
@@ -272,7 +282,17 @@ def _rank_main(rank: int, world: int, port: int, suite: DistSuite, args: tuple,
             record(case.name, traceback.format_exc())
     # A barrier is queued behind any collective a case left in flight (gloo runs them in order),
     # so the group is not torn down under a background thread still using it.
-    under_budget("<teardown>", suite.timeout, dist.barrier)
+    under_budget("<teardown>", suite.timeout, _teardown, suite.backend)
+
+
+def _teardown(backend: str) -> None:
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -324,11 +344,12 @@ def run_world(suite: DistSuite, world: int, args: tuple = (),
                  for rank in range(world)]
         for proc in procs:
             proc.start()
-        watchdog = _wait(procs, time.monotonic() + deadline)
+        progress = _Progress(suite, out_dir, world)
+        killed = _wait(procs, progress.started + deadline, progress)
         ranks = [_read_rank(out_dir, rank) for rank in range(world)]
     errors: dict[str, list[str]] = {name: [] for name in names}
     for rank, (results, log) in enumerate(ranks):
-        why_unfinished = _why_unfinished(rank, procs[rank].exitcode, log, watchdog, deadline)
+        why_unfinished = _why_unfinished(rank, procs[rank].exitcode, log, killed)
         if "<setup>" in results:
             why_unfinished = f"setup failed on rank {rank}:\n{results['<setup>']}"
         for name in names:
@@ -339,35 +360,75 @@ def run_world(suite: DistSuite, world: int, args: tuple = (),
     return {name: "\n".join(found) or None for name, found in errors.items()}
 
 
-def _wait(procs: list, deadline: float) -> bool:
+class _Progress:
+    """Which case each rank is in, as the parent sees it: a rank's log gets a `--- name:
+    started` line as it enters a case, its jsonl a result as it leaves it. A case whose first
+    rank entered it more than its budget + CASE_GRACE ago has overrun, whatever the ranks are
+    doing (a faulthandler that cannot end a rank stuck in a driver call, a hang in set-up or
+    teardown): the parent then ends the world and names the case and the ranks still in it."""
+
+    def __init__(self, suite: DistSuite, out_dir: str, world: int):
+        self.suite, self.out_dir, self.world = suite, out_dir, world
+        self.entered: dict[str, float] = {}  # case -> when the parent first saw a rank in it
+        self.started = time.monotonic()
+
+    def overrun(self, now: float) -> str | None:
+        """None, or the line naming the case that overran and the ranks still in it."""
+        current = {}
+        for rank in range(self.world):
+            results, log = _read_rank(self.out_dir, rank)
+            running = _running_case(log)
+            if running is not None and running not in results:
+                current[rank] = running
+                self.entered.setdefault(running, now)
+        for case in sorted(set(current.values()), key=self.entered.get):
+            budget = (self.suite.cases[case].timeout if case in self.suite.cases
+                      else SPAWN_GRACE if case == "<setup>" else self.suite.timeout)
+            if now - self.entered[case] > budget + self.suite.grace:
+                waiting = sorted(rank for rank, running in current.items() if running == case)
+                elsewhere = {rank: running for rank, running in current.items()
+                             if running != case}
+                return (f"case {case!r} overran its budget of {budget:g} s (+{self.suite.grace:g} "
+                        f"s grace); ranks still in it: {waiting}"
+                        + (f"; other ranks in: {elsewhere}" if elsewhere else
+                           "; the other ranks had left it"))
+        return None
+
+
+def _wait(procs: list, deadline: float, progress: _Progress) -> str | None:
     """Join the ranks; once one dies with an error, the others get 10 s (they are likely blocked
-    in a collective with it) before being killed. True if the world ran past its deadline."""
-    failed_at = None
+    in a collective with it) before being killed. Returns why the parent killed the world (the
+    world's deadline, or a case that overran its budget), or None."""
+    failed_at, killed, checked = None, None, 0.0
     while any(proc.is_alive() for proc in procs):
         now = time.monotonic()
         if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
             failed_at = now
-        if now > deadline or (failed_at is not None and now > failed_at + 10):
+        if now - checked >= 1.0:
+            checked = now
+            killed = progress.overrun(now)
+        if now > deadline:
+            killed = f"the world ran past its {deadline - progress.started:.0f} s deadline"
+        if killed is not None or (failed_at is not None and now > failed_at + 10):
             for proc in procs:
                 if proc.is_alive():
                     proc.kill()
             for proc in procs:
                 proc.join()
-            return now > deadline
+            return killed
         for proc in procs:
             proc.join(timeout=0.2)
-    return False
+    return None
 
 
-def _why_unfinished(rank: int, exitcode: int | None, log: str, watchdog: bool,
-                    deadline: float) -> str:
+def _why_unfinished(rank: int, exitcode: int | None, log: str, killed: str | None) -> str:
     running = _running_case(log)
     tail = log[-LOG_TAIL:]
     if "Timeout (" in log:  # faulthandler's dump_traceback_later header
         return (f"case {running!r} timed out on rank {rank} (its budget ran out); "
                 f"the ranks' stacks:\n{tail}")
-    if watchdog:
-        return (f"the world ran past its {deadline:.0f} s deadline during {running!r}; killed. "
+    if killed is not None:
+        return (f"{killed}; killed the world while rank {rank} was in {running!r}. "
                 f"rank {rank}'s output:\n{tail}")
     return (f"did not finish: rank {rank} exited with {exitcode} during {running!r}; "
             f"its output:\n{tail}")

@@ -3,7 +3,11 @@ not imported; function-level imports included) imports only the megadomino packa
 package may import. `config` sits under everything; `distributed` <- `tp` <- `models`; the
 execution strategies (`overlap`, the `zero` engine, `pipeline`) drive
 `models` and never the reverse; `train` and `cli` sit on top; `kernels` needs torch and Triton
-only; `data` knows nothing of models. The table below is the document's table, as data."""
+only; `data` knows nothing of models. The table below is the document's table, as data.
+
+And every collective and point-to-point call of the package goes through
+`megadomino.distributed.comm` (which places tensors on the group's device and returns one work a
+P2P batch whatever the backend): no other module calls torch.distributed's collectives."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "zero": _BELOW_MODELS | {"models"},
     "pipeline": _BELOW_MODELS | {"models", "overlap", "zero"},
     "interop": {"config", "distributed", "tp", "models"},
-    "data": {"config"},
+    "data": {"config", "distributed"},  # its builder's outcome goes out through `comm`
     "train": _BELOW_MODELS | _STRATEGIES | {"megadomino", "models", "interop", "data"},
     "cli": _BELOW_MODELS | _STRATEGIES | {"megadomino", "models", "interop", "data", "train"},
 }
@@ -148,3 +152,59 @@ def test_the_check_sees_what_it_looks_for():
     assert violations("models", "from megadomino import train, tp\n", "megadomino.models", True) \
         == [("train", 1, "megadomino.train")]
     assert violations("cli", source, "megadomino.cli.launch", False) == []
+
+
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+    "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "barrier",
+    "monitored_barrier", "all_gather_object", "broadcast_object_list", "gather_object",
+    "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp",
+    "send_object_list", "recv_object_list", "all_reduce_coalesced", "all_gather_coalesced",
+}
+"""torch.distributed's functions that move data between ranks."""
+
+COMM = ROOT / "megadomino" / "distributed" / "comm.py"
+
+
+def direct_collectives(source: str) -> list[tuple[int, str]]:
+    """(line, name) for each use of a torch.distributed collective in `source`: an attribute of
+    a name bound to torch.distributed (`dist.all_reduce`, `torch.distributed.isend`), or a name
+    imported from it (`from torch.distributed import broadcast`)."""
+    tree = ast.parse(source)
+    aliases = {"torch.distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {alias.asname or alias.name for alias in node.names
+                        if alias.name == "torch.distributed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            found += [(node.lineno, alias.name) for alias in node.names
+                      if alias.name in COLLECTIVES]
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases |= {alias.asname or alias.name for alias in node.names
+                        if alias.name == "distributed"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES \
+                and ast.unparse(node.value) in aliases:
+            found.append((node.lineno, node.attr))
+    return sorted(found)
+
+
+def test_collectives_go_through_comm():
+    broken = [f"{path.relative_to(ROOT)}:{line} uses torch.distributed.{name}"
+              for path in MODULES if path != COMM
+              for line, name in direct_collectives(path.read_text())]
+    assert not broken, ("call megadomino.distributed.comm instead (it places tensors on the "
+                        "group's device and returns one work a P2P batch on every backend):\n  "
+                        + "\n  ".join(broken))
+
+
+def test_the_collective_check_sees_what_it_looks_for():
+    source = ("import torch.distributed as dist\nfrom torch import distributed as d2\n"
+              "from torch.distributed import broadcast\nimport torch\n"
+              "def f(t):\n    dist.all_reduce(t)\n    d2.batch_isend_irecv([])\n"
+              "    torch.distributed.barrier()\n    dist.get_rank()\n    dist.new_group([0])\n")
+    assert direct_collectives(source) == [(3, "broadcast"), (6, "all_reduce"),
+                                          (7, "batch_isend_irecv"), (8, "barrier")]
+    assert direct_collectives(COMM.read_text())  # the one module that calls them

@@ -1,4 +1,5 @@
-"""The multi-process harness itself: a hang ends in bounded time naming the case, a crash in setup
+"""The multi-process harness itself: a hang ends in bounded time naming the case (by the rank's
+faulthandler, or by the parent when a rank cannot be ended from inside), a crash in setup
 or in a rank shows why, a case is registered once, a case's slow worlds are the slow tier, and a
 suite no test asserts is refused at collection."""
 
@@ -28,6 +29,16 @@ def deadlocks(rank: int) -> None:
     dist.recv(torch.zeros(1), src=1 - rank)
 
 
+def hangs_beyond_faulthandler(rank: int) -> None:
+    """Rank 1 disarms its faulthandler (as a rank stuck inside a driver call cannot be ended by
+    it) and sleeps; rank 0 finishes the case."""
+    if rank == 1:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+        time.sleep(600)
+
+
 def broken_setup(world: int) -> dict:
     raise ZeroDivisionError("setup broke on purpose")
 
@@ -50,6 +61,18 @@ def test_a_deadlocked_case_times_out_naming_itself_and_its_stack():
     assert "case 'hangs' timed out" in results["hangs"], results["hangs"]
     assert "deadlocks" in results["hangs"], "the stack of the stuck rank is not shown"
     assert "timed out" in results["after"], results["after"]
+
+
+def test_a_case_that_overruns_its_budget_is_ended_by_the_parent_naming_the_waiting_rank():
+    suite = DistSuite(worlds=(2,), timeout=30, grace=2)
+    suite.case("stuck", hangs_beyond_faulthandler, C.rank, timeout=2)
+    suite.case("after", passes)
+    start = time.monotonic()
+    results = run_world(suite, 2)
+    assert time.monotonic() - start < 30, "the parent did not end the world after the budget"
+    assert ("case 'stuck' overran its budget of 2 s (+2 s grace); ranks still in it: [1]"
+            in results["stuck"]), results["stuck"]
+    assert "overran" in results["after"], results["after"]
 
 
 def test_a_crash_in_setup_shows_its_traceback_in_every_case():

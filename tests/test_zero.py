@@ -23,7 +23,7 @@ from megadomino.build import build_model
 from megadomino.config import ConfigError, ModelConfig
 from megadomino.data import MockDataset
 from megadomino.distributed import ParallelDims
-from megadomino.distributed.compat import all_gather_single
+from megadomino.distributed.comm import all_gather_single
 from megadomino.distributed.random import model_parallel_seed
 from megadomino.zero import CommCounter, ZeroConfig, ZeroPlusPlus, collectives
 from megadomino.zero.grads import GradReducer

@@ -27,7 +27,7 @@ from megadomino.cli.arguments import parse_args
 from megadomino.cli.slurm_env import apply_slurm_env
 from megadomino.config import ConfigError
 from megadomino.config.validate import validate
-from megadomino.distributed import ParallelDims
+from megadomino.distributed import ParallelDims, comm
 
 
 def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> int:
@@ -76,7 +76,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
               valid_data, model_init, _data_description(config.train.data))
         # Every rank done before any tears down: a gloo run whose two ranks finished apart once
         # aborted at exit ("terminate called without an active exception", CI, not reproduced).
-        dist.barrier()
+        comm.barrier()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -44,6 +44,7 @@ from megadomino.data.blend import BlendedDataset, normalize_weights
 from megadomino.data.gpt_dataset import GPTDataset
 from megadomino.data.index_cache import cached_arrays
 from megadomino.data.indexed import IndexedDataset
+from megadomino.distributed import comm
 
 SPLITS = ("train", "valid", "test")
 MID_LEVEL_SURPLUS = 0.005
@@ -110,15 +111,15 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
         return build()
     # Rank 0 builds (and caches) first; its outcome is broadcast, so that a bad dataset is the
     # same error on every rank instead of the others failing in a collective.
-    outcome: list = [None]
+    outcome = None
     if dist.get_rank() == 0:
         try:
             datasets = build()
         except (ValueError, OSError) as error:
-            outcome = [(type(error), str(error))]
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        error_type, message = outcome[0]
+            outcome = (type(error), str(error))
+    outcome = comm.broadcast_object(outcome, src=0)
+    if outcome is not None:
+        error_type, message = outcome
         raise error_type(message)
     return datasets if dist.get_rank() == 0 else build()
 

@@ -18,7 +18,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from megadomino.distributed.compat import all_gather_single, reduce_scatter_single
+from megadomino.distributed import comm
 
 
 class NoCommunication:
@@ -58,7 +58,7 @@ def all_reduce(x: torch.Tensor, group, async_op: bool = False):
     """Sum over the group, in place. Returns the work handle when async_op (None if skipped)."""
     if isinstance(group, NoCommunication) or group_size(group) == 1:
         return None
-    return dist.all_reduce(x, group=group, async_op=async_op)
+    return comm.all_reduce(x, group=group, async_op=async_op)
 
 
 def all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
@@ -70,7 +70,7 @@ def all_gather_dim0(x: torch.Tensor, group, async_op: bool = False):
         return x.repeat(world, *([1] * (x.dim() - 1))), None
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    handle = all_gather_single(out, x, group=group, async_op=async_op)
+    handle = comm.all_gather_single(out, x, group=group, async_op=async_op)
     return out, handle
 
 
@@ -85,7 +85,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group, async_op: bool = False):
         return x.narrow(0, 0, x.shape[0] // world).contiguous(), None
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    handle = reduce_scatter_single(out, x, group=group, async_op=async_op)
+    handle = comm.reduce_scatter_single(out, x, group=group, async_op=async_op)
     return out, handle
 
 

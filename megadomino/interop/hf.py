@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megadomino.config import ConfigError, FP8Recipe, ModelConfig, ParallelConfig
+from megadomino.distributed import comm
 from megadomino.interop.hf_config import hf_config_from, model_config_from_hf
 from megadomino.models.blocks import DTYPES
 from megadomino.models.gpt import full_shape, gather_full
@@ -319,9 +320,7 @@ def save_llama(model: nn.Module, out_dir: str, dtype: str | None = None,
             error = f"rank 0 could not write {out_dir}/config.json: {err}"
     if dist.is_initialized():
         # Also the barrier: no rank returns before the files are complete.
-        errors: list[str | None] = [None] * dims.world_size
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
+        error = next((e for e in comm.all_gather_object(error) if e is not None), None)
     if error is not None:
         raise OSError(f"save_llama: {error}")
 
@@ -330,9 +329,7 @@ def _stage_orders(order: list[str], dims) -> list[list[str]]:
     """Every stage's parameter names, stage by stage (at PP > 1 collective over the world)."""
     if dims.pp == 1:
         return [order]
-    gathered: list = [None] * dims.world_size
-    dist.all_gather_object(gathered, (dims.pp_rank, order))
-    by_stage = dict(sorted(gathered))
+    by_stage = dict(sorted(comm.all_gather_object((dims.pp_rank, order))))
     return [by_stage[stage] for stage in range(dims.pp)]
 
 

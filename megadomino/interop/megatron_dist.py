@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megadomino.config import ModelConfig
+from megadomino.distributed import comm
 from megadomino.interop.megatron import (
     DIST_METADATA,
     LAYER_PREFIX,
@@ -239,9 +240,7 @@ def _writer_group(dims):
 def _agree(error: str | None) -> None:
     """Raise, in every rank, the first rank's error (also the barrier)."""
     if dist.is_initialized():
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
+        error = next((e for e in comm.all_gather_object(error) if e is not None), None)
     if error is not None:
         raise OSError(f"torch_dist checkpoint: a writer {error}")
 

@@ -18,13 +18,12 @@ vocab_size: the data checks it), so they stay zero and `full_state_dict()` drops
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from megadomino.config import FP8Recipe, ModelConfig, ParallelConfig
 from megadomino.config.validate import validate_layers
-from megadomino.distributed import mappings
+from megadomino.distributed import comm, mappings
 from megadomino.distributed import random as tp_random
 from megadomino.models.blocks import DTYPES, rotary_tables
 from megadomino.models.transformer import TransformerBlock
@@ -232,7 +231,7 @@ def gather_full(local: torch.Tensor, param: torch.Tensor, dims) -> torch.Tensor:
     local = local.contiguous()
     shards = [torch.empty_like(local) for _ in range(dims.tp)]
     if dims.tp > 1:
-        dist.all_gather(shards, local, group=dims.tp_group)
+        comm.all_gather(shards, local, group=dims.tp_group)
     else:
         shards = [local]
     full = unshard_rows(shards, param.tp_partition_dim, param.tp_stripes)

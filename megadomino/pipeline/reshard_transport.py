@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from megadomino.distributed import comm
 from megadomino.pipeline.plan import PipelinePlan, Stage
 from megadomino.pipeline.reshard import Layout, Mesh, make_plan
 from megadomino.pipeline.reshard.layout import Box, box_shape, box_slices
@@ -73,13 +73,12 @@ class _Pending:
     def __init__(self, transport: ReshardTransport, pieces: list, out: torch.Tensor | None,
                  tile: Box | None):
         self.transport, self.pieces, self.out, self.tile = transport, pieces, out, tile
-        self.works: list | None = None
+        self.batch: comm.P2PBatch | None = None
 
     def wait(self) -> None:
-        if self.works is None:
+        if self.batch is None:
             self.transport.flush()
-        for work in self.works:
-            work.wait()
+        self.batch.wait()
         if self.out is not None:
             for box, buffer in self.pieces:
                 self.out[box_slices(box, self.tile)] = buffer
@@ -111,8 +110,8 @@ class ReshardTransport:
             self.backward.append(backward)
         self.grad_factor = (plan.stages[self.stage - 1].dp / plan.stages[self.stage].dp
                             if self.stage > 0 else 1.0)
-        self._ops: list[dist.P2POp] = []
-        self._posted: list[tuple[_Pending, int]] = []
+        self._ops: list = []
+        self._posted: list[_Pending] = []
 
     def _tag(self, forward: bool, boundary: int, micro: int) -> int:
         return ((0 if forward else 1) * self.stages + boundary) * self.micro + micro
@@ -124,8 +123,8 @@ class ReshardTransport:
         receivers = [m.receiver for m in messages if m.sender == self.rank]
         pending = _Pending(self, pieces, None, None)  # pieces kept until the sends are waited
         for piece, receiver in zip(pieces, receivers):
-            self._ops.append(dist.P2POp(dist.isend, piece, receiver, tag=tag))
-        self._posted.append((pending, len(pieces)))
+            self._ops.append(comm.send_op(piece, receiver, tag=tag))
+        self._posted.append(pending)
         return pending
 
     def _recv(self, messages: list[Message], tile: Box, tag: int
@@ -136,17 +135,17 @@ class ReshardTransport:
             if m.receiver == self.rank:
                 buffer = torch.empty(box_shape(m.box), dtype=self.dtype, device=self.device)
                 pieces.append((m.box, buffer))
-                self._ops.append(dist.P2POp(dist.irecv, buffer, m.sender, tag=tag))
+                self._ops.append(comm.recv_op(buffer, m.sender, tag=tag))
         pending = _Pending(self, pieces, out, tile)
-        self._posted.append((pending, len(pieces)))
+        self._posted.append(pending)
         return pending, out
 
     def flush(self) -> None:
         """Start the posts since the last flush (a rank may have no message of a post: a TP
         replica the solver did not pick sends nothing)."""
-        works = iter(dist.batch_isend_irecv(self._ops) if self._ops else ())
-        for pending, count in self._posted:
-            pending.works = [next(works) for _ in range(count)]
+        batch = comm.batch_p2p(self._ops)  # one work for the batch (NCCL) or one per op (gloo)
+        for pending in self._posted:
+            pending.batch = batch
         self._ops, self._posted = [], []
 
     def send_activation(self, tensor: torch.Tensor, micro: int, chunk: int) -> Handle:

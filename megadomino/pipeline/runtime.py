@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megadomino.config import ConfigError, ModelConfig, ParallelConfig
+from megadomino.distributed import comm
 from megadomino.models.blocks import DTYPES
 from megadomino.pipeline.executor import Executor, MicroBatch
 from megadomino.pipeline.plan import PipelinePlan, plan_from_stages, uniform_plan
@@ -70,7 +70,7 @@ class PipelineRuntime:
                                      (seq, micro_batch_size, model.hidden_size), dtype,
                                      device, num_micro)
         if plan.size > 1:  # NCCL: the group's first operation must be a collective of it all
-            dist.barrier(group=dims.pp_group)
+            comm.barrier(group=dims.pp_group)
         self.executor = Executor(chunks, transport, stage.index, plan.size)
         self.schedule_name = schedule_name
         self._actions: dict[int, list] = {}
@@ -104,7 +104,7 @@ class PipelineRuntime:
             losses = self.executor.run(self.actions(len(batches)), batches, scale,
                                        weights=weights, loss_weights=shard_weights)
         if self.tied is not None:
-            dist.all_reduce(engine.accumulated_grad(self.tied), group=self.embedding_group)
+            comm.all_reduce(engine.accumulated_grad(self.tied), group=self.embedding_group)
         engine.reduce_gradients()
         return self.mean_loss(losses, weights)
 
@@ -115,7 +115,7 @@ class PipelineRuntime:
         losses = self.executor.run(self.actions(len(batches)), batches,
                                    loss_weights=shard_weights)
         if self.tied is not None and self.tied.grad is not None:
-            dist.all_reduce(self.tied.grad, group=self.embedding_group)
+            comm.all_reduce(self.tied.grad, group=self.embedding_group)
         return self.mean_loss(losses)
 
     @torch.no_grad()
@@ -165,8 +165,8 @@ class PipelineRuntime:
             if weights is None:
                 total /= len(losses)
             if self.plan.batch_split and self.dims.dp > 1:  # the weighted parts' DP mean
-                dist.all_reduce(total, group=self.dims.dp_group)
+                comm.all_reduce(total, group=self.dims.dp_group)
                 total /= self.dims.dp
         if self.plan.size > 1:
-            dist.broadcast(total, self.loss_source, group=self.dims.pp_group)
+            comm.broadcast(total, self.loss_source, group=self.dims.pp_group)
         return total

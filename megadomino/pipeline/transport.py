@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
+from megadomino.distributed import comm
 from megadomino.pipeline.plan import PipelinePlan
 
 
@@ -79,7 +79,7 @@ class P2PTransport:
         self.next_stage, self.prev_stage = (stage.index + 1) % count, (stage.index - 1) % count
         self.group = pp_group
         self.shape, self.dtype, self.device, self.micro = shape, dtype, device, micro
-        self._ops: list[dist.P2POp] = []
+        self._ops: list = []
         self._posted: list[_Posted] = []
 
     def _tag(self, forward: bool, micro: int, boundary: int) -> int:
@@ -88,32 +88,32 @@ class P2PTransport:
         return ((0 if forward else 1) * self.chunks * self.stages + boundary) * self.micro + micro
 
     def _post(self, op, tensor: torch.Tensor, stage: int, tag: int) -> _Posted:
-        self._ops.append(dist.P2POp(op, tensor, group=self.group, tag=tag, group_peer=stage))
+        self._ops.append(op(tensor, group=self.group, tag=tag, group_peer=stage))
         self._posted.append(_Posted(self))
         return self._posted[-1]
 
     def flush(self) -> None:
         if not self._ops:
             return
-        works = dist.batch_isend_irecv(self._ops)
-        for posted, work in zip(self._posted, works, strict=True):
-            posted.work = work
+        batch = comm.batch_p2p(self._ops)  # one work for the batch (NCCL) or one per op (gloo)
+        for posted in self._posted:
+            posted.work = batch
         self._ops, self._posted = [], []
 
     def send_activation(self, tensor: torch.Tensor, micro: int, chunk: int) -> Handle:
         tag = self._tag(True, micro, chunk * self.stages + self.stage)
-        return self._post(dist.isend, tensor.contiguous(), self.next_stage, tag)
+        return self._post(comm.send_op, tensor.contiguous(), self.next_stage, tag)
 
     def recv_activation(self, micro: int, chunk: int) -> tuple[Handle, torch.Tensor]:
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         tag = self._tag(True, micro, chunk * self.stages + self.stage - 1)
-        return self._post(dist.irecv, buffer, self.prev_stage, tag), buffer
+        return self._post(comm.recv_op, buffer, self.prev_stage, tag), buffer
 
     def send_grad(self, tensor: torch.Tensor, micro: int, chunk: int) -> Handle:
         tag = self._tag(False, micro, chunk * self.stages + self.stage - 1)
-        return self._post(dist.isend, tensor.contiguous(), self.prev_stage, tag)
+        return self._post(comm.send_op, tensor.contiguous(), self.prev_stage, tag)
 
     def recv_grad(self, micro: int, chunk: int) -> tuple[Handle, torch.Tensor]:
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         tag = self._tag(False, micro, chunk * self.stages + self.stage)
-        return self._post(dist.irecv, buffer, self.next_stage, tag), buffer
+        return self._post(comm.recv_op, buffer, self.next_stage, tag), buffer

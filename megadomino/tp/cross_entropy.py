@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from megadomino.distributed import comm
 from megadomino.distributed.mappings import all_reduce
 
 
@@ -93,7 +94,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         pieces = compiled() if compile_pieces else None
         logits_max = (pieces.shard_max if pieces else _shard_max)(logits, real)
         if dist.get_world_size(group) > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(logits_max, op=comm.ReduceOp.MAX, group=group)
         outside = (labels < vocab_start) | (labels >= vocab_start + local_vocab)
         local_labels = (labels - vocab_start).masked_fill(outside, 0)
         ctx.real, ctx.pieces = real, pieces

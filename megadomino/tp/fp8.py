@@ -45,10 +45,10 @@ import functools
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megadomino.config.train import E4M3, E5M2, FP8Recipe
+from megadomino.distributed import comm
 from megadomino.kernels.fp8_cast import cast_transpose
 
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
@@ -132,7 +132,7 @@ class FP8State(nn.Module):
         history = self.amax_history
         if self.amax_group is not None:
             newest = history[0].clone()
-            dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=self.amax_group)
+            comm.all_reduce(newest, op=comm.ReduceOp.MAX, group=self.amax_group)
             history[0] = newest
         amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
         fresh = self.fp8_max / amax / 2.0**recipe.margin

@@ -32,11 +32,9 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from megadomino.distributed import ParallelDims
-from megadomino.distributed.compat import all_gather_single
+from megadomino.distributed import ParallelDims, comm
 from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.train.timers import Timers
 from megadomino.zero import ZeroPlusPlus
@@ -106,7 +104,7 @@ class Stepper:
         batch contributes 0, not 0 / 0)."""
         count = torch.stack([mask.sum() for mask in masks]).sum().double().reshape(1)
         if self.dims.dp > 1:
-            dist.all_reduce(count, group=self.dims.dp_group)
+            comm.all_reduce(count, group=self.dims.dp_group)
         return count.clamp(min=1.0).float().reshape(())
 
     def _token_weights(self, batches: list) -> list[torch.Tensor]:
@@ -210,7 +208,7 @@ def dp_mean(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
         return values
     flat = values.reshape(-1)
     gathered = flat.new_empty(dims.dp * flat.numel())
-    all_gather_single(gathered, flat.contiguous(), group=dims.dp_group)
+    comm.all_gather_single(gathered, flat.contiguous(), group=dims.dp_group)
     rows = gathered.view(dims.dp, -1)
     total = rows[0].clone()
     for row in rows[1:]:

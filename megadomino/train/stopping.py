@@ -13,9 +13,9 @@ import time
 from types import FrameType
 
 import torch
-import torch.distributed as dist
 
 from megadomino.config import RuntimeConfig
+from megadomino.distributed import comm
 
 
 class StopConditions:
@@ -49,7 +49,7 @@ class StopConditions:
             flags = torch.tensor([float(self.signalled), float(limit is not None
                                                                and elapsed > limit)],
                                  device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flags, op=comm.ReduceOp.MAX)
             signalled, timed_out = flags.tolist()
             if signalled:
                 return f"SIGTERM received (--exit-signal-handler) by iteration {iteration}"

@@ -5,10 +5,10 @@ engine. `startup_lines` is pure (tested on its own); `count_parameters` is colle
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megadomino.config import Config, ZeroConfig
+from megadomino.distributed import comm
 from megadomino.train.pad_rows import first_pad_row
 
 
@@ -29,11 +29,11 @@ def count_parameters(model: nn.Module, dims) -> int:
         sharded += param.numel() if first is None else first * param[0].numel()
     total = torch.tensor([sharded], dtype=torch.float64)
     if dims.tp > 1:
-        dist.all_reduce(total, group=dims.tp_group)
+        comm.all_reduce(total, group=dims.tp_group)
     total += replicated
     if dims.pp > 1:  # each stage's count once (ParallelDims.pp_replicas)
         total /= dims.pp_replicas
-        dist.all_reduce(total, group=dims.pp_group)
+        comm.all_reduce(total, group=dims.pp_group)
     return round(total.item())
 
 

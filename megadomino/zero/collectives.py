@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megadomino.distributed.compat import all_gather_single, reduce_scatter_single
+from megadomino.distributed import comm
 
 
 class Pending:
@@ -103,22 +103,22 @@ class CommCounter:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group, tag: str,
                    async_op: bool = False):
         self._count(group, tag, _nbytes(shard))
-        return all_gather_single(output, shard, group=group, async_op=async_op)
+        return comm.all_gather_single(output, shard, group=group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, group, tag: str,
                        async_op: bool = False):
         self._count(group, tag, _nbytes(full) / dist.get_world_size(group))
-        return reduce_scatter_single(output, full, group=group, async_op=async_op)
+        return comm.reduce_scatter_single(output, full, group=group, async_op=async_op)
 
     def all_to_all(self, output: torch.Tensor, data: torch.Tensor, group, tag: str,
                    async_op: bool = False):
         self._count(group, tag, _nbytes(data) / dist.get_world_size(group))
-        return dist.all_to_all_single(output, data, group=group, async_op=async_op)
+        return comm.all_to_all_single(output, data, group=group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, group, tag: str, op=dist.ReduceOp.SUM,
                    async_op: bool = False):
         self._count(group, tag, 2 * _nbytes(tensor) / dist.get_world_size(group))
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return comm.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

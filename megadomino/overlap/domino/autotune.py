@@ -13,10 +13,10 @@ import dataclasses
 import time
 
 import torch
-import torch.distributed as dist
 
 from megadomino import overlap
 from megadomino.config import DominoPlan
+from megadomino.distributed import comm
 
 # (N, K); (1, 1) is the plain TP path, "1x1-runner" Domino's explicit backward without slicing.
 CANDIDATES = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)]
@@ -74,10 +74,10 @@ def autotune_domino(model, micro_batch_size: int, log=print, warmup: int = 2,
     model.zero_grad(set_to_none=True)
     measured = torch.tensor(times, device=device)
     if dims.world_size > 1:
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        comm.all_reduce(measured, op=comm.ReduceOp.MAX)
     choice = torch.tensor([int(measured.argmin())], device=device)
     if dims.world_size > 1:
-        dist.broadcast(choice, src=0)
+        comm.broadcast(choice, src=0)
     n, k, runner = plans[int(choice)]
     plan = DominoPlan(n, k, runner)
     overlap.apply(model, dataclasses.replace(model.parallel, domino=plan))

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megadomino.distributed import comm
+
 from .layout import box_numel, box_shape, box_slices
 from .resharding import ReshardPlan, Step, tile_of
 
@@ -98,24 +100,26 @@ class Reshard:
     def _count(self, peer: int, tensor: torch.Tensor) -> None:
         self.sent[peer] = self.sent.get(peer, 0) + tensor.numel() * tensor.element_size()
 
-    def _send(self, tensor: torch.Tensor, peer: int) -> dist.Work:
+    def _send(self, tensor: torch.Tensor, peer: int):
         self._count(peer, tensor)
-        return dist.isend(tensor, peer)
+        return comm.isend(tensor, peer)
 
     def _p2p(self, steps: tuple[Step, ...], local, src_tile, buffers: dict) -> None:
-        """Every edge a point-to-point message; all posted, then all waited. For exchanges
-        (local None) the payload is the part this rank received in the first phase."""
-        pending = []
+        """Every edge a point-to-point message, posted as one batch, then waited. For exchanges
+        (local None) the payload is the part this rank received in the first phase. One batch:
+        on NCCL a pair's sends and receives share a stream, so posted one by one a send could
+        wait behind a receive from the same peer."""
+        ops = []
         for step in steps:
             for source, target in step.edges:
                 if source == self.rank:
                     payload = (self._payload(step, local, src_tile) if local is not None
                                else self._buffer(step, buffers))
-                    pending.append(self._send(payload, target))
+                    self._count(target, payload)
+                    ops.append(comm.send_op(payload, target))
                 elif target == self.rank:
-                    pending.append(dist.irecv(self._buffer(step, buffers), source))
-        for work in pending:
-            work.wait()
+                    ops.append(comm.recv_op(self._buffer(step, buffers), source))
+        comm.batch_p2p(ops).wait()
 
     def _chained(self, local, src_tile, buffers: dict) -> None:
         """Along each step's chain, chunk by chunk: a rank forwards chunk c as soon as it has
@@ -128,7 +132,7 @@ class Reshard:
             if self.rank in chain[1:]:
                 chunks = self._buffer(step, buffers).tensor_split(self._pieces(step))
                 predecessor = chain[chain.index(self.rank) - 1]
-                receives[step] = [(chunk, dist.irecv(chunk, predecessor)) for chunk in chunks]
+                receives[step] = [(chunk, comm.irecv(chunk, predecessor)) for chunk in chunks]
         sends = []
         for step in self.plan.steps:
             chain = self._chain(step)
@@ -165,7 +169,7 @@ class Reshard:
             for source, target in step.edges:  # gloo's tree, as plan.binomial_edges models it
                 if source == self.rank:
                     self._count(target, data)
-            pending.append(dist.broadcast(data, step.sender, group=self.groups[step],
+            pending.append(comm.broadcast(data, step.sender, group=self.groups[step],
                                           async_op=True))
         for work in pending:
             work.wait()

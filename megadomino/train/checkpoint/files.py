@@ -18,9 +18,8 @@ import zlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from megadomino.distributed import ParallelDims
+from megadomino.distributed import ParallelDims, comm
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -180,23 +179,17 @@ def gather_over_dp(obj: dict, dims: ParallelDims) -> list[dict]:
     """Every DP rank's `obj`, in DP rank order (collective over the DP group)."""
     if dims.dp == 1:
         return [obj]
-    gathered: list = [None] * dims.dp
-    dist.all_gather_object(gathered, obj, group=dims.dp_group)
-    return gathered
+    return comm.all_gather_object(obj, group=dims.dp_group)
 
 
 def gather_all(obj) -> list:
     """Every rank's `obj`, in rank order (collective over the world)."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
+    return comm.all_gather_object(obj)
 
 
 def agree(error: str | None) -> None:
     """Raise on every rank the first rank's error, if any rank has one (a barrier otherwise)."""
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e is not None), None)
+    first = next((e for e in comm.all_gather_object(error) if e is not None), None)
     if first is not None:
         raise CheckpointError(first)
 

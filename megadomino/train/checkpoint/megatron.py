@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import torch.distributed as dist
 from torch import nn
 
-from megadomino.distributed import ParallelDims
+from megadomino.distributed import ParallelDims, comm
 from megadomino.interop.megatron import MegatronCheckpointError, megatron_format
 from megadomino.interop.megatron_load import MegatronCounters, load_megatron, unused_error
 from megadomino.train.checkpoint.files import CheckpointError, agree
@@ -46,9 +45,7 @@ def load_megatron_checkpoint(source: Path, model: nn.Module, dims: ParallelDims,
         error = str(err)
     agree(error)
     if dims.pp > 1:  # each stage took its own tensors: together they must take every one
-        gathered = [None] * dims.world_size
-        dist.all_gather_object(gathered, counters.unused)
-        unused = frozenset.intersection(*gathered)
+        unused = frozenset.intersection(*comm.all_gather_object(counters.unused))
         if unused:
             raise CheckpointError(str(unused_error(source, unused)))
     if dims.rank == 0:
