@@ -36,6 +36,9 @@
 #   optimizer    benchmarks/bench_optimizer.py: the optimizer step's passes over 1.3B parameters
 #   bias-grad    benchmarks/bench_bias_grad.py: the bias-gradient sums beside the passes that
 #                write the gradients (compiled, and our GELU kernel), GPT-3 1.3B and 6.7B layers
+#   smoke        benchmarks/gpu_smoke.py: every parallel mode README lists, pretrain_gpt.py under
+#                torchrun on all GPUs, 10 iterations in fp32 and bf16, each run's losses against
+#                the DP run's (8 launches at once, 120 s each at most; $OUT/smoke.json)
 #   graph-dp     scripts/debug/cuda_graph_dp_drift.py (--enable-cuda-graph at TP 2 x DP 2: eager,
 #                graphed, graphed without the gradient hooks' stream join)
 set -uo pipefail
@@ -120,6 +123,8 @@ for name in "$@"; do
                  --out "$OUT/optimizer.json" ;;
     bias-grad) step bias-grad 120 python3 benchmarks/bench_bias_grad.py --iters 10 \
                  --out "$OUT/bias_grad.json" ;;
+    smoke) step smoke 300 python3 benchmarks/gpu_smoke.py --nproc "$GPUS" --dtype fp32,bf16 \
+             --jobs 8 --budget 120 --out "$OUT/smoke.json" ;;
     graph-dp) step graph-dp 200 torchrun --standalone \
                 --nproc_per_node 4 scripts/debug/cuda_graph_dp_drift.py ;;
     *) echo "unknown step $name" >&2; exit 2 ;;

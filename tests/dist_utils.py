@@ -28,8 +28,8 @@ world. The pytest process watches too: a case that a rank entered more than its 
 `grace` seconds ago (a rank stuck where faulthandler cannot end it, say inside a CUDA driver
 call) makes it kill the world, and every case of that world left unfinished fails with a line
 naming the case that overran and the ranks still in it. The failure names the case, the rank
-and the stacks. A crash in setup (an exception, or a rank that dies) fails every case with the traceback
-or the rank's last output.
+and the stacks. A crash in setup (an exception, or a rank that dies) fails every case with the
+traceback or the rank's last output.
 """
 
 from __future__ import annotations

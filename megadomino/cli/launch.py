@@ -5,10 +5,15 @@ Order matters for multi-rank runs: every rank parses and validates the flags (an
 tokenizer, which sets the vocabulary) against WORLD_SIZE before any process group exists, so a bad
 flag makes each rank print `error: ...` and exit 2 instead of leaving the others waiting in a
 collective. Exit status: 0 when the run ends or an --exit-* condition stops it (after saving), 2
-for a configuration that cannot run, 1 for a checkpoint that cannot be loaded or saved and for a
-loss that became NaN, and for a collective that waited --distributed-timeout-minutes for a rank
-that stopped answering (the line names the silent ranks where the rendezvous store can tell; with
-NCCL, its watchdog ends the process at the same timeout).
+for a configuration that cannot run, 1 for a checkpoint that cannot be loaded or saved, for a loss
+that became NaN, and for a rank that stopped answering: each rank's heartbeat (cli/heartbeat.py),
+on gloo and NCCL alike, prints `error: rank N stopped answering (no heartbeat for X s;
+--distributed-timeout-minutes T); ending this rank (R)` once a peer's heartbeat has been silent
+for half of T, so before NCCL's watchdog would end the process at T with no such line. When
+gloo's timeout of a collective comes first, the line names the ranks whose heartbeat is stale, or
+says that every rank still beats (one waits elsewhere): a live rank that entered the collective
+later is never named. Each rank prints one such line, at most T/2 plus 2 heartbeat intervals (T/12
+clamped to 0.5-10 s) after a peer stopped.
 """
 
 from __future__ import annotations
@@ -18,12 +23,12 @@ import functools
 import os
 import socket
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 from megadomino.cli.arguments import parse_args
+from megadomino.cli.heartbeat import Heartbeat, StalledRankError
 from megadomino.cli.slurm_env import apply_slurm_env
 from megadomino.config import ConfigError
 from megadomino.config.validate import validate
@@ -61,7 +66,12 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
 
     parallel, timeout = config.parallel, config.train.runtime.distributed_timeout_minutes
     _init_process_group(timeout)
+    heartbeat = None
     try:
+        if world_size > 1:
+            heartbeat = Heartbeat(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  dist.get_rank(), world_size, timeout)
+            heartbeat.start()
         plan = parallel.plan_stages()  # --pipeline-plan: each stage's own DP x TP block
         dims = ParallelDims(tp=parallel.tensor_model_parallel_size,
                             pp=parallel.pipeline_model_parallel_size,
@@ -80,16 +90,20 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
-    except (CheckpointError, NonFiniteLossError) as err:
+    except (CheckpointError, NonFiniteLossError, StalledRankError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as err:
-        if not _collective_timed_out(err):
+        # A world of one waits for no peer: its timeout would be our bug, with its traceback.
+        if heartbeat is None or not _collective_timed_out(err):
             raise  # our own bugs keep their tracebacks
-        print(f"error: {_stall_message(timeout)}",
-              file=sys.stderr, flush=True)
+        line = heartbeat.after_timeout()  # None: the heartbeat said its line and ends the rank
+        if line is not None:
+            print(f"error: {line}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()  # before the store's host (rank 0) may go away with its group
         dist.destroy_process_group()
     return 0
 
@@ -98,27 +112,6 @@ def _collective_timed_out(err: RuntimeError) -> bool:
     """gloo's timeout of a collective whose peer never answered (a RuntimeError of its own)."""
     return "Timed out waiting" in str(err) or (isinstance(err, dist.DistBackendError)
                                                 and "timeout" in str(err).lower())
-
-
-def _stall_message(timeout_minutes: float, wait_s: float = 3.0) -> str:
-    """Which ranks stopped answering: every rank still running marks itself alive in the
-    rendezvous store and, after `wait_s`, names the ranks that did not (None known if the store's
-    host is the silent one)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    said = (f"a collective waited --distributed-timeout-minutes {timeout_minutes:g} for a rank "
-            f"that stopped answering; ending this rank ({rank})")
-    store = dist.distributed_c10d._get_default_store()
-    store.set_timeout(datetime.timedelta(seconds=wait_s))
-    try:
-        store.set(f"megadomino/alive/{rank}", "1")
-        time.sleep(wait_s)
-        silent = [peer for peer in range(world)
-                  if not store.check([f"megadomino/alive/{peer}"])]
-    except dist.DistStoreError:
-        return f"{said}; the rendezvous store does not answer either (its host is silent)"
-    if not silent:
-        return f"{said}; every rank answered the store afterwards (a slow rank, not a dead one)"
-    return f"{said}; silent: rank {', '.join(map(str, silent))}"
 
 
 def _local_world_size(world_size: int) -> int:
@@ -145,8 +138,12 @@ def _init_process_group(timeout_minutes: float) -> None:
     collective waits at most `timeout_minutes` (--distributed-timeout-minutes)."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl", timeout=timeout)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        # Bound to its device, NCCL creates the world's communicator now and splits each group
+        # from it as the group is made, instead of creating one lazily at a group's first
+        # collective, which waits for every member (a P2P batch naming only some of them hangs).
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
     else:
         dist.init_process_group("gloo", timeout=timeout)
 
