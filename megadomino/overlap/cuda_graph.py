@@ -260,3 +260,17 @@ def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> 
         log(f"cuda graph: captured {len(block.layers)} layers{how}, forward + backward of a "
             f"({seq}, {micro_batch_size}, {config.hidden_size}) micro-batch")
     return layers
+
+
+def release_layers(model) -> None:
+    """Undo capture_layers at the end of a run: the decoder gets back the runner it had before,
+    and the graphs and their memory pool are freed now, while the process group whose
+    collectives they captured still exists. A graph holding NCCL kernels that outlives its
+    communicator (the runner and its block form a reference cycle, so without this the graphs
+    were freed at interpreter exit, after destroy_process_group) hung the process at exit.
+    No-op when the layers were not captured."""
+    block = model.decoder
+    if isinstance(block.runner, GraphedRunner):
+        torch.cuda.synchronize()
+        block.runner = block.runner.fallback
+        torch.cuda.synchronize()

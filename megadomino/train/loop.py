@@ -49,7 +49,7 @@ from megadomino.data.mock import MockDataset
 from megadomino.distributed import ParallelDims
 from megadomino.distributed.random import model_parallel_seed
 from megadomino.models import elementwise
-from megadomino.overlap.cuda_graph import capture_layers
+from megadomino.overlap.cuda_graph import capture_layers, release_layers
 from megadomino.overlap.domino.autotune import autotune_domino
 from megadomino.pipeline.runtime import PipelineRuntime, plan_from_config
 from megadomino.pipeline.stage import build_stage
@@ -253,6 +253,8 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     finally:
         if saver is not None:
             saver.close()
+        if config.parallel.enable_cuda_graph:
+            release_layers(model)  # before the process group goes: the graphs hold NCCL's
         profile.close()
         if writer is not None:
             writer.close()
