@@ -10,7 +10,9 @@
 #   setup        editable install (python3's pip: plain `pip` there is another Python) and, when
 #                .peerwhl/ holds megatron-core / DeepSpeed wheels (carry it), the peers in /tmp/site
 #   tests-gpu    the gpu tier: python3 -m pytest tests --tier gpu -q (tests/gpu and every NCCL
-#                suite; cases needing more GPUs than here skip, naming the count)
+#                suite; cases needing more GPUs than here skip, naming the count). At 4 GPUs it
+#                takes longer than one call's 10 minutes: run its modules in groups (the
+#                2026-11-28 report lists the groups and what each took)
 #   tests-cpu    the default tier on this machine's torch (2.11, the oldest declared) and CPUs
 #   kernels      tests/gpu/test_gpu_kernels.py only (1 GPU)
 #   quant        benchmarks/bench_quant.py: our kernels vs DeepSpeed's quantizer, one GPU
@@ -36,9 +38,10 @@
 #   optimizer    benchmarks/bench_optimizer.py: the optimizer step's passes over 1.3B parameters
 #   bias-grad    benchmarks/bench_bias_grad.py: the bias-gradient sums beside the passes that
 #                write the gradients (compiled, and our GELU kernel), GPT-3 1.3B and 6.7B layers
-#   smoke        benchmarks/gpu_smoke.py: every parallel mode README lists, pretrain_gpt.py under
-#                torchrun on all GPUs, 10 iterations in fp32 and bf16, each run's losses against
-#                the DP run's (8 launches at once, 120 s each at most; $OUT/smoke.json)
+#   smoke-fp32   benchmarks/gpu_smoke.py: every parallel mode README lists, pretrain_gpt.py under
+#   smoke-bf16   torchrun on all GPUs, 10 iterations, each run's losses against the DP run's
+#                ($OUT/smoke_<dtype>.json). A launch takes 30-60 s (start-up, not training):
+#                4 at once on 4 GPUs, 8 at once on 2 (10 at once beside other work overran)
 #   graph-dp     scripts/debug/cuda_graph_dp_drift.py (--enable-cuda-graph at TP 2 x DP 2: eager,
 #                graphed, graphed without the gradient hooks' stream join)
 set -uo pipefail
@@ -79,7 +82,7 @@ for name in "$@"; do
           --use-pytorch-profiler --profile-step-start 8 --profile-step-end 9 ${row#*:}
         python3 benchmarks/timeline.py profile/*.json > "$OUT/profile_${row%%:*}.json"
       done ;;
-    tests-gpu) step tests-gpu 500 python3 -m pytest tests --tier gpu -q ;;
+    tests-gpu) step tests-gpu 500 python3 -m pytest tests --tier gpu -q -rfE --durations=30 ;;
     tests-cpu) step tests-cpu 500 env CUDA_VISIBLE_DEVICES= python3 -m pytest tests -q ;;
     kernels) step kernels 200 python3 -m pytest tests/gpu/test_gpu_kernels.py --tier gpu -q -x ;;
     quant) step quant 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_quant.py \
@@ -123,8 +126,9 @@ for name in "$@"; do
                  --out "$OUT/optimizer.json" ;;
     bias-grad) step bias-grad 120 python3 benchmarks/bench_bias_grad.py --iters 10 \
                  --out "$OUT/bias_grad.json" ;;
-    smoke) step smoke 300 python3 benchmarks/gpu_smoke.py --nproc "$GPUS" --dtype fp32,bf16 \
-             --jobs 8 --budget 120 --out "$OUT/smoke.json" ;;
+    smoke-fp32|smoke-bf16)
+      step "$name" 450 python3 benchmarks/gpu_smoke.py --nproc "$GPUS" --dtype "${name#smoke-}" \
+        --jobs $((16 / GPUS)) --budget 150 --out "$OUT/$name.json" ;;
     graph-dp) step graph-dp 200 torchrun --standalone \
                 --nproc_per_node 4 scripts/debug/cuda_graph_dp_drift.py ;;
     *) echo "unknown step $name" >&2; exit 2 ;;

@@ -290,8 +290,10 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--exit-duration-in-mins", "train.runtime.exit_duration_in_mins", int,
           "Save (with --save) and exit 0 once the run has trained this long."),
     _impl("--distributed-timeout-minutes", "train.runtime.distributed_timeout_minutes", float,
-          "How long a collective waits for a rank that stopped answering (default 10); then "
-          "every rank still running exits 1, naming the silent ranks where it can tell."),
+          "How long a collective waits for a rank that stopped answering (default 10): each "
+          "rank's heartbeat (gloo and NCCL) ends every live rank with one line naming the "
+          "silent ranks once their heartbeat has been silent for half of this, before NCCL's "
+          "watchdog would; exit 1."),
     _impl("--exit-interval", "train.runtime.exit_interval", int,
           "Save (with --save) and exit 0 at the first iteration that is a multiple of this."),
     # Logging.
@@ -340,8 +342,9 @@ FLAGS: tuple[Flag, ...] = (
           "Capture the transformer layers' forward + backward of a micro-batch in CUDA graphs at "
           "start-up and replay them (megadomino/overlap/cuda_graph.py): host launch time drops "
           "out of the step; dropout is captured too (the RNG streams are registered with the "
-          "graphs), and with a Domino plan its sliced schedule is what is captured (run on one "
-          "GPU; Domino's captured collectives at TP >= 2 have not run on GPUs yet). Needs CUDA, "
+          "graphs), and with a Domino plan its sliced schedule is what is captured (with its "
+          "collectives at TP >= 2: run on NCCL at TP 2 and 4). The graphs are freed at the end "
+          "of the run, before the process group. Needs CUDA, "
           "no recompute, no ZeRO stage 3, no --domino-batch-slices auto. With "
           "--sequence-parallel --tp-comm-overlap it is the fastest TP path measured "
           "(BENCHMARKS.md)."),
