@@ -6,6 +6,7 @@ GRACE covers the rest on 2 loaded cores."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -82,6 +83,18 @@ def stalled_line(stopped: int, rank: int, timeout_minutes: float) -> str:
             rf"--distributed-timeout-minutes {timeout_minutes:g}\); ending this rank \({rank}\)")
 
 
+@contextlib.contextmanager
+def running_world(tmp_path: Path, world: int, args: list[str]):
+    """start_world's ranks, killed (whatever is left of them) on the way out."""
+    ranks = start_world(tmp_path, world, args)
+    try:
+        yield ranks
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait(timeout=30)
+
+
 def stop_rank_1_in_training(tmp_path: Path, timeout_minutes: float) -> tuple[int, float, str]:
     """Two ranks of pretrain_gpt.py; rank 1 stopped at iteration 3. Rank 0's exit status, its
     seconds from the stop to its exit, and its output."""
@@ -89,17 +102,12 @@ def stop_rank_1_in_training(tmp_path: Path, timeout_minutes: float) -> tuple[int
             "--mock-data", "--train-iters", "100000", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--log-interval", "1",
             "--distributed-timeout-minutes", str(timeout_minutes)]
-    ranks = start_world(tmp_path, 2, args)
-    try:
+    with running_world(tmp_path, 2, args) as ranks:
         wait_for(tmp_path, 0, "iteration        3/", ranks)
         os.kill(ranks[1].pid, signal.SIGSTOP)
         stopped = time.monotonic()
         code = ranks[0].wait(timeout=timeout_minutes * 60 + 60)
         took = time.monotonic() - stopped
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait(timeout=30)
     return code, took, (tmp_path / "rank0.log").read_text()
 
 
@@ -112,23 +120,24 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     assert re.fullmatch(stalled_line(1, 0, TIMEOUT_MINUTES), last), last
 
 
+def driver_args(plan: list) -> list[str]:
+    """The command of a rank of DRIVER following `plan` (one (action, seconds) a rank), one
+    micro-batch of one sample a rank."""
+    return [sys.executable, "-c", DRIVER, json.dumps(plan), "--model-preset", "gpt-tiny",
+            "--mock-data", "--train-iters", "1", "--micro-batch-size", "1",
+            "--global-batch-size", str(len(plan)), "--distributed-timeout-minutes",
+            str(TIMEOUT_MINUTES)]
+
+
 def test_only_the_stopped_rank_is_named_by_ranks_entering_apart(tmp_path):
     """Rank 0 enters the all-reduce first; rank 2 stops 4 s later (so rank 0's collective times
     out, at 6 s, before rank 2 has been silent for 3 s); rank 1 enters 5 s after rank 0, alive
     and still waiting when rank 0's timeout fires. Ranks 0 and 1 each name rank 2 only."""
     plan = [("enter", 0), ("enter", 5), ("stop", 4)]
-    args = [sys.executable, "-c", DRIVER, json.dumps(plan), "--model-preset", "gpt-tiny",
-            "--mock-data", "--train-iters", "1", "--micro-batch-size", "1",
-            "--global-batch-size", "3", "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
-    ranks = start_world(tmp_path, 3, args)
-    try:
+    with running_world(tmp_path, 3, driver_args(plan)) as ranks:
         stopped = wait_for(tmp_path, 2, "now stop", ranks)
         codes = [ranks[rank].wait(timeout=TIMEOUT_MINUTES * 60 + 60) for rank in (0, 1)]
         took = time.monotonic() - stopped
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait(timeout=30)
     for rank in (0, 1):
         output = (tmp_path / f"rank{rank}.log").read_text()
         assert codes[rank] == 1, output[-3000:]
@@ -143,18 +152,10 @@ def test_a_live_rank_waiting_elsewhere_is_not_named(tmp_path):
     """Rank 1 stays alive outside the all-reduce that rank 0 waits in: rank 0's collective times
     out and its line says that every rank still beats, naming none."""
     plan = [("enter", 0), ("enter", 60)]
-    args = [sys.executable, "-c", DRIVER, json.dumps(plan), "--model-preset", "gpt-tiny",
-            "--mock-data", "--train-iters", "1", "--micro-batch-size", "1",
-            "--global-batch-size", "2", "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
-    ranks = start_world(tmp_path, 2, args)
-    try:
+    with running_world(tmp_path, 2, driver_args(plan)) as ranks:
         entered = wait_for(tmp_path, 0, "now enter", ranks)
         code = ranks[0].wait(timeout=TIMEOUT_MINUTES * 60 + 60)
         took = time.monotonic() - entered
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait(timeout=30)
     output = (tmp_path / "rank0.log").read_text()
     assert code == 1, output[-3000:]
     assert error_lines(output) == [
