@@ -700,6 +700,38 @@ def test_entry_script_exits_2_naming_a_bad_flag():
     assert result.stderr.startswith("error: unknown flag --bogus-flag")
 
 
+def test_entry_script_reports_every_bad_flag_of_a_command_at_once():
+    """A misspelt flag, a refused one and a value out of range: three `error:` lines, exit 2."""
+    result = subprocess.run([sys.executable, "pretrain_gpt.py", "--model-preset", "gpt-tiny",
+                             "--micro-batch-szie", "4", "--fp16-lm-cross-entropy",
+                             "--lr-warmup-fraction", "1.5", "--mock-data", "--train-iters", "1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("error: unknown flag --micro-batch-szie") and \
+        lines[0].endswith("did you mean --micro-batch-size?"), lines[0]
+    assert lines[1].startswith("error: --lr-warmup-fraction=1.5 is invalid"), lines[1]
+    assert lines[2].startswith("error: --fp16-lm-cross-entropy is refused"), lines[2]
+
+
+@pytest.mark.parametrize("virtual", [("--virtual-pipeline-model-parallel-size", "2"),
+                                     ("--num-layers-per-virtual-pipeline-stage", "2")])
+def test_virtual_stages_imply_the_interleaved_schedule(virtual):
+    """As in Megatron-LM: virtual stages without --pipeline-schedule run interleaved; with
+    another schedule named, that schedule is refused by name."""
+    argv = ["--model-preset", "gpt-tiny", "--num-layers", "8", "--pipeline-model-parallel-size",
+            "2", *virtual]
+    config, _ = parse(*argv)
+    assert config.parallel.pipeline_schedule == "interleaved"
+    with pytest.raises(ConfigError, match="--pipeline-schedule=eager-1f1b is invalid"):
+        parse(*argv, "--pipeline-schedule", "eager-1f1b")
+    config, _ = parse("--model-preset", "gpt-tiny", "--num-layers", "8",
+                      "--pipeline-model-parallel-size", "2",
+                      "--num-layers-per-virtual-pipeline-stage", "4")
+    assert config.parallel.pipeline_schedule == "1f1b"  # one chunk a stage: nothing to interleave
+
+
 NUMERIC = [flag for flag in FLAGS + FINETUNE_FLAGS
            if flag.type in (int, float, _count) and flag.policy != REFUSED and not flag.choices]
 

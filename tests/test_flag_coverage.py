@@ -135,7 +135,10 @@ def test_hint_for_a_vendored_name_is_its_own_row_or_none(name):
 @pytest.mark.parametrize("typed, hint", [
     ("--num_layers", "--num-layers"), ("--Hidden-Size", "--hidden-size"),
     ("--num-layer", "--num-layers"), ("--adam-beta3", None), ("--hidden", None),
-    ("--fp8", None),
+    ("--fp8", None), ("--micro-batch-szie", "--micro-batch-size"),
+    ("--tensor-model-paralel-size", "--tensor-model-parallel-size"),
+    ("--seq-lenght", "--seq-length"), ("--hiden-size", "--hidden-size"),
+    ("--save-xgrads-interval", None), ("--num-layres", "--num-layers"),
 ])
 def test_hints_only_where_likely_right(typed, hint):
     with pytest.raises(ConfigError) as error:

@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None, family: str,
         raise ValueError(f"family must be one of {sorted(FAMILY_DEFAULTS)}, not {family!r}")
     flags = _flags(finetune)
     args, extras = build_parser(family, finetune).parse_known_args(argv)
-    _refuse_unknown(extras, flags)
+    errors = _unknown(extras, flags)  # every bad flag of the command, reported together
     given = {flag: getattr(args, flag.dest) for flag in flags
              if flag.policy != ALIAS and getattr(args, flag.dest) is not None}
     for flag, value in given.items():
@@ -108,11 +108,13 @@ def parse_args(argv: list[str] | None, family: str,
         values = value if isinstance(value, list) else [value]
         if allowed is not None and any(v not in allowed for v in values):
             kind = "an integer " if flag.type is not float else ""
-            raise ConfigError(f"{flag.name}={value} is invalid: it must be {kind}{allowed}")
+            errors.append(f"{flag.name}={value} is invalid: it must be {kind}{allowed}")
         reason = flag.refusal(value)
         if reason is not None:
             shown = flag.name if flag.type is None else f"{flag.name}={value}"
-            raise ConfigError(f"{shown} is refused: {reason}")
+            errors.append(f"{shown} is refused: {reason}")
+    if errors:
+        raise ConfigError(*errors)
     notices = _grouped_notices([flag for flag in given if flag.policy == NOTICE])
     if args.llama_model and family != "llama":
         raise ConfigError("--llama-model asks for a Llama model: use pretrain_llama.py, whose "
@@ -158,6 +160,11 @@ def parse_args(argv: list[str] | None, family: str,
         raise ConfigError("--no-position-embedding is refused: models without position "
                           "embeddings are not implemented (with --position-embedding-type rope "
                           "it is accepted: rope adds no position embedding)")
+    if "pipeline_schedule" not in parallel:
+        # Megatron runs the interleaved schedule whenever a stage holds virtual stages.
+        chunks = build(ParallelConfig, parallel).virtual_chunks(model_config.num_layers)
+        if chunks > 1:
+            parallel["pipeline_schedule"] = "interleaved"
     config = Config(model_config, build(ParallelConfig, parallel),
                     build(TrainConfig, fields["train"]))
     validate(config, finetune=finetune)
@@ -203,26 +210,32 @@ def _model_config_from_hf(hf_dir: str, overrides: dict[str, Any]) -> ModelConfig
     return model_config_from_hf(hf_config, **overrides)
 
 
-def _refuse_unknown(extras: list[str], flags: tuple[Flag, ...]) -> None:
-    if not extras:
-        return
-    unknown = [arg for arg in extras if arg.startswith("-")]
-    if not unknown:
-        raise ConfigError(f"unexpected argument {extras[0]!r}: values follow the flag they set")
-    name = unknown[0].split("=", 1)[0]
-    close = closest_flag(name, [flag.name for flag in flags])
-    hint = f"; did you mean {close}?" if close else ""
-    raise ConfigError(f"unknown flag {name}: megadomino neither implements, accepts nor refuses "
-                      f"it (see docs/flags.md){hint}")
+def _unknown(extras: list[str], flags: tuple[Flag, ...]) -> list[str]:
+    """A message for each unknown flag among `extras` (with the flag it likely misspells), or
+    for the first stray value when there is none."""
+    unknown = [arg.split("=", 1)[0] for arg in extras if arg.startswith("-")]
+    if extras and not unknown:
+        return [f"unexpected argument {extras[0]!r}: values follow the flag they set"]
+    messages = []
+    for name in dict.fromkeys(unknown):
+        close = closest_flag(name, [flag.name for flag in flags])
+        hint = f"; did you mean {close}?" if close else ""
+        messages.append(f"unknown flag {name}: megadomino neither implements, accepts nor "
+                        f"refuses it (see docs/flags.md){hint}")
+    return messages
 
 
 def closest_flag(name: str, known: list[str]) -> str | None:
     """The flag of `known` that an unknown `name` most likely misspells, or None.
 
-    Only two slips are hinted: another spelling of the same words (case, `_` for `-`) and a word
-    cut short (`--num-layer` for `--num-layers`; abbreviations are not expanded). Looser
-    similarity is not: Megatron-LM has many flags one letter apart (`--adam-beta1`,
-    `--adam-beta2`), and a hint naming another real flag is worse than none.
+    Three slips are hinted: another spelling of the same words (case, `_` for `-`), a word cut
+    short (`--num-layer` for `--num-layers`; abbreviations are not expanded), and one typing slip
+    inside a word of at least four letters: a letter dropped, doubled, swapped with its
+    neighbour or mistyped past the word's first letter (`--micro-batch-szie`,
+    `--tensor-model-paralel-size`), when exactly one flag is that close. Digits, first letters
+    and whole words are never guessed: Megatron-LM has flags one such character or word apart
+    (`--adam-beta1` / `--adam-beta2`, `--save-dgrads-interval` / `--save-wgrads-interval`),
+    and a hint naming another real flag is worse than none.
     """
     spelled = {flag.lower().replace("_", "-"): flag for flag in known}
     key = name.lower().replace("_", "-")
@@ -230,7 +243,31 @@ def closest_flag(name: str, known: list[str]) -> str | None:
         return spelled[key]
     longer = [flag for spelling, flag in spelled.items()
               if spelling.startswith(key) and "-" not in spelling[len(key):]]
-    return longer[0] if len(longer) == 1 else None
+    if len(longer) == 1:
+        return longer[0]
+    slipped = [flag for spelling, flag in spelled.items() if _one_slip(key, spelling)]
+    return slipped[0] if len(slipped) == 1 else None
+
+
+def _one_slip(typed: str, flag: str) -> bool:
+    """`typed` is `flag` with one letter dropped, added, replaced (not the first) or swapped with
+    its neighbour, inside one word of at least four letters of it, every other word the same."""
+    typed_words, flag_words = typed.split("-"), flag.split("-")
+    if len(typed_words) != len(flag_words):
+        return False
+    differ = [(a, b) for a, b in zip(typed_words, flag_words) if a != b]
+    if len(differ) != 1:
+        return False
+    a, b = differ[0]
+    if len(b) < 4 or not (a.isalpha() and b.isalpha()):
+        return False
+    if len(a) == len(b):
+        wrong = [i for i in range(len(a)) if a[i] != b[i]]
+        return (len(wrong) == 1 and wrong[0] > 0) or (len(wrong) == 2 and wrong[1] == wrong[0] + 1
+                                   and a[wrong[0]] == b[wrong[1]] and a[wrong[1]] == b[wrong[0]])
+    short, long_ = (a, b) if len(a) < len(b) else (b, a)
+    return len(long_) == len(short) + 1 and any(long_[:i] + long_[i + 1:] == short
+                                                for i in range(len(long_)))
 
 
 def _grouped_notices(flags: list[Flag]) -> list[str]:

@@ -108,7 +108,8 @@ FLAGS: tuple[Flag, ...] = (
     _ours("--pipeline-schedule", "parallel.pipeline_schedule", str,
           "1f1b (Megatron's), interleaved (virtual stages, Megatron's) or eager-1f1b (Alpa's "
           "overlap-friendly 1F1B: more warm-up forwards, each forward's send overlaps the next "
-          "compute).", choices=("1f1b", "interleaved", "eager-1f1b")),
+          "compute). Default: interleaved with virtual stages (as in Megatron), else 1f1b.",
+          choices=("1f1b", "interleaved", "eager-1f1b")),
     _ours("--pipeline-plan", "parallel.pipeline_plan", str,
           "A JSON file of pipeline stages, each with its ranks, TP degree and layer range: "
           "stage meshes of different shapes, joined by cross-mesh resharding (docs/pipeline.md); "

@@ -54,7 +54,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         local_size = _local_world_size(world_size)
         validate(config, world_size, local_size, finetune=finetune)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        _print_errors(err)
         return 2
     if int(os.environ["RANK"]) == 0:
         for notice in notices:
@@ -88,7 +88,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         # aborted at exit ("terminate called without an active exception", CI, not reproduced).
         comm.barrier()
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        _print_errors(err)
         return 2
     except (CheckpointError, NonFiniteLossError, StalledRankError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
@@ -106,6 +106,12 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
             heartbeat.stop()  # before the store's host (rank 0) may go away with its group
         dist.destroy_process_group()
     return 0
+
+
+def _print_errors(err: ConfigError) -> None:
+    """One `error:` line per message of `err` (every bad flag of the command)."""
+    for message in err.messages or [str(err)]:
+        print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def _collective_timed_out(err: RuntimeError) -> bool:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the flag, the value and what works."""
+    """A configuration that cannot run; each message names the flag, the value and what works.
+    Several messages (every bad flag of one command) print as one `error:` line each."""
+
+    def __init__(self, *messages: str):
+        super().__init__("\n".join(messages))
+        self.messages = list(messages)
 
 
 def check(ok: bool, flag: str, value, expected: str) -> None:
