@@ -1,0 +1,50 @@
+"""On the GPU machine: FP8 linears under tensor parallelism on NCCL, at TP 2 and 4, the cases of
+tests/test_fp8.py's distributed suite: a TP model's logits over three forwards against the TP=1
+FP8 model built from the same weights (delayed scaling: within the gpu tier's 1e-4, since the
+amaxes are max-reduced over TP and both sides cast the same numbers; tensorwise: within 1.5x
+FP8's own error, since each rank scales its own shards), and a TP run whose loss falls. The
+models are built on the rank's GPU (build_model's default), where the GEMMs are
+`torch._scaled_mm`'s; the twin's tokens are drawn on the CPU, as it draws them, then moved.
+The gpu tier: `python -m pytest tests --tier gpu -q`."""
+
+from __future__ import annotations
+
+import types
+
+import test_fp8
+import torch
+from gpu_twins import FP32_REL, patch, rank_device
+
+from dist_utils import C, DistSuite
+from megadomino.distributed import ParallelDims
+
+
+class _TorchDrawingIntsOnCpu(types.ModuleType):
+    """torch, except that `randint` draws on the CPU (the twin's CPU generator, its values) and
+    returns the draw on `device`."""
+
+    def __init__(self, device: torch.device):
+        super().__init__("torch")
+        self._device = device
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    def randint(self, *args, **kwargs) -> torch.Tensor:
+        return torch.randint(*args, **kwargs).to(self._device)
+
+
+SUITE = DistSuite(worlds=(2, 4), backend="nccl", timeout=120.0)
+
+
+@SUITE.setup
+def _setup(world: int) -> dict:
+    patch(test_fp8, REL_DELAYED=FP32_REL, torch=_TorchDrawingIntsOnCpu(rank_device()))
+    return {"ref": ParallelDims(tp=1), "tp": ParallelDims(tp=world)}
+
+
+for recipe in ("delayed", "tensorwise"):
+    SUITE.case(f"forward-{recipe}", test_fp8._case_tp2_forward_matches_tp1, C.ref, C.tp, recipe)
+SUITE.case("learns", test_fp8._case_learns, C.tp)
+
+test_gpu_fp8_tensor_parallel = SUITE.test()
