@@ -192,7 +192,10 @@ def test_bad_plan_files_are_refused(tmp_path, stages, message):
 
 @pytest.mark.parametrize("text, message", [
     ("not json", "cannot be read as JSON"), ('{"stages": []}', "non-empty list 'stages'"),
-    ('{"stages": [{"ranks": [0], "tp": 1}]}', "exactly the keys"),
+    ('{"stages": [{"ranks": [0], "tp": 1}]}', "stage 0: no 'layers' .*exactly the keys"),
+    ('{"stages": [{"ranks": [0], "tp": 1, "layer": [0, 4]}]}',
+     "stage 0: unknown key 'layer'; no 'layers'"),
+    ("[1, 2]", "expected an object"),
     ('{"stages": [{"ranks": [0], "tp": 0, "layers": [0, 4]}]}', "'tp' must be a positive"),
     ('{"stages": [{"ranks": [0], "tp": 1, "layers": [2, 1]}]}', "'layers' must be"),
 ])
@@ -201,6 +204,27 @@ def test_malformed_plan_files_are_refused(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         validate(plan_config(str(path)), 3)
+
+
+def test_a_missing_plan_or_a_directory_is_named_so(tmp_path):
+    with pytest.raises(ConfigError, match=r"--pipeline-plan \S+missing.json: not found$"):
+        validate(plan_config(str(tmp_path / "missing.json")), 3)
+    with pytest.raises(ConfigError, match="a directory, not a JSON file"):
+        validate(plan_config(str(tmp_path)), 3)
+
+
+def test_the_plan_sets_the_pipeline_size_when_the_flag_is_not_given(tmp_path):
+    """As its stages are the pipeline, --pipeline-plan alone implies
+    --pipeline-model-parallel-size; given and different, the flag is refused naming both."""
+    path = plan_file(tmp_path, GOOD)
+    argv = ["--model-preset", "gpt-tiny", "--num-layers", "4", "--pipeline-plan", path,
+            "--untie-embeddings-and-output-weights", "--mock-data", "--train-iters", "1",
+            "--micro-batch-size", "2", "--global-batch-size", "2"]
+    config, _ = parse_args(argv, "gpt")
+    assert config.parallel.pipeline_model_parallel_size == len(GOOD)
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size=3 disagrees with "
+                                          "--pipeline-plan"):
+        parse_args([*argv, "--pipeline-model-parallel-size", "3"], "gpt")
 
 
 @pytest.mark.parametrize("leaves, message", [

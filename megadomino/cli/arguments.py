@@ -29,6 +29,7 @@ from megadomino.config import (
     TrainConfig,
     build,
 )
+from megadomino.config.pipeline_plan import read_plan
 from megadomino.config.validate import validate
 
 _REQUIRED_WITHOUT_PRESET = ("--num-layers", "--hidden-size", "--num-attention-heads",
@@ -160,6 +161,9 @@ def parse_args(argv: list[str] | None, family: str,
         raise ConfigError("--no-position-embedding is refused: models without position "
                           "embeddings are not implemented (with --position-embedding-type rope "
                           "it is accepted: rope adds no position embedding)")
+    if "pipeline_plan" in parallel and "pipeline_model_parallel_size" not in parallel:
+        # the plan's stages are the pipeline: their count is its size
+        parallel["pipeline_model_parallel_size"] = len(read_plan(parallel["pipeline_plan"]))
     if "pipeline_schedule" not in parallel:
         # Megatron runs the interleaved schedule whenever a stage holds virtual stages.
         chunks = build(ParallelConfig, parallel).virtual_chunks(model_config.num_layers)

@@ -113,6 +113,7 @@ FLAGS: tuple[Flag, ...] = (
     _ours("--pipeline-plan", "parallel.pipeline_plan", str,
           "A JSON file of pipeline stages, each with its ranks, TP degree and layer range: "
           "stage meshes of different shapes, joined by cross-mesh resharding (docs/pipeline.md); "
+          "its stage count is --pipeline-model-parallel-size unless that flag is given; "
           "default Megatron's uniform plan."),
     _impl("--sequence-parallel", "parallel.sequence_parallel", None,
           "Shard norm and dropout activations over TP ranks; dropped with a notice at TP 1, as in "

@@ -42,6 +42,10 @@ def read_plan(path: str) -> tuple[StageSpec, ...]:
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"--pipeline-plan {path}: not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--pipeline-plan {path}: a directory, not a JSON file") from None
     except (OSError, ValueError) as err:
         raise ConfigError(f"--pipeline-plan {path}: cannot be read as JSON ({err})") from None
     stages = data.get("stages") if isinstance(data, dict) else None
@@ -53,8 +57,16 @@ def read_plan(path: str) -> tuple[StageSpec, ...]:
 
 def _stage(path: str, index: int, entry) -> StageSpec:
     where = f"--pipeline-plan {path}: stage {index}"
-    if not isinstance(entry, dict) or set(entry) != {"ranks", "tp", "layers"}:
-        raise ConfigError(f"{where} must have exactly the keys 'ranks', 'tp' and 'layers'")
+    keys = ("ranks", "tp", "layers")
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} must be an object with the keys 'ranks', 'tp' and 'layers'")
+    unknown = [key for key in entry if key not in keys]
+    missing = [key for key in keys if key not in entry]
+    if unknown or missing:
+        said = ([f"unknown key{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}"]
+                if unknown else []) + ([f"no {', '.join(map(repr, missing))}"] if missing else [])
+        raise ConfigError(f"{where}: {'; '.join(said)} (a stage has exactly the keys 'ranks', "
+                          "'tp' and 'layers')")
     ranks, tp, layers = entry["ranks"], entry["tp"], entry["layers"]
     if not isinstance(ranks, list) or not ranks or not all(_is_int(r) for r in ranks):
         raise ConfigError(f"{where}: 'ranks' must be a non-empty list of integers")
