@@ -700,6 +700,19 @@ def test_entry_script_exits_2_naming_a_bad_flag():
     assert result.stderr.startswith("error: unknown flag --bogus-flag")
 
 
+@pytest.mark.parametrize("given, missing", [("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")])
+def test_half_of_torchruns_environment_is_one_line(given, missing):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    result = subprocess.run([sys.executable, "pretrain_gpt.py", "--model-preset", "gpt-tiny",
+                             "--mock-data", "--train-iters", "1"], cwd=ROOT,
+                            env={**env, given: "0" if given == "RANK" else "1"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"error: the environment sets {given} but not {missing}: "
+                                     "launch with torchrun (it sets both), or set both, or "
+                                     "neither for one process"), result.stderr
+
+
 def test_entry_script_reports_every_bad_flag_of_a_command_at_once():
     """A misspelt flag, a refused one and a value out of range: three `error:` lines, exit 2."""
     result = subprocess.run([sys.executable, "pretrain_gpt.py", "--model-preset", "gpt-tiny",

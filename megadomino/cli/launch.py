@@ -127,8 +127,14 @@ def _local_world_size(world_size: int) -> int:
 
 
 def _default_to_single_process() -> None:
-    """Without torchrun's environment, run as rank 0 of 1 on a free local port."""
-    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+    """Without torchrun's environment, run as rank 0 of 1 on a free local port; half of it (one
+    of RANK and WORLD_SIZE) is a ConfigError naming the one that is missing."""
+    given = [name for name in ("RANK", "WORLD_SIZE") if name in os.environ]
+    if len(given) == 1:
+        missing = "WORLD_SIZE" if given == ["RANK"] else "RANK"
+        raise ConfigError(f"the environment sets {given[0]} but not {missing}: launch with "
+                          "torchrun (it sets both), or set both, or neither for one process")
+    if given:
         return
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                         ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
