@@ -99,8 +99,8 @@ def under_default_device(fn: Callable, device: torch.device) -> Callable:
 
 
 class TorchDrawingOnCpu(types.ModuleType):
-    """torch, except that `randn` draws on the CPU (with the caller's CPU generator, so the
-    values are the twin's) and returns the draw on `device`."""
+    """torch, except that `randn` and `randint` draw on the CPU (with the caller's CPU
+    generator, so the values are the twin's) and return the draw on `device`."""
 
     def __init__(self, device: torch.device):
         super().__init__("torch")
@@ -111,6 +111,9 @@ class TorchDrawingOnCpu(types.ModuleType):
 
     def randn(self, *args, **kwargs) -> torch.Tensor:
         return torch.randn(*args, **kwargs).to(self._device)
+
+    def randint(self, *args, **kwargs) -> torch.Tensor:
+        return torch.randint(*args, **kwargs).to(self._device)
 
 
 def deterministic(fn: Callable, *args, **kwargs):

@@ -9,37 +9,18 @@ The gpu tier: `python -m pytest tests --tier gpu -q`."""
 
 from __future__ import annotations
 
-import types
-
 import test_fp8
-import torch
-from gpu_twins import FP32_REL, patch, rank_device
+from gpu_twins import FP32_REL, TorchDrawingOnCpu, patch, rank_device
 
 from dist_utils import C, DistSuite
 from megadomino.distributed import ParallelDims
-
-
-class _TorchDrawingIntsOnCpu(types.ModuleType):
-    """torch, except that `randint` draws on the CPU (the twin's CPU generator, its values) and
-    returns the draw on `device`."""
-
-    def __init__(self, device: torch.device):
-        super().__init__("torch")
-        self._device = device
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    def randint(self, *args, **kwargs) -> torch.Tensor:
-        return torch.randint(*args, **kwargs).to(self._device)
-
 
 SUITE = DistSuite(worlds=(2, 4), backend="nccl", timeout=120.0)
 
 
 @SUITE.setup
 def _setup(world: int) -> dict:
-    patch(test_fp8, REL_DELAYED=FP32_REL, torch=_TorchDrawingIntsOnCpu(rank_device()))
+    patch(test_fp8, REL_DELAYED=FP32_REL, torch=TorchDrawingOnCpu(rank_device()))
     return {"ref": ParallelDims(tp=1), "tp": ParallelDims(tp=world)}
 
 
