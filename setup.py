@@ -53,6 +53,9 @@ setup(
             # which it does not declare.
             "megatron-core==0.16.1",
             "psutil",
+            # --tensorboard-dir, which real launch scripts pass
+            # (tests/test_vendored_launch_scripts.py)
+            "tensorboard",
         ],
         "tb": ["tensorboard"],
     },

@@ -21,7 +21,8 @@ import sys
 
 import torch
 
-LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| loss (\S+) \| lr \S+ \| grad norm \S+ \| "
+LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| loss (\S+) \| lr \S+ \| global batch \d+ \| "
+                  r"grad norm \S+ \| "
                   r"([\d.]+) ms/iter \| ([\d.]+) tokens/s \| ([\d.]+) TFLOP/s/GPU \| "
                   r"MFU ([\d.]+)% \| peak mem ([\d.]+) GiB")
 

@@ -198,6 +198,9 @@ SAMPLE_MAPPED = [
      "train.schedule.lr_wsd_decay_samples", 100),
     (("--global-batch-size", "8", "--rampup-batch-size", "2", "2", "320"),
      "train.schedule.rampup_batch_size", [2, 2, 320]),
+    # gpt-tiny's sequences are 64 tokens: thresholds in tokens become samples, pairs sorted
+    (("--step-batch-size-schedule", "0:2 6.4K:4,128:8"),
+     "train.schedule.step_batch_size_schedule", [[0, 2], [2, 8], [100, 4]]),
 ]
 """Flags of sample-based runs (--train-samples)."""
 
@@ -220,6 +223,24 @@ def test_sample_flag_sets_its_field(argv, path, expected):
      "reach it in whole INCREMENTs"),
     (("--train-samples", "64", "--global-batch-size", "8", "--micro-batch-size", "2",
       "--rampup-batch-size", "1", "1", "8"), "multiples of --micro-batch-size"),
+    (("--train-samples", "64", "--global-batch-size", "4", "--step-batch-size-schedule",
+      "0:2 1K:8"), "--global-batch-size=4 contradicts --step-batch-size-schedule, whose last "
+                   "batch is 8"),
+    (("--train-samples", "64", "--rampup-batch-size", "2", "2", "8", "--step-batch-size-schedule",
+      "0:2 1K:4"), "--step-batch-size-schedule and --rampup-batch-size both set the batch size"),
+    (("--train-samples", "64", "--step-batch-size-schedule", "64:2 1K:4"),
+     "its first threshold must be 0 .samples., not 1"),
+    (("--train-samples", "64", "--step-batch-size-schedule", "0:2 10:4"),
+     "thresholds must increase, got 0 then 0 samples"),
+    (("--train-samples", "64", "--step-batch-size-schedule", "0:2 1K"),
+     "entry '1K' is invalid: each entry is THRESHOLD:BATCH"),
+    (("--train-samples", "64", "--step-batch-size-schedule", "0:2 1x:4"),
+     "entry '1x:4' is invalid"),
+    (("--train-samples", "64", "--step-batch-size-schedule", " "),
+     "--step-batch-size-schedule is empty"),
+    (("--train-iters", "10", "--micro-batch-size", "2", "--step-batch-size-schedule",
+      "0:2 1K:5"), "--step-batch-size-schedule batch 5 is invalid: every batch must be a "
+                   "positive multiple of --micro-batch-size x data-parallel size .2."),
     (("--train-samples", "64", "--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "4"),
      "give one of --lr-warmup-fraction and --lr-warmup-samples"),
     (("--train-iters", "10", "--lr-decay-style", "WSD"), "needs the length of its annealing"),
@@ -239,6 +260,16 @@ def test_sample_flag_sets_its_field(argv, path, expected):
 def test_megatron_feature_rules_name_the_flag(argv, named):
     with pytest.raises(ConfigError, match=named):
         parse(*argv, base=["--model-preset", "gpt-tiny", "--mock-data"])
+
+
+def test_step_schedule_with_its_last_batch_as_global_batch_is_a_notice():
+    """Megatron-LM's GPT-3 175B example passes both; they agree, so the run takes them."""
+    config, notices = parse_args(["--model-preset", "gpt-tiny", "--mock-data", "--train-iters",
+                                  "5", "--global-batch-size", "8", "--step-batch-size-schedule",
+                                  "0:2 1K:8"], "gpt")
+    assert config.train.schedule.step_batch_size_schedule == [[0, 2], [15, 8]]
+    assert any(n.startswith("--global-batch-size: 8, the last batch of --step-batch-size-"
+                            "schedule") for n in notices)
 
 DATA = ["--model-preset", "gpt-tiny", "--train-iters", "10", "--tokenizer-type",
         "GPT2BPETokenizer", "--vocab-file", "vocab.json", "--merge-file", "merges.txt"]

@@ -3,6 +3,9 @@ Megatron-LM's formulas, written out below from its source:
 
 - NVIDIA/Megatron-LM megatron/core/num_microbatches_calculator.py (commit 00caa53af309):
   `RampupBatchsizeNumMicroBatchesCalculator.__init__` and `update`;
+- the same file at commit d98e8a64ddf3: `StepBatchsizeNumMicroBatchesCalculator` (`_parse_schedule`,
+  `_parse_numeric_value`, `_get_batch_size_for_samples`), and training.py's `update_train_iters`
+  at that commit for a stepped schedule;
 - megatron/core/optimizer_param_scheduler.py (commit 00caa53af309): `OptimizerParamScheduler.
   get_lr` and `step` (init_lr 0: --lr-warmup-init's default);
 - megatron/training/training.py (commit 001b00c2734d): `update_train_iters`,
@@ -19,6 +22,7 @@ a ramp-up are the reference's.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -54,8 +58,53 @@ class MegatronRampup:
         self.num_micro_batches = self.current_global_batch_size // (self.mbs * self.dp)
 
 
-def megatron_train_iters(train_samples: int, gbs: int, rampup: MegatronRampup | None) -> int:
+class MegatronSteps:
+    """StepBatchsizeNumMicroBatchesCalculator without its logging and asserts."""
+
+    def __init__(self, schedule: list, mbs: int, dp: int):
+        self.schedule, self.mbs, self.dp = [tuple(pair) for pair in schedule], mbs, dp
+        self.samples = None  # not a ramp: update_train_iters takes the stepped branch
+        self.update(0)
+
+    @staticmethod
+    def parse(schedule_str: str, seq_length: int) -> list[tuple[int, int]]:
+        def number(value_str: str) -> int:
+            value_str = value_str.strip().upper()
+            multiplier = 1
+            for suffix, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+                if value_str.endswith(suffix):
+                    multiplier, value_str = scale, value_str[:-1]
+                    break
+            return int(float(value_str) * multiplier)
+        schedule = []
+        for entry in schedule_str.strip().replace(',', ' ').split():
+            threshold_str, batch_size_str = entry.split(':', 1)
+            schedule.append((number(threshold_str) // seq_length, number(batch_size_str)))
+        schedule.sort(key=lambda x: x[0])
+        return schedule
+
+    def update(self, consumed_samples: int) -> None:
+        batch_size = self.schedule[0][1]
+        for threshold, bs in self.schedule:
+            if consumed_samples >= threshold:
+                batch_size = bs
+            else:
+                break
+        self.current_global_batch_size = batch_size
+        self.num_micro_batches = batch_size // (self.mbs * self.dp)
+
+
+def megatron_train_iters(train_samples: int, gbs: int,
+                         rampup: MegatronRampup | MegatronSteps | None) -> int:
     """training.py's update_train_iters."""
+    if isinstance(rampup, MegatronSteps):
+        iterations = consumed_samples = 0
+        while consumed_samples < train_samples:
+            rampup.update(consumed_samples)
+            consumed_samples += rampup.current_global_batch_size
+            iterations += 1
+        rampup.update(0)
+        return iterations
     if rampup is None:
         return train_samples // gbs
     iterations, consumed_samples = 0, 0
@@ -143,6 +192,8 @@ def megatron_run(s: ScheduleConfig, dp: int) -> list[tuple[int, int, float, floa
     gbs = s.global_batch_size
     rampup = None if s.rampup_batch_size is None else MegatronRampup(
         gbs, s.micro_batch_size, dp, *s.rampup_batch_size)
+    if s.step_batch_size_schedule is not None:  # sample-based: gbs is not read
+        rampup = MegatronSteps(s.step_batch_size_schedule, s.micro_batch_size, dp)
     iters = s.train_iters or megatron_train_iters(s.train_samples, gbs, rampup)
     scheduler = megatron_scheduler(s, iters, gbs)
     decoupled = None if s.decoupled_lr is None else {
@@ -196,6 +247,12 @@ SCHEDULES = {
                                   lr_decay_style="linear", decoupled_lr=1e-2),
     "rampup-short": dict(train_samples=100, global_batch_size=8, rampup_batch_size=[2, 2, 1],
                          lr_decay_style="cosine"),
+    "steps": dict(train_samples=433, step_batch_size_schedule=[[0, 6], [37, 12], [100, 24]],
+                  lr_warmup_samples=40, lr_decay_style="cosine"),
+    "steps-overrun": dict(train_samples=101, step_batch_size_schedule=[[0, 2], [7, 10]],
+                          lr_decay_samples=90, lr_decay_style="linear", decoupled_lr=1e-2),
+    "steps-one": dict(train_samples=50, step_batch_size_schedule=[[0, 4]],
+                      lr_decay_style="cosine"),
     **{f"wsd-samples-{style}": dict(train_samples=600, global_batch_size=10,
                                     lr_warmup_samples=20, lr_decay_style="WSD",
                                     lr_wsd_decay_samples=170, lr_wsd_decay_style=style)
@@ -215,6 +272,37 @@ def test_schedule_equals_megatron_step_by_step(name, dp):
     assert len(got) == len(want) > 0
     for iteration, (a, b) in enumerate(zip(got, want)):
         assert a == b, f"iteration {iteration + 1}: ours {a}, Megatron-LM's {b}"
+
+
+@pytest.mark.parametrize("text, seq_length", [
+    ("0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536", 2048),  # Megatron-LM's GPT-3 175B
+    ("0:768,250B:1536 500B:3072 750B:6144", 4096),
+    ("1.5k:16 0:8 3M:24 0.5T:32", 1000),
+    ("0:2 63:4 64:6", 64),
+])
+def test_step_schedule_text_reads_as_megatron_reads_it(text, seq_length):
+    from megadomino.config.batches import parse_step_schedule
+    assert [tuple(pair) for pair in parse_step_schedule(text, seq_length)] == \
+        MegatronSteps.parse(text, seq_length)
+
+
+def test_step_schedule_with_train_iters_counts_lr_in_its_last_batch():
+    """A --train-iters run: each step takes its stage's batch, the LR lengths are iterations x
+    the last batch (what --global-batch-size, when the script repeats it, says)."""
+    s = ScheduleConfig(micro_batch_size=1, lr=3e-3, min_lr=3e-4, train_iters=12,
+                       lr_warmup_iters=2, lr_decay_style="linear",
+                       step_batch_size_schedule=[[0, 2], [9, 6]])
+    batches = BatchSchedule.from_config(s, dp=1)
+    assert batches.global_batch_size == 6 and batches.train_iterations(s) == 12
+    consumed, sizes = 0, []
+    for _ in range(12):
+        sizes.append(batches.global_batch(consumed))
+        consumed += sizes[-1]
+    assert sizes == [2] * 5 + [6] * 7 and batches.samples_in(12) == consumed
+    schedule, reference = LRSchedule.from_config(s, 12, 6), megatron_scheduler(s, 12, 6)
+    for n in (0, 6, 12, 30, 72):
+        reference.num_steps = n
+        assert schedule.rates(n)[0] == reference.get_lr({})
 
 
 def test_rampup_batches_grow_then_hold():
@@ -280,3 +368,44 @@ def test_resume_inside_the_rampup_repeats_the_run(tmp_path):
     assert first["state"].iteration == 3
     assert first["losses"] + second["losses"] == straight["losses"]
     assert first["lrs"] + second["lrs"] == straight["lrs"]
+
+
+STEPS = [*RAMPUP[:RAMPUP.index("--global-batch-size")], "--train-samples", "60",
+         "--step-batch-size-schedule", "0:2 64:4 160:8", "--lr", "4e-3", "--min-lr", "4e-4",
+         "--lr-warmup-samples", "6", "--lr-decay-style", "cosine", "--log-interval", "1",
+         "--eval-interval", "1000", "--eval-iters", "0"]
+"""16-token sequences: the batch is 2 from sample 0, 4 from sample 4, 8 from sample 10."""
+
+
+def _run_steps(*extra: str) -> tuple[dict, RecordingData, list[str]]:
+    config, _ = parse_args([*STEPS, *extra], "gpt")
+    data, lines = RecordingData(16, config.model.vocab_size, 1234), []
+    run = train(config, ParallelDims(tp=1), "gpt", log=lines.append, train_data=data)
+    return run, data, lines
+
+
+def test_loop_follows_the_stepped_schedule_and_logs_each_batch():
+    """The loop's LRs and batches are Megatron's; it read every sample once, in order; each log
+    line names the iteration's global batch."""
+    run, data, lines = _run_steps()
+    config, _ = parse_args(STEPS, "gpt")
+    want = megatron_run(config.train.schedule, dp=1)
+    assert run["lrs"] == [lr for _, _, lr, _ in want]
+    assert run["state"].consumed_train_samples == sum(m * 2 for _, m, _, _ in want) == 60
+    assert data.read == list(range(60))
+    logged = [int(b) for b in re.findall(r"\| global batch (\d+) \|", "\n".join(lines))]
+    assert logged == [2, 2, 4, 4, 8, 8, 8, 8, 8, 8]
+    assert any("stepped: 2 from sample 0, 4 from sample 4, 8 from sample 10" in line
+               for line in lines)
+
+
+def test_resume_inside_a_step_repeats_the_run(tmp_path):
+    """Stopped in the batch-4 stage (--exit-interval 3), saved and resumed: the same losses,
+    LRs and batches as the run that was not interrupted."""
+    straight, _, _ = _run_steps()
+    first, _, _ = _run_steps("--save", str(tmp_path), "--exit-interval", "3")
+    second, _, lines = _run_steps("--load", str(tmp_path), "--save", str(tmp_path))
+    assert first["state"].iteration == 3 and first["state"].consumed_train_samples == 8
+    assert first["losses"] + second["losses"] == straight["losses"]
+    assert first["lrs"] + second["lrs"] == straight["lrs"]
+    assert re.search(r"iteration +4/ +10 \| .*\| global batch 4 \|", "\n".join(lines))

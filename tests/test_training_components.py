@@ -157,7 +157,7 @@ def test_iteration_line_has_the_figures_that_mean_something(device, peak, shown)
     reporter.device, reporter.iters, reporter.skipped = torch.device(device), 10, 0
     metrics = throughput(3.956e14, 8192, 0.5, world_size=8, peak_tflops=peak)  # 98.9 TFLOP/s
     metrics.update(loss=2.5, lr=1e-4, grad_norm=1.0, ms_per_iter=500.0, peak_memory_gib=3.0,
-                   data_ms=1.0, forward_ms=2.0, backward_ms=3.0, optimizer_ms=4.0)
+                   global_batch=16, data_ms=1.0, forward_ms=2.0, backward_ms=3.0, optimizer_ms=4.0)
     line = reporter._line(5, metrics, None)
     for field in ("TFLOP/s/GPU", "MFU"):
         assert (field in line) == (field in shown), line

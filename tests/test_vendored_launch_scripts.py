@@ -34,16 +34,16 @@ CPU = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4",
        "--micro-batch-size": "1", "--global-batch-size": "2", "--train-iters": "2",
        "--train-samples": "4", "--lr-warmup-iters": "1", "--eval-iters": "1",
        "--eval-interval": "2", "--save-interval": "2", "--log-interval": "1",
-       "--tensor-model-parallel-size": "2", "--vocab-size": "1000"}
+       "--tensor-model-parallel-size": "2", "--vocab-size": "1000",
+       "--step-batch-size-schedule": "0:1 32:2"}
 """Flags whose values are cut to CPU size (2 ranks: TP=2; a script with pipeline stages runs
-PP=2 at TP=1 instead, see `cut`)."""
+PP=2 at TP=1 instead, see `cut`); a stepped batch schedule becomes batch 1, then 2 from the
+second sample (32 tokens) on."""
 DATA = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-type", "--tokenizer-model",
         "--data-cache-path", "--split")
 """Flags naming data the test does not have, with their values (a blend's weights and paths):
 replaced by --mock-data."""
 REFUSED = {
-    "megatron-gpt3-175b": ["--step-batch-size-schedule"],      # Megatron-LM's stepped batch
-                                                               # schedule: not built
     "megatron-llama3-8b-fp8": ["--fp8-param-gather"],           # the FP8 issue
     "megatron-deepspeed-llama2": ["--deepspeed_config"],  # not planned: give its settings as flags
     "megatron-deepspeed-llama-universal-ckpt": ["--deepspeed_config"],  # as above

@@ -29,6 +29,7 @@ from megadomino.config import (
     TrainConfig,
     build,
 )
+from megadomino.config.batches import parse_step_schedule
 from megadomino.config.pipeline_plan import read_plan
 from megadomino.config.validate import validate
 
@@ -169,6 +170,7 @@ def parse_args(argv: list[str] | None, family: str,
         chunks = build(ParallelConfig, parallel).virtual_chunks(model_config.num_layers)
         if chunks > 1:
             parallel["pipeline_schedule"] = "interleaved"
+    notices += _step_schedule(fields["train"].get("schedule", {}), model_config.seq_length)
     config = Config(model_config, build(ParallelConfig, parallel),
                     build(TrainConfig, fields["train"]))
     validate(config, finetune=finetune)
@@ -300,6 +302,21 @@ def _apply_model_rules(group_query_attention: bool, model_fields: dict[str, Any]
         parallel_fields["sequence_parallel"] = False
         return ["--sequence-parallel: dropped, it has no effect with "
                 "--tensor-model-parallel-size 1"]
+    return []
+
+
+def _step_schedule(schedule_fields: dict[str, Any], seq_length: int) -> list[str]:
+    """--step-batch-size-schedule's text as [[threshold samples, batch], ...]; a notice when
+    --global-batch-size repeats its last batch (the pair Megatron-LM refuses)."""
+    text = schedule_fields.get("step_batch_size_schedule")
+    if text is None:
+        return []
+    steps = parse_step_schedule(text, seq_length)
+    schedule_fields["step_batch_size_schedule"] = steps
+    if schedule_fields.get("global_batch_size") == steps[-1][1]:
+        return [f"--global-batch-size: {steps[-1][1]}, the last batch of "
+                "--step-batch-size-schedule, which sets every step's batch (Megatron-LM refuses "
+                "the two flags together; they agree here)"]
     return []
 
 

@@ -178,6 +178,12 @@ FLAGS: tuple[Flag, ...] = (
           "INCREMENT in equal steps over SAMPLES consumed samples, then stays "
           "--global-batch-size (Megatron-LM's ramp-up; the LR schedule counts samples).",
           nargs="+"),
+    _impl("--step-batch-size-schedule", "train.schedule.step_batch_size_schedule", str,
+          "'THRESHOLD:BATCH ...', e.g. '0:16 2.4B:320 12B:1536': from each threshold of "
+          "consumed tokens (K/M/B/T suffixes; divided by --seq-length into samples) the global "
+          "batch is BATCH; the first threshold is 0 and the last BATCH is the global batch "
+          "(--global-batch-size may repeat it; Megatron-LM refuses the pair). Every batch must "
+          "tile into micro-batch x DP; the log line shows the current one."),
     _impl("--calculate-per-token-loss", "train.schedule.calculate_per_token_loss", None,
           "The loss of a global batch is the sum of its token losses over its non-masked tokens, "
           "across micro-batches and data-parallel ranks (not the mean of micro-batch means); "
@@ -489,9 +495,6 @@ FLAGS: tuple[Flag, ...] = (
              "FSDP is not implemented; --zero-stage 3 shards parameters, gradients and optimizer "
              "states over the data-parallel ranks"),
 
-    *_refuse(("--step-batch-size-schedule",),
-             "stepped batch-size schedules are not implemented: --rampup-batch-size ramps the "
-             "batch up in equal increments"),
     *_refuse(("--loss-scale",), "a static loss scale is not implemented (--fp16 is dynamic)"),
     *_refuse(("--qk-layernorm",), "QK normalization is not implemented"),
     *_refuse(("--apply-residual-connection-post-layernorm",),

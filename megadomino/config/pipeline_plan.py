@@ -140,6 +140,7 @@ def check_features(path: str, config) -> None:
     refusals = (
         (schedule.calculate_per_token_loss, "--calculate-per-token-loss"),
         (schedule.rampup_batch_size is not None, "--rampup-batch-size"),
+        (schedule.step_batch_size_schedule is not None, "--step-batch-size-schedule"),
         (schedule.decoupled_lr is not None, "--decoupled-lr"),
         (config.parallel.zero.overlap_param_gather, "--overlap-param-gather"),
         (checkpoint.hf_checkpoint is not None, "--hf-checkpoint"),

@@ -62,6 +62,10 @@ class ScheduleConfig:
     rampup_batch_size: list[int] | None = None
     """[start, increment, samples]: the global batch grows from `start` by `increment` in equal
     steps over `samples` consumed samples, then stays --global-batch-size (Megatron's ramp-up)."""
+    step_batch_size_schedule: list[list[int]] | None = None
+    """[[threshold, batch], ...], thresholds in consumed samples, the first 0: from each
+    threshold on the global batch is that batch (Megatron's stepped schedule; its last batch is
+    the global batch)."""
     calculate_per_token_loss: bool = False
     """The global batch's loss is the sum of its token losses over its non-masked tokens (across
     micro-batches and DP ranks), not the mean of per-micro-batch means."""
@@ -120,6 +124,15 @@ class DataConfig:
     eod_mask_loss: bool = False
     """Leave end-of-document tokens out of the loss."""
     data_cache_path: str | None = None
+    dataloader_type: str = "single"
+    """The order samples are read in: 'single', consecutively (the iteration after `consumed`
+    samples reads samples [consumed, consumed + global batch)); 'cyclic', Megatron-LM's cyclic
+    loader, the same positions read through a permutation per epoch of the dataset
+    (megadomino.data.cyclic)."""
+    data_sharding: bool = True
+    """cyclic: each DP rank reads its own bucket of the dataset, permuted (Megatron-LM's
+    default); False: one permutation of the whole dataset is dealt out to the ranks. The single
+    loader does not read it."""
     prompt_template: str = "{prompt}"
     """Fine-tuning: how a prompt is laid out before its response; must contain '{prompt}'."""
 

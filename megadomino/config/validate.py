@@ -212,6 +212,11 @@ def _world_rules(config: Config, world_size: int, local_world_size: int | None) 
               f"--micro-batch-size x data-parallel size x --pipeline-model-parallel-size "
               f"({tile}) with the interleaved schedule: every step's micro-batches go in groups "
               f"of the pipeline size")
+        for _, batch in batches.steps or ():
+            check(batch % tile == 0, "--step-batch-size-schedule batch", batch,
+                  f"a multiple of --micro-batch-size x data-parallel size x "
+                  f"--pipeline-model-parallel-size ({tile}) with the interleaved schedule: every "
+                  f"step's micro-batches go in groups of the pipeline size")
     if logging.profile:
         outside = [r for r in logging.profile_ranks if not 0 <= r < world_size]
         if outside:
@@ -224,11 +229,11 @@ def _world_rules(config: Config, world_size: int, local_world_size: int | None) 
 
 
 def batch_plan(config: ScheduleConfig, dp: int) -> tuple[int, int]:
-    """(global batch size, micro-batches per rank per iteration) once any ramp-up is over;
-    ConfigError if they don't tile (the rule validate() checks with the world)."""
+    """(global batch size, micro-batches per rank per iteration) once any ramp-up or stepped
+    schedule is over; ConfigError if they don't tile (the rule validate() checks with the
+    world)."""
     batches = BatchSchedule.from_config(config, dp)
-    return batches.global_batch_size, batches.micro_batches(batches.rampup[2] + 1
-                                                            if batches.rampup else 0)
+    return batches.global_batch_size, batches.final_micro_batches
 
 
 def train_iterations(config: ScheduleConfig, global_batch_size: int) -> int:
@@ -307,8 +312,8 @@ def _schedule_rules(schedule: ScheduleConfig) -> None:
                       else ("--train-iters", "--train-samples"))
         raise ConfigError(f"{wrong} does not apply to a run of {run}: use the "
                           f"{'sample' if by_samples else 'iteration'}-based flags, or {other}")
-    if schedule.rampup_batch_size is not None:  # its tiling over DP: with the world
-        BatchSchedule.from_config(schedule, dp=1)
+    if schedule.rampup_batch_size is not None or schedule.step_batch_size_schedule is not None:
+        BatchSchedule.from_config(schedule, dp=1)  # its tiling over DP: with the world
     warmup = "--lr-warmup-samples" if by_samples else "--lr-warmup-iters"
     if schedule.lr_warmup_fraction is not None and (schedule.lr_warmup_samples
                                                     or schedule.lr_warmup_iters):

@@ -167,7 +167,7 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
     history = {"losses": [], "lrs": [], "grad_norms": [], "eval": [], "skipped_iterations": 0,
                "metrics": {}, "exit_reason": None, "state": state, "model": model,
                "optimizer": engine}
-    reporter = Reporter(history, dims, device, log, iters, flops, gbs * model_config.seq_length,
+    reporter = Reporter(history, dims, device, log, iters, flops, gbs, model_config.seq_length,
                         peak_tflops(_device_name(device), logging.peak_tflops), timers,
                         writer, engine)
 
@@ -209,7 +209,7 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                 state.iteration = iteration
                 state.consumed_train_samples += batch
                 pending.append((result, batch))
-                reporter.record(loss, result, lr, batch / gbs)
+                reporter.record(loss, result, lr, batch)
                 if saver is not None:
                     saver.poll()
                 if iteration == first_iteration and config.parallel.compile_layer_pieces \

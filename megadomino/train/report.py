@@ -41,28 +41,29 @@ class Reporter:
 
     def __init__(self, history: dict, dims: ParallelDims, device: torch.device,
                  log: Callable[[str], None], iters: int, flops_per_iteration: float,
-                 tokens_per_iteration: int, peak_tflops: float | None, timers: Timers,
+                 global_batch: int, seq_length: int, peak_tflops: float | None, timers: Timers,
                  writer: ScalarWriter | None, zero: ZeroPlusPlus):
         self.history, self.dims, self.device, self.log = history, dims, device, log
         self.iters, self.flops = iters, flops_per_iteration
-        self.tokens, self.peak_tflops = tokens_per_iteration, peak_tflops
+        self.global_batch, self.peak_tflops = global_batch, peak_tflops
+        self.tokens = global_batch * seq_length  # a full batch's; flops_per_iteration likewise
         self.timers, self.writer, self.zero = timers, writer, zero
         self.losses: list[torch.Tensor] = []
         self.norms: list[torch.Tensor] = []
         self.results: list[StepResult] = []  # the interval's steps (skips read at flush)
         self.skipped = 0
-        self.batch_fractions: list[float] = []
+        self.batches: list[int] = []  # the interval's global batches
         self.start = time.perf_counter()
         self.excluded = 0.0
         self.excluded_bytes = {"intra": 0, "inter": 0}
         zero.comm.reset()  # the counts start with training, not with a checkpoint load
 
     def record(self, loss: torch.Tensor, result: StepResult, lr: float,
-               batch_fraction: float = 1.0) -> None:
-        """One iteration's values; `batch_fraction`: its global batch over the full one (below 1
-        during a batch-size ramp-up), which scales its tokens and FLOPs."""
+               batch: int) -> None:
+        """One iteration's values; `batch`: its global batch, which scales its tokens and FLOPs
+        against the full one's (below 1 during a ramp-up or a stepped schedule's early steps)."""
         self.losses.append(loss)
-        self.batch_fractions.append(batch_fraction)
+        self.batches.append(batch)
         no_norm = torch.full((), math.nan, device=self.device)
         self.norms.append(no_norm if result.grad_norm is None else result.grad_norm)
         self.results.append(result)  # its skip may be pending: read at the flush
@@ -108,11 +109,12 @@ class Reporter:
             torch.cuda.synchronize(self.device)
         count = len(losses)
         seconds = (time.perf_counter() - self.start - self.excluded) / count
-        fraction = sum(self.batch_fractions) / count
+        fraction = sum(self.batches) / count / self.global_batch
         metrics = throughput(self.flops * fraction, self.tokens * fraction, seconds,
                              self.dims.world_size, self.peak_tflops)
         metrics.update(loss=sum(losses) / count, lr=self.history["lrs"][-1],
                        grad_norm=norms[-1], ms_per_iter=1e3 * seconds,
+                       global_batch=self.batches[-1],
                        peak_memory_gib=peak_memory_gib(self.device))
         phases = self.timers.flush()
         metrics.update({f"{phase}_ms": 1e3 * phases.get(phase, 0.0) / count for phase in PHASES})
@@ -139,7 +141,7 @@ class Reporter:
             scalars.update({f"zero/{key.removeprefix('zero_')}": metrics[key]
                             for key in ZERO_SCALARS})
             self.writer.write(scalars, iteration)
-        self.losses, self.norms, self.skipped, self.batch_fractions = [], [], 0, []
+        self.losses, self.norms, self.skipped, self.batches = [], [], 0, []
         self.results = []
         self.start, self.excluded = time.perf_counter(), 0.0
         self.excluded_bytes = {"intra": 0, "inter": 0}
@@ -177,7 +179,8 @@ class Reporter:
         if flops and "mfu" in metrics:
             flops += f"MFU {100 * metrics['mfu']:.2f}% | "
         line = (f" iteration {iteration:8d}/{self.iters:8d} | loss {metrics['loss']:.6E} | "
-                f"lr {metrics['lr']:.3E} | grad norm {metrics['grad_norm']:.3f} | "
+                f"lr {metrics['lr']:.3E} | global batch {metrics['global_batch']} | "
+                f"grad norm {metrics['grad_norm']:.3f} | "
                 f"{metrics['ms_per_iter']:.1f} ms/iter | "
                 f"{metrics['tokens_per_s']:.0f} tokens/s | {flops}"
                 f"peak mem {metrics['peak_memory_gib']:.2f} GiB")

@@ -112,5 +112,17 @@ def startup_lines(family: str, config: Config, parameters: int, *, world: int, t
         f" data: {data}; global batch {global_batch} = micro-batch "
         f"{train.schedule.micro_batch_size} x "
         f"{_plural(micro_batches, 'micro-batch', 'micro-batches')} x DP {dp} "
-        f"({global_batch * model.seq_length:,} tokens); {_plural(iterations, 'iteration')}",
+        f"({global_batch * model.seq_length:,} tokens){_batch_growth(train.schedule)}; "
+        f"{_plural(iterations, 'iteration')}",
     ]
+
+
+def _batch_growth(schedule) -> str:
+    """How the global batch grows before it reaches the line's, if it does."""
+    if schedule.rampup_batch_size is not None:
+        start, increment, samples = schedule.rampup_batch_size
+        return f", ramped up from {start} by {increment} over {samples:,} samples"
+    if schedule.step_batch_size_schedule is not None:
+        return ", stepped: " + ", ".join(f"{batch} from sample {threshold:,}" for threshold, batch
+                                         in schedule.step_batch_size_schedule)
+    return ""

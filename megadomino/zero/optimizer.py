@@ -315,6 +315,7 @@ def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
     schedule = train.schedule
     one_backward = (config.parallel.pipeline_model_parallel_size == 1
                     and schedule.rampup_batch_size is None
+                    and schedule.step_batch_size_schedule is None
                     and schedule.global_batch_size in (None, schedule.micro_batch_size * dims.dp))
     return ZeroPlusPlus(model, dims, factory, config.parallel.zero,
                         clip_grad=train.optimizer.clip_grad, loss_scaler=scaler,
