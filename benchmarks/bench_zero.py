@@ -48,7 +48,7 @@ def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
     engine = build_engine(name, dims, args)
     if cuda:  # after construction: a ZeRO engine shards a model that was built whole
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, losses = [], []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             engine.comm.reset()
@@ -56,6 +56,7 @@ def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         loss = train_step(engine, dims, args, step, device)
+        losses.append(loss)
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
@@ -68,10 +69,13 @@ def measure(name: str, dims: ParallelDims, args: argparse.Namespace,
     py_profile = python_profile(engine, dims, args, device) if args.py_profile else None
     row = {"config": name, "s_per_step": statistics.median(times[args.warmup:]),
            "profile": profile, "py_profile": py_profile,
-           "loss": loss, "leftover_gib": leftover / 2**30,
+           "loss": loss, "losses": losses, "leftover_gib": leftover / 2**30,
            "peak_memory_gib": (torch.cuda.max_memory_allocated(device) - leftover) / 2**30
            if cuda else None}
     totals = engine.comm.totals()
+    row["weights_bytes_per_step"] = sum(
+        count["intra"] + count["inter"] for tag, count in engine.comm.bytes.items()
+        if tag.startswith("weights")) / args.steps
     row.update({f"{side}_bytes_per_step": totals[side] / args.steps for side in totals},
                **{f"engine_{k}": v for k, v in engine.memory_stats().items()})
     del engine
@@ -127,6 +131,8 @@ def main() -> None:
                              "medians over passes, since one pass to the next drifts by 10%% at "
                              "micro-batch 1")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--baseline", default="zero3",
+                        help="the configuration the 'vs' column divides by (run it too)")
     parser.add_argument("--profile", action="store_true",
                         help="add one profiled step per config: kernel timeline summary")
     parser.add_argument("--py-profile", type=int, default=0, metavar="N",
@@ -148,26 +154,28 @@ def main() -> None:
     dims = ParallelDims(tp=1, gpus_per_node=world // 2)
     rounds = [[measure(name, dims, args, device) for name in args.configs]
               for _ in range(args.rounds)]
-    rows = merge_rounds(rounds)
+    rows = merge_rounds(rounds, args.baseline)
     if dims.rank == 0:
         report(rows, args)
     dist.destroy_process_group()
 
 
-def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+def merge_rounds(rounds: list[list[dict]], baseline: str = "zero3") -> list[dict]:
     """One row per configuration from `--rounds` passes over the list: the last pass's row with
     s_per_step the median over the passes (each pass's in `s_per_step_rounds`) and, beside
-    ZeRO-3, the median of the passes' ratios to it (`vs_zero3`: the ratio of two configurations
-    measured minutes apart in one pass, so the machine's drift between passes cancels)."""
+    `baseline`, the median of the passes' ratios to it (`vs_baseline`: the ratio of two
+    configurations measured minutes apart in one pass, so the machine's drift between passes
+    cancels; each pass's in `vs_baseline_rounds`)."""
     rows = []
     for index, last in enumerate(rounds[-1]):
         row = dict(last)
         times = [passed[index]["s_per_step"] for passed in rounds]
         row["s_per_step"], row["s_per_step_rounds"] = statistics.median(times), times
-        base = [next((r["s_per_step"] for r in passed if r["config"] == "zero3"), None)
+        base = [next((r["s_per_step"] for r in passed if r["config"] == baseline), None)
                 for passed in rounds]
         if None not in base:
-            row["vs_zero3"] = statistics.median(t / b for t, b in zip(times, base))
+            row["vs_baseline_rounds"] = [t / b for t, b in zip(times, base)]
+            row["vs_baseline"] = statistics.median(row["vs_baseline_rounds"])
         rows.append(row)
     return rows
 
@@ -177,21 +185,24 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     tokens = world * args.micro_batch_size * args.seq_length
     print(f"{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size} per GPU, "
           f"{args.dtype}, {world} GPUs as 2 nodes x {world // 2}; median of {args.steps} steps")
-    header = (f"{'config':<18} {'s/step':>8} {'tokens/s':>10} {'vs ZeRO-3':>10} {'peak GiB':>9} "
-              f"{'inter MB':>9} {'intra MB':>9} {'left GiB':>9}")
+    header = (f"{'config':<18} {'s/step':>8} {'tokens/s':>10} {'vs base':>10} {'peak GiB':>9} "
+              f"{'inter MB':>9} {'intra MB':>9} {'weights MB':>10} {'left GiB':>9} "
+              f"{'last loss':>9}")
     print(header + "\n" + "-" * len(header))
     for r in rows:
-        ratio = r.get("vs_zero3", float("nan"))
+        ratio = r.get("vs_baseline", float("nan"))
         peak = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
         inter = r.get("inter_bytes_per_step", 0) / 1e6
         intra = r.get("intra_bytes_per_step", 0) / 1e6
         print(f"{r['config']:<18} {r['s_per_step']:>8.4f} {tokens / r['s_per_step']:>10.0f} "
               f"{ratio:>10.3f} {peak:>9} {inter:>9.1f} {intra:>9.1f} "
-              f"{r.get('leftover_gib', 0):>9.2f}")
-    print("(plain DP's all-reduce is not counted: inter/intra MB are the ZeRO engine's; peak "
+              f"{r['weights_bytes_per_step'] / 1e6:>10.1f} {r.get('leftover_gib', 0):>9.2f} "
+              f"{r['loss']:>9.4f}")
+    print(f"(vs base: s/step over --baseline {args.baseline}'s; plain DP's all-reduce is not "
+          "counted: inter/intra MB are the ZeRO engine's, weights MB its parameter gathers; peak "
           "GiB is above 'left GiB', what the configurations before left allocated)")
     if args.rounds > 1:
-        print(f"(s/step: median over {args.rounds} passes of the list; vs ZeRO-3: median of the "
+        print(f"(s/step: median over {args.rounds} passes of the list; vs base: median of the "
               "passes' ratios; per pass:)")
         for r in rows:
             print(f"    {r['config']:<18} " + " ".join(f"{t:.4f}" for t in r["s_per_step_rounds"]))

@@ -13,6 +13,10 @@
 #                suite; cases needing more GPUs than here skip, naming the count). At 4 GPUs it
 #                takes longer than one call's 10 minutes: run its modules in groups (the
 #                2026-11-28 report lists the groups and what each took)
+#   tests=LABEL:MODULE,MODULE,...
+#                the gpu tier's modules named (tests/gpu/MODULE.py), logged to $OUT/tests-LABEL.txt:
+#                the tier in groups, e.g. two groups side by side on GPUs 0,1 and 2,3
+#                (CUDA_VISIBLE_DEVICES=0,1 OUT=out/a bash benchmarks/gpu_suite.sh tests=a:...)
 #   tests-cpu    the default tier on this machine's torch (2.11, the oldest declared) and CPUs
 #   kernels      tests/gpu/test_gpu_kernels.py only (1 GPU)
 #   quant        benchmarks/bench_quant.py: our kernels vs DeepSpeed's quantizer, one GPU
@@ -26,6 +30,9 @@
 #   zero-rounds  default units vs one layer a unit, ZeRO-3 and ZeRO++ (and ZeRO++ with
 #                DeepSpeed's levels), micro-batch 1 (3 passes) and 4 (2 passes): medians that
 #                the run-to-run drift (10%) does not decide
+#   fp8-gather   benchmarks/bench_zero.py: GPT-3 1.3B with FP8 linears (hybrid, delayed) at ZeRO 3
+#                and 1, without and with --fp8-param-gather, micro-batch 4, 3 rounds: step time,
+#                the weight gathers' bytes (the engine's count), each step's loss
 #   domino       benchmarks/bench_domino.py core rows, CUDA-graphed, with megatron-core
 #   domino-ds    the GPT row with DeepSpeed's Domino too (CUDA_DEVICE_MAX_CONNECTIONS=1)
 #   e2e          pretrain_gpt.py gpt3-6.7b, 8 layers, TP = all GPUs: eager vs SP + fused comm +
@@ -106,6 +113,16 @@ for name in "$@"; do
                    benchmarks/bench_zero.py --steps 8 --warmup 3 --rounds 2 --micro-batch-size 4 \
                    --configs zero3 "zero3 x1" zero++ "zero++ x1" "zero++ full range" \
                    --out "$OUT/zero_rounds_mb4.json" ;;
+    tests=*)
+      group=${name#tests=}
+      files=$(echo "${group#*:}" | tr ',' '\n' | sed 's|.*|tests/gpu/&.py|' | tr '\n' ' ')
+      # shellcheck disable=SC2086
+      step "tests-${group%%:*}" 570 python3 -m pytest $files --tier gpu -q -rfE --durations=30 \
+        -p no:cacheprovider ;;
+    fp8-gather) step fp8-gather 420 torchrun --standalone --nproc_per_node "$GPUS" \
+                  benchmarks/bench_zero.py --steps 8 --warmup 3 --rounds 3 --micro-batch-size 4 \
+                  --configs "zero3 fp8" "zero3 fp8 gather" "zero1 fp8" "zero1 fp8 gather" \
+                  --baseline "zero3 fp8" --out "$OUT/zero_fp8_gather.json" ;;
     domino) step domino 300 torchrun --standalone --nproc_per_node "$GPUS" \
               benchmarks/bench_domino.py --rows core --peers megatron --plans 1x1,2x1 \
               --comm-overlap --cuda-graph --iters 10 --out "$OUT/domino.json" ;;

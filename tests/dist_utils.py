@@ -169,14 +169,17 @@ class DistSuite:
         self.cases[name] = _Case(name, fn, args, kwargs, case_worlds + tuple(slow_worlds),
                                  timeout or self.timeout, requires, tuple(slow_worlds))
 
-    def derived(self, *, backend: str, setup: Callable, worlds: tuple[int, ...]) -> DistSuite:
+    def derived(self, *, backend: str, setup: Callable,
+                worlds: tuple[int, ...] | None) -> DistSuite:
         """A suite of the same cases (same names, functions and arguments) on another backend,
-        with its own setup (e.g. moving the cases' tensors to the rank's GPU) and world sizes."""
-        suite = DistSuite(worlds=worlds, backend=backend, timeout=self.timeout,
+        with its own setup (e.g. moving the cases' tensors to the rank's GPU) and world sizes
+        (None: each case at its own)."""
+        suite = DistSuite(worlds=worlds or self.worlds, backend=backend, timeout=self.timeout,
                           home=sys._getframe(1).f_globals.get("__name__", ""))
         suite.setup(setup)
         for case in self.cases.values():
-            suite.cases[case.name] = _Case(case.name, case.fn, case.args, case.kwargs, worlds,
+            suite.cases[case.name] = _Case(case.name, case.fn, case.args, case.kwargs,
+                                           case.worlds if worlds is None else worlds,
                                            case.timeout, case.requires)
         return suite
 

@@ -118,6 +118,8 @@ MAPPED = [
     (("--fp8-format", "e4m3"), "train.precision.fp8.format", "e4m3"),
     (("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"), "train.precision.fp8.recipe",
      "tensorwise"),
+    (("--fp8-format", "hybrid", "--use-distributed-optimizer", "--fp8-param-gather"),
+     "parallel.zero.fp8_param_gather", True),
     (("--fp8-format", "hybrid", "--fp8-amax-history-len", "16"),
      "train.precision.fp8.amax_history_len", 16),
     (("--fp8-format", "hybrid", "--fp8-amax-compute-algo", "max"),
@@ -129,6 +131,8 @@ MAPPED = [
     (("--eval-interval", "50"), "train.schedule.eval_interval", 50),
     (("--eval-iters", "3"), "train.schedule.eval_iters", 3),
     (("--mock-data",), "train.data.mock_data", True),
+    (("--dataloader-type", "cyclic"), "train.data.dataloader_type", "cyclic"),
+    (("--dataloader-type", "cyclic", "--no-data-sharding"), "train.data.data_sharding", False),
     (("--peak-tflops", "312"), "train.logging.peak_tflops", 312.0),
     (("--gpus-per-node", "4"), "parallel.gpus_per_node", 4),
     (("--domino",), "parallel.domino_auto", True),
@@ -256,6 +260,13 @@ def test_sample_flag_sets_its_field(argv, path, expected):
       "--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0"),
      "Domino's schedule and CUDA graphs bypass"),
     (("--train-iters", "10", "--async-save"), "--async-save applies to --save"),
+    (("--train-iters", "10", "--fp8-format", "hybrid", "--fp8-param-gather"),
+     "--fp8-param-gather=True is invalid: it must be used with --use-distributed-optimizer"),
+    (("--train-iters", "10", "--zero-stage", "3", "--fp8-param-gather"),
+     "--fp8-param-gather gathers the weights of the FP8 linears: add --fp8-format"),
+    (("--train-iters", "10", "--zero-stage", "3", "--fp8-format", "hybrid",
+      "--zeropp-quantized-weights", "--fp8-param-gather"),
+     "without --zeropp-quantized-weights: both quantize the weight gather"),
 ])
 def test_megatron_feature_rules_name_the_flag(argv, named):
     with pytest.raises(ConfigError, match=named):

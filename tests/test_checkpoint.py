@@ -1,6 +1,7 @@
-"""Checkpoints: exact resume at TP=2 and DP=2 (bf16, stopped by SIGTERM), loading at TP=1 what
-TP=2 saved, a crash during a save, missing / truncated shards and config mismatches, --finetune /
---no-load-optim / --no-load-rng, --exit-duration-in-mins, the NaN stop. All in one 2-rank spawn."""
+"""Checkpoints: exact resume at TP=2, at DP=2 (bf16, stopped by SIGTERM) and with the cyclic
+data loader, loading at TP=1 what TP=2 saved, a crash during a save, missing / truncated shards
+and config mismatches, --finetune / --no-load-optim / --no-load-rng, --exit-duration-in-mins,
+the NaN stop. All in one 2-rank spawn."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from configs import make_config, with_leaves
 from dist_utils import C, DistSuite, shared_copy
 from megadomino.build import build_model
 from megadomino.config import Config, ModelConfig
+from megadomino.data.mock import MockDataset
 from megadomino.distributed import ParallelDims
 from megadomino.train import checkpoint
 from megadomino.train.checkpoint import (
@@ -39,10 +41,11 @@ TRAIN = make_config(MODEL, micro_batch_size=2, global_batch_size=4, train_iters=
 
 
 def _train(dims: ParallelDims, model_config: ModelConfig = MODEL, log=None, model_init=None,
-           **overrides) -> dict:
+           train_data=None, **overrides) -> dict:
     config = with_leaves(dataclasses.replace(TRAIN, model=model_config),
                          tensor_model_parallel_size=dims.tp, **overrides)
-    return train(config, dims, "gpt", log=log or (lambda line: None), model_init=model_init)
+    return train(config, dims, "gpt", log=log or (lambda line: None), model_init=model_init,
+                 train_data=train_data)
 
 
 def _case_resume_tp2(dims: ParallelDims, root: str) -> None:
@@ -77,6 +80,23 @@ def _case_resume_dp2_sigterm(dims: ParallelDims, root: str) -> None:
     assert signal.getsignal(signal.SIGTERM) == handler
     resumed = _train(dims, bf16=True, load=f"{root}/dp2")
     assert first["losses"] + resumed["losses"] == straight["losses"]
+
+
+def _case_resume_cyclic(dims: ParallelDims, root: str) -> None:
+    """--dataloader-type cyclic at DP=2 over 26 samples, fewer than the run's 80: epochs of 24
+    wrap three times and iteration 10 (40 samples) ends mid-epoch. With and without data
+    sharding, 20 iterations straight == 10 (stopped, saved) + resume + 10, exactly; the two
+    orders differ from each other and from the single loader's."""
+    samples = [MockDataset(MODEL.seq_length, MODEL.vocab_size, seed=7)[i] for i in range(26)]
+    first_losses = [_train(dims, train_data=samples, exit_interval=2)["losses"]]
+    for sharding in (True, False):
+        cyclic = dict(train_data=samples, dataloader_type="cyclic", data_sharding=sharding)
+        straight = _train(dims, **cyclic)
+        first = _train(dims, save=f"{root}/cyclic{sharding}", exit_interval=10, **cyclic)
+        resumed = _train(dims, load=f"{root}/cyclic{sharding}", **cyclic)
+        assert first["losses"] + resumed["losses"] == straight["losses"]
+        first_losses.append(straight["losses"][:2])
+    assert len({tuple(losses) for losses in first_losses}) == 3, first_losses
 
 
 def _case_tp2_to_tp1(tp2: ParallelDims, tp1: ParallelDims, root: str) -> None:
@@ -246,6 +266,7 @@ def _setup(world: int, root: str) -> dict:
 
 SUITE.case("resume_tp2", _case_resume_tp2, C.tp2, C.root)
 SUITE.case("resume_dp2_sigterm", _case_resume_dp2_sigterm, C.dp2, C.root)
+SUITE.case("resume_cyclic", _case_resume_cyclic, C.dp2, C.root)
 SUITE.case("tp2_to_tp1", _case_tp2_to_tp1, C.tp2, C.dp2, C.root)
 SUITE.case("crash_during_save", _case_crash_during_save, C.tp2, C.root)
 SUITE.case("bad_checkpoints", _case_bad_checkpoints, C.tp2, C.root)

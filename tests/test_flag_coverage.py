@@ -230,10 +230,9 @@ def test_no_position_embedding_is_accepted_only_with_rope():
 
 
 @pytest.mark.parametrize("argv, reason", [
-    (("--deepspeed-config", "ds.json"), "DeepSpeed JSON configs are not read"),
     (("--optimizer", "muon"), "Muon is not implemented: use adam or sgd"),
     (("--main-grads-dtype", "bf16"), "always fp32"),
-    (("--dataloader-type", "cyclic"), "only the single"),
+    (("--dataloader-type", "external"), "an external loader is the caller's own"),
     (("--reset-position-ids",), "documents packed in one sample attend across"),
     (("--checkpoint-activations",), "use --recompute-activations"),
     (("--moe-router-score-function", "sigmoid"), "Mixture-of-Experts is not implemented"),

@@ -23,10 +23,10 @@ _SPEC.loader.exec_module(smoke)
 
 LOG = """\
  parallelism: 2 ranks = TP 2 x PP 1 x DP 1, gloo on CPU; TP overlap: none
- iteration        1/      10 | loss 5.826861E+00 | lr 1.000E-03 | global batch 4 | grad norm 2.266 | 122.0 ms/iter
+ iteration        1/      10 | loss 5.826861E+00 | lr 1.000E-03 | global batch 4 | grad norm 2.266
  ZeRO-0 per rank: held 6.5 MiB (params 1.6), transient peak 1.6 MiB
- iteration        2/      10 | loss 5.660154E+00 | lr 9.000E-04 | global batch 4 | grad norm 1.383 | 113.7 ms/iter
- iteration        2/      10 | loss 9.999999E+00 | lr 9.000E-04 | global batch 4 | grad norm 9.999 | 113.7 ms/iter
+ iteration        2/      10 | loss 5.660154E+00 | lr 9.000E-04 | global batch 4 | grad norm 1.383
+ iteration        2/      10 | loss 9.999999E+00 | lr 9.000E-04 | global batch 4 | grad norm 9.999
 """
 
 

@@ -30,8 +30,8 @@ def _load_compare_losses():
 compare_losses = _load_compare_losses()
 
 LOG = """W1122 torchrun noise
- iteration        1/       2 | loss 6.250831E+00 | lr 1.000E-03 | global batch 4 | grad norm 1.272 | 1.0 ms/iter
- iteration        2/       2 | loss 6.154881E+00 | lr 8.750E-04 | global batch 4 | grad norm 1.173 | 1.0 ms/iter
+ iteration        1/       2 | loss 6.250831E+00 | lr 1.000E-03 | global batch 4 | grad norm 1.272
+ iteration        2/       2 | loss 6.154881E+00 | lr 8.750E-04 | global batch 4 | grad norm 1.173
  validation at iteration 2 | loss 5.883286E+00 | ppl 3.589869E+02
 """
 

@@ -6,9 +6,11 @@ Every flag megadomino knows is a row of `FLAGS` (and, for finetune_llama.py, `FI
 Anything else is an error naming the flag. `docs/flags.md` holds the same tables, rendered by
 `render_flag_table()`; a test keeps them equal. Here are the checks on the flags themselves
 (ranges, policies, spellings); what the resulting config must meet is the validator's
-(`megadomino.config.validate`), which parse_args runs. All of it is pure arithmetic on the flags
-(and, for --hf-checkpoint, a read of its config.json), so every rank refuses alike before any
-process group exists.
+(`megadomino.config.validate`), which parse_args runs. A --deepspeed_config JSON sets its keys'
+flags before these checks, each value parsed and checked as its flag's
+(`megadomino.cli.deepspeed_config`). All of it is pure arithmetic on the flags (and reads of
+--hf-checkpoint's config.json and --deepspeed_config's file), so every rank refuses alike before
+any process group exists.
 """
 
 from __future__ import annotations
@@ -101,31 +103,31 @@ def parse_args(argv: list[str] | None, family: str,
     if family not in FAMILY_DEFAULTS:
         raise ValueError(f"family must be one of {sorted(FAMILY_DEFAULTS)}, not {family!r}")
     flags = _flags(finetune)
-    args, extras = build_parser(family, finetune).parse_known_args(argv)
+    parser = build_parser(family, finetune)
+    args, extras = parser.parse_known_args(argv)
     errors = _unknown(extras, flags)  # every bad flag of the command, reported together
+    json_notices, json_fields = [], {}
+    if args.deepspeed_config is not None and not errors:
+        from megadomino.cli.deepspeed_config import apply_deepspeed_config  # it imports us
+
+        json_notices, json_fields = apply_deepspeed_config(args, parser)
     given = {flag: getattr(args, flag.dest) for flag in flags
              if flag.policy != ALIAS and getattr(args, flag.dest) is not None}
     for flag, value in given.items():
-        allowed = RANGES.get(flag.name)
-        values = value if isinstance(value, list) else [value]
-        if allowed is not None and any(v not in allowed for v in values):
-            kind = "an integer " if flag.type is not float else ""
-            errors.append(f"{flag.name}={value} is invalid: it must be {kind}{allowed}")
-        reason = flag.refusal(value)
-        if reason is not None:
-            shown = flag.name if flag.type is None else f"{flag.name}={value}"
-            errors.append(f"{shown} is refused: {reason}")
+        errors += flag_errors(flag, value)
     if errors:
         raise ConfigError(*errors)
-    notices = _grouped_notices([flag for flag in given if flag.policy == NOTICE])
+    notices = _grouped_notices([flag for flag in given if flag.policy == NOTICE]) + json_notices
     if args.llama_model and family != "llama":
         raise ConfigError("--llama-model asks for a Llama model: use pretrain_llama.py, whose "
                           "defaults are Llama's (RMSNorm, SwiGLU, RoPE)")
     fields: dict[str, Any] = {"model": {}, "parallel": {"domino": {}, "zero": {}},
                               "train": {"precision": {}, "checkpoint": {}}}
-    for flag, value in given.items():  # in FLAGS order: later rows win
-        if flag.field is not None:
-            *sections, name = flag.field.split(".")
+    # in FLAGS order (later rows win), then the fields only --deepspeed_config sets
+    for path, value in [*((flag.field, value) for flag, value in given.items()),
+                        *json_fields.items()]:
+        if path is not None:
+            *sections, name = path.split(".")
             target = fields
             for section in sections:
                 target = target.setdefault(section, {})
@@ -143,6 +145,7 @@ def parse_args(argv: list[str] | None, family: str,
     if zero.get("stage", 0) != 0 and "bucket_numel" in zero:
         raise ConfigError("--ddp-bucket-size sizes plain data parallelism's all-reduce buckets; "
                           "--zero-stage reduces layer by layer: drop one of them")
+    notices += _inert_settings(fields["train"])
     _check_fp8_flags(fields["train"]["precision"].get("fp8"))
     tp = parallel.get("tensor_model_parallel_size", 1)
     # Megatron-DeepSpeed's --num-key-value-heads means grouped-query attention on its own.
@@ -197,6 +200,21 @@ def render_flag_table(flags: tuple[Flag, ...] = FLAGS) -> str:
             notes += f" {flag.values_note}"
         rows.append(f"| {usage} | {flag.policy} | {sets} | {notes} |")
     return "\n".join(rows) + "\n"
+
+
+def flag_errors(flag: Flag, value: Any) -> list[str]:
+    """Why `flag` given `value` cannot run: a value out of its RANGES, or refused ([]: it can)."""
+    errors = []
+    allowed = RANGES.get(flag.name)
+    values = value if isinstance(value, list) else [value]
+    if allowed is not None and any(v not in allowed for v in values):
+        kind = "an integer " if flag.type is not float else ""
+        errors.append(f"{flag.name}={value} is invalid: it must be {kind}{allowed}")
+    reason = flag.refusal(value)
+    if reason is not None:
+        shown = flag.name if flag.type is None else f"{flag.name}={value}"
+        errors.append(f"{shown} is refused: {reason}")
+    return errors
 
 
 def _flags(finetune: bool) -> tuple[Flag, ...]:
@@ -320,17 +338,34 @@ def _step_schedule(schedule_fields: dict[str, Any], seq_length: int) -> list[str
     return []
 
 
+def _inert_settings(train_fields: dict[str, Any]) -> list[str]:
+    """Settings that Megatron-LM reads only with a feature the command leaves off, which it
+    then ignores without a word: dropped from the fields, each with a notice."""
+    notices = []
+    precision = train_fields["precision"]
+    if "fp8" in precision and "format" not in precision["fp8"]:
+        names = ", ".join(f"--fp8-{name.replace('_', '-')}" for name in precision.pop("fp8"))
+        notices.append(f"{names}: not read, FP8 is off without --fp8-format (Megatron-LM builds "
+                       "its FP8 recipe only with --fp8-format)")
+    schedule = train_fields.get("schedule", {})
+    if schedule.get("eval_iters", 0) < 0:
+        notices.append(f"--eval-iters={schedule['eval_iters']}: no evaluation (Megatron-LM "
+                       "evaluates only when --eval-iters is positive)")
+        schedule["eval_iters"] = 0
+    data = train_fields.get("data", {})
+    if "data_sharding" in data and data.get("dataloader_type", "single") == "single":
+        del data["data_sharding"]
+        notices.append("--no-data-sharding: not read, the single loader reads consecutive "
+                       "samples (--dataloader-type cyclic reads it)")
+    return notices
+
+
 def _check_fp8_flags(fp8_fields: dict[str, Any] | None) -> None:
-    """The --fp8-* options need --fp8-format; the delayed-scaling ones need that recipe."""
-    if fp8_fields is None:
+    """The delayed-scaling --fp8-* options need that recipe."""
+    if fp8_fields is None or fp8_fields.get("recipe") != "tensorwise":
         return
-    options = [name for name in ("recipe", "amax_history_len", "amax_compute_algo", "margin",
-                                 "interval") if name in fp8_fields]
-    if options and fp8_fields.get("format") is None:
-        raise ConfigError(f"--fp8-{options[0].replace('_', '-')} configures FP8 training: add "
-                          "--fp8-format hybrid (or e4m3)")
-    if fp8_fields.get("recipe") == "tensorwise":
-        delayed = [name for name in options if name != "recipe"]
-        if delayed:
-            raise ConfigError(f"--fp8-{delayed[0].replace('_', '-')} applies to --fp8-recipe "
-                              "delayed; tensorwise scales each tensor by its own amax")
+    delayed = [name for name in ("amax_history_len", "amax_compute_algo", "margin", "interval")
+               if name in fp8_fields]
+    if delayed:
+        raise ConfigError(f"--fp8-{delayed[0].replace('_', '-')} applies to --fp8-recipe "
+                          "delayed; tensorwise scales each tensor by its own amax")

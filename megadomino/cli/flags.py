@@ -210,7 +210,8 @@ FLAGS: tuple[Flag, ...] = (
           "FP8 GEMMs (torch._scaled_mm, per-tensor scales) in the layers' column- and "
           "row-parallel linears: hybrid casts activations and weights to e4m3 and gradients to "
           "e5m2, e4m3 casts all three to e4m3. Master weights stay fp32; embeddings and the "
-          "output layer stay in high precision.", choices=("e4m3", "hybrid")),
+          "output layer stay in high precision. Without it the other --fp8-* settings are not "
+          "read (a notice says so), as in Megatron-LM.", choices=("e4m3", "hybrid")),
     _impl("--fp8-recipe", "train.precision.fp8.recipe", str,
           "Scaling (with --fp8-format): delayed (default; scales from an amax history, updated "
           "between steps) or tensorwise (each tensor scaled by its own amax).",
@@ -228,14 +229,18 @@ FLAGS: tuple[Flag, ...] = (
           "delayed: scales are divided by 2^margin (default 0)."),
     _impl("--fp8-interval", "train.precision.fp8.interval", int,
           "delayed: steps between scale updates (default 1)."),
-    *_refuse(("--fp8-param-gather",),
-             "FP8 parameters are not implemented: weights are kept in fp32/bf16 and cast to FP8 "
-             "at each GEMM, so parameter all-gathers (ZeRO) move fp32/bf16"),
+    _impl("--fp8-param-gather", "parallel.zero.fp8_param_gather", None,
+          "With --fp8-format and --use-distributed-optimizer (or --zero-stage 3): the FP8 "
+          "linears' weights are all-gathered as e4m3 codes, one scale a weight from its amax "
+          "(max-reduced over DP), about half the bytes of a bf16 gather; the weight is rounded "
+          "to FP8 once, as without it, and checkpoints gather the exact weights."),
     # Seed, logging, evaluation, data.
     _impl("--seed", "train.runtime.seed", int, "Random seed."),
     _impl("--log-interval", "train.logging.log_interval", int, "Steps between log lines."),
     _impl("--eval-interval", "train.schedule.eval_interval", int, "Steps between evaluations."),
-    _impl("--eval-iters", "train.schedule.eval_iters", int, "Batches per evaluation."),
+    _impl("--eval-iters", "train.schedule.eval_iters", int,
+          "Batches per evaluation; 0 or -1: no evaluation (Megatron-LM evaluates only when it is "
+          "positive; launch scripts pass -1)."),
     _impl("--mock-data", "train.data.mock_data", None,
           "Learnable synthetic data instead of --data-path."),
     _impl("--data-path", "train.data.data_path", str,
@@ -244,6 +249,19 @@ FLAGS: tuple[Flag, ...] = (
           "{\"prompt\", \"response\"}.", nargs="+"),
     _impl("--split", "train.data.split", str,
           "Train,valid,test weights of every dataset's documents (default 969,30,1)."),
+    _impl("--dataloader-type", "train.data.dataloader_type", str,
+          "The order samples are read in: single (default; consecutive) or cyclic (Megatron-LM's "
+          "cyclic loader: each epoch of the dataset permuted by torch.randperm seeded with the "
+          "epoch, epochs repeating for as long as the run reads; resumable mid-epoch). The "
+          "datasets are sized to the run, as Megatron-LM sizes them: epochs wrap only for a "
+          "dataset shorter than the run.",
+          choices=("single", "cyclic", "external"), supported=("single", "cyclic"),
+          unsupported="an external loader is the caller's own iterator: hand train() a "
+                      "dataset instead"),
+    _impl("--no-data-sharding", "train.data.data_sharding", None,
+          "cyclic: one permutation of the whole dataset dealt out to the DP ranks, instead of "
+          "each rank permuting its own bucket (Megatron-LM's default); read by nothing else.",
+          const=False),
     _impl("--tokenizer-type", "train.data.tokenizer_type", str,
           "Tokenizer (required with --data-path); its vocabulary sets the model's.",
           choices=_TOKENIZER_TYPES,
@@ -549,7 +567,8 @@ RANGES: dict[str, Range] = {
                      "--lr-decay-samples", "--lr-wsd-decay-iters", "--lr-wsd-decay-samples",
                      "--rampup-batch-size"),
                     _POSITIVE_COUNT),
-    **dict.fromkeys(("--lr-warmup-iters", "--eval-iters", "--seed", "--num-workers",
+    "--eval-iters": Range(-1),
+    **dict.fromkeys(("--lr-warmup-iters", "--seed", "--num-workers",
                      "--exit-duration-in-mins", "--local-rank", "--clip-grad", "--fp8-margin",
                      "--lr-warmup-samples"),
                     _NON_NEGATIVE),

@@ -65,12 +65,14 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     Flag("--checkpoint-num-layers", REFUSED, f"{_OLD}: use --recompute-granularity full "
          "--recompute-method uniform --recompute-num-layers N"),
     # DeepSpeed-Domino and Megatron-DeepSpeed.
-    notice("--deepspeed", "megadomino is its own engine: ZeRO is --zero-stage, precision "
-           "--bf16 / --fp16, both from the flags"),
-    *refuse(("--deepspeed_config",),
-            "DeepSpeed JSON configs are not read, so their batch, precision, optimizer and ZeRO "
-            "settings would be lost: give them as flags (--micro-batch-size, "
-            "--global-batch-size, --bf16, --zero-stage, ...)"),
+    notice("--deepspeed", "megadomino is its own engine (ZeRO is --zero-stage); with "
+           "--deepspeed_config its JSON is read, as Megatron-DeepSpeed reads it only under "
+           "--deepspeed"),
+    impl("--deepspeed_config", None, str,
+         "A DeepSpeed JSON config, read with --deepspeed as Megatron-DeepSpeed's run uses it: "
+         "its batch, precision, loss scaling, clipping, optimizer and ZeRO keys set their flags' "
+         "fields; where the JSON and a flag differ, the side Megatron-DeepSpeed uses wins, with "
+         "a notice (docs/deepspeed_config.md lists every key)."),
     alias("--deepspeed-config", "--deepspeed_config", "The dashed spelling some scripts use."),
     impl("--llama-model", None, None,
          "DeepSpeed-Domino's switch to a Llama model: accepted by pretrain_llama.py, which builds "
@@ -113,7 +115,6 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     *notices(("--dataloader-defer-npy-index-mmap", "--dataloader-fast-cache-load",
               "--disable-msc"), _LOADER),
     *notices(("--num-dataset-builder-threads", "--mid-level-dataset-surplus"), _LOADER, value),
-    notice("--no-data-sharding", "read only by --dataloader-type cyclic, which is refused"),
     notice("--allow-ambiguous-pad-tokens",
            "pretraining samples are packed without padding, so no pad token is masked"),
     *notices(("--ckpt-fully-parallel-save", "--ckpt-drop-redundant-extra-state"),
@@ -224,8 +225,6 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
            type=str, supported=("fp32",))
       for name in ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
                    "--exp-avg-sq-dtype")],
-    Flag("--dataloader-type", REFUSED, "only the single (sequential, resumable) loader is "
-         "implemented", type=str, supported=("single",)),
     *refuse(("--enable-msc", "--object-storage-cache-path"),
             "object-storage paths (multi-storage client) are not implemented: --data-path, "
             "--load and --save are local paths"),

@@ -54,11 +54,11 @@ class BatchSchedule:
         mbs = config.micro_batch_size
         if mbs < 1:
             raise ConfigError(f"--micro-batch-size={mbs} is invalid: it must be >= 1")
+        gbs = _global_batch(config, mbs, dp)
         steps = config.step_batch_size_schedule
         if steps is not None:
             steps = _checked_steps(steps, config, mbs * dp)
             return cls(steps[-1][1], mbs, dp, steps=steps)
-        gbs = config.global_batch_size if config.global_batch_size is not None else mbs * dp
         if gbs < 1 or gbs % (mbs * dp) != 0:
             raise ConfigError(
                 f"--global-batch-size={gbs} is invalid: it must be a positive multiple of "
@@ -126,6 +126,33 @@ class BatchSchedule:
         for _ in range(iterations):
             consumed += self.global_batch(consumed)
         return consumed
+
+
+def sample_counts(schedule: ScheduleConfig, dp: int) -> tuple[int, int, int]:
+    """Samples the train, valid and test splits must hold for this run (Megatron-LM's sizing)."""
+    batches = BatchSchedule.from_config(schedule, dp)
+    gbs, iters = batches.global_batch_size, batches.train_iterations(schedule)
+    evaluations = iters // schedule.eval_interval + 1 if schedule.eval_interval > 0 else 0
+    return (batches.samples_in(iters), evaluations * schedule.eval_iters * gbs,
+            schedule.eval_iters * gbs)
+
+
+def _global_batch(config: ScheduleConfig, mbs: int, dp: int) -> int:
+    """--global-batch-size, else micro-batch x DP x the accumulation steps of a DeepSpeed JSON;
+    with both, DeepSpeed's rule: they must be equal."""
+    steps, tile = config.gradient_accumulation_steps, mbs * dp
+    if steps is None:
+        return config.global_batch_size if config.global_batch_size is not None else tile
+    where = "--deepspeed_config's gradient_accumulation_steps"
+    if config.rampup_batch_size is not None or config.step_batch_size_schedule is not None:
+        raise ConfigError(f"{where} fixes the batch, which --rampup-batch-size or "
+                          "--step-batch-size-schedule changes: give one of them")
+    if config.global_batch_size not in (None, steps * tile):
+        raise ConfigError(f"{where}={steps} makes the global batch --micro-batch-size ({mbs}) "
+                          f"x data-parallel size ({dp}) x {steps} = {steps * tile}, not "
+                          f"{config.global_batch_size} (its train_batch_size or "
+                          "--global-batch-size): DeepSpeed requires them equal")
+    return steps * tile
 
 
 def _check_rampup(rampup: tuple, gbs: int, tile: int) -> None:

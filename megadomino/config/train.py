@@ -12,6 +12,9 @@ import torch
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 """How WSD anneals (Megatron-LM's --lr-wsd-decay-style choices)."""
+DATALOADER_TYPES = ("single", "cyclic")
+"""The sample orders DataConfig.dataloader_type names (Megatron-LM's --dataloader-type but
+'external', a loader of the caller's own)."""
 
 
 @dataclass
@@ -33,7 +36,13 @@ class ScheduleConfig:
 
     micro_batch_size: int = 1
     global_batch_size: int | None = None
-    """Defaults to micro_batch_size * data-parallel size (no accumulation)."""
+    """Defaults to micro_batch_size * data-parallel size * gradient_accumulation_steps (1 when
+    None)."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per data-parallel rank per step, as a DeepSpeed JSON config gives them
+    (--deepspeed_config): they set the global batch with the world's data-parallel size, or must
+    agree with a given one (DeepSpeed's rule). None: no accumulation unless the global batch
+    asks for it."""
     train_iters: int | None = None
     train_samples: int | None = None
     lr: float = 1e-4

@@ -1,7 +1,8 @@
 """The one validator: every rule a configuration must meet, each checked once, in pure
-arithmetic on the config tree (and a look at --save's directory), so that every rank refuses
-alike with one line naming the flag before any collective starts. The command line runs it after
-parsing (`cli.arguments.parse_args`) and again with the world size at launch; the library's
+arithmetic on the config tree (and a look at the directories --save, --load, --tensorboard-dir
+and --data-cache-path name), so that every rank refuses alike with one line naming the flag
+before any collective starts. The command line runs it after parsing
+(`cli.arguments.parse_args`) and again with the world size at launch; the library's
 `train.loop.train` runs it with the process grid's world before it builds anything.
 
     validate(config)                                   # the configuration alone
@@ -23,7 +24,13 @@ from megadomino.config.model import ModelConfig
 from megadomino.config.parallel import ParallelConfig, check_degrees, check_gpus_per_node
 from megadomino.config.pipeline_plan import plan_rules
 from megadomino.config.pipeline_split import layer_split
-from megadomino.config.train import WSD_STYLES, FP8Recipe, ScheduleConfig, TrainConfig
+from megadomino.config.train import (
+    DATALOADER_TYPES,
+    WSD_STYLES,
+    FP8Recipe,
+    ScheduleConfig,
+    TrainConfig,
+)
 from megadomino.config.tree import Config
 
 
@@ -47,6 +54,9 @@ def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe
     _pipeline_rules(model, parallel)
     validate_layers(model, parallel, parallel.tensor_model_parallel_size, fp8)
     domino = parallel.domino
+    if parallel.zero.fp8_param_gather and fp8 is None:
+        raise ConfigError("--fp8-param-gather gathers the weights of the FP8 linears: add "
+                          "--fp8-format hybrid (or e4m3)")
     if parallel.domino_auto and fp8 is not None:
         raise ConfigError("--domino-batch-slices auto may pick a Domino plan, whose schedule "
                           "runs high-precision GEMMs: it is off with --fp8-format")
@@ -256,6 +266,8 @@ def _train_rules(train: TrainConfig, finetune: bool, data_given: bool) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={value} is invalid: it must be >= 1")
     _schedule_rules(schedule)
+    check(train.data.dataloader_type in DATALOADER_TYPES, "--dataloader-type",
+          train.data.dataloader_type, " or ".join(DATALOADER_TYPES))
     if not data_given:
         _check_data(train, finetune)
     if logging.profile and logging.profile_step_end <= logging.profile_step_start:
@@ -277,8 +289,14 @@ def _train_rules(train: TrainConfig, finetune: bool, data_given: bool) -> None:
     if runtime.exit_duration_in_mins is not None and runtime.exit_duration_in_mins < 0:
         raise ConfigError(f"--exit-duration-in-mins={runtime.exit_duration_in_mins} is invalid: "
                           "it must be >= 0")
-    if checkpoint.save is not None:
-        _check_writable(checkpoint.save)
+    cache = train.data.data_cache_path if train.data.data_path and not finetune else None
+    for flag, directory in (("--save", checkpoint.save), ("--data-cache-path", cache),
+                            ("--tensorboard-dir", logging.tensorboard_dir)):
+        if directory is not None:
+            _check_writable(flag, directory)
+    if checkpoint.load is not None and os.path.isfile(checkpoint.load):
+        raise ConfigError(f"--load={checkpoint.load} is a file, not a directory: give the "
+                          "directory --save wrote (it holds latest_checkpointed_iteration.txt)")
     if checkpoint.ckpt_format not in ("torch", "torch_dist"):
         raise ConfigError(f"--ckpt-format={checkpoint.ckpt_format!r} is invalid: it must be torch "
                           "or torch_dist")
@@ -350,16 +368,17 @@ def _schedule_rules(schedule: ScheduleConfig) -> None:
                               "--min-lr)")
 
 
-def _check_writable(save: str) -> None:
-    """--save must be a directory this process can write, or creatable in one: found at start-up
-    rather than at the first save, hours in."""
-    path = os.path.abspath(save)
+def _check_writable(flag: str, directory: str) -> None:
+    """`flag`'s directory (--save, --tensorboard-dir, --data-cache-path) must be one this process
+    can write, or creatable in one: found at start-up, on every rank, rather than at the first
+    write, hours in, on the one rank that writes."""
+    path = os.path.abspath(directory)
     while not os.path.exists(path):
         path = os.path.dirname(path)
     if not os.path.isdir(path):
-        raise ConfigError(f"--save={save} is invalid: {path} is a file, not a directory")
+        raise ConfigError(f"{flag}={directory} is invalid: {path} is a file, not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"--save={save} is invalid: {path} is not writable by this user")
+        raise ConfigError(f"{flag}={directory} is invalid: {path} is not writable by this user")
 
 
 def _check_data(train: TrainConfig, finetune: bool) -> None:

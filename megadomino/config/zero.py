@@ -50,6 +50,12 @@ class ZeroConfig:
     """Stage 1: the all-gather of the new weights after the step is launched per unit and waited
     on just before the unit's first use in the next forward (--overlap-param-gather), not
     before the step returns; the same values either way."""
+    fp8_param_gather: bool = False
+    """Stages 1 and 3, with FP8 linears (--fp8-format): their weights are all-gathered as e4m3
+    codes with one scale per weight, about half a bf16 gather's bytes (Megatron-LM's
+    --fp8-param-gather; zero/fp8_gather.py). The weight is rounded to FP8 once either way;
+    with it the weight's scale is its current amax's (max-reduced over DP) under both
+    recipes."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit (layer) while this one computes."""
     reduce_dtype: str = "float32"
@@ -140,6 +146,11 @@ class ZeroConfig:
             raise ConfigError(f"--zero-layers-per-unit {self.layers_per_unit} fixes the layers a "
                               f"unit, --zero-unit-params {self.unit_params} sizes units by "
                               "parameters: give one of them")
+        check(not self.fp8_param_gather or self.stage in (1, 3), "--fp8-param-gather", True,
+              "used with --use-distributed-optimizer (--zero-stage 1) or --zero-stage 3: at "
+              "stage 0 nothing is gathered")
+        check(not (self.fp8_param_gather and self.quantized_weights), "--fp8-param-gather", True,
+              "without --zeropp-quantized-weights: both quantize the weight gather, choose one")
         check(not self.overlap_param_gather or self.stage == 1, "--overlap-param-gather", True,
               "used with --use-distributed-optimizer (--zero-stage 1): stage 0 gathers nothing "
               "and stage 3 prefetches its gathers already")

@@ -1,4 +1,5 @@
-"""Training data: mock data, Megatron indexed datasets, tokenizers, GPT samples and blends.
+"""Training data: mock data, Megatron indexed datasets, tokenizers, GPT samples and blends, and
+the order Megatron-LM's cyclic loader reads them in (`cyclic`).
 
 `MockDataset[i]` is a LongTensor [seq_length + 1]; the real datasets built by
 `build_train_valid_test_datasets` give dicts {"tokens": LongTensor [seq_length + 1],

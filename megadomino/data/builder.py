@@ -27,7 +27,8 @@
   the file, the id and `vocab_source` (the flag or tokenizer that set the vocabulary).
 
 Which rank reads which sample is the sampler's business (the loop's: DP ranks take disjoint
-slices of each global batch of consecutive sample indices).
+slices of each global batch of consecutive sample indices, or of Megatron-LM's cyclic order of
+them, `cyclic`).
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ to the bigram entropy (ln len(steps): the next token is one of len(steps) succes
 towards zero once attention reads the step off the previous tokens.
 
 Which rank reads which sample is the caller's business; the training loop uses Megatron's
-pretraining sampler (see `megadomino.train.loop`): the whole global batch is a contiguous
+pretraining sampler (see `megadomino.train.step`): the whole global batch is a contiguous
 range of sample indices, each micro-batch slot takes `micro_batch_size * dp` of them and DP rank r
-takes the r-th block, so the ranks of one TP group read the same samples and DP ranks differ.
+takes the r-th block, so the ranks of one TP group read the same samples and DP ranks differ
+(under --dataloader-type cyclic, permuted: `megadomino.data.cyclic`).
 """
 
 from __future__ import annotations

@@ -31,6 +31,14 @@ Scaling recipes, per tensor role (input, weight, output gradient):
                 re-run forward (full activation recompute) would advance it twice, so that
                 combination is refused in config.
 
+With ZeRO's --fp8-param-gather the weight arrives already rounded to FP8 (zero/fp8_gather.py:
+each DP rank casts its part with the scale of the whole weight's amax, max-reduced over DP,
+and the gather moves the 1-byte codes). Its role then takes current scaling under either recipe
+(`FP8State.weight_current_scaling`): the dequantized weight's own amax gives the scale the codes
+were cast with, to the dequantized weight's bf16 rounding (2^-9 relative), far inside half an
+e4m3 step, so the cast here reproduces the gathered codes exactly: the weight is rounded to FP8
+once, as without the gather.
+
 Casts: each operand is cast once, and where backward needs it as the other operand of a GEMM
 (x and W column-major, g row-major transposed) the transposed FP8 copy is written by the same
 cast (`cast`), so no GEMM call copies an operand. With `compiled` (--compile-layer-pieces) the
@@ -115,6 +123,8 @@ class FP8State(nn.Module):
     def __init__(self, recipe: FP8Recipe, device=None, amax_group=None, compiled: bool = False):
         super().__init__()
         self.recipe, self.amax_group, self.compiled = recipe, amax_group, compiled
+        self.weight_current_scaling = False
+        """Set by ZeRO's FP8 parameter gather: the WEIGHT role is cast with current scaling."""
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history",
                                  torch.zeros(recipe.amax_history_len, 3, device=device))
@@ -148,18 +158,22 @@ class FP8State(nn.Module):
         """The scale that casts `t` in `role` this step (a fresh fp32 scalar); under delayed,
         `record` writes t's amax into the current history row."""
         dtype = self.recipe.grad_dtype if role == GRAD else E4M3
-        if self.recipe.recipe == "tensorwise":
+        if not self._delayed(role):
             return current_scale(t, dtype)
         if record:
             self.amax_history[0, role] = t.abs().amax().float()
         return self.scale[role].clone()
+
+    def _delayed(self, role: int) -> bool:
+        return self.recipe.recipe == "delayed" and not (
+            role == WEIGHT and self.weight_current_scaling)
 
     def cast(self, role: int, t: torch.Tensor, record: bool,
              transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(t in FP8, its contiguous transpose or None, the inverse scale) for 2-D t in `role`,
         scaled and recorded as scale_for says, amax and cast in one (compiled) function."""
         dtype = self.recipe.grad_dtype if role == GRAD else E4M3
-        delayed = self.recipe.recipe == "delayed"
+        delayed = self._delayed(role)
         fn = cast_operand
         if self.compiled:
             fn = fused_cast if t.is_cuda else _compiled_cast()

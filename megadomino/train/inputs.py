@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megadomino.config import Config, DataConfig, ScheduleConfig
-from megadomino.config.batches import BatchSchedule
+from megadomino.config import Config, DataConfig
+from megadomino.config.batches import sample_counts
 from megadomino.data import build_tokenizer, build_train_valid_test_datasets
 from megadomino.data.sft import build_sft_datasets
 from megadomino.data.tokenizer import Tokenizer
@@ -35,15 +35,6 @@ def run_tokenizer(config: Config) -> tuple[Config, Tokenizer | None]:
     model = config.model.replace(vocab_size=tokenizer.vocab_size)
     model.validate(tp=config.parallel.tensor_model_parallel_size)
     return dataclasses.replace(config, model=model), tokenizer
-
-
-def sample_counts(schedule: ScheduleConfig, dp: int) -> tuple[int, int, int]:
-    """Samples the train, valid and test splits must hold for this run (Megatron-LM's sizing)."""
-    batches = BatchSchedule.from_config(schedule, dp)
-    gbs, iters = batches.global_batch_size, batches.train_iterations(schedule)
-    evaluations = iters // schedule.eval_interval + 1 if schedule.eval_interval > 0 else 0
-    return (batches.samples_in(iters), evaluations * schedule.eval_iters * gbs,
-            schedule.eval_iters * gbs)
 
 
 def build_datasets(config: Config, dims: ParallelDims, tokenizer: Tokenizer | None,

@@ -43,8 +43,9 @@ from torch import nn
 from megadomino import overlap
 from megadomino.build import build_model
 from megadomino.config import CheckpointConfig, Config, ConfigError, ParallelConfig
-from megadomino.config.batches import BatchSchedule
+from megadomino.config.batches import BatchSchedule, sample_counts
 from megadomino.config.validate import validate
+from megadomino.data.cyclic import loader_order
 from megadomino.data.mock import MockDataset
 from megadomino.distributed import ParallelDims
 from megadomino.distributed.random import model_parallel_seed
@@ -122,6 +123,10 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
         data_description = ("mock data" if train_data is None else
                             f"{type(train_data).__name__} of {len(train_data)} samples")
     train_data, valid_data = _default_data(config, train_data, valid_data)
+    train_samples, valid_samples, _ = sample_counts(schedule_config, data_dp)
+    train_data = loader_order(train_data, train_config.data, mbs, data_dp, train_samples)
+    valid_data = (loader_order(valid_data, train_config.data, mbs, data_dp, valid_samples)
+                  if valid_samples else None)  # 0: the run never evaluates
 
     model_parallel_seed(train_config.runtime.seed, dims)
     stages = None  # the pipeline plan, with pipeline stages

@@ -3,7 +3,9 @@
 Sampling is Megatron's pretraining sampler: the iteration that starts at `consumed` samples reads
 samples [consumed, consumed + global batch); micro-batch m of DP rank r reads `micro_batch_size`
 consecutive samples starting at consumed + (m * dp + r) * micro_batch_size. The ranks of one TP
-group read the same samples; two DP ranks never read the same sample in a step.
+group read the same samples; two DP ranks never read the same sample in a step. Those are read
+positions: under --dataloader-type cyclic the loop hands the Stepper its datasets in Megatron-LM's
+cyclic order (megadomino.data.cyclic), whose position p holds a permuted sample.
 
 A sample is a LongTensor [seq_length + 1] (inputs [:-1], labels [1:], every label counts) or a
 dict {"tokens": LongTensor [seq_length + 1], "loss_mask": FloatTensor [seq_length]} whose mask

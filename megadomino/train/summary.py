@@ -109,12 +109,20 @@ def startup_lines(family: str, config: Config, parameters: int, *, world: int, t
         f" parallelism: {_plural(world, 'rank')} = TP {tp} x PP {pp} x DP {dp}, {backend} on "
         f"{device}; TP overlap: {overlap}",
         f" data parallelism: {_zero(parallel.zero)}; precision: {precision}",
-        f" data: {data}; global batch {global_batch} = micro-batch "
+        f" data: {data}{_order(train.data)}; global batch {global_batch} = micro-batch "
         f"{train.schedule.micro_batch_size} x "
         f"{_plural(micro_batches, 'micro-batch', 'micro-batches')} x DP {dp} "
         f"({global_batch * model.seq_length:,} tokens){_batch_growth(train.schedule)}; "
         f"{_plural(iterations, 'iteration')}",
     ]
+
+
+def _order(data) -> str:
+    """How the samples are read, when not consecutively."""
+    if data.dataloader_type == "single":
+        return ""
+    return (f", read in {data.dataloader_type} order "
+            f"({'data sharding' if data.data_sharding else 'no data sharding'})")
 
 
 def _batch_growth(schedule) -> str:

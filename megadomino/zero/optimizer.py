@@ -45,11 +45,13 @@ import torch
 from torch import nn
 
 from megadomino.config import Config, ConfigError, OptimizerConfig, ZeroConfig
+from megadomino.distributed import comm as dist_comm
 from megadomino.zero.collectives import CommCounter
+from megadomino.zero.fp8_gather import adopt_fp8_weights
 from megadomino.zero.grads import GradReducer
 from megadomino.zero.loss_scaler import DynamicLossScaler, StepResult
 from megadomino.zero.params import FullParams, MemoryMeter, PartitionedParams
-from megadomino.zero.partition import FlatUnit, find_buckets, find_units
+from megadomino.zero.partition import FlatUnit, find_buckets, find_units, idle_dp_rank
 from megadomino.zero.sharded import OptimizerFactory, ShardedOptimizer
 
 
@@ -80,6 +82,11 @@ class ZeroPlusPlus:
         self.loss_scaler = loss_scaler
         self.comm = CommCounter(dims.gpus_per_node)
         self.meter = MemoryMeter()
+        # --fp8-param-gather: the FP8 linears' weights (their scaling switched to current).
+        fp8 = adopt_fp8_weights(model) if config.fp8_param_gather else None
+        if config.fp8_param_gather and not fp8:
+            raise ConfigError("--fp8-param-gather gathers the weights of FP8 linears, and this "
+                              "model has none: add --fp8-format")
         if config.stage == 0:
             self.units = [FlatUnit(name, params, 1, 0)
                           for name, params in find_buckets(model, config.bucket_numel)]
@@ -91,16 +98,19 @@ class ZeroPlusPlus:
                                config.min_units)
             self.units = [FlatUnit(name, params, dims.dp, dims.dp_rank)
                           for name, _, params in found]
+            _check_every_dp_rank_holds(self.units, dims, config.stage)
             modules = [m for _, m, _ in found] if config.overlap_param_gather else None
-            self.params = FullParams(self.units, dims, self.comm, modules=modules)
+            self.params = FullParams(self.units, dims, self.comm, modules=modules,
+                                     fp8_weights=fp8)
             on_unit_done = None
         else:
             found = find_units(model, config.layers_per_unit, config.unit_params,
                                config.min_units)
             self.units = [FlatUnit(name, params, dims.dp, dims.dp_rank)
                           for name, _, params in found]
+            _check_every_dp_rank_holds(self.units, dims, config.stage)
             self.params = PartitionedParams(self.units, [m for _, m, _ in found], model, dims,
-                                            config, self.comm, self.meter)
+                                            config, self.comm, self.meter, fp8_weights=fp8)
             on_unit_done = self.params.release
         self.grads = GradReducer(self.units, dims, config, self.comm, self.meter, on_unit_done,
                                  overwrite=one_backward_per_step)
@@ -268,6 +278,27 @@ class ZeroPlusPlus:
                 if device.type == "cuda" else None}
 
 
+def _check_every_dp_rank_holds(units: list[FlatUnit], dims, stage: int) -> None:
+    """ConfigError on every rank when a DP rank's chunk of every unit would be padding alone (a
+    model too small for the DP degree), before anything is sharded. The layouts are the same on
+    every DP and TP rank of a pipeline stage, so those ranks agree without a word; pipeline
+    stages' layouts differ, so with stages the ranks share their verdicts (all_gather_object)."""
+    numels = [unit.numel for unit in units]
+    idle = idle_dp_rank(numels, dims.dp) if numels else None  # none: nothing to train
+    error = None
+    if idle is not None:
+        ranks = f"rank {idle}" if idle == dims.dp - 1 else f"ranks {idle} to {dims.dp - 1}"
+        fits = max(d for d in range(1, dims.dp + 1) if idle_dp_rank(numels, d) is None)
+        error = (f"--zero-stage {stage} shards every unit of parameters over the {dims.dp} "
+                 f"data-parallel ranks, but this model is too small: {ranks} would hold nothing "
+                 f"but padding (its largest unit has {max(numels)} elements): run it on fewer "
+                 f"data-parallel ranks (e.g. {fits}), or at --zero-stage 0")
+    if dims.pp > 1:
+        error = next((e for e in dist_comm.all_gather_object(error) if e is not None), None)
+    if error is not None:
+        raise ConfigError(error)
+
+
 def layout_mismatch(saved: dict, mine: dict) -> str:
     """Why a sharded checkpoint does not fit this engine, naming what to pass."""
     if {k: v for k, v in saved.items() if k != "units"} != \
@@ -316,6 +347,7 @@ def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
     one_backward = (config.parallel.pipeline_model_parallel_size == 1
                     and schedule.rampup_batch_size is None
                     and schedule.step_batch_size_schedule is None
+                    and schedule.gradient_accumulation_steps in (None, 1)
                     and schedule.global_batch_size in (None, schedule.micro_batch_size * dims.dp))
     return ZeroPlusPlus(model, dims, factory, config.parallel.zero,
                         clip_grad=train.optimizer.clip_grad, loss_scaler=scaler,

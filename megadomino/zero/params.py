@@ -33,6 +33,12 @@ Memory: per unit, about shard_numel * weight_bits / 8 bytes plus 4 per block of 
 (and under 32 bytes of padding), from the first forward until the step: for bf16 weights, half
 the shards' bytes at int8, a quarter at int4; counted in the MemoryMeter.
 
+FP8 parameter gather (`fp8`, zero/fp8_gather.py): the gathers from the primary shards (stage 1's
+after a step, stage 3's first from the DP group) move the FP8 linears' weights as e4m3 codes. At
+stage 1 the shards are then buffers of their own (the flat buffer holds the dequantized weights,
+the shard the exact ones the optimizer wrote), and `materialize()` gathers the exact shards, as
+stage 3's does; stage 3 makes each unit's payload once per refresh, as qwZ does.
+
 Collectives: gathers are issued from the hooks in unit order, which is the same on every rank.
 """
 
@@ -44,6 +50,7 @@ from torch import nn
 from megadomino.config import ZeroConfig
 from megadomino.zero import collectives
 from megadomino.zero.collectives import CommCounter, Pending
+from megadomino.zero.fp8_gather import FP8Layout, Scales, all_gather_fp8
 from megadomino.zero.partition import FlatUnit
 
 
@@ -77,7 +84,9 @@ class FullParams:
     way: only when the wait happens moves."""
 
     def __init__(self, units: list[FlatUnit], dims, comm: CommCounter, gathered: bool = True,
-                 modules: list[tuple[nn.Module, ...]] | None = None):
+                 modules: list[tuple[nn.Module, ...]] | None = None,
+                 fp8_weights: set[int] | None = None):
+        """`fp8_weights`: the ids of the weights gathered in FP8 (--fp8-param-gather)."""
         self.units, self.dims, self.comm, self.gathered = units, dims, comm, gathered
         self.flats = []
         for unit in units:
@@ -85,7 +94,11 @@ class FullParams:
             for param, view in zip(unit.params, unit.views(flat)):
                 param.data = view
             self.flats.append(flat)
-        self.shards = [unit.shard(flat) for unit, flat in zip(units, self.flats)]
+        self.fp8 = _fp8_layouts(units, fp8_weights, dims)
+        self.scales = Scales(self.fp8, dims.dp_group, comm) if fp8_weights else None
+        # With FP8 gathers the flat buffer holds dequantized weights: the shards keep the exact.
+        self.shards = [unit.shard(flat).clone() if layout is not None else unit.shard(flat)
+                       for unit, flat, layout in zip(units, self.flats, self.fp8)]
         self.overlap = modules is not None
         self.pending: list = [None] * len(units)
         for index, unit_modules in enumerate(modules or ()):
@@ -94,8 +107,11 @@ class FullParams:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of parameter storage held for good: every unit whole."""
-        return sum(flat.numel() * flat.element_size() for flat in self.flats)
+        """Bytes of parameter storage held for good: every unit whole (and the exact shards of
+        the units gathered in FP8)."""
+        return sum(flat.numel() * flat.element_size() for flat in self.flats) + sum(
+            shard.numel() * shard.element_size()
+            for shard, layout in zip(self.shards, self.fp8) if layout is not None)
 
     def refresh(self) -> None:
         """All-gather every unit's shard into the model's parameters (stage 1); with overlap,
@@ -103,9 +119,17 @@ class FullParams:
         if not self.gathered:
             return
         self.release_all()
-        self.pending = [self.comm.all_gather(flat, shard.clone(), self.dims.dp_group,
-                                             "weights step", async_op=True)
-                        for flat, shard in zip(self.flats, self.shards)]
+        scales = None
+        if self.scales is not None:
+            self.scales.clear()
+            scales = self.scales.get(self.shards)
+        self.pending = [
+            self.comm.all_gather(flat, shard.clone(), self.dims.dp_group, "weights step",
+                                 async_op=True) if layout is None else
+            all_gather_fp8(self.comm, layout, layout.encode(shard, scales[index]),
+                           scales[index], self.dims.dp_group, "weights step", out=flat)
+            for index, (flat, shard, layout) in enumerate(zip(self.flats, self.shards,
+                                                              self.fp8))]
         if not self.overlap:
             self.release_all()
 
@@ -115,8 +139,13 @@ class FullParams:
             work.wait()
 
     def materialize(self) -> None:
-        """The parameters whole: any gather still in flight finished."""
+        """The parameters whole and exact: any gather still in flight finished; the units
+        gathered in FP8 gathered again from their exact shards (collective over DP)."""
         self.release_all()
+        for flat, shard, layout in zip(self.flats, self.shards, self.fp8):
+            if layout is not None:
+                self.comm.all_gather(flat, shard.clone(), self.dims.dp_group,
+                                     "weights state dict")
 
     def release_all(self) -> None:
         """Finish every gather still in flight (nothing is released at stages 0 and 1)."""
@@ -143,10 +172,11 @@ class PartitionedParams:
 
     def __init__(self, units: list[FlatUnit], modules: list[tuple[nn.Module, ...]],
                  root: nn.Module, dims, config: ZeroConfig, comm: CommCounter,
-                 meter: MemoryMeter):
+                 meter: MemoryMeter, fp8_weights: set[int] | None = None):
         """`modules[i]`: unit i's modules in run order (find_units). Each one's forward pre-hook
         gathers the unit (a no-op while it is gathered: activation recompute may re-run a unit
-        from any of its layers), the last one's forward hook releases it."""
+        from any of its layers), the last one's forward hook releases it. `fp8_weights`: the ids
+        of the weights gathered in FP8 (--fp8-param-gather)."""
         self.units, self.dims, self.config, self.comm, self.meter = units, dims, config, comm, \
             meter
         self.shards: list[torch.Tensor] = []
@@ -162,7 +192,9 @@ class PartitionedParams:
         self.pending: list[Pending | None] = [None] * count
         self.from_primary = [False] * count
         self.secondary: list[torch.Tensor | None] = [None] * count
-        self.quantized: list[torch.Tensor | None] = [None] * count  # qwZ without hpZ
+        self.quantized: list[torch.Tensor | None] = [None] * count  # qwZ without hpZ, FP8
+        self.fp8 = _fp8_layouts(units, fp8_weights, dims)
+        self.scales = Scales(self.fp8, dims.dp_group, comm) if fp8_weights else None
         self.is_root = [run[0] is root for run in modules]
         for index, run in enumerate(modules):
             for module in run:
@@ -188,6 +220,11 @@ class PartitionedParams:
         if secondary is not None:
             self.pending[index] = collectives.all_gather(self.comm, secondary,
                                                          dims.intra_node_group, tag)
+        elif self.fp8[index] is not None:
+            scales = self.scales.get(self.shards)[index]
+            self.pending[index] = all_gather_fp8(self.comm, self.fp8[index],
+                                                 self._fp8_payload(index, scales), scales,
+                                                 dims.dp_group, tag)
         elif config.quantized_weights:
             self.pending[index] = collectives.all_gather_quantized(
                 self.comm, shard, dims.dp_group, config.weight_bits, config.block_size, tag,
@@ -250,10 +287,20 @@ class PartitionedParams:
             self.meter.hold(self.quantized[index])
         return self.quantized[index]
 
+    def _fp8_payload(self, index: int, scales: torch.Tensor) -> torch.Tensor:
+        """Unit `index`'s FP8 payload row, made once per refresh."""
+        if self.quantized[index] is None:
+            self.quantized[index] = self.fp8[index].encode(self.shards[index], scales)
+            self.meter.hold(self.quantized[index])
+        return self.quantized[index]
+
     def refresh(self) -> None:
         """The shards changed: drop gathered copies, hpZ secondaries (the next gather of each
-        unit goes over the DP group and makes a new secondary) and qwZ's quantized shards."""
+        unit goes over the DP group and makes a new secondary), qwZ's quantized shards and the
+        FP8 payloads and scales."""
         self.release_all()
+        if self.scales is not None:
+            self.scales.clear()
         for copies in (self.secondary, self.quantized):
             for index, copy in enumerate(copies):
                 if copy is not None:
@@ -287,6 +334,12 @@ class PartitionedParams:
         self.fetch(index, "weights backward")
         if self.config.prefetch and index > 0:
             self.launch(index - 1, "weights backward")
+
+
+def _fp8_layouts(units: list[FlatUnit], fp8_weights: set[int] | None,
+                 dims) -> list[FP8Layout | None]:
+    return [FP8Layout.of(unit, fp8_weights, dims.dp, dims.dp_rank, _dtype_of(unit))
+            if fp8_weights else None for unit in units]
 
 
 def _dtype_of(unit: FlatUnit) -> torch.dtype:
