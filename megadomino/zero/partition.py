@@ -84,6 +84,16 @@ class FlatUnit:
         return flat[self.shard_start:self.shard_start + self.shard_numel]
 
 
+def idle_dp_rank(numels: list[int], dp: int) -> int | None:
+    """The first DP rank that would hold no parameter, its chunk of every unit (of `numels`
+    elements) being padding, or None when every rank holds some: rank r holds a piece of a unit
+    of n elements iff r * ceil(n / dp) < n, so the ranks past an idle one are idle too."""
+    for rank in range(dp):
+        if not any(rank * -(-numel // dp) < numel for numel in numels):
+            return rank
+    return None
+
+
 def find_buckets(model: nn.Module, bucket_numel: int) -> list[tuple[str, list[nn.Parameter]]]:
     """Stage 0's units: [(name, trainable params)] in registration order, cut into buckets of
     about `bucket_numel` elements (Megatron's DDP buckets). Cuts are made walking the parameters
