@@ -185,7 +185,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     tokens = world * args.micro_batch_size * args.seq_length
     print(f"{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size} per GPU, "
           f"{args.dtype}, {world} GPUs as 2 nodes x {world // 2}; median of {args.steps} steps")
-    header = (f"{'config':<18} {'s/step':>8} {'tokens/s':>10} {'vs base':>10} {'peak GiB':>9} "
+    header = (f"{'config':<20} {'s/step':>8} {'tokens/s':>10} {'vs base':>10} {'peak GiB':>9} "
               f"{'inter MB':>9} {'intra MB':>9} {'weights MB':>10} {'left GiB':>9} "
               f"{'last loss':>9}")
     print(header + "\n" + "-" * len(header))
@@ -194,7 +194,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         peak = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
         inter = r.get("inter_bytes_per_step", 0) / 1e6
         intra = r.get("intra_bytes_per_step", 0) / 1e6
-        print(f"{r['config']:<18} {r['s_per_step']:>8.4f} {tokens / r['s_per_step']:>10.0f} "
+        print(f"{r['config']:<20} {r['s_per_step']:>8.4f} {tokens / r['s_per_step']:>10.0f} "
               f"{ratio:>10.3f} {peak:>9} {inter:>9.1f} {intra:>9.1f} "
               f"{r['weights_bytes_per_step'] / 1e6:>10.1f} {r.get('leftover_gib', 0):>9.2f} "
               f"{r['loss']:>9.4f}")
@@ -205,7 +205,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         print(f"(s/step: median over {args.rounds} passes of the list; vs base: median of the "
               "passes' ratios; per pass:)")
         for r in rows:
-            print(f"    {r['config']:<18} " + " ".join(f"{t:.4f}" for t in r["s_per_step_rounds"]))
+            print(f"    {r['config']:<20} " + " ".join(f"{t:.4f}" for t in r["s_per_step_rounds"]))
     for r in rows:
         if r.get("profile"):
             p = r["profile"]

@@ -30,9 +30,9 @@
 #   zero-rounds  default units vs one layer a unit, ZeRO-3 and ZeRO++ (and ZeRO++ with
 #                DeepSpeed's levels), micro-batch 1 (3 passes) and 4 (2 passes): medians that
 #                the run-to-run drift (10%) does not decide
-#   fp8-gather   benchmarks/bench_zero.py: GPT-3 1.3B with FP8 linears (hybrid, delayed) at ZeRO 3
-#                and 1, without and with --fp8-param-gather, micro-batch 4, 3 rounds: step time,
-#                the weight gathers' bytes (the engine's count), each step's loss
+#   fp8-gather   benchmarks/bench_zero.py: GPT-3 1.3B with FP8 linears (hybrid; delayed at ZeRO 3
+#                and 1, tensorwise at ZeRO 3), without and with --fp8-param-gather, micro-batch 4,
+#                3 rounds: step time, the weight gathers' bytes (the engine's count), each loss
 #   domino       benchmarks/bench_domino.py core rows, CUDA-graphed, with megatron-core
 #   domino-ds    the GPT row with DeepSpeed's Domino too (CUDA_DEVICE_MAX_CONNECTIONS=1)
 #   e2e          pretrain_gpt.py gpt3-6.7b, 8 layers, TP = all GPUs: eager vs SP + fused comm +
@@ -122,6 +122,7 @@ for name in "$@"; do
     fp8-gather) step fp8-gather 420 torchrun --standalone --nproc_per_node "$GPUS" \
                   benchmarks/bench_zero.py --steps 8 --warmup 3 --rounds 3 --micro-batch-size 4 \
                   --configs "zero3 fp8" "zero3 fp8 gather" "zero1 fp8" "zero1 fp8 gather" \
+                  "zero3 fp8 tw" "zero3 fp8 tw gather" \
                   --baseline "zero3 fp8" --out "$OUT/zero_fp8_gather.json" ;;
     domino) step domino 300 torchrun --standalone --nproc_per_node "$GPUS" \
               benchmarks/bench_domino.py --rows core --peers megatron --plans 1x1,2x1 \

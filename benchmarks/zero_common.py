@@ -43,13 +43,17 @@ CONFIGS.update(GROUPED)
 # Not run by default: ZeRO++ quantizing with DeepSpeed's levels (--zeropp-quantize-full-range).
 FULL_RANGE = {"zero++ full range": dict(CONFIGS["zero++"], quantize_full_range=True)}
 CONFIGS.update(FULL_RANGE)
-# Not run by default: the model's linears in FP8 (hybrid, delayed scaling), at stages 3 and 1,
-# without and with the FP8 weight gather (--fp8-param-gather); "fp8" is not a ZeroConfig field.
-FP8 = {"zero3 fp8": dict(reduce_dtype="bfloat16", fp8=True),
-       "zero3 fp8 gather": dict(reduce_dtype="bfloat16", fp8=True, fp8_param_gather=True),
-       "zero1 fp8": dict(stage=1, reduce_dtype="bfloat16", fp8=True),
-       "zero1 fp8 gather": dict(stage=1, reduce_dtype="bfloat16", fp8=True,
-                                fp8_param_gather=True)}
+# Not run by default: the model's linears in FP8 (hybrid; delayed scaling, "tw": tensorwise), at
+# stages 3 and 1, without and with the FP8 weight gather (--fp8-param-gather); "fp8" (the
+# recipe) is not a ZeroConfig field.
+FP8 = {"zero3 fp8": dict(reduce_dtype="bfloat16", fp8="delayed"),
+       "zero3 fp8 gather": dict(reduce_dtype="bfloat16", fp8="delayed", fp8_param_gather=True),
+       "zero1 fp8": dict(stage=1, reduce_dtype="bfloat16", fp8="delayed"),
+       "zero1 fp8 gather": dict(stage=1, reduce_dtype="bfloat16", fp8="delayed",
+                                fp8_param_gather=True),
+       "zero3 fp8 tw": dict(reduce_dtype="bfloat16", fp8="tensorwise"),
+       "zero3 fp8 tw gather": dict(reduce_dtype="bfloat16", fp8="tensorwise",
+                                   fp8_param_gather=True)}
 CONFIGS.update(FP8)
 NOT_DEFAULT = {**DEPTH1, **GROUPED, **FULL_RANGE, **FP8}
 ADAM = dict(lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -84,7 +88,8 @@ def build_engine(name: str, dims: ParallelDims, args: argparse.Namespace,
     fields = dict(CONFIGS[name], block_size=args.block_size)
     if fields.get("hpz_partition_size") == -1:
         fields["hpz_partition_size"] = dims.dp_per_node
-    fp8 = FP8Recipe() if fields.pop("fp8", False) else None
+    recipe = fields.pop("fp8", None)
+    fp8 = FP8Recipe(recipe=recipe) if recipe else None
     model_parallel_seed(1234, dims)
     model = build_model(model_config(args), dims, "gpt", device=device, fp8=fp8)
     factory = functools.partial(torch.optim.AdamW, **ADAM)

@@ -267,6 +267,9 @@ def test_sample_flag_sets_its_field(argv, path, expected):
     (("--train-iters", "10", "--zero-stage", "3", "--fp8-format", "hybrid",
       "--zeropp-quantized-weights", "--fp8-param-gather"),
      "without --zeropp-quantized-weights: both quantize the weight gather"),
+    (("--train-iters", "10", "--zero-stage", "3", "--fp8-format", "hybrid", "--gpus-per-node",
+      "2", "--zeropp-hpz-partition-size", "2", "--fp8-param-gather"),
+     "without --zeropp-hpz-partition-size: hpZ's secondary copies"),
 ])
 def test_megatron_feature_rules_name_the_flag(argv, named):
     with pytest.raises(ConfigError, match=named):

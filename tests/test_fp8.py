@@ -280,6 +280,12 @@ FP8_MODEL = ModelConfig.preset("gpt-tiny", seq_length=32, hidden_dropout=0.0,
 REL_DELAYED = 1e-5
 """TP=2 against TP=1 under delayed scaling, relative to max |logit|: the amaxes are max-reduced
 over TP, so both cast the same numbers and differ only in summation order (as without FP8)."""
+DELAYED_FLIPS = 0.0
+"""Where summation orders differ between TP=1 and TP=2 (the GPU's GEMMs pick their algorithm by
+shape), an fp32 difference of an ulp can carry an activation across an FP8 rounding boundary
+(e4m3 steps are 6-12% apart) in the next layer's cast: the delayed bound is then this fraction
+of FP8's own error (TP=1 FP8 against fp32), if larger than REL_DELAYED. 0 on CPU, where the two
+sum alike."""
 
 
 def _case_tp2_forward_matches_tp1(ref: ParallelDims, tp: ParallelDims, recipe: str) -> None:
@@ -301,8 +307,10 @@ def _case_tp2_forward_matches_tp1(ref: ParallelDims, tp: ParallelDims, recipe: s
         logits, ref_logits = model(tokens).detach(), reference(tokens).detach()
         fp8_error = (ref_logits - exact).abs().max().item() / exact.abs().max().item()
         assert fp8_error > 1e-3, f"FP8 logits equal fp32 ones ({fp8_error:.1e}): not quantized"
-        rel = REL_DELAYED if recipe == "delayed" else 1.5 * fp8_error
-        assert_close(logits, ref_logits, rel, f"logits, {recipe} step {step + 1}")
+        rel = (max(REL_DELAYED, DELAYED_FLIPS * fp8_error) if recipe == "delayed"
+               else 1.5 * fp8_error)
+        assert_close(logits, ref_logits, rel,
+                     f"logits, {recipe} step {step + 1} (FP8's own error {fp8_error:.2e})")
 
 
 TRAIN = make_config(FP8_MODEL, micro_batch_size=2, global_batch_size=4, train_iters=12, lr=5e-3,

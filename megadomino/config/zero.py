@@ -151,6 +151,9 @@ class ZeroConfig:
               "stage 0 nothing is gathered")
         check(not (self.fp8_param_gather and self.quantized_weights), "--fp8-param-gather", True,
               "without --zeropp-quantized-weights: both quantize the weight gather, choose one")
+        check(not (self.fp8_param_gather and self.hpz), "--fp8-param-gather", True,
+              "without --zeropp-hpz-partition-size: hpZ's secondary copies are kept in the "
+              "parameters' dtype, not as FP8 codes")
         check(not self.overlap_param_gather or self.stage == 1, "--overlap-param-gather", True,
               "used with --use-distributed-optimizer (--zero-stage 1): stage 0 gathers nothing "
               "and stage 3 prefetches its gathers already")

@@ -31,20 +31,12 @@ Scaling recipes, per tensor role (input, weight, output gradient):
                 re-run forward (full activation recompute) would advance it twice, so that
                 combination is refused in config.
 
-With ZeRO's --fp8-param-gather the weight arrives already rounded to FP8 (zero/fp8_gather.py:
-each DP rank casts its part with the scale of the whole weight's amax, max-reduced over DP,
-and the gather moves the 1-byte codes). Its role then takes current scaling under either recipe
-(`FP8State.weight_current_scaling`): the dequantized weight's own amax gives the scale the codes
-were cast with, to the dequantized weight's bf16 rounding (2^-9 relative), far inside half an
-e4m3 step, so the cast here reproduces the gathered codes exactly: the weight is rounded to FP8
-once, as without the gather.
-
-Casts: each operand is cast once, and where backward needs it as the other operand of a GEMM
-(x and W column-major, g row-major transposed) the transposed FP8 copy is written by the same
-cast (`cast`), so no GEMM call copies an operand. With `compiled` (--compile-layer-pieces) the
-cast and its transpose are one torch.compile'd function: a kernel that reads the high-precision
-tensor once and writes the FP8 tensor and its transpose, against the eager chain of a float
-copy, the multiply, the clamp, the conversion and a transposing copy.
+With ZeRO's --fp8-param-gather the weight arrives as e4m3 codes with its scale
+(zero/fp8_gather.py: each DP rank casts its part with the scale of the whole weight's amax,
+max-reduced over DP), handed over in `FP8State.gathered_weight`: the GEMMs take them as they are
+(the transposed copy backward needs is made from them), and the weight's own amax and cast are
+skipped. Without them (before the first gather) the weight takes current scaling under either
+recipe (`FP8State.weight_current_scaling`), which gives the same codes and scale.
 """
 
 from __future__ import annotations
@@ -125,6 +117,10 @@ class FP8State(nn.Module):
         self.recipe, self.amax_group, self.compiled = recipe, amax_group, compiled
         self.weight_current_scaling = False
         """Set by ZeRO's FP8 parameter gather: the WEIGHT role is cast with current scaling."""
+        self.gathered_weight: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Set by ZeRO's FP8 parameter gather while the weight is gathered: (its e4m3 codes, in
+        the weight's shape, the inverse of their scale), which the GEMMs take instead of a
+        cast."""
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history",
                                  torch.zeros(recipe.amax_history_len, 3, device=device))
@@ -219,7 +215,12 @@ class _FP8Linear(torch.autograd.Function):
             state.begin_step()
         # dW needs x as a second operand (column-major: x's transpose), dx needs W's
         x_q, x_t, x_inv = state.cast(INPUT, x_2d, record, transposed=ctx.needs_input_grad[1])
-        w_q, w_t, w_inv = state.cast(WEIGHT, weight, record, transposed=ctx.needs_input_grad[0])
+        if state.gathered_weight is not None:  # cast by ZeRO's FP8 parameter gather
+            w_q, w_inv = state.gathered_weight
+            w_t = w_q.t().contiguous() if ctx.needs_input_grad[0] else None
+        else:
+            w_q, w_t, w_inv = state.cast(WEIGHT, weight, record,
+                                         transposed=ctx.needs_input_grad[0])
         y = scaled_matmul(x_q, w_q.t(), x_inv, w_inv, x.dtype, bias)
         ctx.save_for_backward(x_t, w_t, x_inv, w_inv)
         ctx.state, ctx.record = state, record

@@ -1,28 +1,27 @@
 """--fp8-param-gather: the weights of the FP8 linears all-gathered as 1-byte e4m3 codes instead of
 bf16 (Megatron-LM's flag of the same name), at ZeRO stages 1 (after each step) and 3 (each
-gather from the primary shards).
+gather), and used as gathered by the linears' FP8 GEMMs.
 
 Scales. A weight W [N, K] of an FP8 linear is cast with one scale, s = 448 / amax(W), the amax
 of the whole (TP-local) weight: each DP rank takes the amax of its part, and one max all-reduce
-over DP per step (`Scales.compute`, every unit's FP8 weights in one vector) gives every rank the
-same s. Each rank casts its part of W with s (tp.fp8.quantize: the linear's own rounding), and
-the receivers dequantize, q / s, into the unit's flat buffer in the parameters' dtype. The linear
-then casts W with current scaling (FP8State.weight_current_scaling) and gets the gathered codes
-back exactly (tp/fp8.py says why), so W is rounded to FP8 once, as without the gather.
+over DP per step (`Scales.get`, every unit's FP8 weights in one vector) gives every rank the same
+s. Each rank casts its part of W with s (tp.fp8.quantize, the linear's own rounding) from the
+exact shard the optimizer wrote. The codes and s are what the linear's GEMMs take
+(FP8State.gathered_weight): the weight is rounded to FP8 once, with the scale the linear's
+current scaling of the whole weight would give it, bit for bit (the linear's own cast, without a
+gather, under --fp8-recipe tensorwise gives the same codes and scale), and the linear's per-step
+amax and cast of W are skipped. Under the delayed recipe the weights are scaled so, from their
+current amax; inputs and gradients keep the recipe.
 
-Payload. A rank's shard [S] (of the flat layout, partition.FlatUnit) goes as one uint8 row:
-
-    [ codes: S bytes | other: n_other elements of the parameters' dtype ]     (each 16-aligned)
-
-codes[i] is element i's e4m3 code where element i belongs to an FP8 weight (0 elsewhere); `other`
-holds, back to back, the shard's elements of every other parameter (biases, norms, embeddings),
-unrounded; n_other is the largest such count over the ranks, so every row has one size. A unit
-without FP8 weights is gathered in its dtype as usual (`FP8Layout.of` returns None). The rows of
-all ranks concatenated, codes first, are the unit's codes in flat order, so decoding is one
-copy of the codes and, per parameter, one dequantizing (FP8) or copying (other) slice.
-
-What moves: a layer unit's row is S bytes plus its biases and norms, against 2 S bytes in bf16.
-The engine's exact gathers (checkpoints, `materialize`) stay in the parameters' dtype.
+Payload. A rank's shard [S] (of the flat layout, partition.FlatUnit) goes as two all-gathers:
+its codes, uint8 [S] (element i's e4m3 code where element i belongs to an FP8 weight, 0
+elsewhere), gathered straight into the unit's codes in flat order, [dp * S]; and its elements of
+every other parameter (biases, norms), unrounded, back to back, padded to the largest such count
+over the ranks, [n_other], decoded into the unit's flat buffer in the parameters' dtype. The
+flat buffer's FP8-weight elements are not written by these gathers (stage 3: left as allocated;
+stage 1: the values of the last exact gather): the weights' readers besides the linears gather
+exactly first (checkpoints: `materialize`). A unit without FP8 weights is gathered in its dtype
+as usual (`FP8Layout.of` returns None).
 """
 
 from __future__ import annotations
@@ -38,17 +37,11 @@ from megadomino.tp.fp8 import FP8_MAX, FP8State, quantize
 from megadomino.zero.collectives import CommCounter, Pending
 from megadomino.zero.partition import FlatUnit
 
-_ALIGN = 16
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
 
 @dataclass(frozen=True)
 class _Slice:
     """Elements [flat_lo, flat_hi) of the unit's flat buffer, held by rank `rank` at `offset` of
-    its shard (FP8 weights) or of its `other` section (other parameters)."""
+    its shard (FP8 weights) or of its `other` payload (other parameters)."""
 
     param: int
     rank: int
@@ -58,13 +51,18 @@ class _Slice:
 
 
 class FP8Layout:
-    """One unit's payload layout over `dp` ranks (module docstring), seen from `dp_rank`."""
+    """One unit's payloads over `dp` ranks (module docstring), seen from `dp_rank`, and the
+    FP8States its gathered codes are handed to."""
 
-    def __init__(self, unit: FlatUnit, fp8_params: list[int], dp: int, dp_rank: int,
+    def __init__(self, unit: FlatUnit, fp8_states: dict[int, FP8State], dp: int, dp_rank: int,
                  dtype: torch.dtype):
+        """`fp8_states`: unit parameter index -> the FP8State of the linear that weight is."""
         self.unit, self.dp, self.dp_rank, self.dtype = unit, dp, dp_rank, dtype
-        self.fp8_params = fp8_params
+        self.fp8_params = sorted(fp8_states)
         """Indices into unit.params of the FP8 weights, in flat order."""
+        self.states = [fp8_states[index] for index in self.fp8_params]
+        self.codes: torch.Tensor | None = None
+        """The unit's gathered codes while handed to the linears (`publish`)."""
         size = unit.shard_numel
         self.fp8_slices: list[_Slice] = []
         self.other_slices: list[_Slice] = []
@@ -75,22 +73,20 @@ class FP8Layout:
                 lo, hi = max(start, rank * size), min(end, (rank + 1) * size)
                 if lo >= hi:
                     break
-                if index in fp8_params:
+                if index in fp8_states:
                     self.fp8_slices.append(_Slice(index, rank, lo, hi, lo - rank * size))
                 else:
                     self.other_slices.append(_Slice(index, rank, lo, hi, other_counts[rank]))
                     other_counts[rank] += hi - lo
         self.n_other = max(other_counts)
-        self.codes_bytes = _aligned(size)
-        self.other_bytes = _aligned(self.n_other * torch.empty(0, dtype=dtype).element_size())
-        self.row_bytes = self.codes_bytes + self.other_bytes
 
     @classmethod
-    def of(cls, unit: FlatUnit, fp8_weights: set[int], dp: int, dp_rank: int,
+    def of(cls, unit: FlatUnit, fp8_states: dict[int, FP8State], dp: int, dp_rank: int,
            dtype: torch.dtype) -> FP8Layout | None:
-        """The layout of `unit`, or None when it holds none of `fp8_weights` (parameter ids)."""
-        fp8_params = [i for i, p in enumerate(unit.params) if id(p) in fp8_weights]
-        return cls(unit, fp8_params, dp, dp_rank, dtype) if fp8_params else None
+        """The layout of `unit`, or None when it holds none of `fp8_states`' weights (keyed by
+        parameter id)."""
+        mine = {i: fp8_states[id(p)] for i, p in enumerate(unit.params) if id(p) in fp8_states}
+        return cls(unit, mine, dp, dp_rank, dtype) if mine else None
 
     def own_amaxes(self, shard: torch.Tensor) -> torch.Tensor:
         """fp32 [len(fp8_params)]: the amax of this rank's part of each FP8 weight (0 where it
@@ -103,37 +99,47 @@ class FP8Layout:
                 amaxes[slot] = torch.maximum(amaxes[slot], part.abs().amax().float())
         return amaxes
 
-    def encode(self, shard: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """This rank's payload row, uint8 [row_bytes], from its shard [S] and the FP8 weights'
-        scales [len(fp8_params)]."""
-        row = torch.zeros(self.row_bytes, dtype=torch.uint8, device=shard.device)
-        codes = row[:self.codes_bytes].view(E4M3)
-        other = row[self.codes_bytes:].view(self.dtype)
+    def encode(self, shard: torch.Tensor,
+               scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's payloads from its shard [S] and the FP8 weights' scales: (codes, uint8
+        [S]; other parameters' elements, [n_other] in the parameters' dtype)."""
+        codes = torch.zeros(self.unit.shard_numel, dtype=torch.uint8, device=shard.device)
+        other = torch.zeros(self.n_other, dtype=self.dtype, device=shard.device)
         for piece in self.fp8_slices:
             if piece.rank == self.dp_rank:
                 span = slice(piece.offset, piece.offset + piece.flat_hi - piece.flat_lo)
                 scale = scales[self.fp8_params.index(piece.param)]
-                codes[span] = quantize(shard[span], scale, E4M3)
+                codes[span] = quantize(shard[span], scale, E4M3).view(torch.uint8)
         start = self.dp_rank * self.unit.shard_numel
         for piece in self.other_slices:
             if piece.rank == self.dp_rank:
                 n = piece.flat_hi - piece.flat_lo
                 other[piece.offset:piece.offset + n] = shard[piece.flat_lo - start:
                                                              piece.flat_hi - start]
-        return row
+        return codes, other
 
-    def decode(self, rows: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        """Every rank's row, uint8 [dp, row_bytes], into `out` [padded_numel] of the parameters'
-        dtype (padding left as it is)."""
-        codes = rows[:, :self.unit.shard_numel].reshape(-1).view(E4M3)  # flat order
-        for slot, index in enumerate(self.fp8_params):
-            start = self.unit.offsets[index]
-            end = start + self.unit.shapes[index].numel()
-            out[start:end].copy_(codes[start:end]).mul_(scales[slot].reciprocal())
-        other = rows[:, self.codes_bytes:].view(self.dtype)
+    def decode_other(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Every rank's other-parameter payload, [dp, n_other], into `out` [padded_numel]."""
         for piece in self.other_slices:
             n = piece.flat_hi - piece.flat_lo
-            out[piece.flat_lo:piece.flat_hi] = other[piece.rank, piece.offset:piece.offset + n]
+            out[piece.flat_lo:piece.flat_hi] = rows[piece.rank, piece.offset:piece.offset + n]
+
+    def publish(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Hand each FP8 weight's codes (views of the unit's gathered codes, [dp * S] uint8) and
+        the inverse of its scale to its linear."""
+        self.codes = codes
+        inverse = scales.reciprocal()
+        for slot, (index, state) in enumerate(zip(self.fp8_params, self.states)):
+            start = self.unit.offsets[index]
+            shape = self.unit.shapes[index]
+            weight = codes[start:start + shape.numel()].view(E4M3).view(shape)
+            state.gathered_weight = (weight, inverse[slot])
+
+    def unpublish(self) -> None:
+        """The linears cast their weights themselves again (the codes are freed)."""
+        self.codes = None
+        for state in self.states:
+            state.gathered_weight = None
 
 
 class Scales:
@@ -162,30 +168,39 @@ class Scales:
         return self.per_unit
 
 
-def all_gather_fp8(counter: CommCounter, layout: FP8Layout, payload: torch.Tensor,
-                   scales: torch.Tensor, group, tag: str,
-                   out: torch.Tensor | None = None) -> Pending:
-    """Launch the all-gather of this rank's `payload` row (layout.encode); wait() -> the unit's
-    flat buffer [padded_numel] decoded into `out` (a new buffer if None)."""
-    rows = payload.new_empty(layout.dp, layout.row_bytes)
-    work = counter.all_gather(rows.view(-1), payload, group, tag, async_op=True)
+def all_gather_fp8(counter: CommCounter, layout: FP8Layout,
+                   payload: tuple[torch.Tensor, torch.Tensor], scales: torch.Tensor, group,
+                   tag: str, out: torch.Tensor | None = None,
+                   codes: torch.Tensor | None = None) -> Pending:
+    """Launch the all-gathers of this rank's payloads (layout.encode); wait() -> the unit's flat
+    buffer [padded_numel] with the other parameters decoded into it (`out`, or a new buffer),
+    the codes ([dp * S] uint8: `codes`, or a new buffer) handed to the linears."""
+    own_codes, own_other = payload
+    codes = codes if codes is not None else own_codes.new_empty(layout.dp * own_codes.numel())
+    rows = own_other.new_empty(layout.dp, layout.n_other)
+    works = [counter.all_gather(codes, own_codes, group, tag, async_op=True)]
+    if layout.n_other:
+        works.append(counter.all_gather(rows.view(-1), own_other, group, tag, async_op=True))
 
     def finish() -> torch.Tensor:
-        work.wait()
-        full = out if out is not None else torch.zeros(layout.unit.padded_numel,
+        for work in works:
+            work.wait()
+        full = out if out is not None else torch.empty(layout.unit.padded_numel,
                                                        dtype=layout.dtype, device=rows.device)
-        layout.decode(rows, scales, full)
+        layout.decode_other(rows, full)
+        layout.publish(codes, scales)
         return full
     return Pending(finish)
 
 
-def adopt_fp8_weights(model: nn.Module) -> set[int]:
-    """The ids of the weights of `model`'s FP8 linears, whose FP8State this switches to current
-    scaling for the weight (the role the gather rounds, see tp/fp8.py)."""
-    ids = set()
+def adopt_fp8_weights(model: nn.Module) -> dict[int, FP8State]:
+    """The weights of `model`'s FP8 linears (by parameter id) and their FP8States, which this
+    switches to current scaling for the weight: the scaling the gathered codes carry, so that a
+    forward without them (before the first gather) casts the weight the same way."""
+    states = {}
     for module in model.modules():
         state = getattr(module, "fp8_state", None)
         if isinstance(state, FP8State):
             state.weight_current_scaling = True
-            ids.add(id(module.weight))
-    return ids
+            states[id(module.weight)] = state
+    return states

@@ -33,11 +33,11 @@ Memory: per unit, about shard_numel * weight_bits / 8 bytes plus 4 per block of 
 (and under 32 bytes of padding), from the first forward until the step: for bf16 weights, half
 the shards' bytes at int8, a quarter at int4; counted in the MemoryMeter.
 
-FP8 parameter gather (`fp8`, zero/fp8_gather.py): the gathers from the primary shards (stage 1's
-after a step, stage 3's first from the DP group) move the FP8 linears' weights as e4m3 codes. At
-stage 1 the shards are then buffers of their own (the flat buffer holds the dequantized weights,
-the shard the exact ones the optimizer wrote), and `materialize()` gathers the exact shards, as
-stage 3's does; stage 3 makes each unit's payload once per refresh, as qwZ does.
+FP8 parameter gather (`fp8`, zero/fp8_gather.py): stage 1's gathers after a step and stage 3's
+gathers move the FP8 linears' weights as e4m3 codes, which the linears use as gathered; the flat
+buffer's FP8-weight elements are then not written (stage 1 keeps its own exact shard there, and
+`materialize()` gathers the exact shards, as stage 3's does). Stage 3 makes each unit's payload
+once per refresh, as qwZ does, and holds the gathered codes beside the unit's flat buffer.
 
 Collectives: gathers are issued from the hooks in unit order, which is the same on every rank.
 """
@@ -85,8 +85,9 @@ class FullParams:
 
     def __init__(self, units: list[FlatUnit], dims, comm: CommCounter, gathered: bool = True,
                  modules: list[tuple[nn.Module, ...]] | None = None,
-                 fp8_weights: set[int] | None = None):
-        """`fp8_weights`: the ids of the weights gathered in FP8 (--fp8-param-gather)."""
+                 fp8_weights: dict | None = None):
+        """`fp8_weights`: the weights gathered in FP8, by parameter id, and their linears'
+        FP8States (--fp8-param-gather)."""
         self.units, self.dims, self.comm, self.gathered = units, dims, comm, gathered
         self.flats = []
         for unit in units:
@@ -94,11 +95,13 @@ class FullParams:
             for param, view in zip(unit.params, unit.views(flat)):
                 param.data = view
             self.flats.append(flat)
+        self.shards = [unit.shard(flat) for unit, flat in zip(units, self.flats)]
         self.fp8 = _fp8_layouts(units, fp8_weights, dims)
         self.scales = Scales(self.fp8, dims.dp_group, comm) if fp8_weights else None
-        # With FP8 gathers the flat buffer holds dequantized weights: the shards keep the exact.
-        self.shards = [unit.shard(flat).clone() if layout is not None else unit.shard(flat)
-                       for unit, flat, layout in zip(units, self.flats, self.fp8)]
+        self.codes = [None if layout is None else torch.empty(unit.padded_numel,
+                                                              dtype=torch.uint8,
+                                                              device=self.flats[0].device)
+                      for unit, layout in zip(units, self.fp8)]
         self.overlap = modules is not None
         self.pending: list = [None] * len(units)
         for index, unit_modules in enumerate(modules or ()):
@@ -107,11 +110,10 @@ class FullParams:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of parameter storage held for good: every unit whole (and the exact shards of
-        the units gathered in FP8)."""
+        """Bytes of parameter storage held for good: every unit whole (and the gathered FP8
+        codes of the units gathered so)."""
         return sum(flat.numel() * flat.element_size() for flat in self.flats) + sum(
-            shard.numel() * shard.element_size()
-            for shard, layout in zip(self.shards, self.fp8) if layout is not None)
+            codes.numel() for codes in self.codes if codes is not None)
 
     def refresh(self) -> None:
         """All-gather every unit's shard into the model's parameters (stage 1); with overlap,
@@ -123,13 +125,16 @@ class FullParams:
         if self.scales is not None:
             self.scales.clear()
             scales = self.scales.get(self.shards)
-        self.pending = [
-            self.comm.all_gather(flat, shard.clone(), self.dims.dp_group, "weights step",
-                                 async_op=True) if layout is None else
-            all_gather_fp8(self.comm, layout, layout.encode(shard, scales[index]),
-                           scales[index], self.dims.dp_group, "weights step", out=flat)
-            for index, (flat, shard, layout) in enumerate(zip(self.flats, self.shards,
-                                                              self.fp8))]
+        self.pending = []
+        for index, (flat, shard, layout) in enumerate(zip(self.flats, self.shards, self.fp8)):
+            if layout is None:
+                self.pending.append(self.comm.all_gather(flat, shard.clone(), self.dims.dp_group,
+                                                         "weights step", async_op=True))
+                continue
+            layout.unpublish()
+            self.pending.append(all_gather_fp8(
+                self.comm, layout, layout.encode(shard, scales[index]), scales[index],
+                self.dims.dp_group, "weights step", out=flat, codes=self.codes[index]))
         if not self.overlap:
             self.release_all()
 
@@ -172,11 +177,12 @@ class PartitionedParams:
 
     def __init__(self, units: list[FlatUnit], modules: list[tuple[nn.Module, ...]],
                  root: nn.Module, dims, config: ZeroConfig, comm: CommCounter,
-                 meter: MemoryMeter, fp8_weights: set[int] | None = None):
+                 meter: MemoryMeter, fp8_weights: dict | None = None):
         """`modules[i]`: unit i's modules in run order (find_units). Each one's forward pre-hook
         gathers the unit (a no-op while it is gathered: activation recompute may re-run a unit
-        from any of its layers), the last one's forward hook releases it. `fp8_weights`: the ids
-        of the weights gathered in FP8 (--fp8-param-gather)."""
+        from any of its layers), the last one's forward hook releases it. `fp8_weights`: the
+        weights gathered in FP8, by parameter id, and their linears' FP8States
+        (--fp8-param-gather)."""
         self.units, self.dims, self.config, self.comm, self.meter = units, dims, config, comm, \
             meter
         self.shards: list[torch.Tensor] = []
@@ -192,7 +198,8 @@ class PartitionedParams:
         self.pending: list[Pending | None] = [None] * count
         self.from_primary = [False] * count
         self.secondary: list[torch.Tensor | None] = [None] * count
-        self.quantized: list[torch.Tensor | None] = [None] * count  # qwZ without hpZ, FP8
+        self.quantized: list[torch.Tensor | None] = [None] * count  # qwZ without hpZ
+        self.fp8_payloads: list[tuple[torch.Tensor, ...] | None] = [None] * count
         self.fp8 = _fp8_layouts(units, fp8_weights, dims)
         self.scales = Scales(self.fp8, dims.dp_group, comm) if fp8_weights else None
         self.is_root = [run[0] is root for run in modules]
@@ -241,6 +248,9 @@ class PartitionedParams:
         self.pending[index] = None
         self.full[index] = full
         self.meter.hold(full)
+        layout = self.fp8[index]
+        if layout is not None and layout.codes is not None:  # handed to the linears
+            self.meter.hold(layout.codes)
         if self.config.hpz and self.from_primary[index]:
             part = full.numel() // self.dims.dp_per_node
             start = self.dims.intra_node_rank * part
@@ -260,6 +270,10 @@ class PartitionedParams:
             param.data = empty
         self.meter.drop(self.full[index])
         self.full[index] = None
+        layout = self.fp8[index]
+        if layout is not None and layout.codes is not None:
+            self.meter.drop(layout.codes)
+            layout.unpublish()
 
     def release_all(self) -> None:
         for index in range(len(self.units)):
@@ -287,12 +301,13 @@ class PartitionedParams:
             self.meter.hold(self.quantized[index])
         return self.quantized[index]
 
-    def _fp8_payload(self, index: int, scales: torch.Tensor) -> torch.Tensor:
-        """Unit `index`'s FP8 payload row, made once per refresh."""
-        if self.quantized[index] is None:
-            self.quantized[index] = self.fp8[index].encode(self.shards[index], scales)
-            self.meter.hold(self.quantized[index])
-        return self.quantized[index]
+    def _fp8_payload(self, index: int, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Unit `index`'s FP8 payloads (codes, other parameters), made once per refresh."""
+        if self.fp8_payloads[index] is None:
+            self.fp8_payloads[index] = self.fp8[index].encode(self.shards[index], scales)
+            for payload in self.fp8_payloads[index]:
+                self.meter.hold(payload)
+        return self.fp8_payloads[index]
 
     def refresh(self) -> None:
         """The shards changed: drop gathered copies, hpZ secondaries (the next gather of each
@@ -301,6 +316,10 @@ class PartitionedParams:
         self.release_all()
         if self.scales is not None:
             self.scales.clear()
+        for index, payloads in enumerate(self.fp8_payloads):
+            for payload in payloads or ():
+                self.meter.drop(payload)
+            self.fp8_payloads[index] = None
         for copies in (self.secondary, self.quantized):
             for index, copy in enumerate(copies):
                 if copy is not None:
@@ -336,7 +355,7 @@ class PartitionedParams:
             self.launch(index - 1, "weights backward")
 
 
-def _fp8_layouts(units: list[FlatUnit], fp8_weights: set[int] | None,
+def _fp8_layouts(units: list[FlatUnit], fp8_weights: dict | None,
                  dims) -> list[FP8Layout | None]:
     return [FP8Layout.of(unit, fp8_weights, dims.dp, dims.dp_rank, _dtype_of(unit))
             if fp8_weights else None for unit in units]
