@@ -283,9 +283,10 @@ over TP, so both cast the same numbers and differ only in summation order (as wi
 DELAYED_FLIPS = 0.0
 """Where summation orders differ between TP=1 and TP=2 (the GPU's GEMMs pick their algorithm by
 shape), an fp32 difference of an ulp can carry an activation across an FP8 rounding boundary
-(e4m3 steps are 6-12% apart) in the next layer's cast: the delayed bound is then this fraction
-of FP8's own error (TP=1 FP8 against fp32), if larger than REL_DELAYED. 0 on CPU, where the two
-sum alike."""
+(e4m3 steps are 6-12% apart) in the next layer's cast, and when that element is a tensor's amax
+the next step's delayed scale differs, so that every element of the tensor rounds differently:
+the delayed bound is then this multiple of FP8's own error (TP=1 FP8 against fp32), if larger
+than REL_DELAYED. 0 on CPU, where the two sum alike."""
 
 
 def _case_tp2_forward_matches_tp1(ref: ParallelDims, tp: ParallelDims, recipe: str) -> None:

@@ -133,7 +133,12 @@ class FP8Layout:
             start = self.unit.offsets[index]
             shape = self.unit.shapes[index]
             weight = codes[start:start + shape.numel()].view(E4M3).view(shape)
-            state.gathered_weight = (weight, inverse[slot])
+            # cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED) FP8 operands and scales whose
+            # pointers are not 16-byte aligned: the scale gets storage of its own, and a weight
+            # at an unaligned offset of the codes an aligned copy.
+            if start % 16:
+                weight = weight.clone()
+            state.gathered_weight = (weight, inverse[slot].clone())
 
     def unpublish(self) -> None:
         """The linears cast their weights themselves again (the codes are freed)."""
