@@ -207,6 +207,11 @@ def mode_matrix(nproc: int, cuda: bool, fp8: bool) -> list[Mode]:
              quantized=True, bf16_only=True),
         Mode("fp8-compiled", ("--fp8-format", "hybrid", "--compile-layer-pieces"), 1, no_fp8,
              quantized=True, bf16_only=True),
+        Mode("zero1-fp8-gather", ("--use-distributed-optimizer", "--overlap-param-gather",
+                                  "--fp8-format", "hybrid", "--fp8-param-gather"), 1,
+             _first(no_fp8, two), quantized=True, bf16_only=True),
+        Mode("zero3-fp8-gather", (*zero3, "--fp8-format", "hybrid", "--fp8-param-gather"), 1,
+             _first(no_fp8, two), quantized=True, bf16_only=True),
     ]
 
 

@@ -89,7 +89,8 @@ def test_skip_rules_at_three_and_four_ranks():
     assert all(reason is None for reason in skips(4).values()), skips(4)
     cpu = {name for name, reason in skips(4, cuda=False).items() if reason is not None}
     assert cpu == {"cuda-graph", "cuda-graph-sp-overlap", "cuda-graph-domino",
-                   "cuda-graph-tp-dp", "fp8", "fp8-compiled"}
+                   "cuda-graph-tp-dp", "fp8", "fp8-compiled", "zero1-fp8-gather",
+                   "zero3-fp8-gather"}
 
 
 @pytest.mark.parametrize("nproc", [3, 4, 8])
