@@ -58,5 +58,7 @@ setup(
             "tensorboard",
         ],
         "tb": ["tensorboard"],
+        # --tokenizer-type HuggingFaceTokenizer (transformers.AutoTokenizer)
+        "hf": ["transformers>=4.46.1"],
     },
 )

@@ -166,6 +166,9 @@ MAPPED = [
     (("--tensorboard-dir", "/tb"), "train.logging.tensorboard_dir", "/tb"),
     (("--use-distributed-optimizer",), "parallel.zero.stage", 1),
     (("--zero-stage", "3"), "parallel.zero.stage", 3),
+    (("--use-distributed-optimizer", "--grad-reduce-in-bf16"), "parallel.zero.reduce_dtype",
+     "bfloat16"),
+    (("--zero-stage", "3", "--grad-reduce-in-bf16"), "parallel.zero.reduce_dtype", "bfloat16"),
     (("--zero-stage", "3", "--zeropp-quantized-weights"), "parallel.zero.quantized_weights", True),
     (("--zero-stage", "3", "--zeropp-hpz-partition-size", "2"), "parallel.zero.hpz_partition_size",
      2),
@@ -719,7 +722,7 @@ def test_docs_table_matches_code(marker, flags):
 def test_flag_names_are_unique_and_help_renders():
     names = [flag.name for flag in FLAGS + FINETUNE_FLAGS]
     assert len(names) == len(set(names))
-    help_text = build_parser("llama", finetune=True).format_help()
+    help_text = build_parser("llama", finetune=True, show_all=True).format_help()
     assert all(name in help_text for name in names)
 
 

@@ -259,3 +259,31 @@ def test_disk_full_names_the_file_and_the_cause(tmp_path, monkeypatch):
                        r"space left on device; [\d.]+ GiB free"):
         checkpoint_files.atomic_save({"weights": torch.zeros(10_000)}, target)
     assert not target.exists()
+
+
+def test_a_bug_while_building_a_shard_keeps_its_traceback(tmp_path, monkeypatch):
+    """A full disk or exhausted memory while a shard is built becomes the save's CheckpointError
+    (every rank must hear of it); our own bug there (a KeyError) is raised as itself, with its
+    traceback, not dressed up as a failed write."""
+    from dist_utils import free_port
+    from megadomino.train.checkpoint import shards
+
+    def raising(error: Exception):
+        def compact(tensor):
+            raise error
+        return compact
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        dims = ParallelDims(tp=1)
+        model = build_model(ModelConfig.preset("gpt-tiny"), dims)
+        for error, expected in ((KeyError("our bug"), KeyError),
+                                (OSError(28, "No space left on device"), CheckpointError),
+                                (MemoryError(), CheckpointError)):
+            monkeypatch.setattr(shards, "compact", raising(error))
+            with pytest.raises(expected, match="our bug|No space left|MemoryError"):
+                save_checkpoint(tmp_path / type(error).__name__, TrainingState(iteration=1),
+                                model, None, dims)
+    finally:
+        dist.destroy_process_group()

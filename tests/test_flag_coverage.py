@@ -322,7 +322,8 @@ def test_help_says_what_parse_args_accepts_and_refuses(flag):
     """Each value of a flag with choices or with refused values: --help shows it in the usage
     (metavar) when parse_args takes it, and names it refused, with the reason, when parse_args
     ends in a line refusing it."""
-    action = next(a for a in build_parser("gpt")._actions if flag.name in a.option_strings)
+    action = next(a for a in build_parser("gpt", show_all=True)._actions
+                  if flag.name in a.option_strings)
     shown = action.metavar.strip("{}").split(",") if flag.choices is not None else None
     for value in _values(flag):
         refused = flag.refusal(value) is not None

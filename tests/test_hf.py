@@ -194,17 +194,17 @@ def test_unsupported_configs_refused(changes, message):
 
 def test_missing_files_and_tensors_named(hf_setup, tmp_path):
     _, single, sharded, *_ = hf_setup
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(ConfigError, match="config.json"):
         load_llama(str(tmp_path), dims=None)
     broken = shutil.copytree(sharded, tmp_path / "no_shard")
     with open(broken / "model.safetensors.index.json") as f:
         first_file = sorted(set(json.load(f)["weight_map"].values()))[0]
     os.remove(broken / first_file)
-    with pytest.raises(FileNotFoundError, match=first_file):
+    with pytest.raises(ConfigError, match=first_file):
         load_llama(str(broken), dims=None)
-    with pytest.raises(KeyError, match=r"missing .*model\.layers\.2\."):
+    with pytest.raises(ConfigError, match=r"missing .*model\.layers\.2\."):
         load_llama(single, dims=None, num_layers=3)
-    with pytest.raises(ValueError, match=r"gate_proj\.weight has shape \(96, 64\) .* \(128, 64\)"):
+    with pytest.raises(ConfigError, match=r"gate_proj\.weight has shape \(96, 64\) .* \(128, 64\)"):
         load_llama(single, dims=None, ffn_hidden_size=128)
 
 

@@ -69,11 +69,13 @@ def _case_tp_then_dp(tp: int, dp: int, sequence_parallel: bool) -> None:
     _check_same_on_every_rank(history["losses"])
     assert history["skipped_iterations"] == 0
     if dist.get_rank() == 0:
-        # the start-up summary (4 lines), per log interval an iteration line and the engine's
-        # line, then validation's start and result lines
-        summary, log, validation = lines[:4], lines[4:-2], lines[-2:]
+        # the start-up summary (6 lines), per log interval an iteration line and the engine's
+        # line, then validation's start and result lines, and the end-of-run line
+        summary, log, validation = lines[:6], lines[6:-3], lines[-3:-1]
         assert [line.split(":")[0] for line in summary] == [
-            " model", " parallelism", " data parallelism", " data"], summary
+            " model", " parallelism", " data parallelism", " data", " samples", " schedule"], \
+            summary
+        assert lines[-1].startswith(f" run ended: iterations 1-{ITERS} of {ITERS} in "), lines
         assert f"TP {tp} x PP 1 x DP {dp}" in summary[1], summary
         assert len(log) == 2 * (ITERS // 10), lines
         assert all("per rank: held" in line for line in log[1::2]), lines

@@ -16,11 +16,19 @@ any process group exists.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from megadomino.cli.flag_help import (
+    HelpAll,
+    default_note,
+    group_titles,
+    help_group,
+    shown_by_default,
+)
 from megadomino.cli.flags import ALIAS, FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, Flag
 from megadomino.config import (
     FAMILY_DEFAULTS,
@@ -46,17 +54,23 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def build_parser(family: str, finetune: bool = False) -> argparse.ArgumentParser:
+def build_parser(family: str, finetune: bool = False,
+                 show_all: bool = False) -> argparse.ArgumentParser:
     """The argparse parser for FLAGS, and FINETUNE_FLAGS if `finetune` (no abbreviations: a
-    prefix is an unknown flag)."""
-    if finetune:
-        parser = _Parser(prog="finetune_llama.py", allow_abbrev=False,
-                         description="Supervised fine-tuning of a Llama model with Megatron-LM's "
-                                     "flags; the flag policy is in docs/flags.md.")
-    else:
-        parser = _Parser(prog=f"pretrain_{family}.py", allow_abbrev=False,
-                         description=f"Pretrain a {family} model with Megatron-LM's flags; the "
-                                     "flag policy is in docs/flags.md.")
+    prefix is an unknown flag). Its help groups the flags by subject (cli/flag_help.py); it lists
+    the notice and refused rows only with `show_all` (--help-all), but parses them either way."""
+    what = ("Supervised fine-tuning of a Llama model" if finetune
+            else f"Pretrain a {family} model")
+    parser = _Parser(prog="finetune_llama.py" if finetune else f"pretrain_{family}.py",
+                     allow_abbrev=False, usage="%(prog)s [FLAG [VALUE ...]] ...",
+                     description=f"{what} with Megatron-LM's flags; the flag policy is in "
+                                 "docs/flags.md. --help lists the implemented flags and "
+                                 "megadomino's own; --help-all adds the Megatron-LM flags "
+                                 "accepted with a notice and those refused.")
+    parser.add_argument("--help-all", action=HelpAll, help="List every flag, the notices and "
+                        "refusals included, and exit.",
+                        make_parser=functools.partial(build_parser, family, finetune))
+    groups = {title: parser.add_argument_group(title) for title in group_titles()}
     flags = _flags(finetune)
     spellings = {flag.name: [flag.name] for flag in flags}
     for flag in flags:
@@ -65,8 +79,14 @@ def build_parser(family: str, finetune: bool = False) -> argparse.ArgumentParser
     for flag in flags:
         if flag.policy == ALIAS:
             continue
+        text = flag.help
+        if shown_by_default(flag):
+            text = " ".join(filter(None, (text, default_note(flag, family,
+                                                             _REQUIRED_WITHOUT_PRESET))))
+        elif not show_all:
+            text = argparse.SUPPRESS
         kwargs: dict[str, Any] = dict(dest=flag.dest, default=None,
-                                      help=flag.help.replace("%", "%%"))
+                                      help=text.replace("%", "%%"))
         if flag.type is not None:
             kwargs.update(type=_case_insensitive(flag), choices=flag.choices,
                           metavar=flag.metavar, nargs=flag.nargs)
@@ -74,7 +94,7 @@ def build_parser(family: str, finetune: bool = False) -> argparse.ArgumentParser
             kwargs.update(nargs="*", metavar="VALUE")
         else:
             kwargs.update(action="store_const", const=flag.const)
-        parser.add_argument(*spellings[flag.name], **kwargs)
+        groups[help_group(flag)].add_argument(*spellings[flag.name], **kwargs)
     return parser
 
 
@@ -145,6 +165,9 @@ def parse_args(argv: list[str] | None, family: str,
     if zero.get("stage", 0) != 0 and "bucket_numel" in zero:
         raise ConfigError("--ddp-bucket-size sizes plain data parallelism's all-reduce buckets; "
                           "--zero-stage reduces layer by layer: drop one of them")
+    if zero.get("stage", 0) == 0 and zero.pop("reduce_dtype", None) is not None:
+        notices.append("--grad-reduce-in-bf16: at --zero-stage 0 gradients are reduced in fp32; "
+                       "with --use-distributed-optimizer they are reduced in bf16")
     notices += _inert_settings(fields["train"])
     _check_fp8_flags(fields["train"]["precision"].get("fp8"))
     tp = parallel.get("tensor_model_parallel_size", 1)

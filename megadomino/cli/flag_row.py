@@ -43,6 +43,9 @@ class Flag:
     unsupported: str = ""
     alias_of: str | None = None
     """alias: the name of the row this spelling belongs to."""
+    group: str | None = None
+    """An implemented or ours row that sets no single field: the config section (a field path
+    prefix, 'model') whose --help group lists it (cli/flag_help.HELP_GROUPS)."""
 
     @property
     def dest(self) -> str:
@@ -55,7 +58,7 @@ class Flag:
             return "{" + ",".join(str(c) for c in shown) + "}"
         if self.type is None:
             return "..." if self.policy == REFUSED else ""
-        names = {int: "N", float: "X", slices_or_auto: "N|auto", value: "VALUE"}
+        names = {int: "N", count: "N", float: "X", slices_or_auto: "N|auto", value: "VALUE"}
         return names.get(self.type, "NAME")
 
     @property

@@ -53,7 +53,7 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--num-attention-heads", "model.num_attention_heads", int, "Attention heads."),
     _impl("--group-query-attention", None, None,
           "Grouped-query attention with --num-query-groups groups; alone it means 1 group "
-          "(multi-query), as in Megatron-LM."),
+          "(multi-query), as in Megatron-LM.", group="model"),
     _impl("--num-query-groups", "model.num_query_groups", int,
           "Key/value heads; only with --group-query-attention (Megatron-LM silently ignores it "
           "without; here that is an error)."),
@@ -330,7 +330,7 @@ FLAGS: tuple[Flag, ...] = (
     # Our own flags.
     _ours("--model-preset", None, str,
           "Start from a named architecture (megadomino.config.PRESETS); explicit shape flags "
-          "override its fields."),
+          "override its fields.", group="model"),
     _ours("--peak-tflops", "train.logging.peak_tflops", float,
           "Per-GPU peak TFLOP/s that MFU is measured against (default: the GPU's dense bf16 "
           "peak, 989 on H100 SXM and H200, 312 on A100; on other GPUs no MFU is logged)."),
@@ -378,7 +378,7 @@ FLAGS: tuple[Flag, ...] = (
     _impl("--use-distributed-optimizer", None, None,
           "Shard the optimizer states and fp32 master weights over the data-parallel ranks "
           "(ZeRO stage 1: gradients reduce-scattered, parameters all-gathered after the step); "
-          "the same as --zero-stage 1."),
+          "the same as --zero-stage 1.", group="parallel.zero"),
     _ours("--zero-stage", "parallel.zero.stage", int,
           "ZeRO over the data-parallel group (Megatron-DeepSpeed's name): 0 is plain data "
           "parallelism (the default), 1 shards optimizer states and fp32 masters, 3 "
@@ -469,10 +469,14 @@ FLAGS: tuple[Flag, ...] = (
             "format; the flag was removed from Megatron-LM)", str),
     _notice("--no-query-key-layer-scaling", "query-key layer scaling is never applied (as in "
             "Megatron-LM, which removed the flag)"),
-    _notice("--grad-reduce-in-bf16", "gradients are always reduced in fp32 (more precise; "
-            "twice the bytes of a bf16 reduce)"),
-    _notice("--log-num-zeros-in-grad", "the count of zero gradients is not logged"),
-    _notice("--log-params-norm", "the parameter norm is not logged"),
+    _impl("--grad-reduce-in-bf16", "parallel.zero.reduce_dtype", None,
+          "With --use-distributed-optimizer or --zero-stage 1/3: the gradient reduce-scatter "
+          "sends bf16 (accumulated and kept in fp32 either way). At --zero-stage 0 gradients "
+          "are reduced in fp32 (a notice says so).", const="bfloat16"),
+    _notice("--log-num-zeros-in-grad", "the count of zero gradients is not logged; the "
+            "gradient norm is, on every log line"),
+    _notice("--log-params-norm", "the parameter norm is not logged; the gradient norm is, on "
+            "every log line"),
     _notice("--tiktoken-pattern", "read only by the tiktoken tokenizer, which is not implemented",
             _value),
     _impl("--profile", "train.logging.profile", None,
@@ -508,7 +512,6 @@ FLAGS: tuple[Flag, ...] = (
           "weights gave a finite loss, one save in flight, finished before exit."),
     *_refuse(("--train-data-path", "--valid-data-path", "--test-data-path"),
              "separate per-split datasets are not implemented: use --data-path with --split"),
-    *_refuse(("--wandb-project",), "Weights & Biases logging is not implemented"),
     *_refuse(("--use-torch-fsdp2", "--use-megatron-fsdp"),
              "FSDP is not implemented; --zero-stage 3 shards parameters, gradients and optimizer "
              "states over the data-parallel ranks"),

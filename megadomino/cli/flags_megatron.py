@@ -72,11 +72,11 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
          "A DeepSpeed JSON config, read with --deepspeed as Megatron-DeepSpeed's run uses it: "
          "its batch, precision, loss scaling, clipping, optimizer and ZeRO keys set their flags' "
          "fields; where the JSON and a flag differ, the side Megatron-DeepSpeed uses wins, with "
-         "a notice (docs/deepspeed_config.md lists every key)."),
+         "a notice (docs/deepspeed_config.md lists every key).", group="deepspeed"),
     alias("--deepspeed-config", "--deepspeed_config", "The dashed spelling some scripts use."),
     impl("--llama-model", None, None,
          "DeepSpeed-Domino's switch to a Llama model: accepted by pretrain_llama.py, which builds "
-         "one; pretrain_gpt.py refuses it (use pretrain_llama.py)."),
+         "one; pretrain_gpt.py refuses it (use pretrain_llama.py).", group="model"),
     notice("--causal-lm", "every model here is a causal language model"),
     impl("--num-key-value-heads", "model.num_query_groups", int,
          "Megatron-DeepSpeed's name for --num-query-groups; implies --group-query-attention."),
@@ -281,7 +281,7 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     impl("--no-position-embedding", None, None,
          "Megatron-LM's deprecated switch: with rope it is accepted and changes nothing (rope adds "
          "no position embedding), as in Megatron-LM; with learned_absolute it is refused, since "
-         "models without position embeddings are not implemented."),
+         "models without position embeddings are not implemented.", group="model"),
     *refuse(("--relative-attention-num-buckets", "--relative-attention-max-distance"),
             "relative position buckets (T5) are not implemented"),
     *refuse(("--window-size", "--window-attn-skip-freq"),

@@ -66,7 +66,8 @@ _STRAGGLER = "straggler detection is not implemented; per-phase times are on eve
 _FLIGHT_RECORDER = ("the NCCL flight recorder is not configured from flags (torch reads its "
                     "TORCH_NCCL_* variables)")
 _FAULT_INJECTION = "fault injection (nvidia-resiliency-ext) is not implemented"
-_WANDB = "Weights & Biases logging is not implemented"
+_WANDB = ("nothing is sent to Weights & Biases (not implemented): every scalar is on the log "
+          "lines, and with --tensorboard-dir in TensorBoard")
 _TOKENIZER = "tokenizer options are not implemented: each tokenizer runs with its defaults"
 _MTP = "multi-token prediction (MTP) is not implemented"
 _MAMBA = "hybrid Mamba models are not implemented"
@@ -334,7 +335,8 @@ MEGATRON_CONFIG_ROWS: tuple[Flag, ...] = (
     notice("--memory-snapshot-path", _PROFILER, value),
     *notices(("--save-params-interval", "--save-activations-interval", "--save-dgrads-interval",
               "--save-wgrads-interval", "--save-tokens-per-expert-interval"), _DUMPS, value),
-    *refuse(("--wandb-entity", "--wandb-exp-name", "--wandb-save-dir"), _WANDB),
+    *notices(("--wandb-project", "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir"),
+             _WANDB, value),
     # Checkpoints.
     *notices(("--ckpt-assume-constant-structure", "--ckpt-fully-parallel-load",
               "--ckpt-fully-parallel-load-per-rank-objects", "--ckpt-pg-tensors-cache-create",

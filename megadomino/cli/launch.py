@@ -2,11 +2,16 @@
 process group, datasets, training loop.
 
 Order matters for multi-rank runs: every rank parses and validates the flags (and reads the
-tokenizer, which sets the vocabulary) against WORLD_SIZE before any process group exists, so a bad
-flag makes each rank print `error: ...` and exit 2 instead of leaving the others waiting in a
-collective. Exit status: 0 when the run ends or an --exit-* condition stops it (after saving), 2
-for a configuration that cannot run, 1 for a checkpoint that cannot be loaded or saved, for a loss
-that became NaN, and for a rank that stopped answering: each rank's heartbeat (cli/heartbeat.py),
+tokenizer, which sets the vocabulary, and --hf-checkpoint's tensor shapes) against WORLD_SIZE
+before any process group exists, so a bad flag or file makes every rank exit 2 instead of
+leaving the others waiting in a collective, its `error: ...` lines printed once per node, by
+local rank 0 (the ranks of a node read the same flags, environment and files, so they fail
+alike); a file read once the group exists (--data-path's, by rank 0 first) fails every rank
+alike, and such a ConfigError, which may differ by rank, prints on every rank. Exit status: 0
+when the run ends or an --exit-* condition stops it (after saving), 2 for a configuration or an
+input file that cannot run (a checkpoint --load names that cannot be loaded too), 1 for a
+checkpoint that cannot be saved, for a loss that became NaN, and for a rank that stopped
+answering: each rank's heartbeat (cli/heartbeat.py),
 on gloo and NCCL alike, prints `error: rank N stopped answering (no heartbeat for X s;
 --distributed-timeout-minutes T); ending this rank (R)` once a peer's heartbeat has been silent
 for half of T, so before NCCL's watchdog would end the process at T with no such line. When
@@ -48,13 +53,18 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         from megadomino.train.inputs import run_tokenizer
 
         config, tokenizer = run_tokenizer(config)
+        if config.train.checkpoint.hf_checkpoint is not None:  # against the tokenizer's vocab too
+            from megadomino.interop.hf import check_hf_checkpoint
+
+            check_hf_checkpoint(config.train.checkpoint.hf_checkpoint, config.model)
         apply_slurm_env(os.environ)  # started by srun directly: torchrun's variables from SLURM's
         _default_to_single_process()
         world_size = int(os.environ["WORLD_SIZE"])
         local_size = _local_world_size(world_size)
         validate(config, world_size, local_size, finetune=finetune)
     except ConfigError as err:
-        _print_errors(err)
+        if _local_rank() == 0:  # the node's other ranks met the same error: one prints it
+            _print_errors(err)
         return 2
     if int(os.environ["RANK"]) == 0:
         for notice in notices:
@@ -112,6 +122,12 @@ def _print_errors(err: ConfigError) -> None:
     """One `error:` line per message of `err` (every bad flag of the command)."""
     for message in err.messages or [str(err)]:
         print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def _local_rank() -> int:
+    """This process's rank on its node: torchrun's LOCAL_RANK, else an srun task's SLURM_LOCALID
+    (apply_slurm_env may not have run yet), else 0 (a single process)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
 
 
 def _collective_timed_out(err: RuntimeError) -> bool:

@@ -6,7 +6,8 @@ indices: descriptions name the data by what it is (`IndexedDataset.identity()`: 
 hash, the .bin size and modification time), not by its path. Each file is written under a
 temporary name and renamed into place, so a reader sees whole files or none, and ranks racing to
 build the same indices on a shared disk are harmless. Hits are memory mapped; a cache file that
-fails to load is rebuilt, with a notice naming it.
+fails to load is rebuilt, with a notice naming it. A cache directory that cannot be written (a
+read-only data directory) is a ConfigError naming it and --data-cache-path.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 from collections.abc import Callable
 
 import numpy as np
+
+from megadomino.config import ConfigError
 
 
 def cached_arrays(cache_dir: str | None, kind: str, description: dict, names: tuple[str, ...],
@@ -43,15 +46,24 @@ def cached_arrays(cache_dir: str | None, kind: str, description: dict, names: tu
     arrays = build()
     if set(arrays) != set(names):
         raise ValueError(f"{kind} index build returned {sorted(arrays)}, expected {sorted(names)}")
-    os.makedirs(cache_dir, exist_ok=True)
-    _write_atomically(f"{stem}-description.json", lambda f: f.write(text.encode()))
-    for name, path in paths.items():
-        _write_atomically(path, lambda f, array=arrays[name]: np.save(f, array))
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        _write_atomically(f"{stem}-description.json", lambda f: f.write(text.encode()))
+        for name, path in paths.items():
+            _write_atomically(path, lambda f, array=arrays[name]: np.save(f, array))
+    except OSError as err:  # a read-only data directory, a full disk, a file in the way
+        raise ConfigError(f"--data-cache-path: cannot write the index cache in {cache_dir} "
+                          f"({err.strerror}; by default it goes beside the first --data-path "
+                          "prefix): give --data-cache-path a writable directory") from None
     return arrays, False
 
 
 def _write_atomically(path: str, write: Callable) -> None:
     temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "wb") as stream:
-        write(stream)
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as stream:
+            write(stream)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)

@@ -19,12 +19,12 @@ A document is one JSON line of the corpus; without sentence splitting it is one 
 line gives an empty document: no sequence, a repeated document index). Both files are memory
 mapped, never read whole.
 
-Opening a pair validates it (ConfigError naming the file): lengths non-negative, pointers the
-running sum of lengths times the token size (from 0), document indices from 0, non-decreasing, to
-the sequence count, and the `.bin` exactly as long as the lengths imply (which also catches an
-`.idx` whose dtype is not the `.bin`'s). `identity()` says what the data is, for cache keys: a
-hash of the `.idx` content with the `.bin`'s size and modification time, so that re-tokenizing
-into the same prefix never reuses indices built for the old data.
+Opening a pair validates it (ConfigError naming --data-path and the file): lengths
+non-negative, pointers the running sum of lengths times the token size (from 0), document indices
+from 0, non-decreasing, to the sequence count, and the `.bin` exactly as long as the lengths imply
+(which also catches an `.idx` whose dtype is not the `.bin`'s). `identity()` says what the data
+is, for cache keys: a hash of the `.idx` content with the `.bin`'s size and modification time, so
+that re-tokenizing into the same prefix never reuses indices built for the old data.
 """
 
 from __future__ import annotations
@@ -71,10 +71,20 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: str):
+        try:
+            self._open(prefix)
+        except ConfigError as err:  # --data-path is what names indexed data
+            raise ConfigError(f"--data-path: {err}") from None
+        except OSError as err:
+            raise ConfigError(f"--data-path: {err.filename} cannot be read ({err.strerror})"
+                              ) from None
+
+    def _open(self, prefix: str) -> None:
+        """Map the pair and validate it (see the module docstring)."""
         for path in (idx_path(prefix), bin_path(prefix)):
             if not os.path.isfile(path):
                 raise ConfigError(f"indexed dataset file {path} is missing (data prefix "
-                                  f"{prefix!r}: pass the path without .bin / .idx)")
+                                  f"{prefix!r}: {_prefix_hint(prefix)})")
         self.prefix = prefix
         index_file = idx_path(prefix)
         with open(index_file, "rb") as stream:
@@ -191,21 +201,38 @@ class IndexedDataset:
         return np.frombuffer(self._data, self.dtype, length, start)
 
 
+def _prefix_hint(prefix: str) -> str:
+    """What to give instead of a prefix whose pair is missing."""
+    if os.path.isdir(prefix):
+        return "a directory; give the prefix PREFIX of PREFIX.bin and PREFIX.idx"
+    if os.path.isfile(prefix) and not prefix.endswith((".bin", ".idx")):
+        return ("a file of another kind; a JSONL or text corpus is tokenized into .bin / .idx "
+                "by scripts/preprocess_data.py first")
+    return "pass the path without .bin / .idx"
+
+
 class IndexedDatasetBuilder:
     """Writes a `.bin` as documents arrive, then the `.idx` at `finalize`.
 
     Tokens are cast to `dtype` (refused if a value does not fit, rather than wrapped). Usage:
     `add_document(tokens, lengths)` per document (lengths: its sequences' token counts, summing
-    to len(tokens)), then `finalize(idx_path(prefix))`.
+    to len(tokens)), then `finalize(idx_path(prefix))`, or `discard()` to give up. Both files
+    are written under temporary names beside their own and renamed into place by `finalize`,
+    once written and synced: a run that fails or is killed leaves no `.bin` or `.idx` (and
+    keeps an older pair whole). Between the two renames a reader would see the new `.bin`
+    with the old `.idx`, which IndexedDataset refuses (their sizes disagree).
     """
 
     def __init__(self, bin_file: str, dtype: type[np.number] = np.int32):
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODES:
             raise ValueError(f"token dtype {self.dtype} has no Megatron dtype code")
-        self._data = open(bin_file, "wb")  # closed by finalize
+        self.bin_file = bin_file
+        self._temporary = f"{bin_file}.tmp{os.getpid()}"
+        self._data = open(self._temporary, "wb")  # closed by finalize or discard
         self.sequence_lengths: list[int] = []
         self.document_indices: list[int] = [0]
+        self.num_tokens = 0
 
     def add_document(self, tokens: Sequence[int] | np.ndarray, lengths: Iterable[int]) -> None:
         array = np.asarray(tokens)
@@ -221,15 +248,37 @@ class IndexedDatasetBuilder:
         self._data.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
         self.sequence_lengths.extend(lengths)
         self.document_indices.append(len(self.sequence_lengths))
+        self.num_tokens += array.size
 
     def finalize(self, idx_file: str) -> None:
-        self._data.close()
         lengths = np.asarray(self.sequence_lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        with open(idx_file, "wb") as stream:
-            stream.write(_HEADER.pack(MAGIC, VERSION, _CODES[self.dtype], len(lengths),
-                                      len(self.document_indices)))
-            stream.write(lengths.tobytes(order="C"))
-            stream.write(pointers.tobytes(order="C"))
-            stream.write(np.asarray(self.document_indices, dtype=np.int64).tobytes(order="C"))
+        index_temporary = f"{idx_file}.tmp{os.getpid()}"
+        try:
+            _sync_and_close(self._data)
+            with open(index_temporary, "wb") as stream:
+                stream.write(_HEADER.pack(MAGIC, VERSION, _CODES[self.dtype], len(lengths),
+                                          len(self.document_indices)))
+                stream.write(lengths.tobytes(order="C"))
+                stream.write(pointers.tobytes(order="C"))
+                stream.write(np.asarray(self.document_indices, dtype=np.int64).tobytes(order="C"))
+                _sync_and_close(stream)
+            os.replace(self._temporary, self.bin_file)
+            os.replace(index_temporary, idx_file)
+        finally:
+            for path in (self._temporary, index_temporary):
+                if os.path.exists(path):
+                    os.remove(path)
+
+    def discard(self) -> None:
+        """Close and delete what was written (nothing after `finalize`)."""
+        self._data.close()
+        if os.path.exists(self._temporary):
+            os.remove(self._temporary)
+
+
+def _sync_and_close(stream) -> None:
+    stream.flush()
+    os.fsync(stream.fileno())
+    stream.close()

@@ -42,6 +42,9 @@ def _read_lines(paths: Sequence[str]) -> list[tuple[str, int, str, str]]:
         try:
             with open(path, encoding="utf-8") as file:
                 lines = file.readlines()
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"--data-path {path} is not UTF-8 text (byte {err.start}): give "
+                              "JSONL files of {\"prompt\", \"response\"}") from None
         except OSError as err:
             raise ConfigError(f"--data-path {path}: {err.strerror}") from None
         for number, line in enumerate(lines, start=1):
@@ -50,11 +53,11 @@ def _read_lines(paths: Sequence[str]) -> list[tuple[str, int, str, str]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ConfigError(f"{path}:{number}: not JSON ({err.msg})") from None
+                raise ConfigError(f"--data-path {path}:{number}: not JSON ({err.msg})") from None
             if not isinstance(record, dict) or not all(
                     isinstance(record.get(key), str) for key in ("prompt", "response")):
-                raise ConfigError(f"{path}:{number}: expected an object with string \"prompt\" "
-                                  "and \"response\"")
+                raise ConfigError(f"--data-path {path}:{number}: expected an object with string "
+                                  "\"prompt\" and \"response\"")
             examples.append((path, number, record["prompt"], record["response"]))
     if not examples:
         raise ConfigError(f"--data-path {' '.join(paths)}: no examples")

@@ -15,12 +15,17 @@ by either tool trains alike:
     GPT2BPETokenizer           --vocab-file vocab.json --merge-file merges.txt
                                byte-level BPE through `tokenizers`; eod = <|endoftext|>
     HuggingFaceTokenizer       --tokenizer-model DIR       transformers.AutoTokenizer from a local
-                               directory (no download); eod = eos
+                               directory (no download; pip install megadomino[hf]); eod = eos
     NullTokenizer              --vocab-size V               text is space-separated ids; eod = V
+
+Each file is checked as it is read, on every rank before any process group: a missing, empty,
+truncated or corrupt file, a directory where a file goes (or the reverse), or a file of another
+kind is a ConfigError naming the flag and the file (docs/tokenizers.md: getting the files).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -49,7 +54,14 @@ class GPTSentencePieceTokenizer(Tokenizer):
     def __init__(self, model_file: str):
         import sentencepiece
 
-        self.model = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        _check_file(model_file, "--tokenizer-model", "a SentencePiece .model file")
+        try:
+            self.model = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (RuntimeError, OSError) as err:  # sentencepiece's parse errors are RuntimeErrors
+            raise ConfigError(
+                f"--tokenizer-model={model_file} is not a SentencePiece model ({err}): give the "
+                "tokenizer's .model file (a tokenizer.json or a Hugging Face tokenizer directory "
+                "goes with --tokenizer-type HuggingFaceTokenizer)") from None
         self.vocab_size = self.model.get_piece_size()
         self.eod = self.model.eos_id()
         self.bos = _id_or_none(self.model.bos_id())
@@ -133,7 +145,15 @@ class GPT2BPETokenizer(Tokenizer):
         from tokenizers import Tokenizer as _Tokenizer
         from tokenizers import decoders, models, pre_tokenizers
 
-        self.tokenizer = _Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        _check_gpt2_vocab(vocab_file)
+        _check_gpt2_merges(merge_file)
+        try:
+            bpe = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as err:  # `tokenizers` raises plain Exceptions
+            raise ConfigError(f"--vocab-file={vocab_file} and --merge-file={merge_file} do not "
+                              f"make a BPE tokenizer ({err}): give GPT-2's vocab.json and "
+                              "merges.txt of one tokenizer") from None
+        self.tokenizer = _Tokenizer(bpe)
         self.tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self.tokenizer.decoder = decoders.ByteLevel()
         vocab = self.tokenizer.get_vocab()
@@ -154,9 +174,29 @@ class HuggingFaceTokenizer(Tokenizer):
     special tokens (e.g. Llama's BOS), as Megatron's HuggingFaceTokenizer does."""
 
     def __init__(self, path: str):
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        where = f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model={path}"
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as err:
+            raise ConfigError(f"{where} needs the transformers package, which is not installed "
+                              f"({err}): pip install megadomino[hf]") from None
+        wanted = ("give the directory holding tokenizer.json or tokenizer_config.json (what "
+                  "save_pretrained writes)")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{where} is a file, not a directory: {wanted}; a SentencePiece "
+                              ".model goes with --tokenizer-type SentencePieceTokenizer")
+        if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name))
+                                           for name in HF_TOKENIZER_FILES):
+            raise ConfigError(f"{where} holds neither {' nor '.join(HF_TOKENIZER_FILES)}: "
+                              f"{wanted}")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as err:  # transformers and tokenizers raise any kind for a bad file
+            found = "cannot load its tokenizer" if os.path.isdir(path) else (
+                "no such directory, nor a model name in the local Hugging Face cache")
+            reason = " ".join(str(err).split())[:200]
+            raise ConfigError(f"{where}: {found} ({type(err).__name__}: {reason}): "
+                              f"{wanted}") from None
         if self.tokenizer.eos_token_id is None:
             raise ConfigError(f"--tokenizer-model {path}: the tokenizer has no eos token to use "
                               f"as end of document")
@@ -185,6 +225,9 @@ class NullTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(token)) for token in ids)
 
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""A Hugging Face tokenizer directory holds at least one of these."""
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -218,6 +261,54 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
         return NullTokenizer(need(vocab_size, "--vocab-size"))
     raise ConfigError(f"--tokenizer-type {tokenizer_type} is not supported: use one of "
                       f"{', '.join(TOKENIZER_TYPES)}")
+
+
+def _check_file(path: str, flag: str, kind: str) -> None:
+    """ConfigError naming `flag` unless `path` is a non-empty regular file (`kind` says what it
+    should be): a directory or a 0-byte file (an interrupted download) is never a tokenizer."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{flag}={path}: no such file: give {kind}")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag}={path} is a directory: give {kind}")
+    if os.path.getsize(path) == 0:
+        raise ConfigError(f"{flag}={path} is empty (0 bytes): give {kind}")
+
+
+def _read_text(path: str, flag: str, kind: str) -> str:
+    _check_file(path, flag, kind)
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{flag}={path} is not UTF-8 text (byte {err.start}): give "
+                          f"{kind}") from None
+    except OSError as err:
+        raise ConfigError(f"{flag}={path}: cannot read it ({err.strerror})") from None
+
+
+def _check_gpt2_vocab(path: str) -> None:
+    """ConfigError naming --vocab-file unless `path` is a JSON object of token -> id."""
+    kind = "GPT-2's vocab.json, a JSON object of token -> id"
+    try:
+        vocab = json.loads(_read_text(path, "--vocab-file", kind))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--vocab-file={path} is not JSON ({err.msg} at line {err.lineno}, "
+                          f"column {err.colno}; truncated?): give {kind}") from None
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise ConfigError(f"--vocab-file={path} holds a JSON {type(vocab).__name__} that does "
+                          f"not map tokens to ids: give {kind}")
+
+
+def _check_gpt2_merges(path: str) -> None:
+    """ConfigError naming --merge-file and the line unless `path` is GPT-2's merges.txt:
+    `#version` lines, and one merge `a b` (one space) per other line."""
+    kind = "GPT-2's merges.txt, one merge 'a b' per line"
+    lines = _read_text(path, "--merge-file", kind).splitlines()
+    for number, line in enumerate(lines, start=1):  # `tokenizers`' rule, and no empty token
+        parts = line.split(" ")
+        if not line.startswith("#version") and (len(parts) != 2 or not all(parts)):
+            raise ConfigError(f"--merge-file={path}:{number} is not a merge ({line[:40]!r}; "
+                              f"truncated?): give {kind}")
 
 
 def _id_or_none(piece_id: int) -> int | None:

@@ -131,11 +131,12 @@ class SafetensorsReader:
             with self._open(single_path) as handle:
                 self.files = dict.fromkeys(handle.keys(), single_path)
         else:
-            raise FileNotFoundError(f"{hf_dir} holds neither {SAFETENSORS_FILE} nor "
-                                    f"{SAFETENSORS_INDEX} (only safetensors checkpoints are read)")
+            raise ConfigError(f"{hf_dir} holds neither {SAFETENSORS_FILE} nor "
+                              f"{SAFETENSORS_INDEX} (only safetensors checkpoints are read)")
         for path in sorted(set(self.files.values())):
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"{path} is named by {SAFETENSORS_INDEX} but missing")
+            if not os.path.isfile(path):
+                raise ConfigError(f"{path} is named by {SAFETENSORS_INDEX} but missing: "
+                                  "download or copy the checkpoint's every shard")
         self._handles: dict[str, Any] = {}
 
     def _open(self, path: str):
@@ -143,7 +144,7 @@ class SafetensorsReader:
 
         try:
             return self._safe_open(path, framework="pt")
-        except SafetensorError as err:
+        except (SafetensorError, OSError) as err:
             raise ConfigError(f"{path} is not a readable safetensors file ({err}): truncated "
                               "or corrupt? re-download or re-save it") from None
 
@@ -166,19 +167,20 @@ class SafetensorsReader:
 
 def read_hf_config(hf_dir: str) -> dict[str, Any]:
     path = os.path.join(hf_dir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: is {hf_dir} a Hugging Face model directory?")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} not found: is {hf_dir} a Hugging Face model directory?")
     return _read_json(path)
 
 
 def _read_json(path: str) -> dict[str, Any]:
     """A JSON object from `path`; ConfigError naming the file and the position otherwise."""
-    with open(path) as f:
-        try:
+    try:
+        with open(path, encoding="utf-8") as f:
             value = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}, "
-                              f"column {err.colno})") from None
+    except ValueError as err:  # not JSON, or not UTF-8 text
+        raise ConfigError(f"{path} is not valid JSON ({err})") from None
+    except OSError as err:
+        raise ConfigError(f"{path} cannot be read: {err.strerror}") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{path} holds a JSON {type(value).__name__}, not an object")
     return value
@@ -194,8 +196,8 @@ def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
     model's default (the current CUDA device, else CPU) when None. `parallel` and `fp8`: how its
     layers run (LlamaModel's). Keyword `config_overrides` replace ModelConfig fields
     (seq_length, ...). Not collective: each rank reads its own slices. Raises ConfigError for
-    an unsupported config and FileNotFoundError / KeyError / ValueError naming a missing file,
-    a missing tensor or a shape that contradicts config.json."""
+    an unsupported config, a missing or unreadable file, a missing tensor or a shape that
+    contradicts config.json (naming the file or tensor; `check_hf_checkpoint` reads headers)."""
     if isinstance(params_dtype, torch.dtype):
         params_dtype = {dtype: name for name, dtype in DTYPES.items()}[params_dtype]
     if params_dtype is not None:
@@ -206,6 +208,17 @@ def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
     model = LlamaModel(config, dims, device, parallel=parallel, fp8=fp8)
     _copy_weights(model, reader)
     return model
+
+
+def check_hf_checkpoint(hf_dir: str, config: ModelConfig, flag: str = "--hf-checkpoint") -> None:
+    """ConfigError naming `flag` and the file unless `hf_dir` holds readable safetensors files
+    with exactly `config`'s tensors at its shapes. Reads headers only, so every rank runs it
+    before any process group: a shard missing or cut short, or shape flags or a tokenizer that
+    contradict the tensors, are then one line, not one rank's traceback mid-load."""
+    try:
+        _check_tensors(SafetensorsReader(hf_dir), config, hf_dir)
+    except ConfigError as err:
+        raise ConfigError(f"{flag}: {err}") from None
 
 
 def load_llama_weights(model: nn.Module, hf_dir: str) -> None:
@@ -241,14 +254,15 @@ def _check_tensors(reader: SafetensorsReader, config: ModelConfig, hf_dir: str) 
     present = {name for name in reader.files if not name.endswith(IGNORED_HF_SUFFIXES)}
     missing = sorted(set(expected) - present)
     if missing:
-        raise KeyError(f"{hf_dir}: tensors missing from the checkpoint: {missing}")
+        raise ConfigError(f"{hf_dir}: tensors missing from the checkpoint: {missing}")
     unexpected = sorted(present - set(expected))
     if unexpected:
-        raise KeyError(f"{hf_dir}: tensors config.json does not account for: {unexpected}")
+        raise ConfigError(f"{hf_dir}: tensors config.json does not account for: {unexpected}")
     for name, shape in expected.items():
         if reader.shape(name) != shape:
-            raise ValueError(f"{hf_dir}: {name} has shape {reader.shape(name)} but the model "
-                             f"config (config.json and overrides) implies {shape}")
+            raise ConfigError(f"{hf_dir}: {name} has shape {reader.shape(name)} but the model "
+                              f"config (config.json and its overrides: shape flags, the "
+                              f"tokenizer's vocabulary) implies {shape}")
 
 
 def _read_shard(reader: SafetensorsReader, blocks: list[RowBlock], param: torch.Tensor,

@@ -31,10 +31,11 @@ the process group chose the backend to match.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -151,12 +152,15 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                                   pp=dims.pp, dp=dims.dp, backend=dist.get_backend(),
                                   device=_device_name(device), global_batch=gbs,
                                   micro_batches=num_micro, iterations=iters,
-                                  data=data_description):
+                                  data=data_description, plan=stages,
+                                  threads=torch.get_num_threads() if device.type == "cpu"
+                                  else None):
             log(line)
     state = _resume(checkpoint, model, dims, log)  # the weights, before the engine takes them
     engine = build_engine(model, dims, config)
     if state.iteration > 0 and not checkpoint.no_load_optim:  # resumed a training run
-        load_optimizer_state(checkpoint.load, state.iteration, engine, dims, log)
+        with _loading(checkpoint.load):
+            load_optimizer_state(checkpoint.load, state.iteration, engine, dims, log)
     if config.parallel.enable_cuda_graph:
         # After the engine: it re-points the parameters into its flat buffers, and the graphs
         # read the parameters' storage as it is at capture.
@@ -251,6 +255,7 @@ def train(config: Config, dims: ParallelDims, family: str = "gpt",
                     break
         if saver is not None:
             saver.finish()
+        reporter.finish(state.iteration, checkpoint.save, logging.tensorboard_dir)
     except NonFiniteLossError:  # raised on every rank alike: the save in flight can finish
         if saver is not None:
             saver.finish()
@@ -284,6 +289,17 @@ def _default_data(config: Config, train_data: Dataset | None,
     return MockDataset(seq, vocab, seed, "train"), MockDataset(seq, vocab, seed, "valid")
 
 
+@contextlib.contextmanager
+def _loading(directory: str) -> Iterator[None]:
+    """A checkpoint --load names that cannot be loaded (missing or damaged shards, another
+    architecture, layout or optimizer: CheckpointError, raised on every rank alike) is bad input:
+    a ConfigError naming the flag, which the launcher prints as one line, exit status 2."""
+    try:
+        yield
+    except CheckpointError as err:
+        raise ConfigError(f"--load={directory}: {err}") from None
+
+
 def _resume(config: CheckpointConfig, model: nn.Module, dims: ParallelDims,
             log: Callable[[str], None]) -> TrainingState:
     """The state to start from: fresh (iteration 0: also after --finetune or a release
@@ -291,10 +307,11 @@ def _resume(config: CheckpointConfig, model: nn.Module, dims: ParallelDims,
     load_checkpoint); the engine's state loads once it is built."""
     if config.load is None:
         return TrainingState()
-    if dims.rank == 0 and (saved := latest_iteration(config.load)) is not None:
-        log(f" loading checkpoint {checkpoint_dir(config.load, saved)}")  # a large one: minutes
-    state = load_checkpoint(config.load, model, dims, load_rng=not config.no_load_rng,
-                            finetune=config.finetune, log=log)
+    with _loading(config.load):
+        if dims.rank == 0 and (saved := latest_iteration(config.load)) is not None:
+            log(f" loading checkpoint {checkpoint_dir(config.load, saved)}")  # large: minutes
+        state = load_checkpoint(config.load, model, dims, load_rng=not config.no_load_rng,
+                                finetune=config.finetune, log=log)
     if state is not None:
         return state
     if config.exit_on_missing_checkpoint:

@@ -5,7 +5,9 @@ step); there the interval's losses are averaged over DP in one all-reduce, check
 (every rank sees the same DP mean, so every rank stops alike), and rank 0 logs one line and writes
 the scalars. Rank 0 adds a second line from the data-parallel engine (every ZeRO stage, 0
 included): what it holds per GPU and, at DP > 1, the bytes per training step it handed to
-collectives inside and across nodes (evaluation and checkpoint traffic left out).
+collectives inside and across nodes (evaluation and checkpoint traffic left out). When the loop
+ends (at its last iteration or an early stop, not on an error) rank 0 says how the run went in one
+line, `run ended: ...`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megadomino.distributed import ParallelDims
+from megadomino.train.checkpoint import checkpoint_dir
 from megadomino.train.metrics import peak_memory_gib, throughput
 from megadomino.train.step import dp_mean
 from megadomino.train.tensorboard import ScalarWriter
@@ -53,8 +56,10 @@ class Reporter:
         self.results: list[StepResult] = []  # the interval's steps (skips read at flush)
         self.skipped = 0
         self.batches: list[int] = []  # the interval's global batches
-        self.start = time.perf_counter()
+        self.start = self.began = time.perf_counter()
         self.excluded = 0.0
+        self.timed_seconds = 0.0  # the run's iterations, evaluation and checkpoints left out
+        self.timed_tokens = 0
         self.excluded_bytes = {"intra": 0, "inter": 0}
         zero.comm.reset()  # the counts start with training, not with a checkpoint load
 
@@ -108,7 +113,10 @@ class Reporter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         count = len(losses)
-        seconds = (time.perf_counter() - self.start - self.excluded) / count
+        elapsed = time.perf_counter() - self.start - self.excluded
+        seconds = elapsed / count
+        self.timed_seconds += elapsed
+        self.timed_tokens += self.tokens * sum(self.batches) // self.global_batch
         fraction = sum(self.batches) / count / self.global_batch
         metrics = throughput(self.flops * fraction, self.tokens * fraction, seconds,
                              self.dims.world_size, self.peak_tflops)
@@ -198,3 +206,36 @@ class Reporter:
             self.log(f" validation at iteration {iteration} | loss {loss:.6E} | ppl {ppl:.6E}")
         if self.writer is not None:
             self.writer.write({"valid/loss": loss, "valid/ppl": ppl}, iteration)
+
+    def finish(self, iteration: int, save: str | None, tensorboard_dir: str | None) -> None:
+        """Rank 0's last line, once the loop ended (at its last iteration or an early stop):
+        `iteration` its last. The loop saves at its last iteration whenever `save` (--save) is
+        given, so a run of at least one iteration wrote `checkpoint_dir(save, iteration)`."""
+        if self.dims.rank == 0:
+            self.log(self.end_line(iteration, save, tensorboard_dir))
+
+    def end_line(self, iteration: int, save: str | None, tensorboard_dir: str | None) -> str:
+        """The iterations this process ran (of the run's), wall time since training began, mean
+        tokens/s over the timed iterations, the last log interval's mean loss, the last
+        validation loss, the last checkpoint and the TensorBoard directory, the last three where
+        there are some. No `iteration N/M`: log parsers take that for an iteration's line."""
+        ran = len(self.history["losses"])
+        wall = time.perf_counter() - self.began
+        span = (f"iterations {iteration - ran + 1}-{iteration}" if ran > 1
+                else f"iteration {iteration}" if ran else f"no iteration left at {iteration}")
+        head = f" run ended: {span} of {self.iters} in {wall:.1f} s"
+        if self.timed_seconds > 0:
+            head += f", {self.timed_tokens / self.timed_seconds:.0f} tokens/s"
+        parts = [head]
+        if self.history["exit_reason"] is not None:
+            parts.append(f"stopped early: {self.history['exit_reason']}")
+        if ran:
+            parts.append(f"train loss {self.history['metrics']['loss']:.6E}")
+        if self.history["eval"]:
+            last = self.history["eval"][-1]
+            parts.append(f"validation loss {last['loss']:.6E} (iteration {last['iteration']})")
+        if save and ran:
+            parts.append(f"checkpoint {checkpoint_dir(save, iteration)}")
+        if tensorboard_dir:
+            parts.append(f"TensorBoard events in {tensorboard_dir}")
+        return " | ".join(parts)

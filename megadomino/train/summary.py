@@ -1,14 +1,20 @@
 """What a run is, said once at start-up (rank 0): the model and its parameter count, the process
-grid, overlap, backend and device, precision, data, batch and length, and the data-parallel
-engine. `startup_lines` is pure (tested on its own); `count_parameters` is collective over TP."""
+grid (with pipeline stages, the plan's table: a --pipeline-plan's stages differ in TP and DP),
+overlap, backend and device (on CPU, the intra-op threads), precision, data, batch and length,
+the samples each split is sized to, the LR schedule and seed, the checkpoint and TensorBoard
+directories, and the data-parallel engine. `startup_lines` is pure (tested on its own);
+`count_parameters` is collective over TP."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from megadomino.config import Config, ZeroConfig
+from megadomino.config import CheckpointConfig, Config, ScheduleConfig, ZeroConfig
+from megadomino.config.batches import sample_counts
 from megadomino.distributed import comm
+from megadomino.pipeline.plan import PipelinePlan
+from megadomino.train.lr_schedule import LRSchedule
 from megadomino.train.pad_rows import first_pad_row
 
 
@@ -75,8 +81,11 @@ def _zero(zero: ZeroConfig) -> str:
 
 def startup_lines(family: str, config: Config, parameters: int, *, world: int, tp: int, pp: int,
                   dp: int, backend: str, device: str, global_batch: int, micro_batches: int,
-                  iterations: int, data: str) -> list[str]:
-    """The start-up summary, one line per subject."""
+                  iterations: int, data: str, plan: PipelinePlan | None = None,
+                  threads: int | None = None) -> list[str]:
+    """The start-up summary, one line per subject. tp, dp: rank 0's (a --pipeline-plan's stages
+    have their own, which `plan` gives); plan: the pipeline plan when pp > 1, its table printed
+    after the parallelism line; threads: a CPU rank's intra-op threads (None on a GPU)."""
     model, parallel, train = config.model, config.parallel, config.train
     bits = train.precision
     precision = "bf16" if bits.bf16 else "fp16 (dynamic loss scaling)" if bits.fp16 else "fp32"
@@ -100,21 +109,96 @@ def startup_lines(family: str, config: Config, parameters: int, *, world: int, t
         chunks = parallel.virtual_chunks(model.num_layers)
         overlap += f"; pipeline schedule {parallel.pipeline_schedule}" + (
             f", {chunks} model chunks a stage" if chunks > 1 else "")
-    return [
+    split = plan is not None and plan.batch_split  # the micro-batch is the whole pipeline's
+    threads_line = f" ({_plural(threads, 'intra-op thread')} a rank)" if threads else ""
+    lines = [
         f" model: {family}, {model.num_layers} layers, hidden {model.hidden_size}, "
         f"{model.num_attention_heads} heads ({model.num_query_groups} key/value groups), "
         f"ffn {model.ffn_hidden_size}, seq {model.seq_length}, vocab {model.vocab_size} "
         f"(padded to {model.padded_vocab_size(tp)}): {parameters:,} parameters "
         f"({_count(parameters)})",
-        f" parallelism: {_plural(world, 'rank')} = TP {tp} x PP {pp} x DP {dp}, {backend} on "
-        f"{device}; TP overlap: {overlap}",
+        f" parallelism: {_grid(world, tp, pp, dp, plan)}, {backend} on {device}{threads_line}; "
+        f"TP overlap: {overlap}",
+        *([f" pipeline {line}" for line in plan.table().splitlines()] if plan else []),
         f" data parallelism: {_zero(parallel.zero)}; precision: {precision}",
         f" data: {data}{_order(train.data)}; global batch {global_batch} = micro-batch "
         f"{train.schedule.micro_batch_size} x "
-        f"{_plural(micro_batches, 'micro-batch', 'micro-batches')} x DP {dp} "
-        f"({global_batch * model.seq_length:,} tokens){_batch_growth(train.schedule)}; "
+        f"{_plural(micro_batches, 'micro-batch', 'micro-batches')}"
+        + (" (each stage splits them over its DP ranks)" if split else f" x DP {dp}")
+        + f" ({global_batch * model.seq_length:,} tokens){_batch_growth(train.schedule)}; "
         f"{_plural(iterations, 'iteration')}",
+        _samples(config, parallel.data_parallel_size(dp)),
+        f" schedule: {_lr(train.schedule, iterations, global_batch)}; seed {train.runtime.seed}",
     ]
+    paths = _paths(train.checkpoint, train.logging.tensorboard_dir)
+    return lines + ([paths] if paths else [])
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    """'rank 2', 'ranks 0-3', or 'ranks 0, 2' when they are not consecutive."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _grid(world: int, tp: int, pp: int, dp: int, plan: PipelinePlan | None) -> str:
+    """Megatron's TP x PP x DP grid, or a --pipeline-plan's stages, each its own TP x DP."""
+    if plan is None or not plan.batch_split:
+        return f"{_plural(world, 'rank')} = TP {tp} x PP {pp} x DP {dp}"
+    stages = ", ".join(f"stage {stage.index} TP {stage.tp} x DP {stage.dp} on "
+                       f"{_ranks(stage.ranks)}" for stage in plan.stages)
+    return (f"{_plural(world, 'rank')} in a pipeline plan of {plan.size} stages "
+            f"(--pipeline-plan): {stages}")
+
+
+def _samples(config: Config, data_dp: int) -> str:
+    """The samples the train and validation splits are sized to (Megatron-LM's sizing)."""
+    train_samples, valid_samples, _ = sample_counts(config.train.schedule, data_dp)
+    line = (f" samples: train {train_samples:,}, validation {valid_samples:,}"
+            + (" (no evaluation)" if not valid_samples else "") + ", test not read")
+    return line + ("; mock data, generated as read" if config.train.data.mock_data else "")
+
+
+def _lr(schedule: ScheduleConfig, iterations: int, global_batch: int) -> str:
+    """The LR schedule in the run's units: samples with --train-samples, else iterations."""
+    lr = LRSchedule.from_config(schedule, iterations, global_batch)
+    per = 1 if schedule.train_samples is not None else global_batch
+    unit = "sample" if per == 1 else "iteration"
+
+    def at(samples: float) -> str:
+        return f"{unit} {samples / per:,.6g}"
+
+    warmup = lr.warmup_steps / per
+    text = (f"lr warmup over {warmup:,.6g} {unit}{'' if warmup == 1 else 's'} to "
+            if warmup else "lr ") + f"{lr.max_lr:.3E}"
+    if lr.decay_style == "constant":
+        text += ", then constant"
+    elif lr.decay_style == "WSD":
+        text += (f", held until {at(lr.decay_steps - lr.wsd_decay_steps)}, "
+                 f"{lr.wsd_decay_style} decay to {lr.min_lr:.3E} at {at(lr.decay_steps)}")
+    else:
+        text += f", {lr.decay_style} decay to {lr.min_lr:.3E} at {at(lr.decay_steps)}"
+    if lr.decoupled is not None:
+        text += (f" (embedding and output layer: {lr.decoupled[0]:.3E} to "
+                 f"{lr.decoupled[1]:.3E})")
+    return text
+
+
+def _paths(checkpoint: CheckpointConfig, tensorboard_dir: str | None) -> str | None:
+    """The directories the run reads and writes, those given only."""
+    given = []
+    if checkpoint.save:
+        every = checkpoint.save_interval
+        given.append(f"--save {checkpoint.save} ("
+                     + (f"every {_plural(every, 'iteration')} and " if every else "")
+                     + "at the end)")
+    if checkpoint.load:
+        given.append(f"--load {checkpoint.load}")
+    if tensorboard_dir:
+        given.append(f"--tensorboard-dir {tensorboard_dir}")
+    return " paths: " + ", ".join(given) if given else None
 
 
 def _order(data) -> str:

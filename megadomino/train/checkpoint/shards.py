@@ -142,7 +142,11 @@ def latest_iteration(directory: str | os.PathLike) -> int | str | None:
     path = Path(directory) / TRACKER
     if not path.exists():
         return None
-    text = path.read_text().strip()
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is unreadable ({err}): it should hold the iteration "
+                              "number of the latest checkpoint") from None
     if text == "release":
         return text
     try:
@@ -210,7 +214,9 @@ def checkpoint_files(directory: str | os.PathLike, state: TrainingState, model: 
                     "rng": rng,
                     "fp8": fp8,
                 }
-            except Exception as err:  # every rank must hear of it, or they wait on the tracker
+            except (OSError, MemoryError, torch.OutOfMemoryError) as err:
+                # every rank must hear of it, or they wait on the tracker; our own bug (any other
+                # exception) keeps its traceback
                 error = f"rank {dims.rank} could not write its shard: {err!r}"
         if megatron_dist and not release:
             write_megatron_dist(model, target, state.iteration, dims,
