@@ -3,6 +3,7 @@
 One GPU node (NCCL): Llama-2 7B from its Hugging Face checkpoint, TP 4 x DP 2, bf16; resumes from
 --load after a requeue (the first run finds no checkpoint there and starts from --hf-checkpoint):
 
+    # needs 8 GPUs
     torchrun --nproc_per_node 8 finetune_llama.py --hf-checkpoint /models/Llama-2-7b-hf \
         --tokenizer-type Llama2Tokenizer --tokenizer-model /models/Llama-2-7b-hf/tokenizer.model \
         --data-path /data/sft.jsonl --split 98,2,0 --prompt-template "[INST] {prompt} [/INST]" \
@@ -14,6 +15,7 @@ One GPU node (NCCL): Llama-2 7B from its Hugging Face checkpoint, TP 4 x DP 2, b
 
 Several nodes: the same flags after torchrun's rendezvous, on every node:
 
+    # needs 2 nodes of 8 GPUs
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_id sft --rdzv_backend c10d \
         --rdzv_endpoint $MASTER_ADDR:29500 finetune_llama.py --hf-checkpoint /models/Llama-2-7b-hf \
         --tokenizer-type Llama2Tokenizer --tokenizer-model /models/Llama-2-7b-hf/tokenizer.model \
@@ -22,12 +24,17 @@ Several nodes: the same flags after torchrun's rendezvous, on every node:
         --micro-batch-size 1 --global-batch-size 128 --train-iters 2000 --lr 2e-5 \
         --save /ckpt/sft --save-interval 200 --load /ckpt/sft --exit-signal-handler
 
-CPU (gloo), two processes, from a megadomino checkpoint (weights only) of a tiny model:
+CPU (gloo), two processes: pretrain a tiny Llama on mock data, then fine-tune its weights on the
+JSONL of token ids the repository ships (NullTokenizer reads space-separated ids below
+`--vocab-size` and adds the end-of-document id `--vocab-size` itself: 512 ids, the preset's):
 
+    torchrun --nproc_per_node 2 pretrain_llama.py --model-preset llama-tiny --mock-data \
+        --micro-batch-size 4 --global-batch-size 8 --train-iters 20 --lr 1e-3 \
+        --save ckpt/pretrained --log-interval 10
     torchrun --nproc_per_node 2 finetune_llama.py --model-preset llama-tiny \
         --load ckpt/pretrained --finetune --tokenizer-type NullTokenizer --vocab-size 511 \
-        --data-path sft.jsonl --split 90,10,0 --micro-batch-size 4 --global-batch-size 8 \
-        --train-iters 50 --lr 1e-3 --save ckpt/sft --log-interval 10
+        --data-path tests/fixtures/sft_ids.jsonl --split 90,10,0 --micro-batch-size 4 \
+        --global-batch-size 8 --train-iters 20 --lr 1e-3 --save ckpt/sft --log-interval 10
 
 Data (`--data-path`, one or more JSONL files): one example per line,
 `{"prompt": "...", "response": "..."}`. A sample is one example: the prompt laid out by

@@ -8,6 +8,7 @@ Single node, CPU (gloo), tensor-parallel over 2 processes:
 
 One GPU node (NCCL): GPT-3 1.3B, TP 4 x DP 2, bf16:
 
+    # needs 8 GPUs
     torchrun --nproc_per_node 8 pretrain_gpt.py --model-preset gpt3-1.3b \
         --tensor-model-parallel-size 4 --sequence-parallel --bf16 --mock-data \
         --micro-batch-size 4 --global-batch-size 64 --train-iters 1000 \
@@ -15,6 +16,7 @@ One GPU node (NCCL): GPT-3 1.3B, TP 4 x DP 2, bf16:
 
 Several nodes: run on every node, rendezvous at the first node's address:
 
+    # needs 4 nodes of 8 GPUs
     torchrun --nnodes 4 --nproc_per_node 8 --rdzv_id gpt13b --rdzv_backend c10d \
         --rdzv_endpoint $MASTER_ADDR:29500 pretrain_gpt.py --model-preset gpt3-13b \
         --tensor-model-parallel-size 8 --sequence-parallel --bf16 --mock-data \

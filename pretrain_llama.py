@@ -8,6 +8,7 @@ Single node, CPU (gloo), tensor-parallel over 2 processes:
 
 One GPU node (NCCL): Llama-2 7B, TP 8, bf16, selective recompute:
 
+    # needs 8 GPUs
     torchrun --nproc_per_node 8 pretrain_llama.py --model-preset llama2-7b \
         --tensor-model-parallel-size 8 --sequence-parallel --bf16 --mock-data \
         --recompute-activations --micro-batch-size 1 --global-batch-size 32 \
@@ -15,6 +16,7 @@ One GPU node (NCCL): Llama-2 7B, TP 8, bf16, selective recompute:
 
 Several nodes: run on every node, rendezvous at the first node's address:
 
+    # needs 4 nodes of 8 GPUs
     torchrun --nnodes 4 --nproc_per_node 8 --rdzv_id llama70b --rdzv_backend c10d \
         --rdzv_endpoint $MASTER_ADDR:29500 pretrain_llama.py --model-preset llama2-70b \
         --tensor-model-parallel-size 8 --sequence-parallel --bf16 --mock-data \

@@ -29,7 +29,8 @@ r = node * devices_per_node + local; `nodes` nodes of `devices_per_node` ranks):
 5. dequantize_reduce(q, s, nodes, bits, block_size, P, multiplier=1 / world): the mean over all
    ranks of partition r, what reduce_scatter(grad, op=AVG) gives, up to quantization error.
 
-Dispatch: a CUDA tensor runs the Triton kernel (one launch per op over the whole buffer); a CPU
+Dispatch (`quant_launch.use_triton`, every op): a CUDA tensor runs the Triton kernel (one launch
+per op over the whole buffer; without triton, the reference, with a warning once per op); a CPU
 tensor runs the torch reference (`*_reference`, beside its op's kernel, bit-identical, the
 tests' oracle), unless `force_triton=True`, which runs the same Triton kernel on CPU under
 Triton's interpreter; that needs TRITON_INTERPRET=1 set before triton is first imported in the

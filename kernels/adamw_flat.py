@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from megadomino.kernels.quant_launch import HAS_TRITON, tl, triton
+from megadomino.kernels.quant_launch import tl, triton, use_triton
 
 
 @triton.jit
@@ -97,16 +97,16 @@ def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     """The module docstring's update, in place. `block` elements a program of `num_warps`
     warps: 1024-element blocks were the fastest size in `bench_optimizer.py --sweep`, 4 and 8
     warps within 1% of each other."""
-    if not (master.is_cuda or force_triton) or not HAS_TRITON:
-        adamw_flat_reference(master, grad, exp_avg, exp_avg_sq, group, lr, weight_decay, beta1,
-                             beta2, eps, step, inv_scale, skip, weights)
-        return
     n = master.numel()
     tensors = (master, grad, exp_avg, exp_avg_sq, group) + ((weights,) if weights is not None
                                                             else ())
     if any(t.numel() != n or not t.is_contiguous() for t in tensors):
         raise ValueError("adamw_flat needs contiguous flat tensors of one length: got "
                          f"{[tuple(t.shape) for t in tensors]}")
+    if not use_triton(master, force_triton, "AdamW's flat step"):
+        adamw_flat_reference(master, grad, exp_avg, exp_avg_sq, group, lr, weight_decay, beta1,
+                             beta2, eps, step, inv_scale, skip, weights)
+        return
     _adamw_flat_kernel[(triton.cdiv(n, block),)](
         master, grad, exp_avg, exp_avg_sq, group, master if weights is None else weights, lr,
         weight_decay, step.reshape(()), inv_scale.reshape(()).float(), skip.reshape(()), n,

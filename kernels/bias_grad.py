@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from megadomino.kernels.quant_launch import HAS_TRITON, tl, triton
+from megadomino.kernels.quant_launch import tl, triton, use_triton
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _KAPPA = 0.044715
@@ -65,7 +65,7 @@ def gelu_bias_backward(g: torch.Tensor, h: torch.Tensor, bias: torch.Tensor,
         raise ValueError(f"gelu_bias_backward needs contiguous g and h of one 2-D shape and a "
                          f"bias of their columns, got {tuple(g.shape)}, {tuple(h.shape)}, "
                          f"{tuple(bias.shape)}")
-    if not (g.is_cuda or force_triton) or not HAS_TRITON:
+    if not use_triton(g, force_triton, "the GELU bias gradient"):
         return gelu_bias_backward_reference(g, h, bias)
     (n, c), (block_n, block_c) = h.shape, block
     grid = (triton.cdiv(n, block_n), triton.cdiv(c, block_c))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from megadomino.kernels.quant_launch import HAS_TRITON, tl, triton
+from megadomino.kernels.quant_launch import tl, triton, use_triton
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -68,7 +68,7 @@ def cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, tra
     if t.dim() != 2 or not t.is_contiguous():
         raise ValueError(f"cast_transpose needs a contiguous 2-D tensor, got {tuple(t.shape)} "
                          f"with strides {t.stride()}")
-    if not (t.is_cuda or force_triton) or not HAS_TRITON:
+    if not use_triton(t, force_triton, "the FP8 cast"):
         return cast_transpose_reference(t, scale, dtype, transposed, with_amax)
     (m, n), (block_m, block_n) = t.shape, block
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))

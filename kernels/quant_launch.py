@@ -76,13 +76,14 @@ class Rows(NamedTuple):
     scale_stride: int
 
 
-def use_triton(t: Tensor, force_triton: bool) -> bool:
-    """Whether an op on `t` launches its kernel (CUDA; CPU with force_triton, interpreted) or
-    runs its torch reference."""
+def use_triton(t: Tensor, force_triton: bool, op: str = "ZeRO++ quantization") -> bool:
+    """Whether `op` on `t` launches its kernel (CUDA; CPU with force_triton, interpreted) or
+    runs its torch reference; a CUDA tensor without triton says so, once per op. Every kernel's
+    dispatch goes through here."""
     if t.is_cuda:
         if HAS_TRITON:
             return True
-        _warn_no_triton()
+        _warn_no_triton(op)
         return False
     if force_triton:
         if not INTERPRETING:
@@ -93,8 +94,10 @@ def use_triton(t: Tensor, force_triton: bool) -> bool:
 
 
 @functools.cache
-def _warn_no_triton() -> None:
-    warnings.warn("triton is not installed: CUDA tensors are quantized by the slow torch "
+def _warn_no_triton(op: str) -> None:
+    """Once per op a process: the fallback gives the same bits, slowly, and would otherwise be
+    indistinguishable from the kernel running."""
+    warnings.warn(f"triton is not installed: {op} on CUDA tensors runs its slow torch "
                   "reference", stacklevel=3)
 
 

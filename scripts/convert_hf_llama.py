@@ -22,7 +22,6 @@ import dataclasses
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
 from megadomino.config import ConfigError, ModelConfig
@@ -31,6 +30,7 @@ from megadomino.interop.hf import load_llama, save_llama
 from megadomino.models.llama import LlamaModel
 from megadomino.train import checkpoint
 from megadomino.train.checkpoint import CheckpointError, Manifest, TrainingState
+from megadomino.train.checkpoint.files import open_shard
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -51,12 +51,7 @@ def saved_model_config(load_dir: str) -> ModelConfig:
                                          "megadomino checkpoint directory")
     source = checkpoint.checkpoint_dir(load_dir, iteration)
     path = checkpoint.shard_path(source, 0, 0, 1)
-    if not path.exists():
-        raise checkpoint.CheckpointError(f"checkpoint shard missing: {path}")
-    manifest = Manifest.read(source)
-    if manifest is not None:
-        manifest.verify(path)
-    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["model_config"]
+    saved = open_shard(path, Manifest.read(source))["model_config"]
     # Fields this version does not know (a newer writer's run options) are left out: the
     # architecture is what conversion needs, and load_checkpoint checks it against the shards.
     known = {field.name for field in dataclasses.fields(ModelConfig)}

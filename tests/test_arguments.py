@@ -407,11 +407,33 @@ def _example_value(flag) -> list[str]:
 NOTICES = [flag for flag in FLAGS if flag.policy == NOTICE]
 
 
-@pytest.mark.parametrize("flag", NOTICES, ids=[flag.name for flag in NOTICES])
-def test_notice_flag_is_accepted_with_one_notice(flag):
-    _, notices = parse(flag.name, *_example_value(flag))
-    assert notices == [f"{flag.name}: {flag.text}"]
-    assert "\n" not in notices[0]
+def _rows_failing(rows, check) -> list[str]:
+    """'flag: what went wrong' for every row whose `check(row)` raises or returns a complaint;
+    a row table's test reports every failing row at once."""
+    failing = []
+    for row in rows:
+        try:
+            complaint = check(row)
+        except Exception as err:  # reported with the row, whatever it is
+            complaint = f"{type(err).__name__}: {err}"
+        if complaint:
+            failing.append(f"{row.name}: {complaint}")
+    return failing
+
+
+def test_every_notice_flag_is_accepted_with_one_notice_and_changes_nothing():
+    """Each notice row parses to the config of the command without it (a notice sets no field)
+    and gives one line: the flag and its row's text."""
+    baseline = parse()[0]
+
+    def check(flag) -> str | None:
+        config, notices = parse(flag.name, *_example_value(flag))
+        if notices != [f"{flag.name}: {flag.text}"] or "\n" in notices[0]:
+            return f"notices {notices!r}"
+        return "the config differs from the command's without it" if config != baseline else None
+
+    failing = _rows_failing(NOTICES, check)
+    assert not failing, f"{len(failing)} of {len(NOTICES)} notice rows:\n" + "\n".join(failing)
 
 
 def test_sequence_parallel_is_dropped_at_tp1_with_a_notice():
@@ -424,12 +446,19 @@ def test_sequence_parallel_is_dropped_at_tp1_with_a_notice():
 REFUSALS = [flag for flag in FLAGS if flag.policy == REFUSED]
 
 
-@pytest.mark.parametrize("flag", REFUSALS, ids=[flag.name for flag in REFUSALS])
-def test_refused_flag_names_itself_and_the_reason(flag):
-    with pytest.raises(ConfigError) as error:
-        parse(flag.name, *_example_value(flag))
-    assert str(error.value).startswith(flag.name)
-    assert str(error.value).endswith(f"is refused: {flag.text}")
+def test_every_refused_flag_names_itself_and_the_reason():
+    def check(flag) -> str | None:
+        try:
+            parse(flag.name, *_example_value(flag))
+        except ConfigError as error:
+            message = str(error)
+            if message.startswith(flag.name) and message.endswith(f"is refused: {flag.text}"):
+                return None
+            return f"refused with {message!r}"
+        return "accepted"
+
+    failing = _rows_failing(REFUSALS, check)
+    assert not failing, f"{len(failing)} of {len(REFUSALS)} refused rows:\n" + "\n".join(failing)
 
 
 @pytest.mark.parametrize("argv, reason", [
@@ -452,9 +481,18 @@ def test_refusals_give_the_reason(argv, reason):
 @pytest.mark.parametrize("argv", [("--context-parallel-size", "1"),
                                   ("--expert-model-parallel-size", "1"),
                                   ("--rotary-percent", "1.0"), ("--optimizer", "adam"),
-                                  ("--ckpt-format", "torch")])
+                                  ("--ckpt-format", "torch"), ("--main-grads-dtype", "fp32"),
+                                  ("--dataloader-type", "single"),
+                                  ("--ds-sequence-parallel-size", "1"), ("--rope-type", "rope")])
 def test_values_that_ask_for_nothing_are_accepted(argv):
-    assert parse(*argv)[1] == []
+    """A refused row's supported value, or an implemented row's default, parses without a
+    notice to the config of the command without it; an implemented row's field reads it."""
+    parsed = parse(*argv)
+    assert parsed[1] == []
+    assert parsed[0] == parse()[0]
+    row = next(flag for flag in FLAGS if flag.name == argv[0])
+    if row.field is not None:
+        assert field(parsed, row.field) == argv[1]
 
 
 def test_no_data_source_is_refused():

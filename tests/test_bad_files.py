@@ -198,6 +198,11 @@ def a_file(good: dict, tmp: Path) -> Path:
     return good["sp"]
 
 
+def text_sft(good: dict, tmp: Path) -> Path:  # NullTokenizer reads ids, not words
+    (tmp / "text.jsonl").write_text(json.dumps({"prompt": "What is 2+2?", "response": "4"}))
+    return tmp / "text.jsonl"
+
+
 def read_only(good: dict, tmp: Path) -> Path:
     (tmp / "locked").mkdir(mode=0o500)
     return tmp / "locked" / "out"
@@ -304,6 +309,8 @@ def _rows() -> list[Row]:
         Row("--data-path", "the wrong kind (a JSONL corpus)", given("corpus"), data_path),
         *five("--data-path", "sft", flag("--data-path", FINETUNE, ("--hf-checkpoint", "hf")),
               "corpus", finetune=True),
+        Row("--data-path", "text, for NullTokenizer's ids", text_sft,
+            flag("--data-path", FINETUNE, ("--hf-checkpoint", "hf")), finetune=True),
         Row("--hf-checkpoint", "corrupt safetensors", damaged("hf", "corrupt", MODEL),
             hf_checkpoint, finetune=True),
         Row("--hf-checkpoint", "truncated safetensors", damaged("hf", "truncated", MODEL),

@@ -287,3 +287,29 @@ def test_a_bug_while_building_a_shard_keeps_its_traceback(tmp_path, monkeypatch)
                                 model, None, dims)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_deleted_manifest_is_refused_unless_the_shards_predate_manifests(tmp_path):
+    """A shard records the manifest it is listed in: with that manifest deleted the checkpoint is
+    refused naming it; a shard without the record (saved before manifests existed) loads
+    unverified, with a notice, as before."""
+    from dist_utils import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        dims = ParallelDims(tp=1)
+        model = build_model(SMALL, dims)
+        target = save_checkpoint(tmp_path, TrainingState(iteration=2), model, None, dims)
+        (target / "manifest.json").unlink()
+        with pytest.raises(CheckpointError, match=f"^{target / 'manifest.json'} is missing: "):
+            load_checkpoint(tmp_path, model, dims)
+        shard_file = target / "mp_rank_00" / "model_optim_rng.pt"
+        shard = torch.load(shard_file, weights_only=True)
+        del shard["manifest"]
+        torch.save(shard, shard_file)
+        lines: list[str] = []
+        assert load_checkpoint(tmp_path, model, dims, log=lines.append).iteration == 2
+        assert any("manifest.json (saved before checkpoints" in line for line in lines), lines
+    finally:
+        dist.destroy_process_group()

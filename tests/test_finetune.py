@@ -1,14 +1,14 @@
 """Fine-tuning: the SFT samples (loss on the response only, template, truncation, BOS, epochs),
-the JSONL errors, finetune_llama.py's documented commands, and one run of finetune_llama.py from
-a Hugging Face checkpoint on CPU (the loss falls, it validates, saves, and writes TensorBoard
-scalars). TensorBoard being optional: a clear error without the package."""
+the JSONL errors, and one run of finetune_llama.py from a Hugging Face checkpoint on CPU (it
+says it starts from those weights, the loss falls, it validates, saves, and writes TensorBoard
+scalars); tests/test_readme.py checks and runs the commands of its docstring. TensorBoard being
+optional: a clear error without the package."""
 
 from __future__ import annotations
 
 import json
 import random
 import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megadomino.cli.arguments import parse_args
 from megadomino.config import ConfigError, ModelConfig
-from megadomino.config.validate import validate
 from megadomino.data.sft import SFTDataset, build_sft_datasets, read_examples
 from megadomino.data.tokenizer import NullTokenizer, Tokenizer
 from megadomino.interop.hf import hf_shapes
@@ -107,36 +105,15 @@ def test_tensorboard_is_optional(monkeypatch, tmp_path):
         open_writer(str(tmp_path), rank=1)
 
 
-def _write_hf_checkpoint(directory: Path, config: ModelConfig, weights: bool = True) -> None:
-    """A random Llama in Hugging Face's layout: config.json and (if `weights`) model.safetensors."""
+def _write_hf_checkpoint(directory: Path, config: ModelConfig) -> None:
+    """A random Llama in Hugging Face's layout: config.json and model.safetensors."""
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(hf_config_from(config)))
-    if weights:
-        generator = torch.Generator().manual_seed(0)
-        save_file({name: torch.ones(shape) if len(shape) == 1
-                   else 0.02 * torch.randn(shape, generator=generator)
-                   for name, shape in hf_shapes(config).items()},
-                  str(directory / "model.safetensors"))
-
-
-def test_documented_commands_are_valid(tmp_path):
-    """The docstring's torchrun lines parse and fit their world (a Llama-2 7B config.json)."""
-    hf_dir = tmp_path / "hf"
-    _write_hf_checkpoint(hf_dir, ModelConfig.preset("llama2-7b"), weights=False)
-    docstring = (ROOT / "finetune_llama.py").read_text().split('"""')[1]
-    commands = re.findall(r"^    torchrun (.*?)(?:\n\n|\Z)", docstring, re.S | re.M)
-    assert len(commands) == 3
-    for command in commands:
-        command = command.replace("\\\n", " ").replace("/models/Llama-2-7b-hf", str(hf_dir))
-        words = shlex.split(command)
-        script = words.index("finetune_llama.py")
-        launcher, argv = words[:script], words[script + 1:]
-        nodes = int(launcher[launcher.index("--nnodes") + 1]) if "--nnodes" in launcher else 1
-        world = nodes * int(launcher[launcher.index("--nproc_per_node") + 1])
-        config, _ = parse_args(argv, "llama", finetune=True)
-        validate(config, world)
-        if config.train.checkpoint.hf_checkpoint is not None:
-            assert (config.model.num_layers, config.model.hidden_size) == (32, 4096)
+    generator = torch.Generator().manual_seed(0)
+    save_file({name: torch.ones(shape) if len(shape) == 1
+               else 0.02 * torch.randn(shape, generator=generator)
+               for name, shape in hf_shapes(config).items()},
+              str(directory / "model.safetensors"))
 
 
 def _sft_corpus(path: Path, count: int) -> None:
@@ -167,13 +144,16 @@ def test_finetune_llama_from_hf_checkpoint(tmp_path):
             "--split", "90,10,0", "--prompt-template", "60 {prompt} 61", "--seq-length", "24",
             "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "40",
             "--lr", "3e-3", "--lr-warmup-iters", "4", "--log-interval", "10",
-            "--eval-interval", "20", "--eval-iters", "2", "--save", str(tmp_path / "ckpt")]
+            "--eval-interval", "20", "--eval-iters", "2", "--save", str(tmp_path / "ckpt"),
+            "--load", str(tmp_path / "ckpt")]
     if with_tensorboard:
         argv += ["--tensorboard-dir", str(tmp_path / "tb")]
     result = subprocess.run([sys.executable, "finetune_llama.py", *argv], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
+    assert any("is missing): starting from the --hf-checkpoint weights" in line
+               for line in lines), lines
     losses = [float(m.group(1)) for line in lines
               if (m := re.search(r"iteration +\d+/ +40 \| loss (\S+)", line))]
     assert len(losses) == 4 and losses[-1] < 0.65 * losses[0], lines

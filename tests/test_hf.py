@@ -239,7 +239,8 @@ def test_converter_reads_a_config_with_fields_it_does_not_know(tmp_path):
     config = model_config_from_hf(hf_dict())
     shard = tmp_path / "release" / "mp_rank_00" / "model_optim_rng.pt"
     shard.parent.mkdir(parents=True)
-    torch.save({"model_config": dict(dataclasses.asdict(config), some_future_option=True)}, shard)
+    torch.save({"format": 1,
+                "model_config": dict(dataclasses.asdict(config), some_future_option=True)}, shard)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     assert convert_hf_llama.saved_model_config(str(tmp_path)) == config
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -800,6 +801,46 @@ def test_empty_input() -> None:
 def test_force_triton_without_interpreter_says_why() -> None:
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         quantize(torch.randn(8), force_triton=True)
+
+
+class CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the dispatch takes the CUDA branch, the reference
+    it falls back to runs on CPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def test_every_kernel_without_triton_on_cuda_says_so_once(monkeypatch) -> None:
+    """Each op's fallback to its torch reference on a CUDA tensor (triton not importable) warns
+    once a process, naming the op, through the one dispatch (quant_launch.use_triton)."""
+    from megadomino.kernels import adamw_flat, bias_grad, fp8_cast, quant_launch
+
+    def cuda(*shape: int, fill: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full(shape, fill, dtype=dtype).as_subclass(CudaLooking)
+
+    calls = {"ZeRO++ quantization": lambda: quantize(cuda(64), 8, 32),
+             "the FP8 cast": lambda: fp8_cast.cast_transpose(
+                 cuda(4, 4), torch.ones(()), torch.float8_e4m3fn, True, True),
+             "the GELU bias gradient": lambda: bias_grad.gelu_bias_backward(
+                 cuda(4, 4), cuda(4, 4), cuda(4)),
+             "AdamW's flat step": lambda: adamw_flat.adamw_flat(
+                 cuda(8), cuda(8), cuda(8), cuda(8), cuda(8, fill=0, dtype=torch.uint8),
+                 torch.ones(1), torch.zeros(1), 0.9, 0.95, 1e-8, torch.ones(()), torch.ones(()),
+                 torch.zeros(()), None)}
+    monkeypatch.setattr(quant_launch, "HAS_TRITON", False)
+    quant_launch._warn_no_triton.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # not the registry: use_triton itself warns once
+            for call in [*calls.values(), *calls.values()]:
+                call()
+    finally:
+        quant_launch._warn_no_triton.cache_clear()
+    assert [str(w.message) for w in caught] == [
+        f"triton is not installed: {op} on CUDA tensors runs its slow torch reference"
+        for op in calls]
 
 
 def interpreter_fma_is_fused() -> bool:

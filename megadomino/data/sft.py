@@ -110,12 +110,19 @@ def check_token_ids(lines: list[tuple[str, int, str, str]], tokenizer: Tokenizer
                     prompt_template: str, vocab_size: int, vocab_source: str,
                     log: Callable[[str], None] = print) -> None:
     """ConfigError naming the file and line of the first example whose tokens (template, prompt,
-    response, eod, pad) reach `vocab_size`; a progress line every 10 seconds."""
+    response, eod, pad) reach `vocab_size`, or that the tokenizer cannot tokenize (words given
+    to NullTokenizer); a progress line every 10 seconds."""
     began = shown = time.monotonic()
     extra = [tokenizer.eod] + ([tokenizer.pad] if tokenizer.pad is not None else [])
     for position, (path, number, prompt, response) in enumerate(lines):
-        ids = tokenizer.tokenize(prompt_template.replace("{prompt}", prompt))
-        ids += tokenizer.tokenize(response) + extra
+        try:
+            ids = tokenizer.tokenize(prompt_template.replace("{prompt}", prompt))
+            ids += tokenizer.tokenize(response) + extra
+        except ValueError as err:  # NullTokenizer's text is ids: "What" is not one
+            raise ConfigError(f"--data-path {path}:{number}: {type(tokenizer).__name__} cannot "
+                              f"tokenize this example ({err}); NullTokenizer reads "
+                              "space-separated token ids, text needs a real --tokenizer-type"
+                              ) from None
         largest = max(ids)
         if largest >= vocab_size or min(ids) < 0:
             bad = largest if largest >= vocab_size else min(ids)

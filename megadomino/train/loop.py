@@ -318,8 +318,10 @@ def _resume(config: CheckpointConfig, model: nn.Module, dims: ParallelDims,
         raise CheckpointError(f"--load={config.load} holds no {TRACKER} and "
                               "--exit-on-missing-checkpoint is set")
     if dims.rank == 0:
+        start = ("the --hf-checkpoint weights" if config.hf_checkpoint is not None
+                 else "scratch")
         log(f" no checkpoint in --load={config.load} ({TRACKER} is missing): starting from "
-            "scratch")
+            f"{start}")
     return TrainingState()
 
 

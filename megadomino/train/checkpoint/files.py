@@ -5,8 +5,9 @@ Every file a save writes is checksummed (CRC-32, zlib's) as its bytes are writte
 writes `ITERATION_DIR/manifest.json`, `{"format": 1, "files": {relative path: {"bytes": n,
 "crc32": "8 hex digits"}}}`, before the iteration file names the checkpoint. A load verifies each
 file against it before reading it: a file whose size or checksum differs is a CheckpointError
-naming it. A checkpoint without a manifest (written before manifests existed, or not by us)
-loads unverified, with a notice.
+naming it. Each model shard records the manifest it is listed in (`"manifest": "manifest.json"`),
+so a checkpoint whose manifest was deleted is refused; one whose shards record none (written
+before manifests existed, or not by us) loads unverified, with a notice.
 """
 
 from __future__ import annotations
@@ -208,4 +209,9 @@ def open_shard(path: Path, manifest: Manifest | None) -> dict:
     if not isinstance(shard, dict) or shard.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path} is not a megadomino checkpoint shard of format "
                               f"{FORMAT_VERSION}")
+    if manifest is None and shard.get("manifest") is not None:
+        # shards sit at ITERATION_DIR/mp_rank_*/; the manifest beside them was deleted
+        raise CheckpointError(f"{path.parents[1] / shard['manifest']} is missing: {path} was "
+                              "saved with checksums, so its checkpoint cannot be verified "
+                              "(restore the file, or load another checkpoint)")
     return shard

@@ -34,7 +34,9 @@ Atomicity (`checkpoint_files`): each shard, ZeRO's included, goes to `NAME.tmp`,
 that all shards are complete, and only then rank 0 writes `manifest.json` (the size and CRC-32 of
 every file, computed as it was written) and replaces the iteration file. A run killed during a
 save leaves the iteration file naming the previous, complete checkpoint. Every load verifies the
-files it reads against the manifest (a checkpoint without one loads with a notice).
+files it reads against the manifest; a checkpoint without one is refused when its model shards
+record it (`"manifest"`: it was deleted), and loads unverified with a notice when they do not
+(saved before manifests existed).
 
 Loading at the saved TP degree copies each rank's shards; at another degree each rank memory-maps
 every saved shard and rebuilds the full (unsharded, unpadded) tensor of each parameter and
@@ -202,6 +204,7 @@ def checkpoint_files(directory: str | os.PathLike, state: TrainingState, model: 
             try:
                 files[shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp)] = {
                     "format": FORMAT_VERSION,
+                    "manifest": MANIFEST,
                     "model_config": dataclasses.asdict(model.config),
                     "parallel": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp,
                                  "stages": [[list(r), tp] for r, tp in dims.stages]},
@@ -356,7 +359,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, dims: Parall
     agree(error)
     if manifest is None and dims.rank == 0:
         log(f" notice: {source} has no {MANIFEST} (saved before checkpoints carried checksums, "
-            "or not by megadomino): its files load unverified")
+            "or not by megadomino: its shards record no manifest): its files load unverified")
     try:
         state = reader.load(model)
         rng_note = None
