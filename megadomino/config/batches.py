@@ -87,6 +87,12 @@ class BatchSchedule:
         return self.global_batch(consumed) // (self.micro_batch_size * self.dp)
 
     @property
+    def one_micro_batch(self) -> bool:
+        """Every step runs one micro-batch per DP rank: a fixed global batch of micro x DP."""
+        return (self.rampup is None and self.steps is None
+                and self.global_batch_size == self.micro_batch_size * self.dp)
+
+    @property
     def final_micro_batches(self) -> int:
         """Micro-batches per DP rank once any ramp-up or stepped schedule is done."""
         return self.global_batch_size // (self.micro_batch_size * self.dp)

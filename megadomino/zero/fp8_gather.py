@@ -79,6 +79,9 @@ class FP8Layout:
                     self.other_slices.append(_Slice(index, rank, lo, hi, other_counts[rank]))
                     other_counts[rank] += hi - lo
         self.n_other = max(other_counts)
+        self.slot = {index: slot for slot, index in enumerate(self.fp8_params)}
+        self.own_fp8 = [piece for piece in self.fp8_slices if piece.rank == dp_rank]
+        self.own_other = [piece for piece in self.other_slices if piece.rank == dp_rank]
 
     @classmethod
     def of(cls, unit: FlatUnit, fp8_states: dict[int, FP8State], dp: int, dp_rank: int,
@@ -92,11 +95,10 @@ class FP8Layout:
         """fp32 [len(fp8_params)]: the amax of this rank's part of each FP8 weight (0 where it
         holds none)."""
         amaxes = torch.zeros(len(self.fp8_params), dtype=torch.float32, device=shard.device)
-        for piece in self.fp8_slices:
-            if piece.rank == self.dp_rank:
-                part = shard[piece.offset:piece.offset + piece.flat_hi - piece.flat_lo]
-                slot = self.fp8_params.index(piece.param)
-                amaxes[slot] = torch.maximum(amaxes[slot], part.abs().amax().float())
+        for piece in self.own_fp8:
+            part = shard[piece.offset:piece.offset + piece.flat_hi - piece.flat_lo]
+            slot = self.slot[piece.param]
+            amaxes[slot] = torch.maximum(amaxes[slot], part.abs().amax().float())
         return amaxes
 
     def encode(self, shard: torch.Tensor,
@@ -105,17 +107,15 @@ class FP8Layout:
         [S]; other parameters' elements, [n_other] in the parameters' dtype)."""
         codes = torch.zeros(self.unit.shard_numel, dtype=torch.uint8, device=shard.device)
         other = torch.zeros(self.n_other, dtype=self.dtype, device=shard.device)
-        for piece in self.fp8_slices:
-            if piece.rank == self.dp_rank:
-                span = slice(piece.offset, piece.offset + piece.flat_hi - piece.flat_lo)
-                scale = scales[self.fp8_params.index(piece.param)]
-                codes[span] = quantize(shard[span], scale, E4M3).view(torch.uint8)
+        for piece in self.own_fp8:
+            span = slice(piece.offset, piece.offset + piece.flat_hi - piece.flat_lo)
+            scale = scales[self.slot[piece.param]]
+            codes[span] = quantize(shard[span], scale, E4M3).view(torch.uint8)
         start = self.dp_rank * self.unit.shard_numel
-        for piece in self.other_slices:
-            if piece.rank == self.dp_rank:
-                n = piece.flat_hi - piece.flat_lo
-                other[piece.offset:piece.offset + n] = shard[piece.flat_lo - start:
-                                                             piece.flat_hi - start]
+        for piece in self.own_other:
+            n = piece.flat_hi - piece.flat_lo
+            other[piece.offset:piece.offset + n] = shard[piece.flat_lo - start:
+                                                         piece.flat_hi - start]
         return codes, other
 
     def decode_other(self, rows: torch.Tensor, out: torch.Tensor) -> None:

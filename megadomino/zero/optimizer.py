@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from megadomino.config import Config, ConfigError, OptimizerConfig, ZeroConfig
+from megadomino.config.batches import BatchSchedule
 from megadomino.distributed import comm as dist_comm
 from megadomino.zero.collectives import CommCounter
 from megadomino.zero.fp8_gather import adopt_fp8_weights
@@ -343,12 +344,8 @@ def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
     decoupled = ()
     if train.schedule.decoupled_lr is not None:
         decoupled = tuple(model.embedding_and_output_weights())
-    schedule = train.schedule
     one_backward = (config.parallel.pipeline_model_parallel_size == 1
-                    and schedule.rampup_batch_size is None
-                    and schedule.step_batch_size_schedule is None
-                    and schedule.gradient_accumulation_steps in (None, 1)
-                    and schedule.global_batch_size in (None, schedule.micro_batch_size * dims.dp))
+                    and BatchSchedule.from_config(train.schedule, dims.dp).one_micro_batch)
     return ZeroPlusPlus(model, dims, factory, config.parallel.zero,
                         clip_grad=train.optimizer.clip_grad, loss_scaler=scaler,
                         decoupled=decoupled, one_backward_per_step=one_backward)
