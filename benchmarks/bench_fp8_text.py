@@ -5,6 +5,9 @@ the 20th more than 3% apart) and the throughput of the last logged iterations.
 
     python3 benchmarks/text_corpus.py --out .text          # on a machine with this Python
     python3 benchmarks/bench_fp8_text.py --data .text --iters 200 --out fp8_text.json
+    # --fp8-param-gather at ZeRO 1 on 2 GPUs: both arms sharded, the FP8 arm gathers FP8
+    python3 benchmarks/bench_fp8_text.py --data .text --nproc-per-node 2 \
+        --both=--use-distributed-optimizer --fp8-args="--fp8-format hybrid --fp8-param-gather"
 
 Exit status 1 when the criterion fails.
 """
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -24,20 +28,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from compare_losses import read_losses  # noqa: E402
 
 MS = re.compile(r"iteration\s+(\d+)/.*?\| ([\d.]+) ms/iter \| ([\d.]+) tokens/s")
-VARIANTS = {"bf16": [], "fp8": ["--fp8-format", "hybrid"]}
 
 
 def run(args, extra: list[str]) -> tuple[dict[int, float], list[tuple[float, float]], str]:
     data = os.path.abspath(args.data)
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=1", "pretrain_gpt.py",
+    batch = args.micro_batch_size * args.nproc_per_node
+    cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.nproc_per_node}",
+           "pretrain_gpt.py",
            "--model-preset", args.preset, "--num-layers", str(args.num_layers), "--bf16",
            "--compile-layer-pieces", "--data-path", f"{data}/corpus_text_document",
            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
            f"{data}/tok.model", "--split", "100,0,0", "--micro-batch-size",
-           str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size),
+           str(args.micro_batch_size), "--global-batch-size", str(batch),
            "--seq-length", str(args.seq_length), "--train-iters", str(args.iters), "--lr",
            "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "20", "--log-interval", "1",
-           "--eval-iters", "0", "--seed", "1234", *extra]
+           "--eval-iters", "0", "--seed", "1234", *shlex.split(args.both), *extra]
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
@@ -70,9 +75,15 @@ def main() -> int:
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--timeout", type=int, default=400)
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="GPUs (data parallel; the global batch is micro-batch x GPUs)")
+    parser.add_argument("--both", default="", help="further flags of both runs, one string")
+    parser.add_argument("--fp8-args", default="--fp8-format hybrid",
+                        help="the FP8 run's flags, one string")
     parser.add_argument("--out", default="bench_fp8_text.json")
     args = parser.parse_args()
-    results = {name: run(args, extra) for name, extra in VARIANTS.items()}
+    variants = {"bf16": [], "fp8": shlex.split(args.fp8_args)}
+    results = {name: run(args, extra) for name, extra in variants.items()}
     check = criterion(results["bf16"][0], results["fp8"][0])
     speed = {name: {"ms_per_iter": statistics.median(ms for ms, _ in result[1][-20:]),
                     "tokens_per_s": statistics.median(tok for _, tok in result[1][-20:])}

@@ -13,10 +13,15 @@
 #                suite; cases needing more GPUs than here skip, naming the count). At 4 GPUs it
 #                takes longer than one call's 10 minutes: run its modules in groups (the
 #                2026-11-28 report lists the groups and what each took)
-#   tests=LABEL:MODULE,MODULE,...
+#   tests=LABEL:MODULE,MODULE,...[:KEXPR]
 #                the gpu tier's modules named (tests/gpu/MODULE.py), logged to $OUT/tests-LABEL.txt:
 #                the tier in groups, e.g. two groups side by side on GPUs 0,1 and 2,3
-#                (CUDA_VISIBLE_DEVICES=0,1 OUT=out/a bash benchmarks/gpu_suite.sh tests=a:...)
+#                (CUDA_VISIBLE_DEVICES=0,1 OUT=out/a bash benchmarks/gpu_suite.sh tests=a:...);
+#                KEXPR: pytest -k, which also picks the cases a world runs (a long world split
+#                over calls); each case is logged with its seconds as every rank leaves it
+#   fp8-text-gather
+#                benchmarks/bench_fp8_text.py on GPUs 0,1: ZeRO 1 bf16 against FP8 (hybrid,
+#                delayed) with --fp8-param-gather, 200 steps of real text (carry .text/)
 #   tests-cpu    the default tier on this machine's torch (2.11, the oldest declared) and CPUs
 #   kernels      tests/gpu/test_gpu_kernels.py only (1 GPU)
 #   quant        benchmarks/bench_quant.py: our kernels vs DeepSpeed's quantizer, one GPU
@@ -115,10 +120,21 @@ for name in "$@"; do
                    --out "$OUT/zero_rounds_mb4.json" ;;
     tests=*)
       group=${name#tests=}
-      files=$(echo "${group#*:}" | tr ',' '\n' | sed 's|.*|tests/gpu/&.py|' | tr '\n' ' ')
+      label=${group%%:*}
+      modules=${group#*:}
+      select=
+      if [[ $modules == *:* ]]; then select=${modules#*:}; modules=${modules%%:*}; fi
+      files=$(echo "$modules" | tr ',' '\n' | sed 's|.*|tests/gpu/&.py|' | tr '\n' ' ')
       # shellcheck disable=SC2086
-      step "tests-${group%%:*}" 570 python3 -m pytest $files --tier gpu -q -rfE --durations=30 \
-        -p no:cacheprovider ;;
+      step "tests-$label" 570 python3 -m pytest $files --tier gpu -q -s -rfE --durations=30 \
+        -p no:cacheprovider ${select:+-k "$select"} ;;
+    fp8-text-gather)
+      if [ ! -d .text ]; then echo "fp8-text-gather: carry .text (text_corpus.py --out .text)"; \
+        exit 2; fi
+      step fp8-text-gather 420 env CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/bench_fp8_text.py \
+        --data .text --nproc-per-node 2 --iters 200 --timeout 200 \
+        --both=--use-distributed-optimizer \
+        --fp8-args="--fp8-format hybrid --fp8-param-gather" --out "$OUT/fp8_text_gather.json" ;;
     fp8-gather) step fp8-gather 420 torchrun --standalone --nproc_per_node "$GPUS" \
                   benchmarks/bench_zero.py --steps 8 --warmup 3 --rounds 3 --micro-batch-size 4 \
                   --configs "zero3 fp8" "zero3 fp8 gather" "zero1 fp8" "zero1 fp8 gather" \

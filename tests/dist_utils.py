@@ -183,12 +183,14 @@ class DistSuite:
                                            case.timeout, case.requires)
         return suite
 
-    def names(self, world: int, parts: frozenset[str] = BOTH) -> list[str]:
+    def names(self, world: int, parts: frozenset[str] = BOTH,
+              only: frozenset[str] | None = None) -> list[str]:
         """The cases of `world` in `parts` ("main": those not in its slow_worlds, "slow": those
         in), including those skipped for a missing module (their tests skip before asking for
-        results)."""
+        results); `only`: of these, those named (the cases the pytest run selected)."""
         return [case.name for case in self.cases.values() if world in case.worlds
-                and ("slow" if world in case.slow_worlds else "main") in parts]
+                and ("slow" if world in case.slow_worlds else "main") in parts
+                and (only is None or case.name in only)]
 
     def test(self, args_fixture: str | None = None, marks: tuple = ()) -> Callable:
         """The pytest test for every registered (world, case): assign it to a `test_*` name.
@@ -209,7 +211,11 @@ class DistSuite:
             # a run without the slow tier leaves the world's slow cases out
             chosen = getattr(request.config, "chosen_tiers", {"slow"})
             parts = BOTH if "slow" in chosen else frozenset({"main"})
-            check_result(suite.results(world, *args, parts=parts), case)
+            # a world runs the cases selected (-k, node ids), so a long world can be split
+            only = frozenset(item.callspec.params["case"] for item in request.session.items
+                             if getattr(item.function, "dist_suite", None) is suite
+                             and item.callspec.params["world"] == world)
+            check_result(suite.results(world, *args, parts=parts, only=only or None), case)
 
         test.dist_suite = self  # what conftest's collection check looks for
         marks = [*marks, *([pytest.mark.gpu] if self.backend == "nccl" else [])]
@@ -224,12 +230,13 @@ class DistSuite:
             pytest.skip(f"tier gpu: needs {world} CUDA GPU{plural}, "
                         f"{torch.cuda.device_count()} here")
 
-    def results(self, world: int, *args, parts: frozenset[str] = BOTH) -> dict[str, str | None]:
-        """{case: None or the error} for every case of `world` in `parts` (see `names`), run
-        once per (world, args, parts) and remembered, failures included."""
-        key = (world, parts, *(id(arg) for arg in args))
+    def results(self, world: int, *args, parts: frozenset[str] = BOTH,
+                only: frozenset[str] | None = None) -> dict[str, str | None]:
+        """{case: None or the error} for every case of `world` in `parts` (and `only`, see
+        `names`), run once per (world, args, parts, only) and remembered, failures included."""
+        key = (world, parts, only, *(id(arg) for arg in args))
         if key not in self._results:
-            self._results[key] = run_world(self, world, args, parts)
+            self._results[key] = run_world(self, world, args, parts, only)
         return self._results[key]
 
 
@@ -332,12 +339,12 @@ def _rank_starter(backend: str):
     return context
 
 
-def run_world(suite: DistSuite, world: int, args: tuple = (),
-              parts: frozenset[str] = BOTH) -> dict[str, str | None]:
-    """Start `world` ranks of `suite` running its cases of that world in `parts` (see
+def run_world(suite: DistSuite, world: int, args: tuple = (), parts: frozenset[str] = BOTH,
+              only: frozenset[str] | None = None) -> dict[str, str | None]:
+    """Start `world` ranks of `suite` running its cases of that world in `parts` and `only` (see
     `DistSuite.names`), wait at most the sum of the budgets, and merge the ranks' results: a case
     fails if it failed on any rank, or did not finish on one (named, with why)."""
-    names = [name for name in suite.names(world, parts) if suite.cases[name].available()]
+    names = [name for name in suite.names(world, parts, only) if suite.cases[name].available()]
     deadline = SPAWN_GRACE + suite.timeout + sum(suite.cases[n].timeout for n in names)
     starter = _rank_starter(suite.backend)
     with tempfile.TemporaryDirectory() as out_dir:
@@ -350,6 +357,7 @@ def run_world(suite: DistSuite, world: int, args: tuple = (),
         progress = _Progress(suite, out_dir, world)
         killed = _wait(procs, progress.started + deadline, progress)
         ranks = [_read_rank(out_dir, rank) for rank in range(world)]
+        progress.report(ranks, time.monotonic())
     errors: dict[str, list[str]] = {name: [] for name in names}
     for rank, (results, log) in enumerate(ranks):
         why_unfinished = _why_unfinished(rank, procs[rank].exitcode, log, killed)
@@ -374,12 +382,16 @@ class _Progress:
         self.suite, self.out_dir, self.world = suite, out_dir, world
         self.entered: dict[str, float] = {}  # case -> when the parent first saw a rank in it
         self.started = time.monotonic()
+        self.done: set[str] = set()  # cases every rank has left, each reported once
+        self.last_done = self.started
 
     def overrun(self, now: float) -> str | None:
-        """None, or the line naming the case that overran and the ranks still in it."""
-        current = {}
-        for rank in range(self.world):
-            results, log = _read_rank(self.out_dir, rank)
+        """None, or the line naming the case that overran and the ranks still in it. Reports on
+        stderr each case every rank has left, with its wall time (seen with `pytest -s`: which
+        case of a long world took the time)."""
+        current, ranks = {}, [_read_rank(self.out_dir, rank) for rank in range(self.world)]
+        self.report(ranks, now)
+        for rank, (results, log) in enumerate(ranks):
             running = _running_case(log)
             if running is not None and running not in results:
                 current[rank] = running
@@ -396,6 +408,19 @@ class _Progress:
                         + (f"; other ranks in: {elsewhere}" if elsewhere else
                            "; the other ranks had left it"))
         return None
+
+    def report(self, ranks: list[tuple[dict[str, str | None], str]], now: float) -> None:
+        """Print each case every rank has left since the last call, passed or failed, with the
+        seconds since the previous one left (the case's time, to the 1 s the parent polls)."""
+        left = set.intersection(*(set(results) for results, _ in ranks)) - self.done
+        order = list(self.suite.cases)
+        for case in sorted(left, key=lambda name: order.index(name) if name in order else -1):
+            failed = any(results[case] is not None for results, _ in ranks)
+            print(f"world of {self.world} ({self.suite.backend}): {case} "
+                  f"{'failed' if failed else 'passed'}, {now - self.last_done:.0f} s",
+                  file=sys.stderr, flush=True)
+            self.done.add(case)
+            self.last_done = now
 
 
 def _wait(procs: list, deadline: float, progress: _Progress) -> str | None:

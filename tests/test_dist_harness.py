@@ -140,6 +140,39 @@ def test_a_suite_no_test_asserts_is_refused_at_collection(tmp_path):
         run.stdout + run.stderr)
 
 
+def test_a_world_runs_only_the_selected_cases_and_reports_each_with_its_time(tmp_path):
+    """`pytest -k` picks which cases a world runs (a long world split over runs), and `-s`
+    shows each case as every rank leaves it."""
+    for name in ("conftest.py", "dist_utils.py"):
+        (tmp_path / name).write_text(open(os.path.join(HERE, name)).read())
+    (tmp_path / "test_selection.py").write_text(textwrap.dedent("""
+        import time
+
+        import torch
+        import torch.distributed as dist
+        from dist_utils import C, DistSuite
+
+        def waits(rank):
+            time.sleep(1.5)
+            dist.barrier()
+
+        def deadlocks(rank):
+            dist.recv(torch.zeros(1), src=1 - rank)
+
+        SUITE = DistSuite(worlds=(2,), timeout=30)
+        SUITE.case("chosen", waits, C.rank)
+        SUITE.case("left_out", deadlocks, C.rank, timeout=60)
+        test_cases = SUITE.test()
+    """))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                          "-k", "chosen", str(tmp_path)], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 passed, 1 deselected" in run.stdout, run.stdout
+    assert "world of 2 (gloo): chosen passed" in run.stderr, run.stderr
+    assert "left_out" not in run.stderr, run.stderr
+
+
 def test_every_process_a_test_starts_is_bounded_in_time():
     """subprocess.run / call / check_* in tests/ name a timeout (a Popen's communicate does), so a
     hung launcher fails its test instead of hanging CI; spawned worlds go through DistSuite."""
