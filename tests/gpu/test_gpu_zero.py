@@ -11,11 +11,11 @@ generator (random values differ from the CPU run's; the cases check bounds, not 
 
 from __future__ import annotations
 
-import functools
 import types
 
 import test_zero
 import torch
+from gpu_twins import built_on, patch
 
 from megadomino.build import build_model
 
@@ -45,15 +45,9 @@ def _on_this_gpu(world: int) -> dict:
     def batch_on_device(*args, **kwargs) -> tuple[torch.Tensor, ...]:
         return tuple(t.to(device) for t in on_cpu(*args, **kwargs))
 
-    test_zero.build_model = functools.partial(_build_on, device)
-    test_zero._batch = batch_on_device
-    test_zero.torch = _TorchWithDeviceGenerators(device)
+    patch(test_zero, build_model=built_on(build_model, device), _batch=batch_on_device,
+          torch=_TorchWithDeviceGenerators(device))
     return test_zero._setup(world)
-
-
-def _build_on(target: torch.device, config, dims, family: str = "gpt", device=None):
-    """build_model on `target`, whatever `device` the caller asked for."""
-    return build_model(config, dims, family, device=target)
 
 
 SUITE = test_zero.SUITE.derived(backend="nccl", setup=_on_this_gpu, worlds=(4,))
