@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megadomino.config.parallel import check_degrees, check_gpus_per_node
+from megadomino.distributed import comm
 
 
 class ParallelDims:
@@ -71,6 +72,7 @@ class ParallelDims:
         """Every stage has the same (dp, tp) shape (Megatron's grid)."""
         self.stages = tuple((tuple(block.flatten().tolist()), block.shape[1]) for block in blocks)
         """Each stage's (ranks, TP degree): what a checkpoint records of the plan."""
+        self._writers_group = None
 
         # new_group is collective over the whole world: every rank creates every group, in order.
         self.tp_group = _groups_containing(rank, [row for block in blocks for row in block],
@@ -119,6 +121,16 @@ class ParallelDims:
         self.inter_node_group = _groups_containing(rank, inter, timeout=timeout)
         self.intra_node_rank = self.dp_rank % dp_per_node
         self.inter_node_rank = self.dp_rank // dp_per_node
+
+    def stage_writers_group(self):
+        """The gloo group of every stage's first rank (TP and DP rank 0 of each stage, the
+        writers of a torch_dist checkpoint), on those ranks; None on the others. Made on first
+        use by its members alone (comm.cpu_group) and kept: a members-only group made again
+        after one was destroyed takes the same name and store keys, and its members hang."""
+        writers = [ranks[0] for ranks, _ in self.stages]
+        if self._writers_group is None and self.rank in writers:
+            self._writers_group = comm.cpu_group(writers, timeout=self.timeout)
+        return self._writers_group
 
     @property
     def is_first_rank(self) -> bool:

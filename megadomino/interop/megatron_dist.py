@@ -209,7 +209,7 @@ def write_megatron_dist(model: torch.nn.Module, target: Path, iteration: int, di
     each stage gathers each parameter, its TP rank 0 writes (module docstring), and every rank
     raises the same OSError when any writer could not. The parameters must be whole (ZeRO
     stage 3 gathers them first)."""
-    writers = _writer_group(dims)
+    writers = dims.stage_writers_group() if dims.pp > 1 else None  # PP 1: rank 0 alone
     error = None
     if dims.dp_rank == 0:
         tensors, stacked = _megatron_tensors(model, dims)
@@ -221,20 +221,7 @@ def write_megatron_dist(model: torch.nn.Module, target: Path, iteration: int, di
                 common = {"iteration": iteration, "checkpoint_version": CHECKPOINT_VERSION,
                           "args": args}
             error = _write(tensors, stacked, model.config.num_layers, common, target, writers)
-            if writers is not None:  # a save's group, not kept: its connections are closed
-                dist.destroy_process_group(writers)
     _agree(error)
-
-
-def _writer_group(dims):
-    """At PP > 1 the group of every stage's writer (TP and DP rank 0: rank s x dp x tp of
-    Megatron's grid), over gloo (the tensors are on the CPU); None at PP 1 (rank 0 writes
-    alone). Collective over the world."""
-    if dims.pp == 1:
-        return None
-    stride = dims.world_size // dims.pp
-    return dist.new_group([stage * stride for stage in range(dims.pp)], backend="gloo",
-                          timeout=dims.timeout)
 
 
 def _agree(error: str | None) -> None:

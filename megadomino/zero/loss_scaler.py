@@ -76,7 +76,8 @@ class StepResult:
                  loss_scale: float | None):
         self._ready = None
         if isinstance(skipped, torch.Tensor) and skipped.is_cuda:
-            host = torch.empty(skipped.shape, dtype=skipped.dtype, pin_memory=True)
+            host = torch.empty(skipped.shape, dtype=skipped.dtype, device="cpu",
+                               pin_memory=True)
             host.copy_(skipped, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()

@@ -170,7 +170,7 @@ class ShardedOptimizer:
         groups = self.optimizer.param_groups
         device = self.masters[0].device
         hyper = torch.tensor([[g["lr"] for g in groups], [g["weight_decay"] for g in groups]],
-                             dtype=torch.float32)
+                             dtype=torch.float32, device="cpu")  # whatever the default device
         if device.type == "cuda":  # from pinned memory: the copy never waits for the stream
             hyper = hyper.pin_memory().to(device, non_blocking=True)
         beta1, beta2 = groups[0]["betas"]
