@@ -102,31 +102,20 @@ for schedule, chunks in (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2)):
     layers, first = (8, None) if chunks > 1 else (7, 4)
     SUITE.case(f"one-work-a-batch-pp2-{schedule}", check_pipeline, "gpt", C.pp2, C.ref,
                schedule, layers, 4, chunks, first, worlds=(2,))
-def check_cpu_group_of_its_members_alone(rank: int) -> None:
-    """Ranks 0 and 2 make a gloo group and sum over it; rank 1 never calls (on NCCL a world-wide
-    new_group of another backend hangs the non-members: comm.cpu_group)."""
-    if rank in (0, 2):
-        group = comm.cpu_group([2, 0])
-        value = torch.tensor([float(rank + 1)])
-        dist.all_reduce(value, group=group)
-        assert value.item() == 4.0, value
-        dist.destroy_process_group(group)
-    dist.barrier()
-
-
-def test_gloo_groups_are_made_by_their_members_alone():
-    """Every gloo subgroup of the package goes through comm.cpu_group (see its docstring)."""
+def test_every_group_is_on_the_worlds_backend():
+    """No new_group of the package names a backend of its own: on NCCL a world-wide new_group of
+    another backend leaves the non-members in an ncclCommSplit the members never join, and a
+    members-only gloo group hung its members on torch 2.11 (ParallelDims.stage_writers_group)."""
     import pathlib
     import re
 
     root = pathlib.Path(comm.__file__).parents[1]
     calls = [f"{path.relative_to(root)}" for path in root.rglob("*.py")
-             if path.name != "comm.py"
-             and re.search(r"new_group\([^)]*backend=", path.read_text())]
-    assert not calls, f"new_group with its own backend outside comm.cpu_group: {calls}"
+             if re.search(r"new_group\([^)]*(backend=|use_local_synchronization)",
+                          path.read_text())]
+    assert not calls, f"new_group with a backend of its own: {calls}"
 
 
-SUITE.case("cpu-group-members-alone", check_cpu_group_of_its_members_alone, C.rank, worlds=(3,))
 SUITE.case("one-work-a-batch-tp2-tp1-reshard", check_hetero, "gpt", C.tp2_tp1, C.ref,
            "tp2_tp1", "1f1b", 4, 3, True, worlds=(3,))
 

@@ -161,19 +161,6 @@ def _refuse(call: str, tensor: torch.Tensor, group) -> None:
                              f"{group_device(group)}")
 
 
-def cpu_group(ranks: list[int], timeout=None):
-    """A gloo group of `ranks` for CPU tensors, or None on a rank outside it; only its members
-    may call this (the others need not). Why not `new_group(ranks, backend="gloo")` on every
-    rank: when the world's NCCL group is bound to a device (launch.py binds it), torch makes
-    each non-member join an ncclCommSplit of the world's communicator, which the members,
-    creating a gloo group, never join: the non-members hang. Created members-only with a
-    group-local barrier, nobody splits."""
-    if dist.get_rank() not in ranks:
-        return None
-    return dist.new_group(sorted(ranks), backend="gloo", timeout=timeout,
-                          use_local_synchronization=True)
-
-
 def barrier(group=None) -> None:
     """Every member has reached this call. On NCCL it runs on this rank's current device."""
     if "cuda" in group_devices(group) and "cpu" not in group_devices(group):

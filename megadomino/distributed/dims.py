@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from megadomino.config.parallel import check_degrees, check_gpus_per_node
-from megadomino.distributed import comm
 
 
 class ParallelDims:
@@ -123,14 +122,18 @@ class ParallelDims:
         self.inter_node_rank = self.dp_rank // dp_per_node
 
     def stage_writers_group(self):
-        """The gloo group of every stage's first rank (TP and DP rank 0 of each stage, the
-        writers of a torch_dist checkpoint), on those ranks; None on the others. Made on first
-        use by its members alone (comm.cpu_group) and kept: a members-only group made again
-        after one was destroyed takes the same name and store keys, and its members hang."""
-        writers = [ranks[0] for ranks, _ in self.stages]
-        if self._writers_group is None and self.rank in writers:
-            self._writers_group = comm.cpu_group(writers, timeout=self.timeout)
-        return self._writers_group
+        """The group of every stage's first rank (TP and DP rank 0 of each stage, the writers
+        of a torch_dist checkpoint), on those ranks; None on the others. Made on first use,
+        collectively over the world like every group here (every rank calls this, in the same
+        order), on the world's backend, and kept. Not a gloo group of the members alone: on
+        NCCL a world-wide new_group of another backend leaves the non-members in an
+        ncclCommSplit the members never join, and torch 2.11 hangs the members of a
+        members-only gloo group (both seen at PP 2 x TP 2 on 4 GPUs)."""
+        if self._writers_group is None:
+            writers = [ranks[0] for ranks, _ in self.stages]
+            group = dist.new_group(writers, timeout=self.timeout)
+            self._writers_group = group if self.rank in writers else False
+        return self._writers_group or None
 
     @property
     def is_first_rank(self) -> bool:

@@ -209,7 +209,9 @@ def write_megatron_dist(model: torch.nn.Module, target: Path, iteration: int, di
     each stage gathers each parameter, its TP rank 0 writes (module docstring), and every rank
     raises the same OSError when any writer could not. The parameters must be whole (ZeRO
     stage 3 gathers them first)."""
-    writers = dims.stage_writers_group() if dims.pp > 1 else None  # PP 1: rank 0 alone
+    # PP 1: rank 0 writes alone; PP > 1: every stage's writer, over the world's backend (the
+    # tensors are on the CPU, torch.distributed.checkpoint's planning goes through objects)
+    writers = dims.stage_writers_group() if dims.pp > 1 else None
     error = None
     if dims.dp_rank == 0:
         tensors, stacked = _megatron_tensors(model, dims)
