@@ -122,15 +122,20 @@ def good(tmp_path_factory) -> dict[str, Path]:
     return files
 
 
-def run(argv: list[str], family: str = "gpt", finetune: bool = False) -> tuple[int, list[str]]:
-    """launch.main in this process as one rank: (exit status, the `error:` lines it printed)."""
+def run(argv: list[str], family: str = "gpt", finetune: bool = False,
+        env: dict[str, str | None] | None = None) -> tuple[int, list[str]]:
+    """launch.main in this process as one rank: (exit status, the `error:` lines it printed).
+    env: launch variables changed from a single rank's (None: unset)."""
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
     stderr = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(stderr), \
             contextlib.redirect_stdout(io.StringIO()):
         for name, value in env.items():
-            patch.setenv(name, value)
+            if value is None:
+                patch.delenv(name, raising=False)
+            else:
+                patch.setenv(name, value)
         code = launch.main(family, argv, finetune=finetune)
     return code, [line for line in stderr.getvalue().splitlines() if line.startswith("error:")]
 

@@ -19,6 +19,8 @@ import argparse
 import functools
 import json
 import os
+import re
+import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -124,8 +126,9 @@ def parse_args(argv: list[str] | None, family: str,
         raise ValueError(f"family must be one of {sorted(FAMILY_DEFAULTS)}, not {family!r}")
     flags = _flags(finetune)
     parser = build_parser(family, finetune)
-    args, extras = parser.parse_known_args(argv)
-    errors = _unknown(extras, flags)  # every bad flag of the command, reported together
+    # every bad flag of the command, reported together
+    args, extras, errors = _parse_every_value(parser, argv)
+    errors += _unknown(extras, flags)
     json_notices, json_fields = [], {}
     if args.deepspeed_config is not None and not errors:
         from megadomino.cli.deepspeed_config import apply_deepspeed_config  # it imports us
@@ -255,6 +258,43 @@ def _model_config_from_hf(hf_dir: str, overrides: dict[str, Any]) -> ModelConfig
     except (OSError, ValueError) as err:
         raise ConfigError(f"--hf-checkpoint={hf_dir}: cannot read {path}: {err}") from None
     return model_config_from_hf(hf_config, **overrides)
+
+
+def _parse_every_value(parser: argparse.ArgumentParser, argv: list[str] | None
+                       ) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """parser.parse_known_args, with every value argparse rejects (a type, a choice, a missing
+    value) reported instead of only the first: each rejected flag is dropped with its values and
+    the rest parsed again. Returns the arguments, the unknown ones and those messages."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    errors: list[str] = []
+    while True:
+        try:
+            args, extras = parser.parse_known_args(argv)
+            return args, extras, errors
+        except ConfigError as err:
+            errors.append(str(err))
+            rest = _without_rejected(argv, str(err))
+            if rest is None:  # not one flag's value: nothing to drop
+                raise ConfigError(*errors) from None
+            argv = rest
+
+
+def _without_rejected(argv: list[str], message: str) -> list[str] | None:
+    """`argv` without the flag argparse's `message` ("argument --a/--b: ...") names, every
+    occurrence with the values after it (the run is refused anyway), or None when it names none
+    of argv's flags."""
+    named = re.match(r"argument ([^:]+):", message)
+    names = named.group(1).split("/") if named else []
+    rest, index = [], 0
+    while index < len(argv):
+        token = argv[index]
+        index += 1
+        if token.split("=", 1)[0] not in names:
+            rest.append(token)
+            continue
+        while "=" not in token and index < len(argv) and not argv[index].startswith("--"):
+            index += 1
+    return rest if len(rest) < len(argv) else None
 
 
 def _unknown(extras: list[str], flags: tuple[Flag, ...]) -> list[str]:
