@@ -416,20 +416,34 @@ def test_entry_scripts_exit_2_with_one_line(good: dict, tmp_path: Path):
         _one_error_line(stderr, flag_name, str(bad))
 
 
-def test_two_ranks_refuse_a_file_read_after_the_group_alike(good: dict, tmp_path: Path):
-    """Rank 0 builds the index cache once the process group exists; the cache directory it
-    cannot write is one line and exit status 2 on both ranks, neither left waiting."""
-    prefix = blocked_cache(good, tmp_path)
+AFTER_THE_GROUP = {  # script, argv of (bad path, good files), the bad path, what the line names
+    "an index cache": ("pretrain_gpt.py", lambda bad, good: data_path(bad, good), blocked_cache,
+                       lambda bad, tmp: ("--data-cache-path", str(tmp / "index-cache"))),
+    "SFT text for NullTokenizer's ids": (
+        "finetune_llama.py", flag("--data-path", FINETUNE, ("--hf-checkpoint", "hf")), text_sft,
+        lambda bad, tmp: ("--data-path", str(bad))),
+}
+
+
+@pytest.mark.parametrize("case", AFTER_THE_GROUP)
+def test_two_ranks_refuse_a_file_read_after_the_group_alike(good: dict, tmp_path: Path,
+                                                          case: str):
+    """Rank 0 reads the data first once the process group exists (builds the index cache,
+    tokenizes the SFT examples); what it cannot read is exit status 2 on both ranks, neither
+    left waiting, and one line for the node (rank 0's: the other rank met the same error)."""
+    script, argv, make, named = AFTER_THE_GROUP[case]
+    bad = make(good, tmp_path)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
-    ranks = [subprocess.Popen([sys.executable, "pretrain_gpt.py", *data_path(prefix, good)],
+    ranks = [subprocess.Popen([sys.executable, script, *argv(bad, good)],
                               cwd=ROOT, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                               text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for rank in range(2)]
-    for process in ranks:
-        _, stderr = process.communicate(timeout=300)
+    stderrs = [process.communicate(timeout=300)[1] for process in ranks]
+    for process, stderr in zip(ranks, stderrs):
         assert process.returncode == 2, stderr[-3000:]
-        _one_error_line(stderr, "--data-cache-path", str(tmp_path / "index-cache"))
+    _one_error_line(stderrs[0], *named(bad, tmp_path))
+    assert "Traceback" not in stderrs[1] and "error:" not in stderrs[1], stderrs[1][-3000:]
 
 
 def test_hf_tokenizer_without_transformers_is_one_line(tmp_path: Path, monkeypatch):

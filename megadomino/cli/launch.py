@@ -7,7 +7,8 @@ before any process group exists, so a bad flag or file makes every rank exit 2 i
 leaving the others waiting in a collective, its `error: ...` lines printed once per node, by
 local rank 0 (the ranks of a node read the same flags, environment and files, so they fail
 alike); a file read once the group exists (--data-path's, by rank 0 first) fails every rank
-alike, and such a ConfigError, which may differ by rank, prints on every rank. Exit status: 0
+alike (rank 0's error, broadcast: printed once per node too); any other ConfigError met once
+the group exists may differ by rank and prints on every rank. Exit status: 0
 when the run ends or an --exit-* condition stops it (after saving), 2 for a configuration or an
 input file that cannot run (a checkpoint --load names that cannot be loaded too), 1 for a
 checkpoint that cannot be saved, for a loss that became NaN, and for a rank that stopped
@@ -98,7 +99,8 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         # aborted at exit ("terminate called without an active exception", CI, not reproduced).
         comm.barrier()
     except ConfigError as err:
-        _print_errors(err)
+        if not err.alike or _local_rank() == 0:  # alike: the node's other ranks hold it too
+            _print_errors(err)
         return 2
     except (CheckpointError, NonFiniteLossError, StalledRankError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

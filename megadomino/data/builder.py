@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch.distributed as dist
@@ -48,6 +50,7 @@ from megadomino.data.indexed import IndexedDataset
 from megadomino.distributed import comm
 
 SPLITS = ("train", "valid", "test")
+T = TypeVar("T")
 MID_LEVEL_SURPLUS = 0.005
 
 
@@ -108,21 +111,29 @@ def build_train_valid_test_datasets(data_path: list[str], split: str, seq_length
             if ranges[i] is not None and num_samples[i] > 0 else None
             for i in range(3))
 
+    return rank0_first(build)
+
+
+def rank0_first(build: Callable[[], T]) -> T:
+    """build() on rank 0 first (which may write caches the others then read), then on the
+    others; a ValueError or OSError of rank 0's is raised on every rank alike (a ConfigError
+    marked `alike`), instead of the others failing in a collective. Collective over the world
+    (nothing without a group of more than one)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return build()
-    # Rank 0 builds (and caches) first; its outcome is broadcast, so that a bad dataset is the
-    # same error on every rank instead of the others failing in a collective.
     outcome = None
     if dist.get_rank() == 0:
         try:
-            datasets = build()
+            built = build()
         except (ValueError, OSError) as error:
-            outcome = (type(error), str(error))
+            outcome = (type(error), getattr(error, "messages", None) or [str(error)])
     outcome = comm.broadcast_object(outcome, src=0)
     if outcome is not None:
-        error_type, message = outcome
-        raise error_type(message)
-    return datasets if dist.get_rank() == 0 else build()
+        error_type, messages = outcome
+        if issubclass(error_type, ConfigError):
+            raise ConfigError(*messages, alike=True)
+        raise error_type("\n".join(messages))
+    return built if dist.get_rank() == 0 else build()
 
 
 def check_token_ids(indexed: IndexedDataset, vocab_size: int, vocab_source: str,

@@ -10,10 +10,12 @@ the test split --eval-iters x global batch. Fine-tuning (`finetune_llama.py`, JS
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from megadomino.config import Config, DataConfig
 from megadomino.config.batches import sample_counts
 from megadomino.data import build_tokenizer, build_train_valid_test_datasets
+from megadomino.data.builder import rank0_first
 from megadomino.data.sft import build_sft_datasets
 from megadomino.data.tokenizer import Tokenizer
 from megadomino.distributed import ParallelDims
@@ -47,10 +49,11 @@ def build_datasets(config: Config, dims: ParallelDims, tokenizer: Tokenizer | No
         return None, None
     train_samples, valid_samples, _ = sample_counts(config.train.schedule,
                                                    config.parallel.data_parallel_size(dims.dp))
-    if finetune:
-        return build_sft_datasets(data.data_path, data.split, tokenizer, seq,
-                                  data.prompt_template, seed, (train_samples, valid_samples),
-                                  vocab_size=vocab, vocab_source=vocab_source(data))
+    if finetune:  # rank 0 reads first: a bad example is one error, alike on every rank
+        return rank0_first(functools.partial(
+            build_sft_datasets, data.data_path, data.split, tokenizer, seq, data.prompt_template,
+            seed, (train_samples, valid_samples), vocab_size=vocab,
+            vocab_source=vocab_source(data)))
     # The test split is never read by the loop: it is not built (a small corpus's 0.1% test
     # split may not hold one sample).
     train, valid, _ = build_train_valid_test_datasets(
