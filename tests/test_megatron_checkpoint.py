@@ -2,9 +2,15 @@
 by megatron-core itself (torch_dist, TP=1 and TP=2, a vocabulary that pads) load through --load
 into our model at TP 1 and 2 with the same logits (fp32, 1e-5); one we write loads in
 megatron-core at TP 1 and 2 with the same logits; a training run resumes a megatron-core
-checkpoint's iteration and weights. The legacy `torch` fixtures (tests/fixtures/megatron_legacy,
-written from megatron-core's model state dicts in Megatron-LM's layout) load at TP 1 and 2, and
-with megatron unimportable. All megatron-core cases run where it is installed (the `test` extra).
+checkpoint's iteration and weights. All megatron-core cases run where it is installed (the `test`
+extra).
+
+Without megatron-core, committed fixtures stand for it: the legacy `torch` ones
+(tests/fixtures/megatron_legacy, written from megatron-core's model state dicts in Megatron-LM's
+layout) and a `torch_dist` one that megatron-core 0.16.1 wrote itself at TP=2
+(tests/fixtures/megatron_dist, `python tests/fixtures/megatron_dist/make_fixtures.py`), each with
+the logits megatron-core computed. They load at TP 1 and 2 and into PP=2 stages in ranks where
+megatron (and Transformer Engine, apex) cannot be imported.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from megadomino.train.checkpoint import CheckpointError, load_checkpoint
 REL = 1e-5
 ITERATION = 5
 LEGACY = Path(__file__).parent / "fixtures" / "megatron_legacy"
+DIST = Path(__file__).parent / "fixtures" / "megatron_dist"
 ROOT = Path(__file__).parent.parent
 
 
@@ -152,29 +159,31 @@ def _case_resume(dims: ParallelDims, root: str) -> None:
                  our_logits(ours, tokens), REL, "--ckpt-format torch_dist -> megatron-core")
 
 
-def _case_legacy(name: str, dims: ParallelDims) -> None:
-    """A committed legacy fixture loads at this TP with the logits megatron-core computed."""
-    expected = torch.load(LEGACY / name / "expected.pt", weights_only=True)
+def _case_fixture(fixture: Path, dims: ParallelDims) -> None:
+    """A committed fixture loads at this TP with the logits megatron-core computed, its
+    iteration and (where expected.pt names them) its consumed samples."""
+    expected = torch.load(fixture / "expected.pt", weights_only=True)
     config = ModelConfig(**expected["config"])
     model = GPTModel(config, dims, "cpu")
-    lines: list[str] = []
-    state = load_checkpoint(LEGACY / name, model, dims, log=lines.append)
+    state = load_checkpoint(fixture, model, dims, log=lambda _line: None)
     assert state.iteration == expected["iteration"]
+    for counter in ("consumed_train_samples", "consumed_valid_samples"):
+        assert getattr(state, counter) == expected.get(counter, getattr(state, counter)), counter
     assert_close(our_logits(model, expected["tokens"]), expected["logits"], REL,
-                 f"legacy {name} -> ours TP={dims.tp}")
+                 f"{fixture.parent.name}/{fixture.name} -> ours TP={dims.tp}")
 
 
-def _case_legacy_stages(name: str, dims: ParallelDims, whole_dims: ParallelDims) -> None:
-    """A committed legacy fixture loads into pipeline stages (PP=2, uneven where the layers are
-    odd): each stage holds exactly the values the whole model gets at PP=1, and the iteration."""
-    expected = torch.load(LEGACY / name / "expected.pt", weights_only=True)
+def _case_fixture_stages(fixture: Path, dims: ParallelDims, whole_dims: ParallelDims) -> None:
+    """A committed fixture loads into pipeline stages (PP=2, uneven where the layers are odd):
+    each stage holds exactly the values the whole model gets at PP=1, and the iteration."""
+    expected = torch.load(fixture / "expected.pt", weights_only=True)
     config = ModelConfig(**expected["config"])
     whole = GPTModel(config, whole_dims, "cpu")
-    load_checkpoint(LEGACY / name, whole, whole_dims, log=lambda _line: None)
+    load_checkpoint(fixture, whole, whole_dims, log=lambda _line: None)
     first = (config.num_layers + 1) // 2 if config.num_layers % 2 else None
     plan = uniform_plan(config.num_layers, dims.world_size, 1, 2, 1, first)
     stage = build_stage(config, dims, plan, "gpt", device="cpu")
-    state = load_checkpoint(LEGACY / name, stage, dims, log=lambda _line: None)
+    state = load_checkpoint(fixture, stage, dims, log=lambda _line: None)
     assert state.iteration == expected["iteration"]
     reference, held = dict(whole.named_parameters()), dict(stage.checkpoint_parameters())
     assert held and set(held) < set(reference), sorted(held)
@@ -205,41 +214,39 @@ for family in ("gpt", "llama"):
         SUITE.case(f"we-write-{family}-tp{tp}", _case_we_write, family,
                    C.tp1 if tp == 1 else C.tp2, C.root, requires="megatron")
 SUITE.case("resume", _case_resume, C.tp2, C.root, requires="megatron")
-for name in ("gpt_tp2", "llama_tp2_pp2"):
-    for tp in (1, 2):
-        SUITE.case(f"legacy-{name}-at-tp{tp}", _case_legacy, name, C.tp1 if tp == 1 else C.tp2)
-    SUITE.case(f"legacy-{name}-at-pp2", _case_legacy_stages, name, C.pp2, C.tp1)
 
 test_megatron_checkpoint = SUITE.test(args_fixture="checkpoint_root")
 
 
-BLOCKED = """
-import sys
 class RefuseMegatron:
-    def find_spec(self, name, path=None, target=None):
+    """A meta path finder under which megatron, Transformer Engine and apex cannot be imported."""
+
+    def find_spec(self, name: str, path=None, target=None) -> None:
         if name.split(".")[0] in ("megatron", "transformer_engine", "apex"):
             raise ImportError(f"{name} is blocked in this test")
-        return None
-sys.meta_path.insert(0, RefuseMegatron())
-sys.path.insert(0, sys.argv[1])
-import torch, torch.distributed as dist
-from dist_utils import free_port
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                        world_size=1)
-from test_megatron_checkpoint import LEGACY, _case_legacy
-from megadomino.distributed import ParallelDims
-_case_legacy(sys.argv[2], ParallelDims(tp=1))
-assert not any(m.split(".")[0] == "megatron" for m in sys.modules)
-print("loaded without megatron")
-"""
 
 
-@pytest.mark.parametrize("name", ["gpt_tp2", "llama_tp2_pp2"])
-def test_legacy_loads_without_megatron(name):
-    result = subprocess.run([sys.executable, "-c", BLOCKED, str(Path(__file__).parent), name],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0 and "loaded without megatron" in result.stdout, \
-        result.stdout + result.stderr
+FIXTURES = DistSuite(worlds=(2,), timeout=300.0)
+
+
+@FIXTURES.setup
+def _setup_without_megatron(world: int) -> dict:
+    """The rank has imported this module, torch and the library: none of it pulled megatron in;
+    from here on it cannot be imported."""
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] == "megatron")
+    assert not loaded, loaded
+    sys.meta_path.insert(0, RefuseMegatron())
+    return {"tp1": ParallelDims(tp=1), "tp2": ParallelDims(tp=2),
+            "pp2": ParallelDims(tp=1, pp=2)}
+
+
+for fixture in (LEGACY / "gpt_tp2", LEGACY / "llama_tp2_pp2", DIST / "gpt_tp2"):
+    label = f"{fixture.parent.name.removeprefix('megatron_')}-{fixture.name}"
+    for tp in (1, 2):
+        FIXTURES.case(f"{label}-at-tp{tp}", _case_fixture, fixture, C.tp1 if tp == 1 else C.tp2)
+    FIXTURES.case(f"{label}-at-pp2", _case_fixture_stages, fixture, C.pp2, C.tp1)
+
+test_fixtures_load_without_megatron = FIXTURES.test()
 
 
 def test_legacy_fixture_pickles_megatron_classes():

@@ -136,7 +136,7 @@ adopt(SUITE, megatron_checkpoint.SUITE, "megatron-writes-gpt-tp2", 4, prefix=Non
       timeout=LOOP, requires=MEGATRON)
 adopt(SUITE, megatron_checkpoint.SUITE, "resume", 4, prefix="megatron", timeout=LOOP,
       requires=MEGATRON)
-adopt(SUITE, megatron_checkpoint.SUITE, "legacy-llama_tp2_pp2-at-pp2", 4, prefix="megatron",
+adopt(SUITE, megatron_checkpoint.FIXTURES, "legacy-llama_tp2_pp2-at-pp2", 4, prefix="megatron",
       timeout=LOOP, refs={"pp2": "pp2dp2", "tp1": "dp4"})
 adopt(SUITE, interop.SUITE, "torch-dist-llama", 4, prefix="interop", timeout=LOOP,
       refs={"pp2": "pp2tp2", "whole": "tp2"}, requires=MEGATRON)
