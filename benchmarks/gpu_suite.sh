@@ -45,6 +45,9 @@
 #   profile      where a step's GPU time goes by kernel kind (benchmarks/timeline.py): gpt3-1.3b
 #                (TP=1, micro-batch 4, compiled pieces) and gpt3-6.7b with 4 layers in FP8, one
 #                profiled iteration each ($OUT/profile_*.json)
+#   fp8-profile  gpt3-1.3b, 1 GPU, micro-batch 2 (global 16), compiled pieces, bf16 and FP8
+#                (hybrid, delayed): each run's log (recompiles logged) and one profiled
+#                iteration summed by kernel kind and idle gaps ($OUT/fp8_profile_*.json)
 #   mfu-1.3b     issue 19's gpt3-1.3b command (TP=1, micro-batch 4, dropout as the preset has it):
 #                eager, compiled pieces, and each with the layers in CUDA graphs, one call
 #   optimizer    benchmarks/bench_optimizer.py: the optimizer step's passes over 1.3B parameters
@@ -93,6 +96,18 @@ for name in "$@"; do
           --eval-interval 100000 --eval-iters 1 --peak-tflops 989 --profile \
           --use-pytorch-profiler --profile-step-start 8 --profile-step-end 9 ${row#*:}
         python3 benchmarks/timeline.py profile/*.json > "$OUT/profile_${row%%:*}.json"
+      done ;;
+    fp8-profile)
+      for row in "bf16:" "fp8:--fp8-format hybrid"; do
+        rm -rf profile
+        step "fp8-profile-${row%%:*}" 200 env TORCH_LOGS=recompiles torchrun --standalone \
+          --nproc_per_node 1 pretrain_gpt.py --model-preset gpt3-1.3b --bf16 --mock-data \
+          --micro-batch-size 2 --global-batch-size 16 --train-iters 10 --lr 1e-4 \
+          --lr-warmup-iters 2 --log-interval 1 --eval-interval 100000 --eval-iters 1 \
+          --hidden-dropout 0 --attention-dropout 0 --seq-length 2048 --compile-layer-pieces \
+          --peak-tflops 989 --profile --use-pytorch-profiler --profile-step-start 8 \
+          --profile-step-end 9 ${row#*:}
+        python3 benchmarks/timeline.py profile/*.json > "$OUT/fp8_profile_${row%%:*}.json"
       done ;;
     tests-gpu) step tests-gpu 500 python3 -m pytest tests --tier gpu -q -rfE --durations=30 ;;
     tests-cpu) step tests-cpu 500 env CUDA_VISIBLE_DEVICES= python3 -m pytest tests -q ;;
