@@ -22,12 +22,20 @@ Timeline (`run(..., timeline=[])`): each action is appended as (action, start, e
 `time.perf_counter()` around its handling (a compute's includes the flush of the posts before it,
 a wait's the time blocked); what benchmarks/bench_pipeline.py derives each stage's idle time
 from. Nothing is recorded without a list.
+
+Phase timers (`run(..., timers=...)`, train/timers.py's Timers): each forward action runs under the
+phase `forward`, each backward under `backward` and each wait under `wait`, the time the stage is
+blocked on a transfer; the flush of posted transfers before an action is in none. On a GPU the
+timers read CUDA events on the current stream, so a phase is the stream's time: a wait on an NCCL
+transfer makes the stream wait (the host does not block), and the stream's stall is what `wait`
+measures; no synchronization is added.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +45,10 @@ from megadomino.pipeline.stage import run_chunk
 from megadomino.pipeline.transport import Transport
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # tokens, labels, loss_mask [b, s]
+PhaseTimers = Callable[[str], contextlib.AbstractContextManager]
+"""`timers(phase)` times what runs inside it under `phase` (train/timers.py's Timers)."""
+TIMED = ("forward", "backward", "wait")
+"""The actions timed under a phase of their own name (module docstring)."""
 
 
 class Executor:
@@ -54,20 +66,25 @@ class Executor:
             loss_scale: float = 1.0, train: bool = True,
             weights: Sequence[torch.Tensor] | None = None,
             loss_weights: Sequence[float] | None = None,
-            timeline: list[tuple[Action, float, float]] | None = None) -> list[torch.Tensor]:
+            timeline: list[tuple[Action, float, float]] | None = None,
+            timers: PhaseTimers | None = None) -> list[torch.Tensor]:
         """Run `actions` on `batches` (one per micro-batch). Returns the losses of the
         micro-batches (detached fp32 scalars) on the last stage, [] elsewhere. `train` False:
         forwards only, without autograd (evaluation). `weights`: each micro-batch's factor on
         its loss for backward (default 1 / micro-batches). `loss_weights`: each micro-batch's
         loss is first multiplied by its weight (a batch-split stage's share of the micro-batch,
-        runtime.py). `timeline`: a list to append each action's (action, start, end) to
-        (module docstring)."""
+        runtime.py). `timeline`: a list to append each action's (action, start, end) to;
+        `timers`: the phase timers of the forwards, backwards and waits (module docstring)."""
         state = _State(len(batches), loss_scale, train, weights,
                        list(loss_weights) if loss_weights is not None else [1.0] * len(batches))
         with torch.enable_grad() if train else torch.no_grad():
             for action in actions:
                 start = time.perf_counter() if timeline is not None else 0.0
-                self._do(action, batches, state)
+                if action.op not in ("send", "recv"):
+                    self.transport.flush()  # a step's posts go out together, before the rest
+                timed = timers is not None and action.op in TIMED
+                with timers(action.op) if timed else contextlib.nullcontext():
+                    self._do(action, batches, state)
                 if timeline is not None:
                     timeline.append((action, start, time.perf_counter()))
         self.transport.flush()
@@ -79,8 +96,6 @@ class Executor:
     def _do(self, action: Action, batches: Sequence[MicroBatch], state: _State) -> None:
         micro, chunk = action.micro, action.chunk or 0
         key = (action.pass_, micro, chunk)
-        if action.op not in ("send", "recv"):
-            self.transport.flush()  # a step's posts go out together, before anything else
         if action.op == "forward":
             x = state.kept.pop(("in", micro, chunk), None)
             out = run_chunk(self.chunks[chunk], x, *batches[micro])

@@ -19,6 +19,7 @@ action list is generated for each count when first needed, and kept.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 from megadomino.config import ConfigError, ModelConfig, ParallelConfig
 from megadomino.distributed import comm
 from megadomino.models.blocks import DTYPES
-from megadomino.pipeline.executor import Executor, MicroBatch
+from megadomino.pipeline.executor import Executor, MicroBatch, PhaseTimers
 from megadomino.pipeline.plan import PipelinePlan, plan_from_stages, uniform_plan
 from megadomino.pipeline.reshard.layout import part_range
 from megadomino.pipeline.reshard_transport import ReshardTransport
@@ -90,10 +91,13 @@ class PipelineRuntime:
         return self._actions[num_micro]
 
     def train_step(self, batches: Sequence[MicroBatch], engine,
-                   weights: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                   weights: Sequence[torch.Tensor] | None = None,
+                   timers: PhaseTimers | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch, gradients reduced over the embedding
         group and DP (stages 0 and 1). Returns the mean loss (0-dim fp32, every rank), or with
-        `weights` (one per micro-batch) the weighted sum."""
+        `weights` (one per micro-batch) the weighted sum. `timers`: the schedule's forwards,
+        backwards and waits are timed under those phases (executor.py), and the reductions and
+        the loss's broadcast after it under `wait` (the stage's time in communication)."""
         if engine.config.stage == 3:
             raise ConfigError("--zero-stage 3 with pipeline parallelism is not supported: "
                               "its per-layer gathers run in forward hooks that the pipeline's "
@@ -102,11 +106,13 @@ class PipelineRuntime:
         batches, shard_weights = self.shards(batches)
         with engine.no_sync():
             losses = self.executor.run(self.actions(len(batches)), batches, scale,
-                                       weights=weights, loss_weights=shard_weights)
-        if self.tied is not None:
-            comm.all_reduce(engine.accumulated_grad(self.tied), group=self.embedding_group)
-        engine.reduce_gradients()
-        return self.mean_loss(losses, weights)
+                                       weights=weights, loss_weights=shard_weights,
+                                       timers=timers)
+        with timers("wait") if timers is not None else contextlib.nullcontext():
+            if self.tied is not None:
+                comm.all_reduce(engine.accumulated_grad(self.tied), group=self.embedding_group)
+            engine.reduce_gradients()
+            return self.mean_loss(losses, weights)
 
     def forward_backward(self, batches: Sequence[MicroBatch]) -> torch.Tensor:
         """Without an engine: gradients accumulate in `.grad` (the tied embedding's summed over

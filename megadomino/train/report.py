@@ -8,6 +8,16 @@ included): what it holds per GPU and, at DP > 1, the bytes per training step it 
 collectives inside and across nodes (evaluation and checkpoint traffic left out). When the loop
 ends (at its last iteration or an early stop, not on an error) rank 0 says how the run went in one
 line, `run ended: ...`.
+
+With pipeline stages the schedule runs the micro-batches' forwards and backwards interleaved: it
+times each under its phase and the stage's waits (for transfers, and for the reductions after
+the schedule) under `wait` (pipeline/executor.py, pipeline/runtime.py), so rank 0's `forward` and
+`backward` are its stage's compute. The line adds every stage's compute (forward + backward) and
+wait per iteration, each the mean over the stage's ranks: one all-gather of two numbers a rank
+per log line. On a GPU these are times on the stream (train/timers.py), read without a further
+synchronization: a wait is the stream's stall on a transfer, and a compute includes the stream's
+idle gaps while the host is still launching the compute's kernels (a host-bound stage reads
+more compute than its kernels take).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megadomino.distributed import ParallelDims
+from megadomino.distributed import ParallelDims, comm
 from megadomino.train.checkpoint import checkpoint_dir
 from megadomino.train.metrics import peak_memory_gib, throughput
 from megadomino.train.step import dp_mean
@@ -126,6 +136,8 @@ class Reporter:
                        peak_memory_gib=peak_memory_gib(self.device))
         phases = self.timers.flush()
         metrics.update({f"{phase}_ms": 1e3 * phases.get(phase, 0.0) / count for phase in PHASES})
+        if self.dims.pp > 1:
+            metrics["stage_ms"] = self._stage_times(phases, count)
         metrics.update(self._zero_metrics(count))
         scaler = self.zero.loss_scaler
         scale = scaler.scale if scaler is not None else None
@@ -142,6 +154,9 @@ class Reporter:
                        "throughput/ms_per_iter": metrics["ms_per_iter"],
                        "memory/peak_gib": metrics["peak_memory_gib"],
                        **{f"timers/{phase}_ms": metrics[f"{phase}_ms"] for phase in PHASES}}
+            for stage, (compute, wait) in enumerate(metrics.get("stage_ms", ())):
+                scalars[f"timers/stage{stage}_compute_ms"] = compute
+                scalars[f"timers/stage{stage}_wait_ms"] = wait
             if scale is not None:
                 scalars["train/loss_scale"] = scale
             if self.device.type == "cuda":
@@ -153,6 +168,18 @@ class Reporter:
         self.results = []
         self.start, self.excluded = time.perf_counter(), 0.0
         self.excluded_bytes = {"intra": 0, "inter": 0}
+
+    def _stage_times(self, phases: dict[str, float], count: int) -> list[tuple[float, float]]:
+        """Each pipeline stage's (compute, wait) in ms per iteration over `count` iterations:
+        its ranks' mean of forward + backward and of wait. Collective over the world."""
+        mine = torch.tensor([phases.get("forward", 0.0) + phases.get("backward", 0.0),
+                             phases.get("wait", 0.0)], dtype=torch.float64, device=self.device)
+        gathered = mine.new_empty(2 * self.dims.world_size)
+        comm.all_gather_single(gathered, mine)
+        per_rank = gathered.view(-1, 2).tolist()  # [rank] -> [compute, wait], seconds
+        return [tuple(1e3 * sum(per_rank[rank][kind] for rank in ranks) / len(ranks) / count
+                      for kind in (0, 1))
+                for ranks, _ in self.dims.stages]
 
     def _zero_metrics(self, count: int) -> dict[str, float]:
         """This rank's data-parallel bytes per iteration since the last flush (then reset) and
@@ -196,8 +223,13 @@ class Reporter:
             line += f" | loss scale {scale:.1f} | skipped {self.skipped}"
         elif self.skipped:  # the engine skips a step whose gradients hold inf/NaN
             line += f" | skipped {self.skipped}"
-        return line + " | time (ms): " + " ".join(
+        line += " | time (ms): " + " ".join(
             f"{phase} {metrics[f'{phase}_ms']:.1f}" for phase in PHASES)
+        if "stage_ms" in metrics:
+            line += " | pipeline (ms): " + " | ".join(
+                f"stage {stage} compute {compute:.1f} wait {wait:.1f}"
+                for stage, (compute, wait) in enumerate(metrics["stage_ms"]))
+        return line
 
     def validation(self, iteration: int, loss: float) -> None:
         ppl = math.exp(min(20.0, loss))

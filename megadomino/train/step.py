@@ -130,9 +130,9 @@ class Stepper:
                 batches = [self._micro_batch(dataset, consumed, micro)
                            for micro in range(num_micro)]
                 weights = self._token_weights(batches) if self.per_token_loss else None
-            # Forwards and backwards interleave in the schedule: its whole time is "forward".
-            with self.timers("forward"):
-                loss = self.pipeline.train_step(batches, self.engine, weights)
+            # Forwards and backwards interleave in the schedule: it times each under its phase,
+            # and its waits for transfers and reductions under "wait" (pipeline/runtime.py).
+            loss = self.pipeline.train_step(batches, self.engine, weights, self.timers)
             with self.timers("optimizer"):
                 if before_step is not None:
                     before_step()

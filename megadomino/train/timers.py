@@ -1,4 +1,5 @@
-"""Per-phase timers for the log line: data, forward, backward, optimizer.
+"""Per-phase timers for the log line: data, forward, backward, optimizer; with pipeline stages
+also wait, the time a stage is blocked on communication (pipeline/executor.py).
 
 On a GPU a phase's time is the GPU time between two CUDA events recorded on the current stream at
 its start and end (the stream's view: queued work and waits included); recording an event does not
