@@ -1,13 +1,13 @@
 """The documentation works as written: README.md, docs/*.md and the commands in the entry
 scripts' docstrings (pretrain_gpt.py, pretrain_llama.py, finetune_llama.py, scripts/*.py).
 
-A block that launches an entry script runs, as written, in an empty directory (CPU, gloo), unless
-a `# needs ...` comment in it says what it needs that CPU tests lack (GPUs, nodes, SLURM, root, a
-checkpoint); README's blocks, whose runs scripts/quickstart.sh stands for, are only parsed. Every
-other shell command, in a bash block, a docstring's indented block or inline in the prose, names
-files that exist, with the entry scripts' flags parsing and validating for the world the command
-launches. Every Python block runs (one process, gloo without CUDA), or, marked `# needs ...` as
-its first line, compiles."""
+A block that launches an entry script, in README.md as in docs/ and the docstrings, runs, as
+written, in an empty directory (CPU, gloo), unless a `# needs ...` comment in it says what it
+needs that CPU tests lack (GPUs, nodes, SLURM, root, a checkpoint). Every other shell command,
+in a bash block, a docstring's indented block or inline in the prose, names files that exist,
+with the entry scripts' flags parsing and validating for the world the command launches. Every
+Python block runs (one process, gloo without CUDA), or, marked `# needs ...` as its first line,
+compiles."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_utils import free_port
 from megadomino.cli.arguments import parse_args
 from megadomino.config import ModelConfig
 from megadomino.config.validate import validate
@@ -100,9 +101,9 @@ def _all_commands() -> list[tuple[str, list[str]]]:
 
 
 def _runnable_blocks() -> list[tuple[str, str]]:
-    """(source, block) of every block outside README that launches an entry script and is not
-    marked `# needs ...`."""
-    return [(source, block) for source in MARKDOWN[1:] + SCRIPTS
+    """(source, block) of every block that launches an entry script and is not marked
+    `# needs ...`."""
+    return [(source, block) for source in MARKDOWN + SCRIPTS
             for block in _shell_blocks(source)
             if not NEEDS.search(block) and any(name in block for name in ENTRY_POINTS)]
 
@@ -129,7 +130,9 @@ def test_python_blocks_run(source, block, tmp_path):
         return
     script = tmp_path / "block.py"
     script.write_text(block)
-    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_clean_env(),
+    # a free port: the block's own default may be taken by a run beside this one
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT,
+                          env={**_clean_env(), "MASTER_PORT": str(free_port())},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
