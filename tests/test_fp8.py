@@ -138,6 +138,28 @@ def test_compiled_casts_equal_eager_ones_bit_for_bit(recipe):
     assert amax == x[0].float().abs().max()
 
 
+@pytest.mark.parametrize("use_max, margin, interval", [(False, 0, 1), (True, 1, 2)])
+def test_compiled_step_closing_equals_eager_bit_for_bit(use_max, margin, interval):
+    """--compile-layer-pieces closes each delayed step with one compiled function: the same
+    scales, history and count as the eager operations, over steps that update and keep the
+    scale (an amax of 0 and of inf included)."""
+    rows = torch.tensor([[3.0, 0.5, 7.0], [0.0, 2.0, float("inf")], [1e-3, 4.0, 9.0],
+                         [5.0, 0.0, 0.25], [2.5, 6.0, 1.0]])
+    fp8_max = torch.tensor([448.0, 448.0, 57344.0])
+    states = []
+    for close in (fp8.close_step, fp8._compiled_close_step()):
+        history, scale, steps = torch.zeros(3, 3), torch.ones(3), torch.zeros((), dtype=torch.int64)
+        seen = []
+        for row in rows:
+            history[0] = row
+            close(history, scale, steps, fp8_max, margin, interval, use_max)
+            seen.append((history.clone(), scale.clone(), steps.clone()))
+        states.append(seen)
+    for (h, sc, st), (h_c, sc_c, st_c) in zip(*states, strict=True):
+        assert torch.equal(h, h_c) and torch.equal(sc, sc_c) and torch.equal(st, st_c)
+    assert not torch.equal(states[0][-1][1], torch.ones(3))  # the scales did update
+
+
 def test_bf16_activations_keep_their_dtype():
     x = torch.randn(2, 16, 32, dtype=torch.bfloat16, requires_grad=True)
     weight = nn.Parameter(0.05 * torch.randn(16, 32, dtype=torch.bfloat16))

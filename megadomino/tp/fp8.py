@@ -97,6 +97,27 @@ def _compiled_cast():
     return torch.compile(cast_operand, dynamic=False)
 
 
+def close_step(history: torch.Tensor, scale: torch.Tensor, steps: torch.Tensor,
+               fp8_max: torch.Tensor, margin: int, interval: int, use_max: bool) -> None:
+    """FP8State.begin_step's update, in place: every `interval` steps scale = fp8_max / amax /
+    2^margin (amax: the history's max if `use_max`, else its newest row; the scale kept where
+    amax is 0 or not finite), then the history rolls one row and `steps` counts one."""
+    amax = history.amax(0) if use_max else history[0]
+    fresh = fp8_max / amax / 2.0**margin
+    fresh = torch.where((amax > 0) & torch.isfinite(amax), fresh, scale)
+    due = (steps > 0) & (steps % interval == 0)
+    scale.copy_(torch.where(due, fresh, scale))
+    history.copy_(history.roll(1, 0))
+    history[0].zero_()
+    steps += 1
+
+
+@functools.cache
+def _compiled_close_step():
+    """close_step compiled (one wrapper for the process)."""
+    return torch.compile(close_step, dynamic=False)
+
+
 def current_scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """max / amax(t), fp32 scalar (1 for an all-zero tensor)."""
     return _scale_of(t.abs().amax().float(), dtype)
@@ -133,21 +154,18 @@ class FP8State(nn.Module):
     @torch.no_grad()
     def begin_step(self) -> None:
         """Delayed: close the previous step (scales updated every `interval` steps, history
-        rolled) and count this one. Device-side only: no host synchronization."""
+        rolled) and count this one. Device-side only: no host synchronization. With compiled
+        pieces the closing is one compiled function (a few kernels, not one per operation: it
+        runs for every linear at every training forward)."""
         recipe = self.recipe
         history = self.amax_history
         if self.amax_group is not None:
             newest = history[0].clone()
             comm.all_reduce(newest, op=comm.ReduceOp.MAX, group=self.amax_group)
             history[0] = newest
-        amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
-        fresh = self.fp8_max / amax / 2.0**recipe.margin
-        fresh = torch.where((amax > 0) & torch.isfinite(amax), fresh, self.scale)
-        due = (self.steps > 0) & (self.steps % recipe.interval == 0)
-        self.scale.copy_(torch.where(due, fresh, self.scale))
-        history.copy_(history.roll(1, 0))
-        history[0].zero_()
-        self.steps += 1
+        close = _compiled_close_step() if self.compiled else close_step
+        close(history, self.scale, self.steps, self.fp8_max, recipe.margin, recipe.interval,
+              recipe.amax_compute_algo == "max")
 
     @torch.no_grad()
     def scale_for(self, role: int, t: torch.Tensor, record: bool) -> torch.Tensor:
