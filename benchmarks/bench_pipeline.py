@@ -46,7 +46,14 @@ from megadomino.config import ModelConfig, ParallelConfig
 from megadomino.distributed import ParallelDims
 from megadomino.pipeline.plan import uniform_plan
 from megadomino.pipeline.runtime import PipelineRuntime
-from megadomino.pipeline.schedules import bubble_fraction, compute_steps, with_transfers
+from megadomino.pipeline.schedules import (
+    Action,
+    bubble_fraction,
+    compute_steps,
+    schedule,
+    with_transfers,
+)
+from megadomino.pipeline.simulate import run
 from megadomino.pipeline.stage import build_stage, run_chunk
 
 SCHEDULES = ("1f1b", "eager-1f1b", "interleaved")
@@ -55,6 +62,46 @@ VARIANTS = {"eager-1f1b/no-prefetch": ("eager-1f1b", False), "1f1b/prefetch": ("
 (schedules.with_transfers' `prefetch`): eager-1F1B as it was before it prefetched, 1F1B with
 prefetched receives."""
 TARGET_RATIO, TARGET_SPEEDUP = 0.3, 1.1  # eager-1F1B >= 1.1x 1F1B where c >= 30% of F+B
+
+
+def action_lists(name: str, stages: int, micro: int) -> tuple[int, list[list[Action]]]:
+    """(chunks a stage, every stage's action list) of a schedule or a control (VARIANTS)."""
+    base, prefetch = VARIANTS.get(name, (name, None))
+    chunks = 2 if base == "interleaved" else 1
+    if prefetch is None:
+        return chunks, [schedule(base, stages, s, micro, chunks) for s in range(stages)]
+    return chunks, [with_transfers(compute_steps(base, stages, s, micro), stages, s, 1,
+                                   eager=base == "eager-1f1b", prefetch=prefetch)
+                    for s in range(stages)]
+
+
+def predicted_step(row: dict) -> float:
+    """The simulator's step (pipeline/simulate.py) from the row's own profiling pass, not its
+    steps: each stage's F+B alone split F : B = 1 : 2 (a backward is two GEMMs to a forward's
+    one) and evenly over its chunks, one message's c, buffered sends (gloo over TCP)."""
+    chunks, lists = action_lists(row["schedule"], row["stages"], row["micro"])
+    fb = row["fb_s"]
+    return run(lists, row["stages"], [t / 3 / chunks for t in fb],
+               [2 * t / 3 / chunks for t in fb], row["c_s"], buffered=True).step
+
+
+def predict(paths: list[str]) -> None:
+    """Prediction beside measurement for every row of kept results files (their JSON lists)."""
+    errors = []
+    print(f"{'file':<44} {'rate':<8} {'schedule':<22} {'step s':>7} {'min-max':>11} "
+          f"{'pred s':>7} {'error':>7} {'c/(F+B)':>7} {'load':>5}")
+    for path in paths:
+        with open(path) as file:
+            for row in json.load(file):
+                predicted = predicted_step(row)
+                error = (predicted - row["step_median_s"]) / row["step_median_s"]
+                errors.append(abs(error))
+                print(f"{os.path.basename(path):<44} {row['rate']:<8} {row['schedule']:<22} "
+                      f"{row['step_median_s']:>7.3f} {min(row['step_s']):>5.2f}-"
+                      f"{max(row['step_s']):<5.2f} {predicted:>7.3f} {error:>+7.1%} "
+                      f"{row['c_over_fb']:>7.3f} {max(row['load_average']):>5.1f}")
+    print(f"median |error| {statistics.median(errors):.1%} over {len(errors)} rows, the largest "
+          f"{max(errors):.1%}")
 
 
 class SavedBytes:
@@ -194,9 +241,8 @@ def build_runtimes(args: argparse.Namespace, dims: ParallelDims) -> dict[str, tu
         stage, plan = stages[chunks]
         runtime = PipelineRuntime(stage, plan, dims, config, parallel, base, args.mbs,
                                   args.micro)
-        actions = runtime.actions(args.micro) if prefetch is None else with_transfers(
-            compute_steps(base, 2, args.rank, args.micro), 2, args.rank, 1,
-            eager=base == "eager-1f1b", prefetch=prefetch)
+        actions = (runtime.actions(args.micro) if prefetch is None
+                   else action_lists(name, 2, args.micro)[1][args.rank])
         runtimes[name] = (runtime, actions)
     return runtimes
 
@@ -279,7 +325,8 @@ def report(args: argparse.Namespace) -> None:
           "(paired: the median over rounds of 1f1b's step / this one's, same round)")
     header = (f"{'rate':<8} {'schedule':<22} {'step s':>7} {'min-max':>11} {'vs 1f1b':>7} "
               f"{'paired':>6} {'bubble s0/s1':>13} {'formula':>7} {'saved MiB s0/s1':>15} "
-              f"{'in flight':>9} {'c ms':>6} {'F+B ms s0/s1':>13} {'c/(F+B)':>7}")
+              f"{'in flight':>9} {'c ms':>6} {'F+B ms s0/s1':>13} {'c/(F+B)':>7} "
+              f"{'pred s':>7}")
     print(header + "\n" + "-" * len(header))
     for row in rows:
         base = next(r for r in rows if r["rate"] == row["rate"] and r["schedule"] == "1f1b")
@@ -293,7 +340,7 @@ def report(args: argparse.Namespace) -> None:
               f"{base['step_median_s'] / row['step_median_s']:>6.2f}x "
               f"{paired_speedup(base, row):>5.2f}x {bubbles:>13} "
               f"{row['bubble_formula']:>7.3f} {saved:>15} {flight:>9} {row['c_s'] * 1e3:>6.1f} "
-              f"{fb:>13} {row['c_over_fb']:>7.2f}")
+              f"{fb:>13} {row['c_over_fb']:>7.2f} {predicted_step(row):>7.3f}")
     for line in check_target(rows):
         print(line)
     for row in {row["rate"]: row for row in rows}.values():
@@ -356,6 +403,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     rep = modes.add_parser("report", help="the table of DIR/results.jsonl")
     rep.add_argument("dir")
     rep.add_argument("--json", help="also write every row here")
+    pred = modes.add_parser("predict", help="the simulator's step beside each kept row's")
+    pred.add_argument("files", nargs="+", help="results JSON files (report --json's)")
     return parser.parse_args(argv)
 
 
@@ -363,6 +412,8 @@ def main() -> None:
     args = parse()
     if args.mode == "worker":
         worker(args)
+    elif args.mode == "predict":
+        predict(args.files)
     else:
         report(args)
 

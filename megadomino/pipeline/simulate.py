@@ -1,0 +1,133 @@
+"""A pipeline simulator: every stage's action list (schedules.schedule) run against a clock, with
+given compute times and link times, predicting a step's time, each stage's bubble and the
+micro-batches each stage holds in flight.
+
+The model, the same rules the executor and the transports follow:
+- A stage runs its actions in order. A forward of chunk v on stage s takes `forward[s]` / V
+  seconds, a backward `backward[s]` / V (the stage's layers split evenly over its V chunks).
+- `send` and `recv` post a message and return at once; a message is identified by its pass, the
+  boundary it crosses (between virtual stages b and b + 1, on the link from stage b mod P to
+  stage (b + 1) mod P) and its micro-batch, as tests/test_pipeline_schedules.py's deadlock check
+  keys it.
+- A message moves once both its send and its receive are posted (a rendezvous: gloo and NCCL
+  move a message only into a posted receive), and then takes `link` seconds on its link in its
+  direction, one message at a time a direction (messages queue in the order they become ready).
+- `wait` blocks the stage until its message has arrived (a receive) or left (a send).
+A stage blocked forever is a deadlock: `simulate` raises naming the stages and their actions.
+
+What it leaves out: the tied-embedding all-reduce, the data-parallel reduction and the optimizer
+(they do not depend on the schedule); the host's time to issue an action; a link's latency
+beyond its time per message. The step is the latest stage's end.
+
+Inputs come from a profiling pass, not from the run being predicted: a stage's forward and
+backward time of one micro-batch alone, and one message's time over the link alone
+(benchmarks/bench_pipeline.py measures both beside every step it times, and its report prints
+the prediction beside the measurement).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megadomino.pipeline.schedules import Action, schedule
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step: float
+    """Seconds from every stage starting to the last one finishing."""
+    busy: tuple[float, ...]
+    """Each stage's seconds in forwards and backwards."""
+    in_flight: tuple[int, ...]
+    """Each stage's peak count of (micro-batch, chunk) forwards whose backward has not run: the
+    activations it holds, in micro-batches' worth of one chunk."""
+
+    @property
+    def bubble(self) -> tuple[float, ...]:
+        """Each stage's idle fraction of the step."""
+        return tuple(1.0 - busy / self.step if self.step > 0 else 0.0 for busy in self.busy)
+
+
+def message(stages: int, stage: int, action: Action) -> tuple[str, int, int]:
+    """The message a send, receive or wait of `stage` names: (pass, boundary, micro-batch)."""
+    virtual = (action.chunk or 0) * stages + stage
+    op = action.waits if action.op == "wait" else action.op
+    below = virtual if (action.pass_ == "F") == (op == "send") else virtual - 1
+    return action.pass_, below, action.micro
+
+
+def simulate(name: str, stages: int, micro: int, forward: Sequence[float],
+             backward: Sequence[float], link: float, chunks: int = 1) -> Prediction:
+    """Run schedule `name` of `stages` stages over `micro` micro-batches (`chunks` virtual
+    stages each): `forward[s]` / `backward[s]` one micro-batch's seconds on stage s, `link` one
+    message's seconds over a link (module docstring)."""
+    lists = [schedule(name, stages, s, micro, chunks) for s in range(stages)]
+    return run(lists, stages, [f / chunks for f in forward], [b / chunks for b in backward],
+               link)
+
+
+def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float],
+        backward: Sequence[float], link: float, *, buffered: bool = False,
+        wait_cost: float = 0.0) -> Prediction:
+    """Every stage's `lists[s]` against a clock: `forward[s]` / `backward[s]` seconds a compute
+    action of stage s, `link` seconds a message (module docstring). `buffered`: a message moves
+    as soon as its send is posted and the send's wait ends at once (gloo over TCP hands a
+    message smaller than the socket buffers to the kernel), instead of the rendezvous.
+    `wait_cost`: seconds every wait costs its stage even when the message is there (on CPUs,
+    gloo's copy of the message)."""
+    clock, at = [0.0] * stages, [0] * stages
+    busy, held, peak = [0.0] * stages, [0] * stages, [0] * stages
+    posted: dict[tuple, list[float | None]] = {}  # message -> [send posted, receive posted]
+    done: dict[tuple, float] = {}                 # (side, message) -> when its wait may end
+    link_free: dict[tuple[int, str], float] = {}  # (boundary's link, pass) -> when free
+    blocked: dict[tuple, list[int]] = {}          # (side, message) -> stages waiting on it
+    ready = [(0.0, s) for s in range(stages)]
+
+    def finish(side: tuple, when: float) -> None:
+        done[side] = when
+        for waiter in blocked.pop(side, []):
+            clock[waiter] = max(clock[waiter] + wait_cost, when)
+            heapq.heappush(ready, (clock[waiter], waiter))
+
+    def post(key: tuple, side: int, when: float) -> None:
+        times = posted.setdefault(key, [None, None])
+        times[side] = when
+        send, receive = times
+        if send is None or ("recv", key) in done or (receive is None and not buffered):
+            return
+        lane = (key[1] % stages, key[0])
+        start = max(send if buffered else max(send, receive), link_free.get(lane, 0.0))
+        link_free[lane] = start + link
+        finish(("recv", key), start + link)
+        finish(("send", key), send if buffered else start + link)
+
+    while ready:
+        _, s = heapq.heappop(ready)
+        while at[s] < len(lists[s]):
+            action = lists[s][at[s]]
+            if action.op in ("forward", "backward"):
+                spent = (forward if action.op == "forward" else backward)[s]
+                clock[s] += spent
+                busy[s] += spent
+                held[s] += 1 if action.op == "forward" else -1
+                peak[s] = max(peak[s], held[s])
+            elif action.op in ("send", "recv"):
+                post(message(stages, s, action), 0 if action.op == "send" else 1, clock[s])
+            else:
+                side = (action.waits, message(stages, s, action))
+                if side not in done:
+                    blocked.setdefault(side, []).append(s)
+                    at[s] += 1  # resumes after the wait once the message has moved
+                    break
+                clock[s] = max(clock[s] + wait_cost, done[side])
+            at[s] += 1
+            if action.op != "wait" and ready and ready[0][0] < clock[s]:
+                heapq.heappush(ready, (clock[s], s))  # let stages behind in time go first
+                break
+    stuck = {s: str(lists[s][at[s] - 1]) for s in range(stages)
+             if any(s in waiters for waiters in blocked.values())}
+    if stuck:
+        raise RuntimeError(f"the schedule deadlocks: stages blocked at {stuck}")
+    return Prediction(max(clock), tuple(busy), tuple(peak))

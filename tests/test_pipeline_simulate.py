@@ -1,0 +1,56 @@
+"""megadomino.pipeline.simulate: with free transfers every schedule's predicted step and bubble
+are the ideal pipeline's ((m + p - 1) (F + B), interleaved (v m + p - 1) (F + B) / v, the bubble
+schedules.bubble_fraction gives); the micro-batches a stage holds are its warm-up plus one
+(1F1B: p - s, eager-1F1B: 2 (p - s) - 1); a slow link costs time, a buffered link (gloo over
+TCP) never more than a rendezvous (NCCL); the slowest stage sets the pace; a list that
+deadlocks is named."""
+
+from __future__ import annotations
+
+import pytest
+
+from megadomino.pipeline.schedules import Action, bubble_fraction, schedule
+from megadomino.pipeline.simulate import run, simulate
+
+SHAPES = [("1f1b", 2, 8, 1), ("1f1b", 4, 7, 1), ("eager-1f1b", 3, 5, 1), ("eager-1f1b", 4, 8, 1),
+          ("interleaved", 2, 6, 2), ("interleaved", 4, 8, 3)]
+
+
+@pytest.mark.parametrize("name,stages,micro,chunks", SHAPES)
+def test_free_transfers_give_the_ideal_pipeline(name, stages, micro, chunks):
+    forward, backward = 1.0, 2.0
+    got = simulate(name, stages, micro, [forward] * stages, [backward] * stages, 0.0, chunks)
+    bubble = bubble_fraction(stages, micro, chunks)
+    assert got.step == pytest.approx(micro * (forward + backward) / (1 - bubble))
+    assert got.bubble == pytest.approx((bubble,) * stages)
+
+
+@pytest.mark.parametrize("name,held", [("1f1b", lambda p, s: p - s),
+                                       ("eager-1f1b", lambda p, s: 2 * (p - s) - 1)])
+def test_a_stage_holds_its_warm_up_plus_one(name, held):
+    got = simulate(name, 4, 8, [1.0] * 4, [2.0] * 4, 0.0)
+    assert got.in_flight == tuple(held(4, s) for s in range(4))
+
+
+def test_a_slow_link_costs_time_and_buffering_never_more_than_a_rendezvous():
+    for name, chunks in (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2)):
+        steps = [simulate(name, 2, 8, [1.0, 1.0], [2.0, 2.0], link, chunks).step
+                 for link in (0.0, 0.5, 2.0)]
+        assert steps == sorted(steps) and steps[0] < steps[-1], (name, steps)
+        lists = [schedule(name, 2, s, 8, chunks) for s in range(2)]
+        times = ([1.0 / chunks] * 2, [2.0 / chunks] * 2)
+        rendezvous = run(lists, 2, *times, 0.5).step
+        assert run(lists, 2, *times, 0.5, buffered=True).step <= rendezvous + 1e-12, name
+
+
+def test_the_slowest_stage_sets_the_pace():
+    even = simulate("1f1b", 2, 16, [1.0, 1.0], [2.0, 2.0], 0.0).step
+    slow = simulate("1f1b", 2, 16, [1.0, 2.0], [2.0, 4.0], 0.0).step
+    assert slow >= 16 * 6.0 and slow > even
+
+
+def test_a_deadlock_names_the_blocked_stages():
+    wait_first = [[Action("F", "recv", 0), Action("F", "wait", 0, waits="recv")],
+                  [Action("F", "recv", 0), Action("F", "wait", 0, waits="recv")]]
+    with pytest.raises(RuntimeError, match="deadlocks: stages blocked at"):
+        run(wait_first, 2, [1.0, 1.0], [1.0, 1.0], 0.0)
