@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from megadomino.cli.arguments import build_parser, closest_flag, parse_args
+from megadomino.cli.arguments import build_parser, parse_args
 from megadomino.cli.flags import ALIAS, FLAGS, NOTICE, REFUSED
+from megadomino.cli.misspelling import closest_flag
 from megadomino.config import ConfigError
 from megadomino.train.manual_gc import ManualGC
 

@@ -32,6 +32,7 @@ from megadomino.cli.flag_help import (
     shown_by_default,
 )
 from megadomino.cli.flags import ALIAS, FINETUNE_FLAGS, FLAGS, NOTICE, RANGES, REFUSED, Flag
+from megadomino.cli.misspelling import closest_flag
 from megadomino.config import (
     FAMILY_DEFAULTS,
     Config,
@@ -129,24 +130,52 @@ def parse_args(argv: list[str] | None, family: str,
     # every bad flag of the command, reported together
     args, extras, errors = _parse_every_value(parser, argv)
     errors += _unknown(extras, flags)
-    json_notices, json_fields = [], {}
-    if args.deepspeed_config is not None and not errors:
-        from megadomino.cli.deepspeed_config import apply_deepspeed_config  # it imports us
-
-        json_notices, json_fields = apply_deepspeed_config(args, parser)
-    given = {flag: getattr(args, flag.dest) for flag in flags
-             if flag.policy != ALIAS and getattr(args, flag.dest) is not None}
-    for flag, value in given.items():
-        errors += flag_errors(flag, value)
+    json_notices, json_fields = ([], {}) if errors else _apply_deepspeed_config(args, parser)
+    given = _given_values(args, flags)
+    errors += [error for flag, value in given.items() for error in flag_errors(flag, value)]
     if errors:
         raise ConfigError(*errors)
     notices = _grouped_notices([flag for flag in given if flag.policy == NOTICE]) + json_notices
     if args.llama_model and family != "llama":
         raise ConfigError("--llama-model asks for a Llama model: use pretrain_llama.py, whose "
                           "defaults are Llama's (RMSNorm, SwiGLU, RoPE)")
+    fields = _field_tree(given, json_fields)
+    parallel, train = fields["parallel"], fields["train"]
+    notices += _apply_zero_rules(args.use_distributed_optimizer, parallel["zero"])
+    notices += _inert_settings(train)
+    _check_fp8_flags(train["precision"].get("fp8"))
+    # Megatron-DeepSpeed's --num-key-value-heads means grouped-query attention on its own.
+    group_query_attention = args.group_query_attention or args.num_key_value_heads is not None
+    notices += _apply_model_rules(group_query_attention, fields["model"], parallel,
+                                  parallel.get("tensor_model_parallel_size", 1))
+    model_config = _model_config(args, family, given, fields)
+    _apply_pipeline_rules(parallel, model_config.num_layers)
+    notices += _step_schedule(train.get("schedule", {}), model_config.seq_length)
+    config = Config(model_config, build(ParallelConfig, parallel), build(TrainConfig, train))
+    validate(config, finetune=finetune)
+    return config, notices
+
+
+def _apply_deepspeed_config(args: argparse.Namespace, parser: argparse.ArgumentParser
+                            ) -> tuple[list[str], dict[str, Any]]:
+    """--deepspeed_config's flags set on `args`; returns its notices and the fields only it sets."""
+    if args.deepspeed_config is None:
+        return [], {}
+    from megadomino.cli.deepspeed_config import apply_deepspeed_config  # it imports us
+
+    return apply_deepspeed_config(args, parser)
+
+
+def _given_values(args: argparse.Namespace, flags: tuple[Flag, ...]) -> dict[Flag, Any]:
+    """Each flag the command gives (an alias under its flag) with its value, in `flags` order."""
+    return {flag: getattr(args, flag.dest) for flag in flags
+            if flag.policy != ALIAS and getattr(args, flag.dest) is not None}
+
+
+def _field_tree(given: dict[Flag, Any], json_fields: dict[str, Any]) -> dict[str, Any]:
+    """Nested config fields: `given` by row (later rows win), then --deepspeed_config's own."""
     fields: dict[str, Any] = {"model": {}, "parallel": {"domino": {}, "zero": {}},
                               "train": {"precision": {}, "checkpoint": {}}}
-    # in FLAGS order (later rows win), then the fields only --deepspeed_config sets
     for path, value in [*((flag.field, value) for flag, value in given.items()),
                         *json_fields.items()]:
         if path is not None:
@@ -155,12 +184,16 @@ def parse_args(argv: list[str] | None, family: str,
             for section in sections:
                 target = target.setdefault(section, {})
             target[name] = value
-    parallel, model_fields = fields["parallel"], fields["model"]
-    if parallel["domino"].get("batch_slices") == "auto":
-        del parallel["domino"]["batch_slices"]
-        parallel["domino_auto"] = True
-    zero = parallel["zero"]
-    if args.use_distributed_optimizer:  # Megatron-LM's distributed optimizer is ZeRO stage 1
+    domino = fields["parallel"]["domino"]
+    if domino.get("batch_slices") == "auto":  # not a slice count: the plan measured at start-up
+        del domino["batch_slices"]
+        fields["parallel"]["domino_auto"] = True
+    return fields
+
+
+def _apply_zero_rules(use_distributed_optimizer: bool, zero: dict[str, Any]) -> list[str]:
+    """One ZeRO stage from the optimizer flags, bucket size only at stage 0; returns notices."""
+    if use_distributed_optimizer:  # Megatron-LM's distributed optimizer is ZeRO stage 1
         if zero.get("stage", 1) != 1:
             raise ConfigError(f"--use-distributed-optimizer is ZeRO stage 1 and contradicts "
                               f"--zero-stage {zero['stage']}: give one of them")
@@ -169,14 +202,15 @@ def parse_args(argv: list[str] | None, family: str,
         raise ConfigError("--ddp-bucket-size sizes plain data parallelism's all-reduce buckets; "
                           "--zero-stage reduces layer by layer: drop one of them")
     if zero.get("stage", 0) == 0 and zero.pop("reduce_dtype", None) is not None:
-        notices.append("--grad-reduce-in-bf16: at --zero-stage 0 gradients are reduced in fp32; "
-                       "with --use-distributed-optimizer they are reduced in bf16")
-    notices += _inert_settings(fields["train"])
-    _check_fp8_flags(fields["train"]["precision"].get("fp8"))
-    tp = parallel.get("tensor_model_parallel_size", 1)
-    # Megatron-DeepSpeed's --num-key-value-heads means grouped-query attention on its own.
-    group_query_attention = args.group_query_attention or args.num_key_value_heads is not None
-    notices += _apply_model_rules(group_query_attention, model_fields, parallel, tp)
+        return ["--grad-reduce-in-bf16: at --zero-stage 0 gradients are reduced in fp32; "
+                "with --use-distributed-optimizer they are reduced in bf16"]
+    return []
+
+
+def _model_config(args: argparse.Namespace, family: str, given: dict[Flag, Any],
+                  fields: dict[str, Any]) -> ModelConfig:
+    """The architecture of --model-preset, --hf-checkpoint or `family`, the given fields winning."""
+    model_fields = fields["model"]
     hf_checkpoint = fields["train"]["checkpoint"].get("hf_checkpoint")
     if args.model_preset is not None:
         model_config = ModelConfig.preset(args.model_preset, **model_fields)
@@ -191,19 +225,20 @@ def parse_args(argv: list[str] | None, family: str,
         raise ConfigError("--no-position-embedding is refused: models without position "
                           "embeddings are not implemented (with --position-embedding-type rope "
                           "it is accepted: rope adds no position embedding)")
-    if "pipeline_plan" in parallel and "pipeline_model_parallel_size" not in parallel:
+    return model_config
+
+
+def _apply_pipeline_rules(parallel_fields: dict[str, Any], num_layers: int) -> None:
+    """A plan sets the PP size (its stage count); virtual stages pick the interleaved schedule."""
+    if "pipeline_plan" in parallel_fields and "pipeline_model_parallel_size" not in parallel_fields:
         # the plan's stages are the pipeline: their count is its size
-        parallel["pipeline_model_parallel_size"] = len(read_plan(parallel["pipeline_plan"]))
-    if "pipeline_schedule" not in parallel:
+        parallel_fields["pipeline_model_parallel_size"] = len(
+            read_plan(parallel_fields["pipeline_plan"]))
+    if "pipeline_schedule" not in parallel_fields:
         # Megatron runs the interleaved schedule whenever a stage holds virtual stages.
-        chunks = build(ParallelConfig, parallel).virtual_chunks(model_config.num_layers)
+        chunks = build(ParallelConfig, parallel_fields).virtual_chunks(num_layers)
         if chunks > 1:
-            parallel["pipeline_schedule"] = "interleaved"
-    notices += _step_schedule(fields["train"].get("schedule", {}), model_config.seq_length)
-    config = Config(model_config, build(ParallelConfig, parallel),
-                    build(TrainConfig, fields["train"]))
-    validate(config, finetune=finetune)
-    return config, notices
+            parallel_fields["pipeline_schedule"] = "interleaved"
 
 
 def render_flag_table(flags: tuple[Flag, ...] = FLAGS) -> str:
@@ -310,51 +345,6 @@ def _unknown(extras: list[str], flags: tuple[Flag, ...]) -> list[str]:
         messages.append(f"unknown flag {name}: megadomino neither implements, accepts nor "
                         f"refuses it (see docs/flags.md){hint}")
     return messages
-
-
-def closest_flag(name: str, known: list[str]) -> str | None:
-    """The flag of `known` that an unknown `name` most likely misspells, or None.
-
-    Three slips are hinted: another spelling of the same words (case, `_` for `-`), a word cut
-    short (`--num-layer` for `--num-layers`; abbreviations are not expanded), and one typing slip
-    inside a word of at least four letters: a letter dropped, doubled, swapped with its
-    neighbour or mistyped past the word's first letter (`--micro-batch-szie`,
-    `--tensor-model-paralel-size`), when exactly one flag is that close. Digits, first letters
-    and whole words are never guessed: Megatron-LM has flags one such character or word apart
-    (`--adam-beta1` / `--adam-beta2`, `--save-dgrads-interval` / `--save-wgrads-interval`),
-    and a hint naming another real flag is worse than none.
-    """
-    spelled = {flag.lower().replace("_", "-"): flag for flag in known}
-    key = name.lower().replace("_", "-")
-    if key in spelled:
-        return spelled[key]
-    longer = [flag for spelling, flag in spelled.items()
-              if spelling.startswith(key) and "-" not in spelling[len(key):]]
-    if len(longer) == 1:
-        return longer[0]
-    slipped = [flag for spelling, flag in spelled.items() if _one_slip(key, spelling)]
-    return slipped[0] if len(slipped) == 1 else None
-
-
-def _one_slip(typed: str, flag: str) -> bool:
-    """`typed` is `flag` with one letter dropped, added, replaced (not the first) or swapped with
-    its neighbour, inside one word of at least four letters of it, every other word the same."""
-    typed_words, flag_words = typed.split("-"), flag.split("-")
-    if len(typed_words) != len(flag_words):
-        return False
-    differ = [(a, b) for a, b in zip(typed_words, flag_words) if a != b]
-    if len(differ) != 1:
-        return False
-    a, b = differ[0]
-    if len(b) < 4 or not (a.isalpha() and b.isalpha()):
-        return False
-    if len(a) == len(b):
-        wrong = [i for i in range(len(a)) if a[i] != b[i]]
-        return (len(wrong) == 1 and wrong[0] > 0) or (len(wrong) == 2 and wrong[1] == wrong[0] + 1
-                                   and a[wrong[0]] == b[wrong[1]] and a[wrong[1]] == b[wrong[0]])
-    short, long_ = (a, b) if len(a) < len(b) else (b, a)
-    return len(long_) == len(short) + 1 and any(long_[:i] + long_[i + 1:] == short
-                                                for i in range(len(long_)))
 
 
 def _grouped_notices(flags: list[Flag]) -> list[str]:

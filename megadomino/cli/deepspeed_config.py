@@ -46,7 +46,7 @@ import json
 from argparse import ArgumentParser, Namespace
 from typing import Any
 
-from megadomino.cli.arguments import closest_flag, flag_errors
+from megadomino.cli.arguments import flag_errors
 from megadomino.cli.deepspeed_keys import (
     ADAM_ONLY,
     AGREE,
@@ -64,6 +64,7 @@ from megadomino.cli.deepspeed_keys import (
     Key,
 )
 from megadomino.cli.flags import FLAGS
+from megadomino.cli.misspelling import closest_flag
 from megadomino.config import ConfigError
 
 ROWS = {flag.name: flag for flag in FLAGS}
