@@ -61,6 +61,7 @@ VARIANTS = {"eager-1f1b/no-prefetch": ("eager-1f1b", False), "1f1b/prefetch": ("
 """Controls beside the schedules: (schedule, prefetch) with the receives posted the other way
 (schedules.with_transfers' `prefetch`): eager-1F1B as it was before it prefetched, 1F1B with
 prefetched receives."""
+SENDS = "handed"  # gloo over TCP: simulate.run
 TARGET_RATIO, TARGET_SPEEDUP = 0.3, 1.1  # eager-1F1B >= 1.1x 1F1B where c >= 30% of F+B
 
 
@@ -78,11 +79,12 @@ def action_lists(name: str, stages: int, micro: int) -> tuple[int, list[list[Act
 def predicted_step(row: dict) -> float:
     """The simulator's step (pipeline/simulate.py) from the row's own profiling pass, not its
     steps: each stage's F+B alone split F : B = 1 : 2 (a backward is two GEMMs to a forward's
-    one) and evenly over its chunks, one message's c, buffered sends (gloo over TCP)."""
+    one) and evenly over its chunks, one message's c, sends as gloo over TCP makes them
+    (simulate.run's "handed")."""
     chunks, lists = action_lists(row["schedule"], row["stages"], row["micro"])
     fb = row["fb_s"]
     return run(lists, row["stages"], [t / 3 / chunks for t in fb],
-               [2 * t / 3 / chunks for t in fb], row["c_s"], buffered=True).step
+               [2 * t / 3 / chunks for t in fb], row["c_s"], sends=SENDS).step
 
 
 def predict(paths: list[str]) -> None:

@@ -10,9 +10,11 @@ The model, the same rules the executor and the transports follow:
   stage (b + 1) mod P) and its micro-batch, as tests/test_pipeline_schedules.py's deadlock check
   keys it.
 - A message moves once both its send and its receive are posted (a rendezvous: gloo and NCCL
-  move a message only into a posted receive), and then takes `link` seconds on its link in its
-  direction, one message at a time a direction (messages queue in the order they become ready).
-- `wait` blocks the stage until its message has arrived (a receive) or left (a send).
+  move a message only into a posted receive; `run` also models a send buffered at once), and
+  then takes `link` seconds on its link in its direction, one message at a time a direction
+  (messages queue in the order they become ready).
+- `wait` blocks the stage until its message has arrived (a receive) or, for a send, arrived
+  (NCCL) or started to move (gloo over TCP hands it to the kernel's socket buffer): `sends`.
 A stage blocked forever is a deadlock: `simulate` raises naming the stages and their actions.
 
 What it leaves out: the tied-embedding all-reduce, the data-parallel reduction and the optimizer
@@ -32,6 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megadomino.pipeline.schedules import Action, schedule
+
+SENDS = ("rendezvous", "handed", "buffered")
+"""When a message moves and its send's wait ends (`run`)."""
 
 
 @dataclass(frozen=True)
@@ -69,14 +74,20 @@ def simulate(name: str, stages: int, micro: int, forward: Sequence[float],
 
 
 def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float],
-        backward: Sequence[float], link: float, *, buffered: bool = False,
+        backward: Sequence[float], link: float, *, sends: str = "rendezvous",
         wait_cost: float = 0.0) -> Prediction:
     """Every stage's `lists[s]` against a clock: `forward[s]` / `backward[s]` seconds a compute
-    action of stage s, `link` seconds a message (module docstring). `buffered`: a message moves
-    as soon as its send is posted and the send's wait ends at once (gloo over TCP hands a
-    message smaller than the socket buffers to the kernel), instead of the rendezvous.
-    `wait_cost`: seconds every wait costs its stage even when the message is there (on CPUs,
-    gloo's copy of the message)."""
+    action of stage s, `link` seconds a message (module docstring). `sends`, when a message
+    moves and when its send's wait ends:
+      rendezvous  once both ends posted it; the send's wait ends when it arrived (NCCL);
+      handed      once both ends posted it; the send's wait ends when it starts to move (gloo
+                  over TCP: after the receiver's ready notice the message goes to the kernel's
+                  socket buffer);
+      buffered    once its send is posted; the send's wait ends at once.
+    `wait_cost`: seconds every wait costs its stage even when the message is there."""
+    if sends not in SENDS:
+        raise ValueError(f"sends must be one of {SENDS}, not {sends!r}")
+    buffered = sends == "buffered"
     clock, at = [0.0] * stages, [0] * stages
     busy, held, peak = [0.0] * stages, [0] * stages, [0] * stages
     posted: dict[tuple, list[float | None]] = {}  # message -> [send posted, receive posted]
@@ -101,7 +112,7 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float]
         start = max(send if buffered else max(send, receive), link_free.get(lane, 0.0))
         link_free[lane] = start + link
         finish(("recv", key), start + link)
-        finish(("send", key), send if buffered else start + link)
+        finish(("send", key), {"buffered": send, "handed": start}.get(sends, start + link))
 
     while ready:
         _, s = heapq.heappop(ready)
