@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
@@ -111,3 +111,21 @@ def load_megatron_dist(model: torch.nn.Module, directory: str) -> dict:
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
     return state
+
+
+def run_fixture_ranks(main: Callable[[int, int], None], world: int, port: int) -> None:
+    """A fixture generator's `main(rank, port)` in `world` spawned processes (one thread each),
+    each bounded to 10 minutes; SystemExit naming the exit codes when a rank failed."""
+    import multiprocessing
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=main, args=(rank, port)) for rank in range(world)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(timeout=600)  # bounded: a hung rank fails the script
+        if rank.is_alive():
+            rank.terminate()
+    if any(rank.exitcode != 0 for rank in ranks):
+        raise SystemExit(f"a rank failed: exit codes {[rank.exitcode for rank in ranks]}")
