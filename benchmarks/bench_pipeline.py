@@ -79,12 +79,14 @@ def action_lists(name: str, stages: int, micro: int) -> tuple[int, list[list[Act
 def predicted_step(row: dict) -> float:
     """The simulator's step (pipeline/simulate.py) from the row's own profiling pass, not its
     steps: each stage's F+B alone split F : B = 1 : 2 (a backward is two GEMMs to a forward's
-    one) and evenly over its chunks, one message's c, sends as gloo over TCP makes them
-    (simulate.run's "handed")."""
+    one) and evenly over its chunks, a message's time the longer of c and the link's rate's,
+    sends as gloo over TCP makes them (simulate.run's "handed")."""
     chunks, lists = action_lists(row["schedule"], row["stages"], row["micro"])
     fb = row["fb_s"]
+    # a message alone may ride the token bucket's burst; messages back to back get the rate
+    link = max(row["c_s"], row["c_rate_s"] or 0.0)
     return run(lists, row["stages"], [t / 3 / chunks for t in fb],
-               [2 * t / 3 / chunks for t in fb], row["c_s"], sends=SENDS).step
+               [2 * t / 3 / chunks for t in fb], link, sends=SENDS).step
 
 
 def predict(paths: list[str]) -> None:

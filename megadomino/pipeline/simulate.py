@@ -11,8 +11,9 @@ The model, the same rules the executor and the transports follow:
   keys it.
 - A message moves once both its send and its receive are posted (a rendezvous: gloo and NCCL
   move a message only into a posted receive; `run` also models a send buffered at once), and
-  then takes `link` seconds on its link in its direction, one message at a time a direction
-  (messages queue in the order they become ready).
+  then takes `link` seconds on the link from its sender's stage to its receiver's, one message
+  at a time a direction, whatever its pass or boundary (messages queue in the order they become
+  ready).
 - `wait` blocks the stage until its message has arrived (a receive) or, for a send, arrived
   (NCCL) or started to move (gloo over TCP hands it to the kernel's socket buffer): `sends`.
 A stage blocked forever is a deadlock: `simulate` raises naming the stages and their actions.
@@ -92,7 +93,7 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float]
     busy, held, peak = [0.0] * stages, [0] * stages, [0] * stages
     posted: dict[tuple, list[float | None]] = {}  # message -> [send posted, receive posted]
     done: dict[tuple, float] = {}                 # (side, message) -> when its wait may end
-    link_free: dict[tuple[int, str], float] = {}  # (boundary's link, pass) -> when free
+    link_free: dict[tuple[int, int], float] = {}  # (from stage, to stage) -> when free
     blocked: dict[tuple, list[int]] = {}          # (side, message) -> stages waiting on it
     ready = [(0.0, s) for s in range(stages)]
 
@@ -108,7 +109,8 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float]
         send, receive = times
         if send is None or ("recv", key) in done or (receive is None and not buffered):
             return
-        lane = (key[1] % stages, key[0])
+        low, high = key[1] % stages, (key[1] + 1) % stages
+        lane = (low, high) if key[0] == "F" else (high, low)  # (from stage, to stage)
         start = max(send if buffered else max(send, receive), link_free.get(lane, 0.0))
         link_free[lane] = start + link
         finish(("recv", key), start + link)
