@@ -78,15 +78,20 @@ def action_lists(name: str, stages: int, micro: int) -> tuple[int, list[list[Act
 
 def predicted_step(row: dict) -> float:
     """The simulator's step (pipeline/simulate.py) from the row's own profiling pass, not its
-    steps: each stage's F+B alone split F : B = 1 : 2 (a backward is two GEMMs to a forward's
-    one) and evenly over its chunks, a message's time the longer of c and the link's rate's,
-    sends as gloo over TCP makes them (simulate.run's "handed")."""
+    steps: each chunk's forward and backward alone (rows kept before they were recorded: each
+    stage's F+B split F : B = 1 : 2, a backward being two GEMMs to a forward's one, and evenly
+    over its chunks), a message's time the longer of c and the link's rate's, sends as gloo
+    over TCP makes them (simulate.run's "handed")."""
     chunks, lists = action_lists(row["schedule"], row["stages"], row["micro"])
-    fb = row["fb_s"]
     # a message alone may ride the token bucket's burst; messages back to back get the rate
     link = max(row["c_s"], row["c_rate_s"] or 0.0)
-    return run(lists, row["stages"], [t / 3 / chunks for t in fb],
-               [2 * t / 3 / chunks for t in fb], link, sends=SENDS).step
+    if "chunk_fb_s" in row:  # each chunk's forward and backward, measured
+        forward = [stage[0::2] for stage in row["chunk_fb_s"]]
+        backward = [stage[1::2] for stage in row["chunk_fb_s"]]
+    else:
+        forward = [[t / 3 / chunks] * chunks for t in row["fb_s"]]
+        backward = [[2 * t / 3 / chunks] * chunks for t in row["fb_s"]]
+    return run(lists, row["stages"], forward, backward, link, sends=SENDS).step
 
 
 def predict(paths: list[str]) -> None:
@@ -186,18 +191,21 @@ def link_times(shape: tuple[int, ...], rank: int, runs: int) -> list[float]:
     return times
 
 
-def compute_times(chunks, batch, shape: tuple[int, ...], runs: int) -> list[float]:
-    """F+B, `runs` times: one micro-batch's forward and backward through every chunk of this
-    stage, alone."""
+def compute_times(chunks, batch, shape: tuple[int, ...], runs: int) -> list[list[float]]:
+    """`runs` times, each chunk's forward and backward of one micro-batch through this stage,
+    alone: [run][2 * chunk + (0: forward, 1: backward)] seconds."""
     times = []
     for _ in range(runs):
         dist.barrier()
-        start = time.perf_counter()
+        row = []
         for chunk in chunks:
             x = None if chunk.pre_process else torch.randn(shape, requires_grad=True)
+            start = time.perf_counter()
             out = run_chunk(chunk, x, *batch)
+            middle = time.perf_counter()
             out.backward(None if chunk.post_process else torch.ones_like(out))
-        times.append(time.perf_counter() - start)
+            row += [middle - start, time.perf_counter() - middle]
+        times.append(row)
         chunks.zero_grad(set_to_none=True)
     return times
 
@@ -257,18 +265,23 @@ def run_rounds(args: argparse.Namespace, runtimes: dict[str, tuple]) -> tuple:
     chunks). Returns (steps per runtime, c times, F+B times)."""
     shape = (args.seq, args.mbs, args.hidden)
     batches = micro_batches(args)
-    alone = next(iter(runtimes.values()))[0].chunks
+    alone = {}  # chunks a stage -> that stage model's chunks (the first runtime of each)
+    for runtime, _ in runtimes.values():
+        alone.setdefault(runtime.plan.chunks, runtime.chunks)
     steps: dict[str, list] = {name: [] for name in runtimes}
-    c, fb = [], []
+    c, fb = [], {v: [] for v in alone}
     for round_ in range(-args.warmup, args.steps):
         for name, (runtime, actions) in runtimes.items():
             step = timed_step(runtime, actions, batches)
             if round_ >= 0:
                 steps[name].append(step)
         link = link_times(shape, args.rank, args.repeats)
-        compute = compute_times(alone, batches[0], shape, args.repeats)
+        compute = {v: compute_times(chunks, batches[0], shape, args.repeats)
+                   for v, chunks in alone.items()}
         if round_ >= 0:
-            c, fb = c + link, fb + compute
+            c = c + link
+            for v, times in compute.items():
+                fb[v] += times
     return steps, c, fb
 
 
@@ -283,7 +296,11 @@ def worker(args: argparse.Namespace) -> None:
     steps, c, fb = run_rounds(args, runtimes)
     load.append(os.getloadavg()[0])
     every = [None, None]
-    dist.all_gather_object(every, {"fb": statistics.median(fb), "steps": steps})
+    # per chunk count: each chunk's forward and backward, medians over the runs
+    medians = {v: [statistics.median(run[k] for run in runs) for k in range(len(runs[0]))]
+               for v, runs in fb.items()}
+    dist.all_gather_object(every, {"fb": sum(medians[min(medians)]), "chunk_fb": medians,
+                                   "steps": steps})
     if args.rank == 0:
         write_rows(args, statistics.median(c), every,
                    {name: r.plan.chunks for name, (r, _) in runtimes.items()}, load)
@@ -311,6 +328,7 @@ def write_rows(args: argparse.Namespace, c: float, every: list[dict],
                 "activation_bytes": activation, "c_s": c,
                 "c_rate_s": activation * 8 / (args.rate_mbit * 1e6) if args.rate_mbit else None,
                 "fb_s": fb, "c_over_fb": c / max(fb),
+                "chunk_fb_s": [rank["chunk_fb"][v] for rank in every],
                 "step_s": step_s, "step_median_s": statistics.median(step_s),
                 "bubble_formula": bubble_fraction(2, args.micro, v),
                 "per_stage": [{

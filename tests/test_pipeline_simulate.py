@@ -56,3 +56,13 @@ def test_a_deadlock_names_the_blocked_stages():
                   [Action("F", "recv", 0), Action("F", "wait", 0, waits="recv")]]
     with pytest.raises(RuntimeError, match="deadlocks: stages blocked at"):
         run(wait_first, 2, [1.0, 1.0], [1.0, 1.0], 0.0)
+
+
+def test_each_chunk_may_take_its_own_time():
+    """Interleaved stages with a heavier second chunk (the output layer's) take longer than
+    the even split of the same total; equal chunk times give the even split's step."""
+    even = simulate("interleaved", 2, 4, [2.0, 2.0], [4.0, 4.0], 0.0, chunks=2).step
+    lists = [schedule("interleaved", 2, s, 4, 2) for s in range(2)]
+    same = run(lists, 2, [[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2, 0.0).step
+    uneven = run(lists, 2, [[1.0, 1.0], [0.5, 1.5]], [[2.0, 2.0], [1.0, 3.0]], 0.0).step
+    assert same == pytest.approx(even) and uneven > even

@@ -74,11 +74,12 @@ def simulate(name: str, stages: int, micro: int, forward: Sequence[float],
                link)
 
 
-def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float],
-        backward: Sequence[float], link: float, *, sends: str = "rendezvous",
+def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float | Sequence[float]],
+        backward: Sequence[float | Sequence[float]], link: float, *, sends: str = "rendezvous",
         wait_cost: float = 0.0) -> Prediction:
     """Every stage's `lists[s]` against a clock: `forward[s]` / `backward[s]` seconds a compute
-    action of stage s, `link` seconds a message (module docstring). `sends`, when a message
+    action of stage s (or `forward[s][v]` of its chunk v), `link` seconds a message (module
+    docstring). `sends`, when a message
     moves and when its send's wait ends:
       rendezvous  once both ends posted it; the send's wait ends when it arrived (NCCL);
       handed      once both ends posted it; the send's wait ends when it starts to move (gloo
@@ -122,6 +123,8 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float]
             action = lists[s][at[s]]
             if action.op in ("forward", "backward"):
                 spent = (forward if action.op == "forward" else backward)[s]
+                if not isinstance(spent, float | int):
+                    spent = spent[action.chunk or 0]
                 clock[s] += spent
                 busy[s] += spent
                 held[s] += 1 if action.op == "forward" else -1
