@@ -71,7 +71,7 @@ class ParallelDims:
         """Every stage has the same (dp, tp) shape (Megatron's grid)."""
         self.stages = tuple((tuple(block.flatten().tolist()), block.shape[1]) for block in blocks)
         """Each stage's (ranks, TP degree): what a checkpoint records of the plan."""
-        self._writers_group = None
+        self._writers_group, self._writers_made = None, False
 
         # new_group is collective over the whole world: every rank creates every group, in order.
         self.tp_group = _groups_containing(rank, [row for block in blocks for row in block],
@@ -129,11 +129,11 @@ class ParallelDims:
         NCCL a world-wide new_group of another backend leaves the non-members in an
         ncclCommSplit the members never join, and torch 2.11 hangs the members of a
         members-only gloo group (both seen at PP 2 x TP 2 on 4 GPUs)."""
-        if self._writers_group is None:
-            writers = [ranks[0] for ranks, _ in self.stages]
-            group = dist.new_group(writers, timeout=self.timeout)
-            self._writers_group = group if self.rank in writers else False
-        return self._writers_group or None
+        if not self._writers_made:
+            writers = torch.tensor([ranks[0] for ranks, _ in self.stages])
+            self._writers_group = _groups_containing(self.rank, [writers], timeout=self.timeout)
+            self._writers_made = True
+        return self._writers_group
 
     @property
     def is_first_rank(self) -> bool:

@@ -75,8 +75,8 @@ def simulate(name: str, stages: int, micro: int, forward: Sequence[float],
 
 
 def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float | Sequence[float]],
-        backward: Sequence[float | Sequence[float]], link: float, *, sends: str = "rendezvous",
-        wait_cost: float = 0.0) -> Prediction:
+        backward: Sequence[float | Sequence[float]], link: float, *,
+        sends: str = "rendezvous") -> Prediction:
     """Every stage's `lists[s]` against a clock: `forward[s]` / `backward[s]` seconds a compute
     action of stage s (or `forward[s][v]` of its chunk v), `link` seconds a message (module
     docstring). `sends`, when a message
@@ -85,8 +85,7 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
       handed      once both ends posted it; the send's wait ends when it starts to move (gloo
                   over TCP: after the receiver's ready notice the message goes to the kernel's
                   socket buffer);
-      buffered    once its send is posted; the send's wait ends at once.
-    `wait_cost`: seconds every wait costs its stage even when the message is there."""
+      buffered    once its send is posted; the send's wait ends at once."""
     if sends not in SENDS:
         raise ValueError(f"sends must be one of {SENDS}, not {sends!r}")
     buffered = sends == "buffered"
@@ -101,7 +100,7 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
     def finish(side: tuple, when: float) -> None:
         done[side] = when
         for waiter in blocked.pop(side, []):
-            clock[waiter] = max(clock[waiter] + wait_cost, when)
+            clock[waiter] = max(clock[waiter], when)
             heapq.heappush(ready, (clock[waiter], waiter))
 
     def post(key: tuple, side: int, when: float) -> None:
@@ -137,7 +136,7 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
                     blocked.setdefault(side, []).append(s)
                     at[s] += 1  # resumes after the wait once the message has moved
                     break
-                clock[s] = max(clock[s] + wait_cost, done[side])
+                clock[s] = max(clock[s], done[side])
             at[s] += 1
             if action.op != "wait" and ready and ready[0][0] < clock[s]:
                 heapq.heappush(ready, (clock[s], s))  # let stages behind in time go first
