@@ -48,6 +48,10 @@
 #   fp8-profile  gpt3-1.3b, 1 GPU, micro-batch 2 (global 16), compiled pieces, bf16 and FP8
 #                (hybrid, delayed): each run's log (recompiles logged) and one profiled
 #                iteration summed by kernel kind and idle gaps ($OUT/fp8_profile_*.json)
+#   e2e=LABEL:ARGS
+#                benchmarks/bench_pretrain.py ARGS (shell-quoted) -> $OUT/e2e_LABEL.json: with
+#                --peer megatron --rounds 3, ours beside megatron-core's own training step
+#                (benchmarks/megatron_pretrain.py; carry .peerwhl/) on the same shapes
 #   mfu-1.3b     issue 19's gpt3-1.3b command (TP=1, micro-batch 4, dropout as the preset has it):
 #                eager, compiled pieces, and each with the layers in CUDA graphs, one call
 #   optimizer    benchmarks/bench_optimizer.py: the optimizer step's passes over 1.3B parameters
@@ -167,6 +171,12 @@ for name in "$@"; do
            --variants '--hidden-dropout 0 --attention-dropout 0' \
            '--hidden-dropout 0 --attention-dropout 0 --sequence-parallel --tp-comm-overlap --enable-cuda-graph' \
            --out "$OUT/e2e.json" ;;
+    e2e=*)  # e2e=LABEL:BENCH_PRETRAIN_ARGS (shell-quoted), e.g. with megatron-core beside:
+      #   "e2e=dp2:--tp 1 --dp 2 --micro-batch-size 2 --accumulation 8 --peer megatron --rounds 3"
+      spec=${name#e2e=}
+      eval "extra=(${spec#*:})"
+      step "e2e-${spec%%:*}" 580 python3 benchmarks/bench_pretrain.py "${extra[@]}" \
+        --out "$OUT/e2e_${spec%%:*}.json" ;;
     mfu-1.3b) step mfu-1.3b 500 python3 benchmarks/bench_pretrain.py --preset gpt3-1.3b --tp 1 \
                 --iters 15 --log-interval 5 --micro-batch-size 4 --variants '' \
                 ' --compile-layer-pieces' ' --enable-cuda-graph' \
