@@ -172,18 +172,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse()
     gpus = torch.cuda.device_count()
+    device = torch.cuda.get_device_name(0) if gpus else "cpu"
     rows = []
     for index in range(args.rounds):
         todo = launches(args, gpus)
         for row, cmd, env in todo if index % 2 == 0 else todo[::-1]:
             rows.append(run(cmd, {**row, "round": index}, env))
             print("row:", json.dumps(rows[-1]), flush=True)
-    table = summary(rows)
-    device = torch.cuda.get_device_name(0) if gpus else "cpu"
-    result = {"device": device, "gpus": gpus, "torch": torch.__version__, "args": vars(args),
-              "rows": rows, "summary": table}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+            table = summary(rows)  # written after every run: a run cut short keeps the rest
+            with open(args.out, "w") as f:
+                json.dump({"device": device, "gpus": gpus, "torch": torch.__version__,
+                           "args": vars(args), "rows": rows, "summary": table}, f, indent=2)
     print(f"\n{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
           f"PP {args.pp}{f' (vp {args.vp})' if args.vp else ''}, DP {args.dp}, bf16, {device}, "
           f"{args.rounds} round(s): medians [range]")

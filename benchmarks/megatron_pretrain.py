@@ -197,7 +197,8 @@ def forward_step(data_iterator, model):
 
     def loss_func(output):
         loss = (output.float().view(-1) * mask.view(-1)).sum() / mask.sum()
-        return loss, {"lm loss": loss}
+        # the schedule divides the returned loss in place by the micro-batch count
+        return loss, {"lm loss": loss.detach().clone()}
 
     return losses, loss_func
 
