@@ -12,8 +12,9 @@ stage for the interleaved schedule); the global batch is micro-batch x accumulat
 reported numbers are the last log interval's (after warm-up): ms/iter, tokens/s, TFLOP/s per GPU
 (Megatron's formula, the same function for both columns), MFU against 989 TFLOP/s, and peak
 allocated memory on rank 0. With DP > 1 both sides shard the optimizer (ours
---use-distributed-optimizer --overlap-param-gather; megatron-core's distributed optimizer with
-overlapped gradient reduce and parameter gather). With a peer or --no-dropout, dropout is 0 (the
+--use-distributed-optimizer with --overlap-param-gather unless the variant has CUDA graphs, which
+refuse it; megatron-core's distributed optimizer with overlapped gradient reduce and parameter
+gather). With a peer or --no-dropout, dropout is 0 (the
 peer's SDPA attention takes none). `--rounds N` repeats every run N times, ours and the peer's
 in alternating order, and the summary gives each row's median with its range and the ratio of
 medians ours / peer.
@@ -51,7 +52,7 @@ def _shared_flags(args, tp: int) -> list[str]:
     if args.vp:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(args.vp)]
     if args.dp > 1:
-        flags += ["--use-distributed-optimizer", "--overlap-param-gather"]
+        flags.append("--use-distributed-optimizer")
     return flags
 
 
@@ -64,6 +65,8 @@ def ours_command(args, tp: int, sequence_parallel: bool, variant: str) -> list[s
         cmd += ["--hidden-dropout", "0", "--attention-dropout", "0"]
     if sequence_parallel:
         cmd.append("--sequence-parallel")
+    if args.dp > 1 and "--enable-cuda-graph" not in variant:  # graphs wait for all gathers
+        cmd.append("--overlap-param-gather")
     return cmd + variant.split()
 
 
@@ -73,6 +76,8 @@ def peer_command(args, tp: int) -> list[str]:
     cmd = ["torchrun", "--standalone", f"--nproc_per_node={tp * args.pp * args.dp}",
            os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_pretrain.py"),
            *_shared_flags(args, tp), "--overlap-grad-reduce"]
+    if args.dp > 1:
+        cmd.append("--overlap-param-gather")
     if args.vp:
         cmd.append("--overlap-p2p-communication")
     return cmd

@@ -70,6 +70,15 @@ def test_both_columns_run_the_same_row(flags, tp):
         assert peer.virtual_chunks(peer.model_config(peer_args), peer_args) == 2
     if args.dp > 1:
         assert config.parallel.zero.stage == 1 and peer_args.use_distributed_optimizer
+        assert peer_args.overlap_param_gather and config.parallel.zero.overlap_param_gather
+
+
+def test_graphed_variant_drops_the_gather_overlap_it_refuses():
+    args = bench.parse(["--peer", "megatron", "--tp", "1", "--dp", "2", "--variants",
+                        " --compile-layer-pieces --enable-cuda-graph"])
+    (_, ours, _), _ = bench.launches(args, gpus=2)
+    config, _ = parse_args(ours[ours.index("pretrain_gpt.py") + 1:], "gpt")
+    assert config.parallel.enable_cuda_graph and not config.parallel.zero.overlap_param_gather
 
 
 def test_summary_takes_medians_and_the_ratio_of_medians():
