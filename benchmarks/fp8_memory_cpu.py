@@ -93,7 +93,10 @@ def layer_stack_memory(config: ModelConfig, fp8: FP8Recipe | None, micro_batch: 
     """The last of `steps` forward + backward passes of config's layers (the first makes the
     gradients, which the next accumulate into) under LiveBytes: `base` (parameters, their
     gradients, the input and its gradient), `peak` and `after_forward` (bytes made by the step),
-    the peak's `phase` and `at_peak` labels."""
+    the peak's `phase` and `at_peak` labels. The last pass is a step's first micro-batch: the
+    parameters' version counters are bumped first, as an optimizer step does, so the FP8
+    linears cast their weights in it (the codes they keep for the step's micro-batches are
+    counted)."""
     dims = ParallelDims(tp=1)
     torch.manual_seed(0)
     block = TransformerBlock(config, dims, ParallelConfig(), fp8=fp8)
@@ -104,6 +107,7 @@ def layer_stack_memory(config: ModelConfig, fp8: FP8Recipe | None, micro_batch: 
         block.run(x).backward(grad_out)
     known = [x, x.grad, grad_out, *block.parameters(), *block.buffers()]
     known = [t for t in known + [p.grad for p in block.parameters()] if t is not None]
+    torch.autograd.graph.increment_version(list(block.parameters()))
     meter = LiveBytes(known)
     with meter:
         meter.phase = "forward"

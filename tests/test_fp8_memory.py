@@ -2,11 +2,13 @@
 every storage an aten op makes, from its creation to its release): a GPT layer stack with FP8
 linears against the same stack in bf16, and one eager cast. Byte counts, no timing.
 
-What FP8 adds to a layer is its weights' 1-byte transposed copies, kept for backward's dx GEMM,
-and the cast's transient; what it saves is half of each linear input kept for backward (1 byte
-an element, not 2). At the 6.7B row's ratios (tokens = 2 x hidden) that nets to about 1.06x
-bf16's peak; keeping anything twice per linear (the row-major FP8 input beside its transpose, a
-second weight copy, a second fp32 copy in the cast) goes past the bound below."""
+What FP8 adds to a layer is its weights' 1-byte codes in both layouts (row-major for the forward
+GEMM, transposed for backward's dx GEMM), cast once per weight value and kept for the step's
+micro-batches (tp/fp8.py), and the cast's transient; what it saves is half of each linear input
+kept for backward (1 byte an element, not 2). At the 6.7B row's ratios (tokens = 2 x hidden)
+that nets to about 1.15x bf16's peak, measured at a step's first micro-batch (where the codes
+are made); keeping anything more per linear (the row-major FP8 input beside its transpose, a
+third weight copy, a second fp32 copy in the cast) goes past the bounds below."""
 
 from __future__ import annotations
 
@@ -36,10 +38,10 @@ def test_fp8_layer_stack_peak_stays_near_bf16():
         bf16 = layer_stack_memory(config, None)
         fp8 = layer_stack_memory(config, FP8Recipe())
     assert fp8["base"] - bf16["base"] < 4096  # the scaling state: a few scalars per linear
-    assert fp8["after_forward"] < 1.05 * bf16["after_forward"], (fp8["after_forward"],
+    assert fp8["after_forward"] < 1.25 * bf16["after_forward"], (fp8["after_forward"],
                                                                  bf16["after_forward"])
     ratio = (fp8["base"] + fp8["peak"]) / (bf16["base"] + bf16["peak"])
-    assert ratio < 1.08, f"FP8 peak {ratio:.3f} x bf16's"
+    assert ratio < 1.17, f"FP8 peak {ratio:.3f} x bf16's"
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])

@@ -34,15 +34,34 @@ Scaling recipes, per tensor role (input, weight, output gradient):
 With ZeRO's --fp8-param-gather the weight arrives as e4m3 codes with its scale
 (zero/fp8_gather.py: each DP rank casts its part with the scale of the whole weight's amax,
 max-reduced over DP), handed over in `FP8State.gathered_weight`: the GEMMs take them as they are
-(the transposed copy backward needs is made from them), and the weight's own amax and cast are
-skipped. Without them (before the first gather) the weight takes current scaling under either
-recipe (`FP8State.weight_current_scaling`), which gives the same codes and scale.
+(their transposed copy, which backward needs, is made once per gather, at the first forward that
+needs it), and the weight's own amax and cast are skipped. Without them (before the first gather)
+the weight takes current scaling under either recipe (`FP8State.weight_current_scaling`), which
+gives the same codes and scale.
+
+The weight's cast is made once per weight value and reused by the step's later micro-batches
+(`FP8State.cast_weight`): codes, transposed copy, inverse scale and amax stay valid while the
+weight is the same tensor at the same version counter and storage (in-place updates bump it; so
+does ZeRO where it writes parameters through flat buffers, zero/params.py) and, under delayed,
+while scale[WEIGHT] is provably the one they were made with. That scale can change within a step:
+begin_step runs at every training forward (micro-batch), and a due update recomputes it from the
+history rows of the forwards before, so a step's first micro-batch casts with a scale from the
+previous weight's amax, its second from the current one's. The host follows which weight value
+each newest history row was recorded from, and keeps an update's scale as known only when every
+row it reads (most_recent: the newest; max: all) is of the value the last due update read: the
+same amax then gives the same scale (or the scale is kept). A reusing forward still records the
+weight's amax, so the history and all scales are those of casting every time, bit for bit. Casts
+per step of M micro-batches: 1 under tensorwise, 2 under delayed's defaults (history 1,
+most_recent, interval 1), up to min(M, history_len + 1) under `max`. This assumes a linear's TP
+peers change their weight shards when it does (they step together). The codes take 2 bytes per
+weight element from the first forward on; nothing of them is saved, load_state_dict drops them.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -127,21 +146,34 @@ def _scale_of(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(amax > 0, FP8_MAX[dtype] / amax, torch.ones_like(amax))
 
 
+class _WeightCodes(NamedTuple):
+    """A weight's cast (FP8State.cast_weight): for weight value `value` with the WEIGHT scale that
+    `scale_key` names (None: current scaling); `q_t` and `amax` None until a forward needs them."""
+
+    value: int
+    scale_key: int | None
+    q: torch.Tensor
+    q_t: torch.Tensor | None
+    inverse: torch.Tensor
+    amax: torch.Tensor | None
+
+
 class FP8State(nn.Module):
     """One linear's scaling state. Under `delayed` it holds the buffers `amax_history`
     [history_len, 3] (row 0: the current step), `scale` [3] and `steps` (training forwards so
     far), columns INPUT, WEIGHT, GRAD; under `tensorwise` it holds nothing. `amax_group`: the
-    process group (TP) whose ranks' amaxes a delayed step max-reduces; None for none."""
+    process group (TP) whose ranks' amaxes a delayed step max-reduces; None for none.
+
+    Beside the buffers the host keeps the weight's cached cast and what it knows of the WEIGHT
+    scale's provenance (module docstring): never saved, dropped by load_state_dict. Only
+    begin_step, the casts and load_state_dict write the buffers."""
 
     def __init__(self, recipe: FP8Recipe, device=None, amax_group=None, compiled: bool = False):
         super().__init__()
         self.recipe, self.amax_group, self.compiled = recipe, amax_group, compiled
         self.weight_current_scaling = False
         """Set by ZeRO's FP8 parameter gather: the WEIGHT role is cast with current scaling."""
-        self.gathered_weight: tuple[torch.Tensor, torch.Tensor] | None = None
-        """Set by ZeRO's FP8 parameter gather while the weight is gathered: (its e4m3 codes, in
-        the weight's shape, the inverse of their scale), which the GEMMs take instead of a
-        cast."""
+        self.gathered_weight = None
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history",
                                  torch.zeros(recipe.amax_history_len, 3, device=device))
@@ -150,6 +182,42 @@ class FP8State(nn.Module):
             limits = [FP8_MAX[E4M3], FP8_MAX[E4M3], FP8_MAX[recipe.grad_dtype]]
             self.register_buffer("fp8_max", torch.tensor(limits, device=device),
                                  persistent=False)
+        self._values = self._scale_key = 0
+        self._forget(steps=0)
+
+    @property
+    def gathered_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Set by ZeRO's FP8 parameter gather while the weight is gathered: (its e4m3 codes, in
+        the weight's shape, the inverse of their scale), which the GEMMs take instead of a
+        cast."""
+        return self._gathered_weight
+
+    @gathered_weight.setter
+    def gathered_weight(self, gathered: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self._gathered_weight, self._gathered_t = gathered, None
+
+    def gathered_transpose(self) -> torch.Tensor:
+        """The gathered codes' contiguous transpose (backward's dx operand), made once per
+        gathered value: setting gathered_weight drops it."""
+        if self._gathered_t is None:
+            self._gathered_t = self._gathered_weight[0].t().contiguous()
+        return self._gathered_t
+
+    def _forget(self, steps: int) -> None:
+        """Drop the host's cached codes and what it knows of the history (all rows of unknown
+        origin, the WEIGHT scale of a new provenance); `steps`: the `steps` buffer's value."""
+        self._codes: _WeightCodes | None = None
+        self._seen: tuple[torch.Tensor, int, int] | None = None
+        self._pending: int | None = None  # the weight value the current row records
+        self._streak_value: int | None = None  # the newest closed rows' weight value...
+        self._streak = 0  # ...and how many rows in a row, from the newest, hold it
+        self._scale_source: int | None = None  # the value the last due update read, if one
+        self._scale_key += 1
+        self._steps_seen = steps
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._forget(int(self.steps) if self.recipe.recipe == "delayed" else 0)
 
     @torch.no_grad()
     def begin_step(self) -> None:
@@ -166,6 +234,26 @@ class FP8State(nn.Module):
         close = _compiled_close_step() if self.compiled else close_step
         close(history, self.scale, self.steps, self.fp8_max, recipe.margin, recipe.interval,
               recipe.amax_compute_algo == "max")
+        self._close_on_host()
+
+    def _close_on_host(self) -> None:
+        """close_step's effect on scale[WEIGHT] as far as the host can tell: a due update that
+        reads only rows of the weight value the last due update read leaves the scale as it was
+        (the same amax gives the same scale, or the scale is kept); any other due update gives
+        it a new key."""
+        recipe = self.recipe
+        closed, self._pending = self._pending, None
+        if closed is not None and closed == self._streak_value:
+            self._streak += 1
+        else:
+            self._streak_value, self._streak = closed, int(closed is not None)
+        steps, self._steps_seen = self._steps_seen, self._steps_seen + 1
+        if steps > 0 and steps % recipe.interval == 0:
+            read = recipe.amax_history_len if recipe.amax_compute_algo == "max" else 1
+            source = self._streak_value if self._streak >= read else None
+            if source is None or source != self._scale_source:
+                self._scale_key += 1
+            self._scale_source = source
 
     @torch.no_grad()
     def scale_for(self, role: int, t: torch.Tensor, record: bool) -> torch.Tensor:
@@ -175,12 +263,24 @@ class FP8State(nn.Module):
         if not self._delayed(role):
             return current_scale(t, dtype)
         if record:
-            self.amax_history[0, role] = t.abs().amax().float()
+            self._record(role, t.abs().amax().float())
         return self.scale[role].clone()
 
     def _delayed(self, role: int) -> bool:
         return self.recipe.recipe == "delayed" and not (
             role == WEIGHT and self.weight_current_scaling)
+
+    def _record(self, role: int, amax: torch.Tensor, value: int | None = None) -> None:
+        """amax into the current history row; for WEIGHT, `value`: the weight value it is of
+        (None: not known to the host)."""
+        self.amax_history[0, role] = amax
+        if role == WEIGHT:
+            self._pending = value
+
+    def _cast_fn(self, t: torch.Tensor):
+        if self.compiled:
+            return fused_cast if t.is_cuda else _compiled_cast()
+        return cast_operand
 
     def cast(self, role: int, t: torch.Tensor, record: bool,
              transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -188,14 +288,43 @@ class FP8State(nn.Module):
         scaled and recorded as scale_for says, amax and cast in one (compiled) function."""
         dtype = self.recipe.grad_dtype if role == GRAD else E4M3
         delayed = self._delayed(role)
-        fn = cast_operand
-        if self.compiled:
-            fn = fused_cast if t.is_cuda else _compiled_cast()
-        q, q_t, scale, amax = fn(t, self.scale[role] if delayed else None, dtype, transposed,
-                                 delayed and record)
+        q, q_t, scale, amax = self._cast_fn(t)(t, self.scale[role] if delayed else None, dtype,
+                                               transposed, delayed and record)
         if delayed and record:
-            self.amax_history[0, role] = amax
+            self._record(role, amax)
         return q, q_t, scale.reciprocal()
+
+    def cast_weight(self, weight: torch.Tensor, record: bool,
+                    transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """cast(WEIGHT, weight, record, transposed), made once per weight value and WEIGHT scale
+        and reused after (module docstring); a recording call under delayed writes the weight's
+        amax into the history all the same."""
+        delayed = self._delayed(WEIGHT)
+        value = self._weight_value(weight)
+        key = (value, self._scale_key if delayed else None)
+        codes = self._codes
+        if codes is None or (codes.value, codes.scale_key) != key:
+            q, q_t, scale, amax = self._cast_fn(weight)(
+                weight, self.scale[WEIGHT] if delayed else None, E4M3, transposed,
+                delayed and record)
+            codes = _WeightCodes(*key, q, q_t, scale.reciprocal(), amax)
+        if transposed and codes.q_t is None:
+            codes = codes._replace(q_t=codes.q.t().contiguous())
+        if delayed and record and codes.amax is None:
+            codes = codes._replace(amax=weight.detach().abs().amax().float())
+        self._codes = codes
+        if delayed and record:
+            self._record(WEIGHT, codes.amax, value)
+        return codes.q, codes.q_t if transposed else None, codes.inverse
+
+    def _weight_value(self, weight: torch.Tensor) -> int:
+        """A number for `weight`'s value: the same while it is the same tensor at the same
+        version counter and storage, a new one (never given before) otherwise."""
+        seen = (weight, weight._version, weight.data_ptr())
+        if self._seen is None or self._seen[0] is not weight or self._seen[1:] != seen[1:]:
+            self._seen = seen
+            self._values += 1
+        return self._values
 
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
@@ -235,10 +364,10 @@ class _FP8Linear(torch.autograd.Function):
         x_q, x_t, x_inv = state.cast(INPUT, x_2d, record, transposed=ctx.needs_input_grad[1])
         if state.gathered_weight is not None:  # cast by ZeRO's FP8 parameter gather
             w_q, w_inv = state.gathered_weight
-            w_t = w_q.t().contiguous() if ctx.needs_input_grad[0] else None
+            w_t = state.gathered_transpose() if ctx.needs_input_grad[0] else None
         else:
-            w_q, w_t, w_inv = state.cast(WEIGHT, weight, record,
-                                         transposed=ctx.needs_input_grad[0])
+            w_q, w_t, w_inv = state.cast_weight(weight, record,
+                                                transposed=ctx.needs_input_grad[0])
         y = scaled_matmul(x_q, w_q.t(), x_inv, w_inv, x.dtype, bias)
         ctx.save_for_backward(x_t, w_t, x_inv, w_inv)
         ctx.state, ctx.record = state, record

@@ -247,6 +247,7 @@ class ZeroPlusPlus:
         if self.loss_scaler is not None and loss_scaler is not None:
             self.loss_scaler.load_state_dict(loss_scaler)
         self.optimizer.copy_masters_to_shards()
+        self.params.refresh()  # stage 0: the parameters' version counters bumped
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded weights on CPU, the same on every rank: the model's `full_state_dict()`

@@ -39,6 +39,13 @@ buffer's FP8-weight elements are then not written (stage 1 keeps its own exact s
 `materialize()` gathers the exact shards, as stage 3's does). Stage 3 makes each unit's payload
 once per refresh, as qwZ does, and holds the gathered codes beside the unit's flat buffer.
 
+Version counters. A parameter's `.data` is a view of a flat buffer, so the engine's writes (the
+step into a shard, a gather into the buffer) leave the parameter's own version counter where it
+was. Readers that cache what they derive from a weight key on that counter (tp/fp8.py: a linear's
+FP8 codes, reused over a step's micro-batches), so the holders bump it wherever the values the
+parameters show may have changed: at every refresh (after a step or a state load), and at stage
+3 around materialize()'s exact gathers (the training gathers may be quantized: qwZ).
+
 Collectives: gathers are issued from the hooks in unit order, which is the same on every rank.
 """
 
@@ -117,7 +124,10 @@ class FullParams:
 
     def refresh(self) -> None:
         """All-gather every unit's shard into the model's parameters (stage 1); with overlap,
-        left in flight for the forward hooks."""
+        left in flight for the forward hooks. Every stage: the parameters' version counters
+        bumped (the step wrote their flat buffers)."""
+        for unit in self.units:
+            _changed(unit.params)
         if not self.gathered:
             return
         self.release_all()
@@ -147,10 +157,11 @@ class FullParams:
         """The parameters whole and exact: any gather still in flight finished; the units
         gathered in FP8 gathered again from their exact shards (collective over DP)."""
         self.release_all()
-        for flat, shard, layout in zip(self.flats, self.shards, self.fp8):
+        for unit, flat, shard, layout in zip(self.units, self.flats, self.shards, self.fp8):
             if layout is not None:
                 self.comm.all_gather(flat, shard.clone(), self.dims.dp_group,
                                      "weights state dict")
+                _changed(unit.params)
 
     def release_all(self) -> None:
         """Finish every gather still in flight (nothing is released at stages 0 and 1)."""
@@ -199,6 +210,8 @@ class PartitionedParams:
         self.from_primary = [False] * count
         self.secondary: list[torch.Tensor | None] = [None] * count
         self.quantized: list[torch.Tensor | None] = [None] * count  # qwZ without hpZ
+        self.exact = [False] * count
+        """Unit i is gathered by materialize() (exact, unquantized) and not released since."""
         self.fp8_payloads: list[tuple[torch.Tensor, ...] | None] = [None] * count
         self.fp8 = _fp8_layouts(units, fp8_weights, dims)
         self.scales = Scales(self.fp8, dims.dp_group, comm) if fp8_weights else None
@@ -268,6 +281,9 @@ class PartitionedParams:
             return
         for param, empty in zip(self.units[index].params, self._empties[index]):
             param.data = empty
+        if self.exact[index]:  # the next gather may be quantized: other values
+            self.exact[index] = False
+            _changed(self.units[index].params)
         self.meter.drop(self.full[index])
         self.full[index] = None
         layout = self.fp8[index]
@@ -288,6 +304,8 @@ class PartitionedParams:
                                                          "weights state dict")
             self.from_primary[index] = False
             self.fetch(index, "weights state dict")
+            self.exact[index] = True
+            _changed(self.units[index].params)
 
     def _quantized_shard(self, index: int) -> torch.Tensor | None:
         """qwZ without hpZ: unit `index`'s quantized shard, made once per refresh (see the module
@@ -312,8 +330,10 @@ class PartitionedParams:
     def refresh(self) -> None:
         """The shards changed: drop gathered copies, hpZ secondaries (the next gather of each
         unit goes over the DP group and makes a new secondary), qwZ's quantized shards and the
-        FP8 payloads and scales."""
+        FP8 payloads and scales; the parameters' version counters bumped."""
         self.release_all()
+        for unit in self.units:
+            _changed(unit.params)
         if self.scales is not None:
             self.scales.clear()
         for index, payloads in enumerate(self.fp8_payloads):
@@ -359,6 +379,12 @@ def _fp8_layouts(units: list[FlatUnit], fp8_weights: dict | None,
                  dims) -> list[FP8Layout | None]:
     return [FP8Layout.of(unit, fp8_weights, dims.dp, dims.dp_rank, _dtype_of(unit))
             if fp8_weights else None for unit in units]
+
+
+def _changed(params: list[nn.Parameter]) -> None:
+    """Bump the version counters of `params`, whose values the engine changed through their flat
+    buffer (module docstring)."""
+    torch.autograd.graph.increment_version(params)
 
 
 def _dtype_of(unit: FlatUnit) -> torch.dtype:
