@@ -17,7 +17,8 @@ refuse it; megatron-core's distributed optimizer with overlapped gradient reduce
 gather). With a peer or --no-dropout, dropout is 0 (the
 peer's SDPA attention takes none). `--rounds N` repeats every run N times, ours and the peer's
 in alternating order, and the summary gives each row's median with its range and the ratio of
-medians ours / peer.
+medians ours / peer. `--limit` adds, on 1-GPU rows, the step's GEMMs and attention alone
+(benchmarks/step_limit.py) and each column's fraction of it ("of limit").
 """
 
 from __future__ import annotations
@@ -116,7 +117,18 @@ def launches(args, gpus: int) -> list[tuple[dict, list[str], dict | None]]:
             row = {"system": "megatron-core", "tp": tp, "sequence_parallel": False,
                    "variant": "local spec, SDPA, torch AdamW"}
             out.append((row, peer_command(args, tp), env))
+        if args.limit and tp * args.pp * args.dp == 1:
+            row = {"system": "limit", "tp": tp, "sequence_parallel": False,
+                   "variant": "GEMMs and attention alone, graphed"}
+            out.append((row, limit_command(args, tp), None))
     return out
+
+
+def limit_command(args, tp: int) -> list[str]:
+    """benchmarks/step_limit.py: the step's GEMMs and attention alone (one GPU)."""
+    return ["torchrun", "--standalone", "--nproc_per_node=1",
+            os.path.join(os.path.dirname(os.path.abspath(__file__)), "step_limit.py"),
+            *_shared_flags(args, tp)]
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -142,8 +154,12 @@ def summary(rows: list[dict]) -> list[dict]:
     for entry in table:
         peer = next((e for e in table if e["system"] == "megatron-core" and e["tp"] == entry["tp"]
                      and "tokens_per_s" in e), None)
-        if peer and "tokens_per_s" in entry and entry["system"] != "megatron-core":
+        if peer and "tokens_per_s" in entry and entry["system"] == "ours":
             entry["vs_peer"] = entry["tokens_per_s"] / peer["tokens_per_s"]
+        limit = next((e for e in table if e["system"] == "limit" and e["tp"] == entry["tp"]
+                      and "tokens_per_s" in e), None)
+        if limit and "tokens_per_s" in entry and entry["system"] != "limit":
+            entry["of_limit"] = entry["tokens_per_s"] / limit["tokens_per_s"]
     return table
 
 
@@ -167,6 +183,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="extra flags per variant, e.g. '' '--domino-batch-slices 2'")
     parser.add_argument("--peer", choices=("megatron",), default=None,
                         help="also run megatron-core's own step on the same shapes")
+    parser.add_argument("--limit", action="store_true",
+                        help="1-GPU rows: also time the step's GEMMs and attention alone")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no-dropout", action="store_true",
                         help="dropout 0 (implied by --peer)")
@@ -191,17 +209,19 @@ def main() -> None:
     print(f"\n{args.preset}, seq {args.seq_length}, micro-batch {args.micro_batch_size}, "
           f"PP {args.pp}{f' (vp {args.vp})' if args.vp else ''}, DP {args.dp}, bf16, {device}, "
           f"{args.rounds} round(s): medians [range]")
-    print("| system | TP | SP | variant | ms/iter | tokens/s | MFU | peak GiB | vs peer |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| system | TP | SP | variant | ms/iter | tokens/s | MFU | peak GiB | vs peer | "
+          "of limit |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for e in table:
         head = f"| {e['system']} | {e['tp']} | {e['sequence_parallel']} | {e['variant'] or '-'} |"
         if "tokens_per_s" not in e:
             print(f"{head} failed ({e['failed']} of {e['rounds']}) |")
             continue
         ratio = f"{e['vs_peer']:.3f}" if "vs_peer" in e else "-"
+        of_limit = f"{e['of_limit']:.3f}" if "of_limit" in e else "-"
         print(f"{head} {e['ms_per_iter']:.1f} | {e['tokens_per_s']:.0f} "
               f"[{e['tokens_min']:.0f}-{e['tokens_max']:.0f}] | {e['mfu_percent']:.1f}% | "
-              f"{e['peak_mem_gib']:.1f} | {ratio} |"
+              f"{e['peak_mem_gib']:.1f} | {ratio} | {of_limit} |"
               + (f" ({e['failed']} failed)" if e["failed"] else ""))
 
 

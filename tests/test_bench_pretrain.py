@@ -111,3 +111,21 @@ def test_peer_builds_our_parameters(preset, model):
     theirs = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     ours = sum(p.numel() for p in model(config, ParallelDims(tp=1), "cpu").parameters())
     assert len(chunks) == 1 and theirs == ours
+
+
+def test_limit_runs_on_one_gpu_rows_only_and_each_column_gets_its_fraction():
+    one = bench.launches(bench.parse(["--peer", "megatron", "--tp", "1", "--limit"]), gpus=8)
+    two = bench.launches(bench.parse(["--peer", "megatron", "--tp", "1", "--dp", "2",
+                                      "--limit"]), gpus=8)
+    assert [row["system"] for row, _, _ in one] == ["ours", "megatron-core", "limit"]
+    assert "limit" not in [row["system"] for row, _, _ in two]
+    limit_flags = one[2][1][one[2][1].index(str(BENCH / "step_limit.py")) + 1:]
+    assert peer.parse(limit_flags) == peer.parse(one[1][1][one[1][1].index(
+        str(BENCH / "megatron_pretrain.py")) + 1:-1])  # the peer's flags less its reduce overlap
+    rows = [{"system": system, "tp": 1, "sequence_parallel": False, "variant": "",
+             "tokens_per_s": tokens, "ms_per_iter": 1.0, "mfu_percent": 1.0,
+             "peak_mem_gib": 1.0}
+            for system, tokens in [("ours", 90), ("megatron-core", 80), ("limit", 100)]]
+    ours, theirs, limit = bench.summary(rows)
+    assert (ours["of_limit"], theirs["of_limit"]) == (0.9, 0.8) and "of_limit" not in limit
+    assert ours["vs_peer"] == 90 / 80 and "vs_peer" not in limit
