@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from megadomino.config import ModelConfig, ParallelConfig
+from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.distributed import ParallelDims
-from megadomino.pipeline.plan import uniform_plan
 from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.pipeline.schedules import (
     Action,

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_pipeline_equivalence import check_pipeline
-from test_pipeline_hetero import PLANS, check_hetero
+from test_pipeline_hetero import PLANS, check_hetero, file_plan
 
 from dist_utils import C, DistSuite
 from megadomino.distributed import ParallelDims, comm
@@ -93,9 +93,7 @@ def _setup(world: int) -> dict:
     dist.batch_isend_irecv = lambda ops: [_Coalesced(batch(ops))]
     if world == 2:
         return {"ref": ParallelDims(tp=1), "pp2": ParallelDims(tp=1, pp=2)}
-    stages, _ = PLANS["tp2_tp1"]
-    return {"ref": ParallelDims(tp=1),
-            "tp2_tp1": ParallelDims(stages=[(ranks, tp) for ranks, tp, _ in stages])}
+    return {"ref": ParallelDims(tp=1), "tp2_tp1": ParallelDims(plan=file_plan(*PLANS["tp2_tp1"]))}
 
 
 for schedule, chunks in (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2)):

@@ -27,10 +27,9 @@ from configs import make_config, parallel_config
 from dist_utils import C, DistSuite, assert_close
 from megadomino.cli.arguments import parse_args
 from megadomino.config import ConfigError, ModelConfig
-from megadomino.config.pipeline_plan import StageSpec
+from megadomino.config.pipeline_plan import PipelinePlan, Stage
 from megadomino.config.validate import validate
 from megadomino.distributed import ParallelDims, mappings
-from megadomino.pipeline.plan import plan_from_stages
 from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.pipeline.stage import build_stage, load_stage_full_state, stage_full_state
 from megadomino.train.loop import train
@@ -47,19 +46,21 @@ PLANS = {  # name -> (stages: ranks, tp, layers), layers in all
 }
 
 
-def specs(name: str) -> tuple[StageSpec, ...]:
-    return tuple(StageSpec(ranks, tp, layers) for ranks, tp, layers in PLANS[name][0])
+def file_plan(stages, num_layers: int) -> PipelinePlan:
+    """The plan a --pipeline-plan file of `stages` (ranks, tp, layers) reads as."""
+    return PipelinePlan(tuple(Stage(index, tuple(ranks), tp, (tuple(layers),))
+                              for index, (ranks, tp, layers) in enumerate(stages)),
+                        num_layers, batch_split=True)
 
 
 def check_hetero(family: str, dims, dims_ref, plan_name: str, schedule: str, micro: int,
                  mbs: int, untie: bool, **parallel):
-    stages, num_layers = specs(plan_name), PLANS[plan_name][1]
+    plan, num_layers = file_plan(*PLANS[plan_name]), PLANS[plan_name][1]
     config = tiny_config(family, num_layers=num_layers, vocab_size=331,
                          untie_embeddings_and_output_weights=untie)
     every = [batch(config, seed=200 + m, b=mbs)[:3] for m in range(micro)]
     full, ref_loss, ref_grads = reference_loss_and_grads(config, family, dims_ref, every)
-    plan = plan_from_stages(stages, num_layers)
-    parallel_cfg = parallel_config(pipeline_model_parallel_size=len(stages), **parallel)
+    parallel_cfg = parallel_config(pipeline_model_parallel_size=plan.size, **parallel)
     stage = build_stage(config, dims, plan, family, "cpu", parallel=parallel_cfg)
     load_stage_full_state(stage, full)
     runtime = PipelineRuntime(stage, plan, dims, config, parallel_cfg, schedule, mbs, micro)
@@ -87,9 +88,9 @@ SUITE = DistSuite(worlds=(3, 4, 5), timeout=300.0)
 @SUITE.setup
 def _setup(world: int) -> dict:
     out = {"ref": ParallelDims(tp=1)}
-    for name, (stages, _) in PLANS.items():
+    for name, (stages, layers) in PLANS.items():
         if sum(len(ranks) for ranks, _, _ in stages) == world:
-            out[name] = ParallelDims(stages=[(ranks, tp) for ranks, tp, _ in stages])
+            out[name] = ParallelDims(plan=file_plan(stages, layers))
     return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_pipeline_hetero import file_plan
 from test_tp_equivalence import tiny_config
 
 from configs import make_config
@@ -89,7 +90,7 @@ def checkpoint_root(tmp_path_factory) -> tuple[str]:
 
 @SUITE.setup
 def _setup(world: int, root: str) -> dict:
-    return {"plan": ParallelDims(stages=[(ranks, tp) for ranks, tp, _ in STAGES]),
+    return {"plan": ParallelDims(plan=file_plan(STAGES, 7)),
             "dp3": ParallelDims(), "pp3": ParallelDims(pp=3), "root": root}
 
 

@@ -16,6 +16,7 @@ from test_tp_equivalence import tiny_config
 
 from configs import make_config
 from dist_utils import C, DistSuite
+from megadomino.config.pipeline_plan import read_plan
 from megadomino.distributed import ParallelDims
 from megadomino.train.loop import train
 
@@ -72,7 +73,7 @@ SUITE = DistSuite(worlds=(2, 3), timeout=300.0)
 def _setup(world: int) -> dict:
     if world == 2:
         return {"pp2": ParallelDims(pp=2), "dp2": ParallelDims()}
-    return {"pp3": ParallelDims(pp=3), "tp2_tp1": ParallelDims(stages=[((0, 1), 2), ((2,), 1)])}
+    return {"pp3": ParallelDims(pp=3), "tp2_tp1": ParallelDims(plan=read_plan(str(PLAN), 3))}
 
 
 SUITE.case("pp2-1f1b", check_pipeline_line, C.pp2, 4, pipeline_schedule="1f1b", worlds=(2,))

@@ -15,8 +15,8 @@ from torch import nn
 
 from configs import parallel_config
 from dist_utils import C, DistSuite, assert_close
+from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.distributed import ParallelDims
-from megadomino.pipeline.plan import uniform_plan
 from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.pipeline.stage import build_stage, embedding_group, tied_embedding
 

@@ -14,8 +14,8 @@ import pytest
 
 from configs import make_config
 from megadomino.config import ConfigError, ModelConfig
+from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.config.validate import validate
-from megadomino.pipeline.plan import uniform_plan
 from megadomino.pipeline.schedules import (
     bubble_fraction,
     compute_order,

@@ -21,8 +21,8 @@ from configs import make_config
 from dist_utils import C, DistSuite
 from megadomino.build import build_model
 from megadomino.config import Config, ModelConfig
+from megadomino.config.pipeline_plan import PipelinePlan, read_plan, uniform_plan
 from megadomino.distributed import ParallelDims
-from megadomino.pipeline.plan import PipelinePlan, plan_from_stages, uniform_plan
 from megadomino.train.loop import train
 from megadomino.train.progress import Progress
 from megadomino.train.report import Reporter
@@ -100,7 +100,7 @@ def test_a_heterogeneous_plan_claims_no_uniform_grid():
     config = make_config(ModelConfig.preset("gpt-tiny", num_layers=3), micro_batch_size=3,
                          pipeline_model_parallel_size=2, pipeline_plan=str(PLAN), train_iters=5,
                          global_batch_size=6, mock_data=True)
-    plan = plan_from_stages(config.parallel.plan_stages(), 3)
+    plan = read_plan(config.parallel.pipeline_plan, 3)
     lines = _lines(config, plan, world=3, tp=2, pp=2, dp=1, global_batch=6).splitlines()
     assert lines[1].startswith(" parallelism: 3 ranks in a pipeline plan of 2 stages "
                                "(--pipeline-plan): stage 0 TP 2 x DP 1 on ranks 0-1, stage 1 "

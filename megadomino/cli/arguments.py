@@ -43,7 +43,7 @@ from megadomino.config import (
     build,
 )
 from megadomino.config.batches import parse_step_schedule
-from megadomino.config.pipeline_plan import read_plan
+from megadomino.config.pipeline_plan import PipelinePlan, read_plan
 from megadomino.config.validate import validate
 
 _REQUIRED_WITHOUT_PRESET = ("--num-layers", "--hidden-size", "--num-attention-heads",
@@ -117,11 +117,20 @@ def _case_insensitive(flag: Flag) -> Callable[[str], Any]:
 
 def parse_args(argv: list[str] | None, family: str,
                finetune: bool = False) -> tuple[Config, list[str]]:
+    """`parse_run`'s config and notices."""
+    config, notices, _ = parse_run(argv, family, finetune)
+    return config, notices
+
+
+def parse_run(argv: list[str] | None, family: str, finetune: bool = False
+              ) -> tuple[Config, list[str], PipelinePlan | None]:
     """Parse Megatron-LM flags (argv None: sys.argv[1:]) for a 'gpt' or 'llama' model; with
     `finetune`, finetune_llama.py's flags too, and the architecture may come from --hf-checkpoint.
 
-    Returns the config and the notices to print once (rank 0). Raises ConfigError naming the flag
-    for an unknown flag, a refused one, or a combination that cannot run at its TP size.
+    Returns the config, the notices to print once (rank 0) and --pipeline-plan's plan, its file
+    read here once (None without the flag; the launcher resolves the run's plan from it). Raises
+    ConfigError naming the flag for an unknown flag, a refused one, or a combination that cannot
+    run at its TP size.
     """
     if family not in FAMILY_DEFAULTS:
         raise ValueError(f"family must be one of {sorted(FAMILY_DEFAULTS)}, not {family!r}")
@@ -149,11 +158,11 @@ def parse_args(argv: list[str] | None, family: str,
     notices += _apply_model_rules(group_query_attention, fields["model"], parallel,
                                   parallel.get("tensor_model_parallel_size", 1))
     model_config = _model_config(args, family, given, fields)
-    _apply_pipeline_rules(parallel, model_config.num_layers)
+    plan = _apply_pipeline_rules(parallel, model_config.num_layers)
     notices += _step_schedule(train.get("schedule", {}), model_config.seq_length)
     config = Config(model_config, build(ParallelConfig, parallel), build(TrainConfig, train))
-    validate(config, finetune=finetune)
-    return config, notices
+    validate(config, finetune=finetune, plan=plan)
+    return config, notices, plan
 
 
 def _apply_deepspeed_config(args: argparse.Namespace, parser: argparse.ArgumentParser
@@ -228,17 +237,21 @@ def _model_config(args: argparse.Namespace, family: str, given: dict[Flag, Any],
     return model_config
 
 
-def _apply_pipeline_rules(parallel_fields: dict[str, Any], num_layers: int) -> None:
-    """A plan sets the PP size (its stage count); virtual stages pick the interleaved schedule."""
-    if "pipeline_plan" in parallel_fields and "pipeline_model_parallel_size" not in parallel_fields:
+def _apply_pipeline_rules(parallel_fields: dict[str, Any],
+                          num_layers: int) -> PipelinePlan | None:
+    """A plan sets the PP size (its stage count); virtual stages pick the interleaved schedule.
+    Returns --pipeline-plan's plan (None without it)."""
+    path = parallel_fields.get("pipeline_plan")
+    plan = read_plan(path, num_layers) if path is not None else None
+    if plan is not None and "pipeline_model_parallel_size" not in parallel_fields:
         # the plan's stages are the pipeline: their count is its size
-        parallel_fields["pipeline_model_parallel_size"] = len(
-            read_plan(parallel_fields["pipeline_plan"]))
+        parallel_fields["pipeline_model_parallel_size"] = plan.size
     if "pipeline_schedule" not in parallel_fields:
         # Megatron runs the interleaved schedule whenever a stage holds virtual stages.
         chunks = build(ParallelConfig, parallel_fields).virtual_chunks(num_layers)
         if chunks > 1:
             parallel_fields["pipeline_schedule"] = "interleaved"
+    return plan
 
 
 def render_flag_table(flags: tuple[Flag, ...] = FLAGS) -> str:

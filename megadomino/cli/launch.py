@@ -33,10 +33,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megadomino.cli.arguments import parse_args
+from megadomino.cli.arguments import parse_run
 from megadomino.cli.heartbeat import Heartbeat, StalledRankError
 from megadomino.cli.slurm_env import apply_slurm_env
 from megadomino.config import ConfigError
+from megadomino.config.pipeline_plan import resolve_plan
 from megadomino.config.validate import validate
 from megadomino.distributed import ParallelDims, comm
 
@@ -49,7 +50,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     process. Returns the exit status.
     """
     try:
-        config, notices = parse_args(argv, family, finetune)
+        config, notices, read = parse_run(argv, family, finetune)
         # Imported only once the flags are good: a flag error never depends on the model code.
         from megadomino.train.inputs import run_tokenizer
 
@@ -62,7 +63,8 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         _default_to_single_process()
         world_size = int(os.environ["WORLD_SIZE"])
         local_size = _local_world_size(world_size)
-        validate(config, world_size, local_size, finetune=finetune)
+        validate(config, world_size, local_size, finetune=finetune, plan=read)
+        plan = resolve_plan(config, world_size, read)  # the run's one plan, before any group
     except ConfigError as err:
         if _local_rank() == 0:  # the node's other ranks met the same error: one prints it
             _print_errors(err)
@@ -83,12 +85,8 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
             heartbeat = Heartbeat(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                   dist.get_rank(), world_size, timeout)
             heartbeat.start()
-        plan = parallel.plan_stages()  # --pipeline-plan: each stage's own DP x TP block
-        dims = ParallelDims(tp=parallel.tensor_model_parallel_size,
-                            pp=parallel.pipeline_model_parallel_size,
-                            gpus_per_node=parallel.gpus_per_node or local_size,
-                            timeout=datetime.timedelta(minutes=timeout),
-                            stages=None if plan is None else [(s.ranks, s.tp) for s in plan])
+        dims = ParallelDims(gpus_per_node=parallel.gpus_per_node or local_size,
+                            timeout=datetime.timedelta(minutes=timeout), plan=plan)
         train_data, valid_data = build_datasets(config, dims, tokenizer, finetune)
         model_init = None
         if config.train.checkpoint.hf_checkpoint is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megadomino.config.check import ConfigError, check
-from megadomino.config.pipeline_plan import StageSpec, read_plan
 from megadomino.config.zero import ZeroConfig
 
 
@@ -69,7 +68,8 @@ class ParallelConfig:
     """Layers of the last stage."""
     pipeline_plan: str | None = None
     """--pipeline-plan: a JSON file of stages (ranks, TP degree, layer range) for stage meshes
-    of different shapes (config/pipeline_plan.py); None: Megatron's uniform plan."""
+    of different shapes; None: Megatron's uniform plan. Either way the run's PipelinePlan is
+    `config/pipeline_plan.py`'s `resolve_plan`, resolved once."""
     pipeline_schedule: str = "1f1b"
     """'1f1b', 'interleaved' (needs virtual stages) or 'eager-1f1b' (Alpa's overlap-friendly
     1F1B: more warm-up forwards, each forward's send overlapping the next compute)."""
@@ -116,11 +116,6 @@ class ParallelConfig:
             per = self.num_layers_per_virtual_pipeline_stage * self.pipeline_model_parallel_size
             return max(1, num_layers // per) if per > 0 else 1
         return self.virtual_pipeline_model_parallel_size or 1
-
-    def plan_stages(self) -> tuple[StageSpec, ...] | None:
-        """The stages of --pipeline-plan's file (read anew: every rank derives the same), or
-        None without one."""
-        return read_plan(self.pipeline_plan) if self.pipeline_plan is not None else None
 
     def data_parallel_size(self, dp: int) -> int:
         """The DP degree the batch arithmetic counts: the grid's `dp`, or 1 under

@@ -1,7 +1,22 @@
-"""`--pipeline-plan FILE`: a heterogeneous pipeline plan, read from JSON and checked.
+"""The pipeline plan: which ranks hold which stage, how each stage splits its layers, as one value.
 
-The file lists the stages in pipeline order; each gives its global ranks, its TP degree and
-its layer range [start, end):
+A plan is a tuple of `Stage`s, one per pipeline rank of the run; a stage lists its ranks (every
+rank of that pipeline position: its DP x TP block), its TP degree and its layer range per model
+chunk (one chunk, or V under the interleaved schedule). `uniform_plan` builds Megatron's split:
+
+    grid = arange(world).view(pp, dp, tp)       stage s holds grid[s] (ranks s*dp*tp ...)
+    layers: L / (P V) per chunk; chunk v of stage s holds virtual stage v P + s
+    --decoder-first/last-pipeline-num-layers: the first / last stage hold that many layers
+    and the stages between split the rest evenly (V = 1 only)
+
+e.g. 7 layers over PP=2 with --decoder-first-pipeline-num-layers 4: [0, 4) and [4, 7). The
+split's arithmetic is config/pipeline_split.py's `layer_split`, which the validator runs too: a
+split that does not divide is refused there, one line naming the flag.
+
+`--pipeline-plan FILE` gives a heterogeneous plan instead (`read_plan`): stages of different TP
+degrees and DP sizes, joined by the resharding transport (pipeline/transport_reshard.py). The
+file lists the stages in pipeline order; each gives its global ranks, its TP degree and its
+layer range [start, end):
 
     {"stages": [{"ranks": [0, 1], "tp": 2, "layers": [0, 4]},
                 {"ranks": [2, 3, 4], "tp": 1, "layers": [4, 7]}]}
@@ -12,8 +27,15 @@ pipeline's micro-batch is `--micro-batch-size` sequences in all, which each stag
 its own DP ranks (unevenly where they do not divide: torch.tensor_split's rule), so the batch
 arithmetic counts one data-parallel replica of the whole pipeline.
 
-`read_plan` is a pure function of the file: every rank derives the same stages.
-`check_plan` is the validator's: every rule names the file and what is wrong.
+The plan is one value, resolved once before any process group (`resolve_plan`: the file as the
+argument parser read it, or the flags' uniform plan); `ParallelDims` is built from it and every
+later step takes it (a rank's own stage: `stage_of`, looked up once by the stage builder and
+handed on). A plan computed from the world (`--pipeline-plan auto`, the slow-links issue's) is a
+resolver of the same result, `(config, world group) -> PipelinePlan`, every rank returning the
+same plan: the launcher calls it after init_process_group and before `ParallelDims`, the flags
+validated before the group as now, the computed plan checked by `check_plan` and
+`check_composition` (their ConfigError then raised alike on every rank). `check_plan` and the
+rest are the validator's: every rule names the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -22,23 +44,113 @@ import json
 from dataclasses import dataclass
 
 from megadomino.config.check import ConfigError
+from megadomino.config.pipeline_split import layer_split
 
 
 @dataclass(frozen=True)
-class StageSpec:
-    """One stage of a plan file: its ranks (DP x TP, TP fastest), TP degree, layers [a, b)."""
+class Stage:
+    """One pipeline stage. ranks: every global rank of the stage (DP x TP, Megatron's order);
+    tp: its TP degree; layers: (start, end) per model chunk, in chunk order."""
 
+    index: int
     ranks: tuple[int, ...]
     tp: int
-    layers: tuple[int, int]
+    layers: tuple[tuple[int, int], ...]
+
+    @property
+    def num_layers(self) -> int:
+        return sum(end - start for start, end in self.layers)
 
     @property
     def dp(self) -> int:
+        """Batch-split data-parallel ranks: the stage's rank (d, t) is ranks[d * tp + t]."""
         return len(self.ranks) // self.tp
 
 
-def read_plan(path: str) -> tuple[StageSpec, ...]:
-    """The stages of `path`; ConfigError naming the file when it is not a plan."""
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The stages in pipeline order, over a model of `num_layers` layers; every stage holds
+    `chunks` model chunks (virtual stages), the chunk v of stage s being virtual stage v P + s."""
+
+    stages: tuple[Stage, ...]
+    num_layers: int
+    batch_split: bool = False
+    """A --pipeline-plan file's: a micro-batch is the whole pipeline's, each stage splitting it
+    over its DP ranks (the resharding transport joins the stages); False: Megatron's, each DP
+    rank runs its own micro-batches through its own column of stages."""
+
+    @property
+    def size(self) -> int:
+        return len(self.stages)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.stages[0].layers)
+
+    @property
+    def same_layout(self) -> bool:
+        """Every stage has the same TP degree and rank count (plain P2P joins them)."""
+        return all(same_layout(self.stages[0], stage) for stage in self.stages)
+
+    @property
+    def uniform(self) -> bool:
+        """Every stage alike: same TP degree, rank count and layers per chunk."""
+        counts = {end - start for stage in self.stages for start, end in stage.layers}
+        return self.same_layout and len(counts) == 1
+
+    def stage_of(self, rank: int) -> Stage:
+        for stage in self.stages:
+            if rank in stage.ranks:
+                return stage
+        raise ValueError(f"rank {rank} is in no stage of the plan")
+
+    def table(self) -> str:
+        """One stage a line: what the start-up summary and docs print."""
+        lines = []
+        for stage in self.stages:
+            layers = " ".join(f"[{start}, {end})" for start, end in stage.layers)
+            lines.append(f"stage {stage.index}: ranks {list(stage.ranks)} tp {stage.tp} "
+                         f"layers {layers}")
+        return "\n".join(lines) + "\n"
+
+
+def same_layout(first: Stage, second: Stage) -> bool:
+    """Same TP degree and rank count: an activation moves between them position by position."""
+    return first.tp == second.tp and len(first.ranks) == len(second.ranks)
+
+
+def uniform_plan(num_layers: int, world: int, tp: int, pp: int, chunks: int = 1,
+                 first: int | None = None, last: int | None = None) -> PipelinePlan:
+    """Megatron's plan: stage s holds ranks [s * world / pp, (s + 1) * world / pp), TP `tp`."""
+    if world % pp:
+        raise ConfigError(f"world size {world} is not divisible by "
+                          f"--pipeline-model-parallel-size={pp}")
+    per_stage = world // pp
+    split = layer_split(num_layers, pp, chunks, first, last)
+    stages = tuple(Stage(s, tuple(range(s * per_stage, (s + 1) * per_stage)), tp,
+                         tuple(split[s])) for s in range(pp))
+    return PipelinePlan(stages, num_layers)
+
+
+def resolve_plan(config, world_size: int, read: PipelinePlan | None = None) -> PipelinePlan:
+    """The run's plan on `world_size` ranks, the one value every later step takes: --pipeline-
+    plan's file (`read`: as the argument parser read it, not read again; None: read now), else
+    Megatron's uniform plan of the flags. `config`: a Config the validator has passed."""
+    parallel, model = config.parallel, config.model
+    if parallel.pipeline_plan is not None:
+        return read if read is not None else read_plan(parallel.pipeline_plan, model.num_layers)
+    return uniform_plan(model.num_layers, world_size, parallel.tensor_model_parallel_size,
+                        parallel.pipeline_model_parallel_size,
+                        parallel.virtual_chunks(model.num_layers),
+                        parallel.decoder_first_pipeline_num_layers,
+                        parallel.decoder_last_pipeline_num_layers)
+
+
+def read_plan(path: str, num_layers: int) -> PipelinePlan:
+    """The plan of the file `path` (module docstring: one chunk a stage, batch-split) over a
+    model of `num_layers` layers, which `check_plan` checks its layer ranges against;
+    ConfigError naming the file when it is not a plan. A pure function of the file: every rank
+    reads the same plan."""
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
@@ -52,10 +164,11 @@ def read_plan(path: str) -> tuple[StageSpec, ...]:
     if not isinstance(stages, list) or not stages:
         raise ConfigError(f"--pipeline-plan {path}: expected an object with a non-empty list "
                           "'stages'")
-    return tuple(_stage(path, index, entry) for index, entry in enumerate(stages))
+    return PipelinePlan(tuple(_stage(path, index, entry) for index, entry in enumerate(stages)),
+                        num_layers, batch_split=True)
 
 
-def _stage(path: str, index: int, entry) -> StageSpec:
+def _stage(path: str, index: int, entry) -> Stage:
     where = f"--pipeline-plan {path}: stage {index}"
     keys = ("ranks", "tp", "layers")
     if not isinstance(entry, dict):
@@ -78,28 +191,29 @@ def _stage(path: str, index: int, entry) -> StageSpec:
                           f"not {layers!r}")
     if len(ranks) % tp:
         raise ConfigError(f"{where}: tp {tp} does not divide its {len(ranks)} ranks")
-    return StageSpec(tuple(ranks), tp, tuple(layers))
+    return Stage(index, tuple(ranks), tp, (tuple(layers),))
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_plan(path: str, stages: tuple[StageSpec, ...], num_layers: int,
+def check_plan(path: str, plan: PipelinePlan, num_layers: int,
                world_size: int | None = None) -> None:
     """The plan's own rules: layer ranges contiguous over [0, num_layers), no rank in two
     stages, and with `world_size` the ranks cover the world exactly once."""
     name = f"--pipeline-plan {path}"
     end = 0
-    for index, stage in enumerate(stages):
-        if stage.layers[0] != end:
-            raise ConfigError(f"{name}: stage {index} starts at layer {stage.layers[0]}, not "
+    for stage in plan.stages:
+        (start, stop), = stage.layers  # a file's stage holds one chunk
+        if start != end:
+            raise ConfigError(f"{name}: stage {stage.index} starts at layer {start}, not "
                               f"{end}: the layer ranges must be contiguous from 0")
-        end = stage.layers[1]
+        end = stop
     if end != num_layers:
         raise ConfigError(f"{name}: the stages end at layer {end}, not at --num-layers "
                           f"({num_layers})")
-    ranks = [rank for stage in stages for rank in stage.ranks]
+    ranks = [rank for stage in plan.stages for rank in stage.ranks]
     repeated = sorted({rank for rank in ranks if ranks.count(rank) > 1})
     if repeated:
         raise ConfigError(f"{name}: rank {repeated[0]} is in more than one stage (or twice in "
@@ -112,24 +226,19 @@ def check_plan(path: str, stages: tuple[StageSpec, ...], num_layers: int,
         raise ConfigError(f"{name}: the stages must cover the world's ranks exactly once; {what}")
 
 
-def same_layout(first: StageSpec, second: StageSpec) -> bool:
-    """Same TP degree and rank count: an activation moves between them position by position."""
-    return first.tp == second.tp and len(first.ranks) == len(second.ranks)
-
-
-def plan_rules(config, world_size: int | None) -> list[int]:
-    """The validator's rules for --pipeline-plan (none without it) on a `Config`: the file,
-    the plan, what composes with it. Returns the stages' TP degrees, at which the validator
-    checks the layers."""
+def plan_rules(config, world_size: int | None, plan: PipelinePlan | None = None) -> list[int]:
+    """The validator's rules for --pipeline-plan (none without it) on a `Config`: the file
+    (`plan`: as already read; None: read here), the plan, what composes with it. Returns the
+    stages' TP degrees, at which the validator checks the layers."""
     parallel, path = config.parallel, config.parallel.pipeline_plan
     if path is None:
         return []
-    stages = read_plan(path)
-    check_plan(path, stages, config.model.num_layers, world_size)
-    check_composition(path, stages, parallel, config.model,
+    plan = plan if plan is not None else read_plan(path, config.model.num_layers)
+    check_plan(path, plan, config.model.num_layers, world_size)
+    check_composition(path, plan, parallel, config.model,
                       config.train.schedule.micro_batch_size)
     check_features(path, config)
-    return sorted({stage.tp for stage in stages})
+    return sorted({stage.tp for stage in plan.stages})
 
 
 def check_features(path: str, config) -> None:
@@ -154,12 +263,12 @@ def check_features(path: str, config) -> None:
                               "--pipeline-model-parallel-size)")
 
 
-def check_composition(path: str, stages: tuple[StageSpec, ...], parallel, model,
+def check_composition(path: str, plan: PipelinePlan, parallel, model,
                       micro_batch_size: int) -> None:
     """What runs beside a plan today, each refusal with its reason. `parallel`: the
     ParallelConfig; `model`: the ModelConfig."""
     name = f"--pipeline-plan {path}"
-    count = len(stages)
+    stages, count = plan.stages, plan.size
     if count < 2:
         raise ConfigError(f"{name}: a plan needs at least 2 stages (one stage is data and tensor "
                           "parallelism alone)")

@@ -1,5 +1,5 @@
 """Megatron's split of the layers over pipeline stages, as arithmetic (the validator checks it;
-pipeline/plan.py builds the plan from it).
+config/pipeline_plan.py builds the plan from it).
 
     virtual pipeline (V chunks a stage): L / (P V) layers a chunk; chunk v of stage s holds
         virtual stage v P + s, layers [(v P + s) n, (v P + s + 1) n)

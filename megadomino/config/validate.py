@@ -22,7 +22,7 @@ from megadomino.config.batches import BatchSchedule
 from megadomino.config.check import ConfigError, check
 from megadomino.config.model import ModelConfig
 from megadomino.config.parallel import ParallelConfig, check_degrees, check_gpus_per_node
-from megadomino.config.pipeline_plan import plan_rules
+from megadomino.config.pipeline_plan import PipelinePlan, plan_rules
 from megadomino.config.pipeline_split import layer_split
 from megadomino.config.train import (
     DATALOADER_TYPES,
@@ -35,14 +35,17 @@ from megadomino.config.tree import Config
 
 
 def validate(config: Config, world_size: int | None = None, gpus_per_node: int | None = None, *,
-             finetune: bool = False, data_given: bool = False) -> None:
+             finetune: bool = False, data_given: bool = False,
+             plan: PipelinePlan | None = None) -> None:
     """Raise ConfigError (naming the flag, the value and what works) if `config` cannot run;
     with `world_size`, also on that many ranks, `gpus_per_node` of them a node (None: all of
     them, unless --gpus-per-node says otherwise). `finetune`: finetune_llama.py's rules;
-    `data_given`: datasets are handed to train(), so no data flag is needed."""
+    `data_given`: datasets are handed to train(), so no data flag is needed; `plan`: the run's
+    plan as already resolved (config/pipeline_plan.py), whose --pipeline-plan file is then not
+    read again (None: read here)."""
     _train_rules(config.train, finetune, data_given)
     _parallel_rules(config.model, config.parallel, config.train.precision.fp8)
-    for tp in plan_rules(config, world_size):  # each stage's TP degree under --pipeline-plan
+    for tp in plan_rules(config, world_size, plan):  # each stage's TP under --pipeline-plan
         validate_layers(config.model, config.parallel, tp, config.train.precision.fp8)
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)
@@ -187,8 +190,6 @@ def _fp8_rules(parallel: ParallelConfig, fp8: FP8Recipe) -> None:
           "--recompute-granularity", parallel.recompute_granularity,
           "not 'full' with --fp8-recipe delayed: the recomputed forward would advance the "
           "delayed-scaling state a second time (use selective, or --fp8-recipe tensorwise)")
-
-
 
 
 def _world_rules(config: Config, world_size: int, local_world_size: int | None) -> None:

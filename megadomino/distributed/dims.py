@@ -6,9 +6,10 @@ made of neighbouring ranks and stays inside a node:
     grid = arange(world).view(pp, dp, tp)
     tp_group  of rank r: grid[p, d, :]     dp_group: grid[p, :, t]     pp_group: grid[:, d, t]
 
-A heterogeneous pipeline plan (--pipeline-plan) replaces grid[p] by stage p's own DP x TP block
-(`stages`): each stage has its own TP degree and DP size, and the groups are cut from each block
-the same way; ranks of different stages then have different `tp` and `dp`.
+Built from the run's pipeline plan (config/pipeline_plan.py; the launcher resolves it once), the
+grid's grid[p] is stage p's DP x TP block: Megatron's uniform plan gives the grid above, a
+heterogeneous one (--pipeline-plan) gives each stage its own TP degree and DP size, the groups
+cut from each block the same way; ranks of different stages then have different `tp` and `dp`.
 
 For ZeRO++ the DP group is further cut by node: `intra_node_group` holds the DP peers on the same
 node, `inter_node_group` the DP peers with the same position on other nodes. `gpus_per_node`
@@ -18,12 +19,12 @@ defaults to LOCAL_WORLD_SIZE and may be set smaller so that one host stands in f
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from megadomino.config.parallel import check_degrees, check_gpus_per_node
+from megadomino.config.pipeline_plan import PipelinePlan
 
 
 class ParallelDims:
@@ -32,31 +33,34 @@ class ParallelDims:
     new groups, not the world group's; the launcher passes --distributed-timeout-minutes).
     gpus_per_node: ranks per node (consecutive ranks share a node); None: the whole world is one
     node. The launcher passes torchrun's LOCAL_WORLD_SIZE (or --gpus-per-node).
-    stages: a pipeline plan's stages, each (its ranks, its TP degree), the ranks its DP x TP
-    block in Megatron's order; then tp, pp and dp are this rank's stage's (each stage has its
-    own TP and DP groups) and the arguments tp / pp / dp are not used."""
+    plan: the run's pipeline plan, whose stages' ranks are their DP x TP blocks in Megatron's
+    order; then tp, pp and dp are this rank's stage's (each stage has its own TP and DP groups)
+    and the arguments tp / pp / dp are not used. Without it the grid is the degrees' (as tests
+    build it), and `plan` is None."""
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None,
                  gpus_per_node: int | None = None, timeout: datetime.timedelta | None = None,
-                 stages: Sequence[tuple[Sequence[int], int]] | None = None):
+                 plan: PipelinePlan | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ParallelDims needs torch.distributed.init_process_group() first")
         world = dist.get_world_size()
         rank = dist.get_rank()
-        if stages is None:
+        if plan is None:
             if dp is None:
                 dp = world // (tp * pp) if tp >= 1 and pp >= 1 and world % (tp * pp) == 0 else -1
             check_degrees(world, tp, pp, dp)
             grid = torch.arange(world).view(pp, dp, tp)
             blocks = [grid[p] for p in range(pp)]
         else:
-            blocks = [torch.tensor(list(ranks)).view(-1, stage_tp) for ranks, stage_tp in stages]
+            blocks = [torch.tensor(stage.ranks).view(-1, stage.tp) for stage in plan.stages]
         if gpus_per_node is None:  # one node (the launcher passes the node's process count)
             gpus_per_node = world
         for block in blocks:
             check_gpus_per_node(world, block.shape[1], gpus_per_node)
 
         self.world_size, self.rank = world, rank
+        self.plan = plan
+        """The pipeline plan the grid was built from (every later step takes it), or None."""
         self.pp_rank = next(p for p, block in enumerate(blocks) if rank in block)
         (self.dp_rank, self.tp_rank), = (blocks[self.pp_rank] == rank).nonzero().tolist()
         self.dp, self.tp = blocks[self.pp_rank].shape

@@ -1,7 +1,8 @@
-"""Pipeline parallelism: stage plans (`plan`), a stage's chunks of the model (`stage`), schedules
-as action lists (`schedules`: 1F1B, interleaved 1F1B, eager-1F1B), their executor (`executor`),
-the transports between stages (`transport`: plain P2P between same-layout stages;
-`reshard_transport`: the cross-mesh resharding plans of `reshard/` between stages of different
+"""Pipeline parallelism: a stage's chunks of the model (`stage`, of the run's plan:
+config/pipeline_plan.py), schedules as action lists (`schedules`: 1F1B, interleaved 1F1B,
+eager-1F1B), their executor (`executor`), the transports between stages (`transport_protocol`,
+what the executor calls; `transport_p2p`: plain P2P between same-layout stages;
+`transport_reshard`: the cross-mesh resharding plans of `reshard/` between stages of different
 layouts, for --pipeline-plan), and the training step that joins them to the data-parallel engine
 (`runtime`). docs/pipeline.md says what composes.
 

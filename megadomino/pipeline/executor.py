@@ -1,7 +1,7 @@
 """The executor: runs one stage's action list (schedules.py) for one global batch.
 
 For each action, in order and nothing else:
-  recv / send      post the transport's asynchronous receive / send (transport.py)
+  recv / send      post the transport's asynchronous receive / send (transport_protocol.py)
   wait             block on the posted operation; a received activation becomes a leaf that
                    requires grad (its .grad is what the backward sends back)
   forward          run chunk v on micro-batch m (stage.run_chunk); the activation input and
@@ -42,7 +42,7 @@ from torch import nn
 
 from megadomino.pipeline.schedules import Action
 from megadomino.pipeline.stage import run_chunk
-from megadomino.pipeline.transport import Transport
+from megadomino.pipeline.transport_protocol import Transport
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # tokens, labels, loss_mask [b, s]
 PhaseTimers = Callable[[str], contextlib.AbstractContextManager]

@@ -23,51 +23,46 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
-from megadomino.config import ConfigError, ModelConfig, ParallelConfig
+from megadomino.config import Config, ConfigError, ModelConfig, ParallelConfig
+from megadomino.config.pipeline_plan import PipelinePlan, resolve_plan
 from megadomino.distributed import comm
 from megadomino.models.blocks import DTYPES
 from megadomino.pipeline.executor import Executor, MicroBatch, PhaseTimers
-from megadomino.pipeline.plan import PipelinePlan, plan_from_stages, uniform_plan
 from megadomino.pipeline.reshard.layout import part_range
-from megadomino.pipeline.reshard_transport import ReshardTransport
 from megadomino.pipeline.schedules import compute_order, schedule, with_transfers
-from megadomino.pipeline.stage import embedding_group, tied_embedding
-from megadomino.pipeline.transport import P2PTransport
+from megadomino.pipeline.stage import StageChunks, embedding_group, tied_embedding
+from megadomino.pipeline.transport_p2p import P2PTransport
+from megadomino.pipeline.transport_reshard import ReshardTransport
 
 
-def plan_from_config(model: ModelConfig, parallel: ParallelConfig, world: int) -> PipelinePlan:
-    """--pipeline-plan's plan, else Megatron's uniform plan for the flags (plan.py)."""
-    if parallel.pipeline_plan is not None:
-        return plan_from_stages(parallel.plan_stages(), model.num_layers)
-    chunks = parallel.virtual_chunks(model.num_layers)
-    return uniform_plan(model.num_layers, world, parallel.tensor_model_parallel_size,
-                        parallel.pipeline_model_parallel_size, chunks,
-                        parallel.decoder_first_pipeline_num_layers,
-                        parallel.decoder_last_pipeline_num_layers)
+def run_plan(config: Config, dims) -> PipelinePlan:
+    """The run's pipeline plan: the one `dims` were built from (the launcher's, resolved once),
+    else, for dims built from degrees as tests build them, resolve_plan's of `config`."""
+    return dims.plan if dims.plan is not None else resolve_plan(config, dims.world_size)
 
 
 class PipelineRuntime:
     """Built alike on every rank (it creates the embedding groups: collective over the world).
-    chunks: this rank's (pipeline/stage.py build_stage); micro_batch_size, num_micro: the step's
+    chunks: this rank's, with its Stage of `plan` (pipeline/stage.py build_stage), which the
+    transport and the executor are handed; micro_batch_size, num_micro: the step's
     micro-batches; schedule_name: one of schedules.SCHEDULES."""
 
-    def __init__(self, chunks: nn.ModuleList, plan: PipelinePlan, dims, model: ModelConfig,
+    def __init__(self, chunks: StageChunks, plan: PipelinePlan, dims, model: ModelConfig,
                  parallel: ParallelConfig, schedule_name: str, micro_batch_size: int,
                  num_micro: int):
-        stage = plan.stage_of(dims.rank)
+        self.stage = stage = chunks.stage
         self.plan, self.dims, self.chunks, self.num_micro = plan, dims, chunks, num_micro
         device, dtype = next(chunks.parameters()).device, DTYPES[model.params_dtype]
         if plan.batch_split:  # the whole micro-batch's activation, resharded between stages
             transport = ReshardTransport(
-                plan, dims.rank, (model.seq_length, micro_batch_size, model.hidden_size),
+                plan, stage, dims.rank, (model.seq_length, micro_batch_size, model.hidden_size),
                 dtype, device, num_micro, parallel.sequence_parallel, dims.gpus_per_node)
         else:
             seq = model.seq_length
             if parallel.sequence_parallel and dims.tp > 1:
                 seq //= dims.tp
-            transport = P2PTransport(plan, dims.rank, dims.pp_group,
+            transport = P2PTransport(plan, stage, dims.pp_group,
                                      (seq, micro_batch_size, model.hidden_size), dtype,
                                      device, num_micro)
         if plan.size > 1:  # NCCL: the group's first operation must be a collective of it all
@@ -85,9 +80,8 @@ class PipelineRuntime:
         """This stage's action list for a step of `num_micro` micro-batches (at most the
         transport's count, whose tags it sizes)."""
         if num_micro not in self._actions:
-            stage = self.plan.stage_of(self.dims.rank).index
-            self._actions[num_micro] = schedule(self.schedule_name, self.plan.size, stage,
-                                                num_micro, self.plan.chunks)
+            self._actions[num_micro] = schedule(self.schedule_name, self.plan.size,
+                                                self.stage.index, num_micro, self.plan.chunks)
         return self._actions[num_micro]
 
     def train_step(self, batches: Sequence[MicroBatch], engine,
@@ -130,7 +124,7 @@ class PipelineRuntime:
         """The mean loss (or `weights`' sum) of forwards only, any number of micro-batches
         (eval mode is the caller's): every forward in the order of the training schedule, no
         backward."""
-        plan, stage = self.plan, self.plan.stage_of(self.dims.rank).index
+        plan, stage = self.plan, self.stage.index
         name = "interleaved" if plan.chunks > 1 and len(batches) % plan.size == 0 else None
         if name is None and plan.chunks > 1:
             order = [("F", m, v) for v in range(plan.chunks) for m in range(len(batches))]

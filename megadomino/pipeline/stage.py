@@ -25,39 +25,45 @@ from torch import nn
 
 from megadomino import overlap
 from megadomino.config import ConfigError, FP8Recipe, ModelConfig, ParallelConfig
+from megadomino.config.pipeline_plan import PipelinePlan, Stage
 from megadomino.models import FAMILIES, GPTModel
 from megadomino.models.gpt import gather_full
-from megadomino.pipeline.plan import PipelinePlan
 
 
 def build_stage(config: ModelConfig, dims, plan: PipelinePlan, family: str = "gpt",
                 device=None, *, parallel: ParallelConfig | None = None,
                 fp8: FP8Recipe | None = None, init_seed: int | None = None) -> StageChunks:
-    """This rank's chunks (StageChunks: GPTModel parts, one per virtual stage it holds),
-    each with the runner `parallel` asks for (recompute). The initial values come from the
-    default generator as it is (`init_seed` None) or seeded with `init_seed`, which leaves the
-    rank's own generator untouched: the training loop passes --seed, so every stage starts
-    from the weights the PP=1 run has (Megatron seeds stage s with seed + 100 s, and draws its
-    weights from that; here that stream is left to dropout)."""
+    """This rank's chunks (StageChunks: GPTModel parts, one per virtual stage it holds, and the
+    rank's Stage of the plan, looked up here once), each with the runner `parallel` asks for
+    (recompute). The initial values come from the default generator as it is (`init_seed`
+    None) or seeded with `init_seed`, which leaves the rank's own generator untouched: the
+    training loop passes --seed, so every stage starts from the weights the PP=1 run has
+    (Megatron seeds stage s with seed + 100 s, and draws its weights from that; here that
+    stream is left to dropout)."""
     if family not in FAMILIES:
         raise ConfigError(f"model family {family!r} is unknown: choose 'gpt' or 'llama'")
     parallel = parallel or ParallelConfig()
+    stage = plan.stage_of(dims.rank)
     cuda = torch.cuda.is_available()
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else [],
                                enabled=init_seed is not None):
         if init_seed is not None:
             torch.manual_seed(init_seed)
-        chunks = _draw_chunks(config, dims, plan, family, device, parallel, fp8)
-    stage = plan.stage_of(dims.rank)
+        chunks = _draw_chunks(config, dims, plan, stage, family, device, parallel, fp8)
     if plan.size > 1 and stage.index == plan.size - 1 and chunks[-1].word_embeddings is not None:
         chunks[-1].word_embeddings.weight.pipeline_duplicate = True
-    return StageChunks(chunks)
+    return StageChunks(chunks, stage)
 
 
 class StageChunks(nn.ModuleList):
-    """A stage's chunks (GPTModel parts, in chunk order). `config` is the whole model's;
-    `checkpoint_parameters()` names each parameter as the whole model does (checkpoints key
-    them so, and load them at another pipeline degree)."""
+    """A stage's chunks (GPTModel parts, in chunk order) and its `stage` (the plan's Stage this
+    rank holds: what the pipeline's runtime, transport and executor run). `config` is the whole
+    model's; `checkpoint_parameters()` names each parameter as the whole model does
+    (checkpoints key them so, and load them at another pipeline degree)."""
+
+    def __init__(self, chunks: list[GPTModel], stage: Stage):
+        super().__init__(chunks)
+        self.stage = stage
 
     @property
     def config(self) -> ModelConfig:
@@ -81,10 +87,10 @@ class StageChunks(nn.ModuleList):
                 for name, param in model.named_parameters()]
 
 
-def _draw_chunks(config: ModelConfig, dims, plan: PipelinePlan, family: str, device,
-                 parallel: ParallelConfig, fp8: FP8Recipe | None) -> list[GPTModel]:
-    """Each chunk built from the same generator state (restored before each)."""
-    stage = plan.stage_of(dims.rank)
+def _draw_chunks(config: ModelConfig, dims, plan: PipelinePlan, stage: Stage, family: str,
+                 device, parallel: ParallelConfig, fp8: FP8Recipe | None) -> list[GPTModel]:
+    """Stage `stage`'s chunks, each built from the same generator state (restored before
+    each)."""
     cuda = torch.cuda.is_available()
     start_cpu = torch.get_rng_state()
     start_cuda = torch.cuda.get_rng_state() if cuda else None

@@ -19,7 +19,7 @@ from megadomino.data.builder import rank0_first
 from megadomino.data.sft import build_sft_datasets
 from megadomino.data.tokenizer import Tokenizer
 from megadomino.distributed import ParallelDims
-from megadomino.pipeline.runtime import plan_from_config
+from megadomino.pipeline.runtime import run_plan
 from megadomino.pipeline.stage import build_stage
 from megadomino.train.loop import ModelInit
 from megadomino.train.step import Dataset
@@ -85,7 +85,7 @@ def hf_model_init(hf_dir: str) -> ModelInit:
         if dims.pp == 1:
             return load_llama(hf_dir, dims, parallel=config.parallel, fp8=fp8,
                               **vars(config.model))
-        plan = plan_from_config(config.model, config.parallel, dims.world_size)
+        plan = run_plan(config, dims)
         stage = build_stage(config.model, dims, plan, "llama", parallel=config.parallel,
                             fp8=fp8, init_seed=config.train.runtime.seed)
         load_llama_weights(stage, hf_dir)

@@ -12,8 +12,8 @@ from torch import nn
 
 from megadomino.config import CheckpointConfig, Config, ScheduleConfig, ZeroConfig
 from megadomino.config.batches import sample_counts
+from megadomino.config.pipeline_plan import PipelinePlan
 from megadomino.distributed import comm
-from megadomino.pipeline.plan import PipelinePlan
 from megadomino.train.lr_schedule import LRSchedule
 from megadomino.train.pad_rows import first_pad_row
 

@@ -90,8 +90,8 @@ def _twins_on(device: torch.device) -> None:
 
 def _plan_dims(world: int) -> dict:
     """ParallelDims of every hetero plan of `world` ranks, by plan name."""
-    return {name: ParallelDims(stages=[(ranks, tp) for ranks, tp, _ in stages])
-            for name, (stages, _) in hetero.PLANS.items()
+    return {name: ParallelDims(plan=hetero.file_plan(stages, layers))
+            for name, (stages, layers) in hetero.PLANS.items()
             if sum(len(ranks) for ranks, _, _ in stages) == world}
 
 

@@ -1,51 +1,15 @@
-"""Stage-to-stage transports: how an activation goes forward and its gradient back.
-
-A transport serves one rank and knows its neighbours from the plan. The executor calls four
-methods, each posting an asynchronous operation and returning a handle with `wait()`:
-
-    send_activation(tensor, micro, chunk)   to the stage holding the next virtual stage
-    recv_activation(micro, chunk)            -> (handle, buffer) from the previous one
-    send_grad(tensor, micro, chunk)          to the previous virtual stage
-    recv_grad(micro, chunk)                  -> (handle, buffer) from the next one
-
-`chunk` is the local model chunk the tensor belongs to (virtual stage chunk * P + stage); the
-last stage's chunk v feeds the first stage's chunk v + 1. `P2PTransport` is the plain one between
-same-layout stages: rank (stage s, dp d, tp t) talks to (s +- 1, d, t) with isend / irecv.
+"""The plain pipeline transport (transport_protocol.py's `Transport`) between same-layout stages:
+rank (stage s, dp d, tp t) talks to (s +- 1, d, t) with isend / irecv over the pipeline group.
 `flush()` starts what was posted since the last flush, as one batch.
-The resharding transport (reshard_transport.py) implements the same four methods between stages
-of different layouts.
-
-Every message has its own tag (direction, chunk, micro-batch), so gloo matches them whatever the
-posting order; backends that ignore tags (NCCL) match in posting order, which the schedules keep
-the same on both sides of every pair.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
+from megadomino.config.pipeline_plan import PipelinePlan, Stage
 from megadomino.distributed import comm
-from megadomino.pipeline.plan import PipelinePlan
-
-
-class Handle(Protocol):
-    def wait(self) -> object: ...
-
-
-class Transport(Protocol):
-    def send_activation(self, tensor: torch.Tensor, micro: int, chunk: int) -> Handle: ...
-
-    def recv_activation(self, micro: int, chunk: int) -> tuple[Handle, torch.Tensor]: ...
-
-    def send_grad(self, tensor: torch.Tensor, micro: int, chunk: int) -> Handle: ...
-
-    def recv_grad(self, micro: int, chunk: int) -> tuple[Handle, torch.Tensor]: ...
-
-    def flush(self) -> None:
-        """Start what was posted since the last flush (the executor calls it before anything
-        that is not a post: the posts of one step go out together)."""
+from megadomino.pipeline.transport_protocol import Handle
 
 
 class _Posted:
@@ -66,14 +30,13 @@ class P2PTransport:
     posts of one step go out as one `batch_isend_irecv`: NCCL runs a batch's sends and receives
     together (posted one by one, a send to a peer could wait behind a receive from it).
     shape, dtype, device: every activation's (one micro-batch: (s, b, h), or (s/tp, b, h) under
-    sequence parallelism); micro: micro-batches per step (for the tags)."""
+    sequence parallelism); micro: micro-batches per step (for the tags); stage: this rank's."""
 
-    def __init__(self, plan: PipelinePlan, rank: int, pp_group, shape: tuple[int, ...],
+    def __init__(self, plan: PipelinePlan, stage: Stage, pp_group, shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device, micro: int):
         if not plan.same_layout:
             raise ValueError("P2PTransport joins same-layout stages only; stages of different "
                              "layouts need a resharding transport")
-        stage = plan.stage_of(rank)
         count = plan.size
         self.stage, self.stages, self.chunks = stage.index, count, plan.chunks
         self.next_stage, self.prev_stage = (stage.index + 1) % count, (stage.index - 1) % count

@@ -1,4 +1,5 @@
-"""The resharding transport: the pipeline's `Transport` between stages of different layouts.
+"""The resharding transport: the pipeline's `Transport` (transport_protocol.py) between stages of
+different layouts.
 
 A micro-batch's activation is one (seq, batch, hidden) tensor of the whole micro-batch. Stage s
 lays it out over its mesh of (dp, tp) ranks (Megatron's order, TP fastest): its DP ranks split
@@ -28,11 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megadomino.config.pipeline_plan import PipelinePlan, Stage
 from megadomino.distributed import comm
-from megadomino.pipeline.plan import PipelinePlan, Stage
 from megadomino.pipeline.reshard import Layout, Mesh, make_plan
 from megadomino.pipeline.reshard.layout import Box, box_shape, box_slices
-from megadomino.pipeline.transport import Handle
+from megadomino.pipeline.transport_protocol import Handle
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,13 @@ class _Pending:
 
 
 class ReshardTransport:
-    """The `Transport` (transport.py) of one rank under a plan of one chunk a stage.
+    """The `Transport` (transport_protocol.py) of one rank, of Stage `stage`, under a plan of
+    one chunk a stage.
 
     shape: one micro-batch's whole activation (seq, batch, hidden); every rank builds the same
     boundaries (pure functions of the plan). gpus_per_node: which ranks share a host's link."""
 
-    def __init__(self, plan: PipelinePlan, rank: int, shape: tuple[int, ...],
+    def __init__(self, plan: PipelinePlan, stage: Stage, rank: int, shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device, micro: int,
                  sequence_parallel: bool, gpus_per_node: int):
         if plan.chunks != 1:
@@ -98,7 +100,7 @@ class ReshardTransport:
                              "stages)")
         self.rank, self.shape, self.dtype, self.device, self.micro = (
             rank, tuple(shape), dtype, device, micro)
-        self.stage, self.stages = plan.stage_of(rank).index, plan.size
+        self.stage, self.stages = stage.index, plan.size
         layouts = [stage_layout(stage, self.shape, sequence_parallel, gpus_per_node)
                    for stage in plan.stages]
         self.tiles = [layout.tile(self.shape, rank) if rank in layout.mesh.ranks else None

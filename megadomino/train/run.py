@@ -1,0 +1,291 @@
+"""One training run built in one downward pass (`build_run`), for `train.loop.train`'s loop.
+
+The order is the one every later piece needs: the config checked against the process grid;
+the batch schedule (global batch, iterations, micro-batches); the datasets in the order their
+samples are read; the RNGs seeded, then the model (or this rank's pipeline stage) built and, with
+`--domino`, its plan timed, before anything hooks its parameters; the start-up summary; `--load`'s
+weights into the whole model; the data-parallel engine, which takes the parameters over, and its
+optimizer state; the CUDA graphs (after the engine: they read the parameters' storage as the
+engine left it); the pipeline runtime; the stepper and the reporter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megadomino import overlap
+from megadomino.build import build_model
+from megadomino.config import CheckpointConfig, Config, ConfigError, ParallelConfig
+from megadomino.config.batches import BatchSchedule, sample_counts
+from megadomino.config.validate import validate
+from megadomino.data.cyclic import loader_order
+from megadomino.data.mock import MockDataset
+from megadomino.distributed import ParallelDims
+from megadomino.distributed.random import model_parallel_seed
+from megadomino.overlap.cuda_graph import capture_layers
+from megadomino.overlap.domino.autotune import autotune_domino
+from megadomino.pipeline.runtime import PipelineRuntime, run_plan
+from megadomino.pipeline.stage import build_stage
+from megadomino.train.checkpoint import (
+    TRACKER,
+    CheckpointError,
+    TrainingState,
+    checkpoint_dir,
+    latest_iteration,
+    load_checkpoint,
+    load_optimizer_state,
+)
+from megadomino.train.lr_schedule import LRSchedule
+from megadomino.train.metrics import num_floating_point_operations, peak_tflops
+from megadomino.train.report import Reporter
+from megadomino.train.step import Dataset, Stepper
+from megadomino.train.summary import count_parameters, startup_lines
+from megadomino.train.tensorboard import open_writer
+from megadomino.train.timers import Timers
+from megadomino.zero import ZeroPlusPlus
+from megadomino.zero.loss_scaler import StepResult
+from megadomino.zero.optimizer import build_engine
+
+ModelInit = Callable[[Config, ParallelDims], nn.Module]
+"""Builds this rank's model from the resolved config (default: `build_model` of the family)."""
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop drives: built once by `build_run`, never rebuilt."""
+
+    config: Config
+    """The resolved config: params_dtype from the precision flags, a timed Domino plan in place."""
+    dims: ParallelDims
+    log: Callable[[str], None]
+    batches: BatchSchedule
+    iters: int
+    train_data: Dataset
+    valid_data: Dataset | None
+    """None: the run never evaluates."""
+    model: nn.Module
+    engine: ZeroPlusPlus
+    state: TrainingState
+    step: Stepper
+    reporter: Reporter
+    lr: LearningRate
+    history: dict[str, Any]
+    writer: Any
+    """The TensorBoard writer, or None."""
+
+
+class LearningRate:
+    """The LR schedule as the loop drives it. It advances only on steps that were not skipped,
+    and a step's skip may be decided on the device (StepResult): the last step's is read when
+    the next one's LR is needed, after its forward and backward are enqueued, so the host never
+    waits for a step to finish before it launches the next."""
+
+    def __init__(self, schedule: LRSchedule, state: TrainingState, engine: ZeroPlusPlus):
+        self.schedule, self.state, self.engine = schedule, state, engine
+        self.pending: list[tuple[StepResult, int]] = []
+        self.lr = 0.0
+
+    def stepped(self, result: StepResult, samples: int) -> None:
+        """A step over `samples` samples was enqueued; whether it was skipped is read later."""
+        self.pending.append((result, samples))
+
+    def settle(self) -> None:
+        """Count the enqueued steps that were not skipped (reads their results)."""
+        for done, samples in self.pending:
+            self.state.scheduler_steps += not done.skipped
+            self.state.scheduler_samples += 0 if done.skipped else samples
+        self.pending.clear()
+
+    def set(self) -> None:
+        """The next step's rates into the engine (the Stepper calls it before the step)."""
+        self.settle()
+        self.lr, decoupled_lr = self.schedule.rates(self.state.scheduler_samples)
+        self.engine.set_lr(self.lr, decoupled_lr)
+
+
+def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[str], None],
+              train_data: Dataset | None, valid_data: Dataset | None,
+              model_init: ModelInit | None, data_description: str | None) -> Run:
+    """The run `train` describes (module docstring for the order)."""
+    validate(config, dims.world_size, dims.gpus_per_node, data_given=train_data is not None,
+             plan=dims.plan)
+    _check_grid(config.parallel, dims)
+    train_config = config.train
+    config = dataclasses.replace(config, model=config.model.replace(
+        params_dtype=train_config.precision.params_dtype))
+    data_dp = config.parallel.data_parallel_size(dims.dp)
+    batches = BatchSchedule.from_config(train_config.schedule, data_dp)
+    iters = batches.train_iterations(train_config.schedule)
+    if data_description is None:
+        data_description = ("mock data" if train_data is None else
+                            f"{type(train_data).__name__} of {len(train_data)} samples")
+    train_data, valid_data = _ordered_data(config, data_dp, train_data, valid_data)
+    model_parallel_seed(train_config.runtime.seed, dims)
+    config, model, stages = _model(config, dims, family, model_init, log)
+    device = next(model.parameters()).device
+    parameters = count_parameters(model, dims)  # collective; whole, before ZeRO-3 partitions
+    if dims.rank == 0:
+        _summary(config, dims, family, model, parameters, stages, batches, iters,
+                 data_description, log)
+    state = _resume(train_config.checkpoint, model, dims, log)  # before the engine takes them
+    engine = build_engine(model, dims, config)
+    checkpoint = train_config.checkpoint
+    if state.iteration > 0 and not checkpoint.no_load_optim:  # resumed a training run
+        with _loading(checkpoint.load):
+            load_optimizer_state(checkpoint.load, state.iteration, engine, dims, log)
+    mbs, gbs = train_config.schedule.micro_batch_size, batches.global_batch_size
+    if config.parallel.enable_cuda_graph:
+        capture_layers(model, mbs, log=log)  # after the engine (module docstring)
+    num_micro = gbs // (batches.micro_batch_size * data_dp)
+    timers = Timers(device)
+    pipeline = None if stages is None else PipelineRuntime(
+        model, stages, dims, config.model, config.parallel, config.parallel.pipeline_schedule,
+        mbs, num_micro)
+    step = Stepper(model, engine, dims, mbs, num_micro, device, timers,
+                   per_token_loss=train_config.schedule.calculate_per_token_loss,
+                   pipeline=pipeline)
+    history = {"losses": [], "lrs": [], "grad_norms": [], "eval": [], "skipped_iterations": 0,
+               "metrics": {}, "exit_reason": None, "state": state, "model": model,
+               "optimizer": engine}
+    writer = open_writer(train_config.logging.tensorboard_dir, dims.rank)
+    flops = num_floating_point_operations(config.model, gbs,
+                                          config.model.padded_vocab_size(dims.tp))
+    reporter = Reporter(history, dims, device, log, iters, flops, gbs, config.model.seq_length,
+                        peak_tflops(device_name(device), train_config.logging.peak_tflops),
+                        timers, writer, engine)
+    lr = LearningRate(LRSchedule.from_config(train_config.schedule, iters, gbs), state, engine)
+    return Run(config, dims, log, batches, iters, train_data, valid_data, model, engine, state,
+               step, reporter, lr, history, writer)
+
+
+def _ordered_data(config: Config, data_dp: int, train_data: Dataset | None,
+                  valid_data: Dataset | None) -> tuple[Dataset, Dataset | None]:
+    """The datasets (or mock splits) in the order their samples are read; valid None when the
+    run never evaluates."""
+    schedule, data = config.train.schedule, config.train.data
+    train_data, valid_data = _default_data(config, train_data, valid_data)
+    train_samples, valid_samples, _ = sample_counts(schedule, data_dp)
+    mbs = schedule.micro_batch_size
+    train_data = loader_order(train_data, data, mbs, data_dp, train_samples)
+    valid_data = (loader_order(valid_data, data, mbs, data_dp, valid_samples)
+                  if valid_samples else None)  # 0: the run never evaluates
+    return train_data, valid_data
+
+
+def _model(config: Config, dims: ParallelDims, family: str, model_init: ModelInit | None,
+           log: Callable[[str], None]) -> tuple[Config, nn.Module, Any]:
+    """This rank's model (or pipeline stage, with the plan) in training mode; with --domino its
+    plan timed and put into the config that runs."""
+    stages = None  # the pipeline plan, with pipeline stages
+    if dims.pp > 1:
+        stages = run_plan(config, dims)
+        model = model_init(config, dims) if model_init is not None else build_stage(
+            config.model, dims, stages, family, parallel=config.parallel,
+            fp8=config.train.precision.fp8, init_seed=config.train.runtime.seed)
+    else:
+        model = (model_init or (lambda c, d: _build_model(c, d, family)))(config, dims)
+        overlap.apply(model, config.parallel)  # a model_init's model runs as the config says
+    model.train()
+    if config.parallel.domino_auto:  # before the engine hooks the parameters
+        plan = autotune_domino(model, config.train.schedule.micro_batch_size, log)
+        # the plan that runs; domino_auto stays, the summary says the plan was timed
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                          domino=plan))
+    return config, model, stages
+
+
+def _summary(config: Config, dims: ParallelDims, family: str, model: nn.Module,
+             parameters, stages, batches: BatchSchedule, iters: int, data_description: str,
+             log: Callable[[str], None]) -> None:
+    """The start-up summary (rank 0); `parameters`: count_parameters' (every rank counts)."""
+    device = next(model.parameters()).device
+    data_dp = config.parallel.data_parallel_size(dims.dp)
+    gbs = batches.global_batch_size
+    for line in startup_lines(family, config, parameters,
+                              world=dims.world_size, tp=dims.tp, pp=dims.pp, dp=dims.dp,
+                              backend=dist.get_backend(), device=device_name(device),
+                              global_batch=gbs,
+                              micro_batches=gbs // (batches.micro_batch_size * data_dp),
+                              iterations=iters, data=data_description, plan=stages,
+                              threads=torch.get_num_threads() if device.type == "cpu"
+                              else None):
+        log(line)
+
+
+def _build_model(config: Config, dims: ParallelDims, family: str) -> nn.Module:
+    return build_model(config.model, dims, family, parallel=config.parallel,
+                       fp8=config.train.precision.fp8)
+
+
+def _default_data(config: Config, train_data: Dataset | None,
+                  valid_data: Dataset | None) -> tuple[Dataset, Dataset | None]:
+    """The datasets given (valid None: no evaluation), or mock train and valid splits."""
+    if train_data is not None:
+        return train_data, valid_data
+    if not config.train.data.mock_data:
+        raise ConfigError("no training data: pass --mock-data, or build datasets from "
+                          "--data-path and hand them to train()")
+    seq, vocab = config.model.seq_length, config.model.vocab_size
+    seed = config.train.runtime.seed
+    return MockDataset(seq, vocab, seed, "train"), MockDataset(seq, vocab, seed, "valid")
+
+
+@contextlib.contextmanager
+def _loading(directory: str) -> Iterator[None]:
+    """A checkpoint --load names that cannot be loaded (missing or damaged shards, another
+    architecture, layout or optimizer: CheckpointError, raised on every rank alike) is bad input:
+    a ConfigError naming the flag, which the launcher prints as one line, exit status 2."""
+    try:
+        yield
+    except CheckpointError as err:
+        raise ConfigError(f"--load={directory}: {err}") from None
+
+
+def _resume(config: CheckpointConfig, model: nn.Module, dims: ParallelDims,
+            log: Callable[[str], None]) -> TrainingState:
+    """The state to start from: fresh (iteration 0: also after --finetune or a release
+    checkpoint), or what --load's checkpoint holds: the weights, counters and RNG states (see
+    load_checkpoint); the engine's state loads once it is built."""
+    if config.load is None:
+        return TrainingState()
+    with _loading(config.load):
+        if dims.rank == 0 and (saved := latest_iteration(config.load)) is not None:
+            log(f" loading checkpoint {checkpoint_dir(config.load, saved)}")  # large: minutes
+        state = load_checkpoint(config.load, model, dims, load_rng=not config.no_load_rng,
+                                finetune=config.finetune, log=log)
+    if state is not None:
+        return state
+    if config.exit_on_missing_checkpoint:
+        raise CheckpointError(f"--load={config.load} holds no {TRACKER} and "
+                              "--exit-on-missing-checkpoint is set")
+    if dims.rank == 0:
+        start = ("the --hf-checkpoint weights" if config.hf_checkpoint is not None
+                 else "scratch")
+        log(f" no checkpoint in --load={config.load} ({TRACKER} is missing): starting from "
+            f"{start}")
+    return TrainingState()
+
+
+def _check_grid(config: ParallelConfig, dims: ParallelDims) -> None:
+    """The process grid must be the one the config describes."""
+    if config.pipeline_model_parallel_size != dims.pp:
+        raise ConfigError(f"--pipeline-model-parallel-size="
+                          f"{config.pipeline_model_parallel_size} disagrees with the process "
+                          f"grid's pp={dims.pp}")
+    if config.tensor_model_parallel_size != dims.tp and config.pipeline_plan is None:
+        raise ConfigError(f"--tensor-model-parallel-size={config.tensor_model_parallel_size}"
+                          f" disagrees with the process grid's tp={dims.tp}")
+    if config.gpus_per_node not in (None, dims.gpus_per_node):
+        raise ConfigError(f"--gpus-per-node={config.gpus_per_node} disagrees with the process "
+                          f"grid's gpus_per_node={dims.gpus_per_node}")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
