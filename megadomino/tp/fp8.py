@@ -69,6 +69,7 @@ from torch import nn
 from megadomino.config.train import E4M3, E5M2, FP8Recipe
 from megadomino.distributed import comm
 from megadomino.kernels.fp8_cast import cast_transpose
+from megadomino.tp.wgrad import defer_or_compute
 
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
 INPUT, WEIGHT, GRAD = 0, 1, 2
@@ -370,7 +371,7 @@ class _FP8Linear(torch.autograd.Function):
                                                 transposed=ctx.needs_input_grad[0])
         y = scaled_matmul(x_q, w_q.t(), x_inv, w_inv, x.dtype, bias)
         ctx.save_for_backward(x_t, w_t, x_inv, w_inv)
-        ctx.state, ctx.record = state, record
+        ctx.state, ctx.record, ctx.weight = state, record, weight
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -384,8 +385,9 @@ class _FP8Linear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = scaled_matmul(g_q, w_t.t(), g_inv, w_inv, ctx.x_dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = scaled_matmul(g_t, x_t.t(), g_inv, x_inv, ctx.w_dtype)
+        if ctx.needs_input_grad[1]:  # deferred to W under a split backward (tp/wgrad.py)
+            grad_w = defer_or_compute(ctx, ctx.weight, lambda dtype=ctx.w_dtype: scaled_matmul(
+                g_t, x_t.t(), g_inv, x_inv, dtype))
         if ctx.needs_input_grad[2]:
             grad_b = g_2d.sum(dim=0)
         return grad_x, grad_w, grad_b, None, None

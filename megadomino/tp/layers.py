@@ -29,6 +29,7 @@ from megadomino.config import FP8Recipe
 from megadomino.distributed import fused_matmul, mappings
 from megadomino.distributed.mappings import all_gather_dim0, all_reduce, reduce_scatter_dim0
 from megadomino.tp.fp8 import FP8State, fp8_linear
+from megadomino.tp.wgrad import defer_or_compute, deferring_store
 
 
 def shard_rows(full: torch.Tensor, dim: int, stripes: int, tp: int, tp_rank: int) -> torch.Tensor:
@@ -97,7 +98,7 @@ def weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor,
 
 class _LocalLinear(torch.autograd.Function):
     """y = x W^T without collectives (a row-parallel linear's partial product), its weight
-    gradient through `weight_grad`."""
+    gradient through `weight_grad`, deferred to W under a split backward (tp/wgrad.py)."""
 
     @staticmethod
     def forward(ctx, x, weight):
@@ -110,8 +111,8 @@ class _LocalLinear(torch.autograd.Function):
         grad_input = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = weight_grad(weight, grad_out.reshape(-1, grad_out.shape[-1]),
-                                      x.reshape(-1, x.shape[-1]))
+            grad_weight = defer_or_compute(ctx, weight, lambda: weight_grad(
+                weight, grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])))
         return grad_input, grad_weight
 
 
@@ -136,6 +137,9 @@ class _LinearWithAsyncGradReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
+        store = deferring_store(weight)
+        if store is not None:
+            return _column_input_grad(ctx, store, x, weight, grad_out)
         group, sequence_parallel = ctx.group, ctx.sequence_parallel
         gather_handle = None
         total = x
@@ -157,6 +161,31 @@ class _LinearWithAsyncGradReduce(torch.autograd.Function):
         if reduce_handle is not None:
             reduce_handle.wait()
         return (grad_input if ctx.needs_input_grad[0] else None), grad_weight, grad_bias, None, None
+
+
+def _column_input_grad(ctx, store, x, weight, grad_out) -> tuple:
+    """B of a split backward (tp/wgrad.py): the input gradient and its collective now (waited
+    for: no weight-gradient GEMM is left to overlap it); the weight and bias gradients recorded
+    in `store` for W, which re-gathers the input under sequence parallelism."""
+    group, sequence_parallel = ctx.group, ctx.sequence_parallel
+    needs_bias = ctx.needs_input_grad[2]
+
+    def weight_and_bias() -> tuple[torch.Tensor, torch.Tensor | None]:
+        total = all_gather_dim0(x, group)[0] if sequence_parallel else x
+        grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        return (weight_grad(weight, grad_out_2d, total.reshape(-1, total.shape[-1])),
+                grad_out_2d.sum(dim=0) if needs_bias else None)
+
+    store.record(ctx, weight_and_bias, (1, 2))
+    grad_input = None
+    if ctx.needs_input_grad[0]:
+        grad_input = grad_out.matmul(weight)
+        if sequence_parallel:
+            grad_input = reduce_scatter_dim0(grad_input, group)[0]
+        else:
+            grad_input = grad_input.contiguous()
+            all_reduce(grad_input, group)
+    return grad_input, None, None, None, None
 
 
 def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -274,9 +303,7 @@ class RowParallelLinear(nn.Module):
             x = mappings.scatter_to_tensor_parallel_region(x, self.dims.tp_group)
         if self.fp8_state is not None:
             return fp8_linear(x, self.weight, None, self.fp8_state)
-        if self.weight.fused_wgrad:
-            return _LocalLinear.apply(x, self.weight)
-        return F.linear(x, self.weight)
+        return _LocalLinear.apply(x, self.weight)  # ours, not F.linear's: a split defers it
 
     def reduce(self, partial: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         group = self.dims.tp_group

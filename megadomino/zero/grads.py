@@ -203,7 +203,11 @@ class GradReducer:
         raise KeyError("the parameter is not one of the engine's")
 
     def _on_grad(self, index: int, position: int, param: nn.Parameter) -> None:
-        """The hook of parameter `position` of unit `index`."""
+        """The hook of parameter `position` of unit `index`. A `.grad` of None reports nothing:
+        autograd runs the hook for a parameter it got no gradient for, as a split backward's B
+        gives a deferred weight (tp/wgrad.py), whose W then reports it."""
+        if param.grad is None:
+            return
         syncing = self.syncing
         if syncing and self._position_in_order[index] < self._next:
             raise RuntimeError(
