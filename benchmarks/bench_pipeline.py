@@ -57,20 +57,26 @@ from megadomino.pipeline.simulate import run
 from megadomino.pipeline.stage import build_stage, run_chunk
 
 SCHEDULES = ("1f1b", "eager-1f1b", "interleaved")
-VARIANTS = {"eager-1f1b/no-prefetch": ("eager-1f1b", False), "1f1b/prefetch": ("1f1b", True)}
-"""Controls beside the schedules: (schedule, prefetch) with the receives posted the other way
-(schedules.with_transfers' `prefetch`): eager-1F1B as it was before it prefetched, 1F1B with
-prefetched receives."""
+VARIANTS = {"eager-1f1b/no-prefetch": ("eager-1f1b", False), "1f1b/prefetch": ("1f1b", True),
+            "1f1b/no-prefetch": ("1f1b", False)}
+"""Controls beside the schedules: (schedule, prefetch) with the receives posted as named
+(schedules.with_transfers' `prefetch`). The schedules themselves prefetch (the default since
+2026-11-28; rows written before carry no "prefetch" key: their 1f1b and interleaved did not)."""
+DEFAULT_RUN = SCHEDULES + ("1f1b/no-prefetch", "eager-1f1b/no-prefetch")
+"""What a worker runs without --schedules: the schedules, and each prefetching one without."""
 SENDS = "handed"  # gloo over TCP: simulate.run
 TARGET_RATIO, TARGET_SPEEDUP = 0.3, 1.1  # eager-1F1B >= 1.1x 1F1B where c >= 30% of F+B
 
 
-def action_lists(name: str, stages: int, micro: int) -> tuple[int, list[list[Action]]]:
-    """(chunks a stage, every stage's action list) of a schedule or a control (VARIANTS)."""
+def action_lists(name: str, stages: int, micro: int,
+                 default_prefetch: bool = True) -> tuple[int, list[list[Action]]]:
+    """(chunks a stage, every stage's action list) of a schedule (receives prefetched as
+    `default_prefetch` says: the runtime's default) or a control (VARIANTS)."""
     base, prefetch = VARIANTS.get(name, (name, None))
     chunks = 2 if base == "interleaved" else 1
     if prefetch is None:
-        return chunks, [schedule(base, stages, s, micro, chunks) for s in range(stages)]
+        return chunks, [schedule(base, stages, s, micro, chunks, default_prefetch)
+                        for s in range(stages)]
     return chunks, [with_transfers(compute_steps(base, stages, s, micro), stages, s, 1,
                                    eager=base == "eager-1f1b", prefetch=prefetch)
                     for s in range(stages)]
@@ -82,7 +88,8 @@ def predicted_step(row: dict) -> float:
     stage's F+B split F : B = 1 : 2, a backward being two GEMMs to a forward's one, and evenly
     over its chunks), a message's time the longer of c and the link's rate's, sends as gloo
     over TCP makes them (simulate.run's "handed")."""
-    chunks, lists = action_lists(row["schedule"], row["stages"], row["micro"])
+    chunks, lists = action_lists(row["schedule"], row["stages"], row["micro"],
+                                 row.get("prefetch", False))
     # a message alone may ride the token bucket's burst; messages back to back get the rate
     link = max(row["c_s"], row["c_rate_s"] or 0.0)
     if "chunk_fb_s" in row:  # each chunk's forward and backward, measured
@@ -321,6 +328,7 @@ def write_rows(args: argparse.Namespace, c: float, every: list[dict],
                        for steps in per_rank]
             out.write(json.dumps({
                 "rate": args.rate, "rate_mbit": args.rate_mbit, "schedule": name,
+                "prefetch": VARIANTS.get(name, (name, True))[1] or name == "eager-1f1b",
                 "load_average": load, "cpus": os.cpu_count(),
                 "stages": 2, "micro": args.micro, "chunks": v,
                 "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
@@ -409,7 +417,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     work.add_argument("--out", required=True, help="directory for results.jsonl")
     work.add_argument("--rate", default="none", help="the link's rate, as a label")
     work.add_argument("--rate-mbit", type=float, default=0.0, help="the link's rate (0: none)")
-    work.add_argument("--schedules", default=",".join(SCHEDULES + tuple(VARIANTS)),
+    work.add_argument("--schedules", default=",".join(DEFAULT_RUN),
                       help="comma-separated: schedules and controls (VARIANTS)")
     work.add_argument("--layers", type=int, default=4)
     work.add_argument("--hidden", type=int, default=128)

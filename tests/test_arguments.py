@@ -146,6 +146,7 @@ MAPPED = [
     (("--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropout", "0"),
      "parallel.enable_cuda_graph", True),
     (("--no-gradient-accumulation-fusion",), "parallel.gradient_accumulation_fusion", False),
+    (("--no-overlap-p2p-communication",), "parallel.overlap_p2p_communication", False),
     (("--save", "/ckpt"), "train.checkpoint.save", "/ckpt"),
     (("--save-interval", "50"), "train.checkpoint.save_interval", 50),
     (("--load", "/ckpt"), "train.checkpoint.load", "/ckpt"),

@@ -1,12 +1,14 @@
 """Pipeline parallelism against the same model without it (fp32, dropout 0, vocabulary 331 that
 pads): the mean loss over the micro-batches and every full gradient within 1e-5 relative, for
 GPT (tied embedding shared by the first and last stage) and Llama, every schedule (1F1B,
-eager-1F1B, interleaved with 2 chunks a stage), at PP2, PP4, PP2 x TP2 (with and without
-sequence parallelism) and PP2 x DP2, with uneven layer counts (7 layers over PP2 with
---decoder-first-pipeline-num-layers 4; 5 over PP4 with first 2), full recompute and Domino's
-schedule (3 batch x 2 hidden slices, sequence parallel) inside a stage. The reference sees every
-DP rank's micro-batches; the pipeline's DP ranks average their gradients as the engine does.
-The slow tier adds PP4 x TP2 (sequence parallel) and PP2 x TP2 x DP2 on 8 ranks."""
+eager-1F1B, interleaved with 2 chunks a stage, ZB-H1 with its split backward), at PP2, PP4,
+PP2 x TP2 (with and without sequence parallelism) and PP2 x DP2, with uneven layer counts (7
+layers over PP2 with --decoder-first-pipeline-num-layers 4; 5 over PP4 with first 2), full
+recompute and Domino's schedule (3 batch x 2 hidden slices, sequence parallel) inside a stage;
+ZB-H1 also with fewer micro-batches than stages (3 over PP4), an odd count (5 over PP2) and full
+recompute under PP2 x TP2 with sequence parallelism (its W all-gathers the TP input). The
+reference sees every DP rank's micro-batches; the pipeline's DP ranks average their gradients as
+the engine does. The slow tier adds PP4 x TP2 (sequence parallel) and PP2 x TP2 x DP2 on 8 ranks."""
 
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def _setup(world: int) -> dict:
     return out
 
 
-SCHEDULES = (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2))
+SCHEDULES = (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 for family in ("gpt", "llama"):
     for name, chunks in SCHEDULES:
         layers, first = (8, None) if chunks > 1 else (7, 4)
@@ -104,6 +106,15 @@ for family in ("gpt", "llama"):
                    pp4_layers, 4 if chunks > 1 else 6, chunks, pp4_first, worlds=(4,))
     SUITE.case(f"{family}-pp2-few-micro", check_pipeline, family, C.pp2, C.ref, "1f1b", 4, 1,
                worlds=(2,))
+    # ZB-H1 with fewer micro-batches than stages, and an odd count (its W's delayed over the
+    # cool-down), and with every layer's forward recomputed in its B
+    SUITE.case(f"{family}-pp4-few-micro-zb-h1", check_pipeline, family, C.pp4, C.ref, "zb-h1",
+               5, 3, first=2, worlds=(4,))
+    SUITE.case(f"{family}-pp2-odd-micro-zb-h1", check_pipeline, family, C.pp2, C.ref, "zb-h1",
+               7, 5, first=4, worlds=(2,))
+    SUITE.case(f"{family}-pp2tp2-recompute-zb-h1", check_pipeline, family, C.pp2tp2, C.ref,
+               "zb-h1", 6, 3, sequence_parallel=True, recompute_granularity="full",
+               recompute_method="uniform", recompute_num_layers=1, worlds=(4,))
     SUITE.case(f"{family}-pp2tp2-recompute", check_pipeline, family, C.pp2tp2, C.ref,
                "eager-1f1b", 6, 3, recompute_granularity="full", recompute_method="uniform",
                recompute_num_layers=1, worlds=(4,))

@@ -1,16 +1,16 @@
 """Heterogeneous pipeline plans (--pipeline-plan) against the same model without PP (fp32,
 dropout 0, vocabulary 331 that pads): the mean loss over the micro-batches and every full
-gradient within 1e-5 relative, GPT and Llama, 1F1B and eager-1F1B, for the plans of issue 20:
-a TP=2 stage feeding a TP=1 stage (3 ranks; with and without sequence parallelism), TP=2 then
-two TP=1 stages (4 ranks), a TP=1 / TP=2 / TP=1 chain whose ends share GPT's tied embedding (4
-ranks), a stage of 2 batch-split ranks feeding one of 3 (5 ranks: a micro-batch of 5
+gradient within 1e-5 relative, GPT and Llama, 1F1B, eager-1F1B and ZB-H1, for the plans of issue
+20: a TP=2 stage feeding a TP=1 stage (3 ranks; with and without sequence parallelism), TP=2
+then two TP=1 stages (4 ranks), a TP=1 / TP=2 / TP=1 chain whose ends share GPT's tied embedding
+(4 ranks), a stage of 2 batch-split ranks feeding one of 3 (5 ranks: a micro-batch of 5
 sequences splits 3 + 2, then 2 + 2 + 1), and a DP2 x TP2 stage with sequence parallelism (a 2-D
 mesh: batch over DP, seq over TP) feeding a TP=1 stage (5 ranks). Each rank takes its rows of
 each whole micro-batch; the gradients of a stage are averaged over its own DP group, as the
 engine does. Through the training loop: 10 AdamW steps (clipping on) of DP2 -> DP3 (GPT and
 Llama, eager-1F1B; GPT at ZeRO stage 1) and TP2 -> TP1 (Llama, 1F1B) give plain data
-parallelism's losses, grad norms and validation loss within 1e-5. Also: the validator's
-refusals of bad plan files, one line each naming the file."""
+parallelism's losses, grad norms and validation loss within 1e-5. Also: the validator's refusals
+of bad plan files, one line each naming the file."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _setup(world: int) -> dict:
 
 
 for family in ("gpt", "llama"):
-    for schedule in ("1f1b", "eager-1f1b"):
+    for schedule in ("1f1b", "eager-1f1b", "zb-h1"):
         SUITE.case(f"{family}-tp2-tp1-{schedule}", check_hetero, family, C.tp2_tp1, C.ref,
                    "tp2_tp1", schedule, 4, 3, True, worlds=(3,))
         SUITE.case(f"{family}-tp2-tp1-tp1-{schedule}", check_hetero, family,

@@ -1,22 +1,29 @@
 """Pipeline plans and schedules as data (no processes): golden action tables; eager-1F1B's order
 for n = 3 equals the schedule in the docstring of Alpa's `OverlapFriendlyPipeDreamSchedule`
-(alpa/pipeline_parallel/schedules.py); every schedule runs each forward and backward once, in
-dependency order, and cannot deadlock even where a send completes only once its receive is
-posted (a simulation of every rank's list), and both ends of every pair post its messages in the
-same order (what NCCL, which ignores tags, matches by); the bubble formulas; Megatron's layer
-splits and the validator's one-line refusals."""
+(alpa/pipeline_parallel/schedules.py); ZB-H1's order equals torch's
+ScheduleInterleavedZeroBubble's with one stage a rank (its ZB1P) and keeps 1F1B's order and
+activation bound; every schedule runs each forward, backward (and W) once, in dependency
+order, and cannot deadlock even where a send completes only once its receive is posted (a
+simulation of every rank's list), and both ends of every pair post its messages in the same
+order (what NCCL, which ignores tags, matches by); the bubble formulas; Megatron's layer splits
+and the one-line refusals of the validator and of zb-h1's split backward."""
 
 from __future__ import annotations
 
 import itertools
+import re
+from types import SimpleNamespace
 
 import pytest
+from test_bad_files import MOCK, run
 
 from configs import make_config
+from megadomino.cli.arguments import parse_args
 from megadomino.config import ConfigError, ModelConfig
 from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.config.validate import validate
 from megadomino.pipeline.schedules import (
+    SPLIT_BACKWARD,
     bubble_fraction,
     compute_order,
     schedule,
@@ -108,9 +115,10 @@ GOLDEN_INTERLEAVED = """\
 
 
 def test_golden_tables():
-    assert table(schedule("1f1b", 2, 0, 3)) == GOLDEN_1F1B
+    # receives posted just before their compute (--no-overlap-p2p-communication)
+    assert table(schedule("1f1b", 2, 0, 3, prefetch=False)) == GOLDEN_1F1B
     assert table(schedule("eager-1f1b", 2, 0, 3)) == GOLDEN_EAGER
-    assert table(schedule("interleaved", 2, 1, 2, 2)) == GOLDEN_INTERLEAVED
+    assert table(schedule("interleaved", 2, 1, 2, 2, prefetch=False)) == GOLDEN_INTERLEAVED
 
 
 def test_eager_matches_alpa_docstring():
@@ -124,22 +132,28 @@ def test_eager_matches_alpa_docstring():
         assert order.index("B0") == min(6, 2 * (3 - stage) - 1)
 
 
-def test_eager_prefetches_every_receive():
-    """Eager-1F1B posts each receive right after the previous receive of its pass was waited
-    (a rendezvous transport moves a message only once its receive is posted: so the transfer
-    overlaps the computes between); 1F1B posts it after the compute before its own."""
+@pytest.mark.parametrize("name,chunks,prefetch", [("eager-1f1b", 1, True), ("eager-1f1b", 1, False),
+                                                  ("1f1b", 1, True), ("interleaved", 2, True)])
+def test_receives_are_prefetched(name, chunks, prefetch):
+    """Every schedule by default, and eager-1F1B always, posts each receive right after the
+    previous receive of its pass was waited (a rendezvous transport moves a message only once
+    its receive is posted: so the transfer overlaps the computes between); without prefetch
+    1F1B posts it after the compute before its own."""
     for stages, micro in itertools.product((2, 3, 4), (1, 3, 8)):
+        if name == "interleaved" and micro % stages:
+            continue
         for stage in range(stages):
-            actions = schedule("eager-1f1b", stages, stage, micro)
+            actions = schedule(name, stages, stage, micro, chunks, prefetch=prefetch)
             for pass_ in "FB":
                 mine = [(i, a) for i, a in enumerate(actions) if a.pass_ == pass_]
                 posts = [i for i, a in mine if a.op == "recv"]
                 waits = [i for i, a in mine if a.op == "wait" and a.waits == "recv"]
                 assert [actions[i + 1].op for i in waits[:-1]] == ["recv"] * len(posts[1:])
                 assert [actions[i].micro for i in posts] == [actions[i].micro for i in waits]
-    plain = schedule("1f1b", 2, 1, 3)
+    plain = schedule("1f1b", 2, 1, 3, prefetch=False)
     assert [str(a) for a in plain[:3]] == ["F M0    recv", "F M0    wait recv", "F M0    forward"]
-    assert str(schedule("eager-1f1b", 2, 1, 3)[2]) == "F M1    recv"
+    assert str(schedule(name, 2, 1, 2 * chunks, chunks, prefetch=prefetch)[2]) == (
+        "F M1    recv" if chunks == 1 else "F M1 V0 recv")
 
 
 def test_one_f_one_b_warmup():
@@ -150,6 +164,101 @@ def test_one_f_one_b_warmup():
                 or micro <= stages - stage - 1
 
 
+# ZB-H1, last stage of 2, three micro-batches, receives posted just before their compute: its
+# W's are delayed by one B (lines 12, 18), and each W runs after its step's posts, before the
+# step's waits (line 12 before 13-14): it fills the time the stage would block.
+GOLDEN_ZB_H1 = """\
+  0 F M0    recv
+  1 F M0    wait recv
+  2 F M0    forward
+  3 B M0    backward
+  4 B M0    send
+  5 F M1    recv
+  6 B M0    wait send
+  7 F M1    wait recv
+  8 F M1    forward
+  9 B M1    backward
+ 10 B M1    send
+ 11 F M2    recv
+ 12 W M0    weight
+ 13 B M1    wait send
+ 14 F M2    wait recv
+ 15 F M2    forward
+ 16 B M2    backward
+ 17 B M2    send
+ 18 W M1    weight
+ 19 W M2    weight
+ 20 B M2    wait send
+"""
+
+
+def torch_zb1p_order(stages: int, stage: int, micro: int) -> list[tuple[str, int, int]]:
+    """Torch's ScheduleInterleavedZeroBubble (the paper's ZB1P, ZB-H1 generalised to several
+    stages a rank) for one stage a rank: the per-rank order its constructor computes. The
+    constructor needs live pipeline stages, so its method runs on the attributes it reads."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    zero_bubble = getattr(schedules, "ScheduleInterleavedZeroBubble", None)
+    if zero_bubble is None or not hasattr(zero_bubble, "_calculate_single_rank_operations"):
+        pytest.skip("this torch has no ScheduleInterleavedZeroBubble order to compare with")
+    rounds = max(1, micro // stages)
+    attributes = SimpleNamespace(n_local_stages=1, pp_group_size=stages, _n_microbatches=micro,
+                                 microbatches_per_round=micro // rounds)
+    ops = zero_bubble._calculate_single_rank_operations(attributes, stage)
+    ours = {"F": "F", "I": "B", "W": "W"}  # torch's I is the input-gradient backward
+    return [(ours[op.computation_type.value], op.microbatch_index, 0) for op in ops
+            if op is not None]
+
+
+def test_zb_h1_is_torchs_zero_bubble_order():
+    assert table(schedule("zb-h1", 2, 1, 3, prefetch=False)) == GOLDEN_ZB_H1
+    for stages, micro in itertools.product(range(1, 6), range(1, 12)):
+        for stage in range(stages):
+            assert compute_order("zb-h1", stages, stage, micro) == torch_zb1p_order(
+                stages, stage, micro), (stages, stage, micro)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+def test_zb_h1_keeps_1f1b_order_and_memory(stages):
+    """The paper's ZB-H1: 1F1B's forwards and B's in 1F1B's order, every W after its B, in the
+    B's order, all of them in the step; at most min(P - s, m) micro-batches whose B has not run
+    on stage s (1F1B's count) and min(P, m) whose W has not run on every stage (1F1B's peak,
+    stage 0's)."""
+    for micro, stage in itertools.product(range(1, 10), range(stages)):
+        order = compute_order("zb-h1", stages, stage, micro)
+        assert [c for c in order if c[0] != "W"] == compute_order("1f1b", stages, stage, micro)
+        assert [m for p, m, _ in order if p == "W"] == list(range(micro))
+        for m in range(micro):
+            assert order.index(("B", m, 0)) < order.index(("W", m, 0))
+        before_b = before_w = peak_b = peak_w = 0
+        for pass_, _, _ in order:
+            before_b += {"F": 1, "B": -1}.get(pass_, 0)
+            before_w += {"F": 1, "W": -1}.get(pass_, 0)
+            peak_b, peak_w = max(peak_b, before_b), max(peak_w, before_w)
+        assert (peak_b, peak_w) == (min(stages - stage, micro), min(stages, micro))
+
+
+def test_zb_h1_refuses_what_its_split_backward_cannot_defer():
+    """--pipeline-schedule zb-h1 is one `error:` line, exit status 2, before any process group,
+    with what tp/wgrad.py's split cannot defer (Domino, --tp-comm-overlap) and with virtual
+    stages; accepted otherwise."""
+    base = ["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "1", "--num-layers",
+            "4", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
+    assert parse_args(base, "gpt")[0].parallel.pipeline_schedule == "zb-h1"
+    refused = {("--domino-batch-slices", "2"): "--domino-batch-slices is off with "
+               "--pipeline-schedule zb-h1",
+               ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                "--tp-comm-overlap"): "--tp-comm-overlap is off with --pipeline-schedule zb-h1",
+               ("--virtual-pipeline-model-parallel-size", "2"): "--pipeline-schedule=zb-h1 is "
+               "invalid: it must be 'interleaved' with virtual stages"}
+    for extra, said in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(said)) as error:
+            parse_args([*base, *extra], "gpt")
+        assert "\n" not in str(error.value)
+    code, errors = run([*MOCK, "--num-layers", "2", "--pipeline-model-parallel-size", "2",
+                        "--pipeline-schedule", "zb-h1", "--domino-batch-slices", "2"])
+    assert code == 2 and len(errors) == 1 and "--pipeline-schedule zb-h1" in errors[0], errors
+
+
 def _key(stages: int, stage: int, action, op: str) -> tuple:
     """The message an action posts or waits: (direction, boundary, micro-batch)."""
     assert op == (action.waits if action.op == "wait" else action.op)
@@ -158,17 +267,17 @@ def _key(stages: int, stage: int, action, op: str) -> tuple:
 
 CASES = [(name, stages, micro, chunks)
          for name, chunks in (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2),
-                              ("interleaved", 3))
+                              ("interleaved", 3), ("zb-h1", 1))
          for stages in (2, 3, 4) for micro in range(1, 9)
          if name != "interleaved" or micro % stages == 0]
 
 
-def channels(name: str, stages: int, micro: int, chunks: int) -> dict:
+def channels(name: str, stages: int, micro: int, chunks: int, prefetch: bool = True) -> dict:
     """Per (sender, receiver, direction): the messages in the order the sender posts its sends
     and in the order the receiver posts its receives."""
     out: dict = {}
     for s in range(stages):
-        for action in schedule(name, stages, s, micro, chunks):
+        for action in schedule(name, stages, s, micro, chunks, prefetch):
             if action.op not in ("send", "recv"):
                 continue
             toward_next = (action.pass_ == "F") == (action.op == "send")
@@ -179,25 +288,29 @@ def channels(name: str, stages: int, micro: int, chunks: int) -> dict:
     return out
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("name,stages,micro,chunks", CASES)
-def test_every_schedule_runs_to_the_end(name, stages, micro, chunks):
+def test_every_schedule_runs_to_the_end(name, stages, micro, chunks, prefetch):
     # every rank's list with rendezvous sends (a message moves once both ends posted it):
     # simulate raises naming the blocked stages when they deadlock
-    simulate(name, stages, micro, [0.0] * stages, [0.0] * stages, 0.0, chunks)
+    simulate(name, stages, micro, [0.0] * stages, [0.0] * stages, 0.0, chunks, prefetch)
     # Backends that ignore tags (NCCL) match a pair's messages in posting order: the same order
     # on both ends.
-    posted = channels(name, stages, micro, chunks)
+    posted = channels(name, stages, micro, chunks, prefetch)
     for (src, dst, pass_, op), keys in posted.items():
         if op == "send":
             assert keys == posted[(src, dst, pass_, "recv")], (src, dst, pass_)
     for stage in range(stages):
-        actions = schedule(name, stages, stage, micro, chunks)
+        actions = schedule(name, stages, stage, micro, chunks, prefetch)
         computes = [(a.pass_, a.micro, a.chunk or 0) for a in actions
-                    if a.op in ("forward", "backward")]
-        expected = {(p, m, v) for p in "FB" for m in range(micro) for v in range(chunks)}
+                    if a.op in ("forward", "backward", "weight")]
+        passes = "FBW" if name in SPLIT_BACKWARD else "FB"
+        expected = {(p, m, v) for p in passes for m in range(micro) for v in range(chunks)}
         assert sorted(computes) == sorted(expected)
         for m, v in itertools.product(range(micro), range(chunks)):
             assert computes.index(("F", m, v)) < computes.index(("B", m, v))
+            if name in SPLIT_BACKWARD:
+                assert computes.index(("B", m, v)) < computes.index(("W", m, v))
         posted = [(a.pass_, a.op, a.micro, a.chunk) for a in actions if a.op in ("send", "recv")]
         waited = [(a.pass_, a.waits, a.micro, a.chunk) for a in actions if a.op == "wait"]
         assert sorted(posted) == sorted(waited) and len(set(posted)) == len(posted)

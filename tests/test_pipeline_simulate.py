@@ -1,7 +1,8 @@
 """megadomino.pipeline.simulate: with free transfers every schedule's predicted step and bubble
 are the ideal pipeline's ((m + p - 1) (F + B), interleaved (v m + p - 1) (F + B) / v, the bubble
 schedules.bubble_fraction gives); the micro-batches a stage holds are its warm-up plus one
-(1F1B: p - s, eager-1F1B: 2 (p - s) - 1); a slow link costs time, a buffered link (gloo over
+(1F1B: p - s, eager-1F1B: 2 (p - s) - 1); ZB-H1's step is the paper's (its bubble a third of
+1F1B's when F = B = W); a slow link costs time, a buffered link (gloo over
 TCP) never more than a rendezvous (NCCL); the slowest stage sets the pace; a list that
 deadlocks is named."""
 
@@ -66,3 +67,33 @@ def test_each_chunk_may_take_its_own_time():
     same = run(lists, 2, [[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2, 0.0).step
     uneven = run(lists, 2, [[1.0, 1.0], [0.5, 1.5]], [[2.0, 2.0], [1.0, 3.0]], 0.0).step
     assert same == pytest.approx(even) and uneven > even
+
+
+ZB_TIMES = [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 1.0)]
+"""(F, B, W) of one micro-batch: B the input-gradient part of a backward, W <= F (the
+paper's case)."""
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+def test_zb_h1_free_transfers_give_its_ideal_bubble(stages, prefetch):
+    """ZB-H1, free transfers: m >= P micro-batches take m (F + B + W) + (P - 1) (F + B - W), the
+    paper's bubble (P - 1) (F + B - W); with F = B = W a third of 1F1B's (P - 1) (F + B + W).
+    Fewer take (m + P - 1) (F + B) + W: the last micro-batch's forwards and B's through every
+    stage, then stage 0's last W. A stage holds 1F1B's P - s micro-batches before their B."""
+    for micro in range(1, 12):
+        for forward, backward, weight in ZB_TIMES:
+            times = ([forward] * stages, [backward] * stages, 0.0)
+            zb = simulate("zb-h1", stages, micro, *times, prefetch=prefetch,
+                          weight=[weight] * stages)
+            one = simulate("1f1b", stages, micro, *times, prefetch=prefetch,
+                           weight=[weight] * stages)
+            busy = micro * (forward + backward + weight)
+            ideal = max(busy + (stages - 1) * (forward + backward - weight),
+                        (micro + stages - 1) * (forward + backward) + weight)
+            assert zb.step == pytest.approx(ideal), (micro, forward, backward, weight)
+            assert one.step == pytest.approx((micro + stages - 1) * (forward + backward + weight))
+            assert zb.busy == pytest.approx((busy,) * stages)
+            if micro >= stages and forward == backward == weight:
+                assert zb.step - busy == pytest.approx((one.step - busy) / 3)
+            assert zb.in_flight == tuple(min(stages - s, micro) for s in range(stages))

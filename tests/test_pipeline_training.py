@@ -2,14 +2,14 @@
 it): 30 AdamW steps, clipping on, mock data, fp32, dropout 0, give the losses and grad norms of
 the same run without PP (1e-5 relative): PP2 against DP2 (world 2), PP2 x DP2 (ZeRO stage 1)
 against DP4 and PP2 x TP2 (sequence parallel) against TP2 x DP2 (world 4), for each schedule
-and both families, and with Domino's schedule inside the stages (PP2 x TP2); a vocabulary that
-pads (331), uneven layers (7 over PP2). Validation loss
-(forwards only through the pipeline) too. The run without PP has the same global batch: every
-step reads the same samples. bf16 and fp16 (loss scaling) at PP2 stay within 3e-2 of the run
-without PP; fp16 starts from a scale that does not overflow: at 2^32 the tied embedding's two
-fp16 gradient halves overflow as one sum without PP and not apart, so the runs would skip
-different steps. The default tier runs one family of each half-precision and world-4 case; the
-slow tier the other (`tier`)."""
+(ZB-H1 included: its split backward under the engine) and both families, and with Domino's
+schedule inside the stages (PP2 x TP2); a vocabulary that pads (331), uneven layers (7 over
+PP2). Validation loss (forwards only through the pipeline) too. The run without PP has the same
+global batch: every step reads the same samples. bf16 and fp16 (loss scaling) at PP2 stay within
+3e-2 of the run without PP; fp16 starts from a scale that does not overflow: at 2^32 the tied
+embedding's two fp16 gradient halves overflow as one sum without PP and not apart, so the runs
+would skip different steps. The default tier runs one family of each half-precision and world-4
+case; the slow tier the other (`tier`)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def tier(family: str, default_family: str, world: int) -> dict:
 
 
 for family in ("gpt", "llama"):
-    for schedule in ("1f1b", "eager-1f1b", "interleaved"):
+    for schedule in ("1f1b", "eager-1f1b", "interleaved", "zb-h1"):
         layers = 8 if schedule == "interleaved" else 7
         SUITE.case(f"{family}-pp2-{schedule}", check_training, family, C.pp2, C.dp2, schedule,
                    layers, worlds=(2,))
@@ -90,5 +90,11 @@ for family in ("gpt", "llama"):
 
 SUITE.case("gpt-pp2tp2-domino", check_training, "gpt", C.pp2tp2, C.tp2dp2, "eager-1f1b", 4,
            sequence_parallel=True, batch_slices=2, worlds=(4,))
+# ZB-H1's B's and W's under the engine's no_sync (fused fp32 gradient buffers), reduced after
+# the last W: ZeRO stage 1 over DP, and TP with sequence parallelism
+SUITE.case("gpt-pp2dp2-zero1-zb-h1", check_training, "gpt", C.pp2dp2, C.dp4, "zb-h1", 7,
+           stage=1, worlds=(4,))
+SUITE.case("llama-pp2tp2-sp-zb-h1", check_training, "llama", C.pp2tp2, C.tp2dp2, "zb-h1", 4,
+           sequence_parallel=True, worlds=(4,))
 
 test_pipeline_training_matches_no_pp = SUITE.test()

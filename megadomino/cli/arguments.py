@@ -162,6 +162,9 @@ def parse_run(argv: list[str] | None, family: str, finetune: bool = False
     notices += _step_schedule(train.get("schedule", {}), model_config.seq_length)
     config = Config(model_config, build(ParallelConfig, parallel), build(TrainConfig, train))
     validate(config, finetune=finetune, plan=plan)
+    from megadomino.pipeline.schedules import check_schedule  # torch: only once parsed
+
+    check_schedule(config.parallel)
     return config, notices, plan
 
 

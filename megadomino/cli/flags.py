@@ -106,10 +106,18 @@ FLAGS: tuple[Flag, ...] = (
           "Layers per model chunk (chunks = layers / (pipeline size x this)), for "
           "--pipeline-schedule interleaved."),
     _ours("--pipeline-schedule", "parallel.pipeline_schedule", str,
-          "1f1b (Megatron's), interleaved (virtual stages, Megatron's) or eager-1f1b (Alpa's "
+          "1f1b (Megatron's), interleaved (virtual stages, Megatron's), eager-1f1b (Alpa's "
           "overlap-friendly 1F1B: more warm-up forwards, each forward's send overlaps the next "
-          "compute). Default: interleaved with virtual stages (as in Megatron), else 1f1b.",
-          choices=("1f1b", "interleaved", "eager-1f1b")),
+          "compute) or zb-h1 (zero-bubble ZB-H1: 1F1B with each backward split into input- and "
+          "weight-gradient passes, the weight gradients delayed into the bubbles; 1F1B's "
+          "activation memory, about a third of its bubble; not with Domino, --tp-comm-overlap "
+          "or CUDA graphs). Default: interleaved with virtual stages (as in Megatron), else "
+          "1f1b.",
+          choices=("1f1b", "interleaved", "eager-1f1b", "zb-h1")),
+    _impl("--no-overlap-p2p-communication", "parallel.overlap_p2p_communication", None,
+          "Post each pipeline receive just before its compute needs it instead of one compute "
+          "of its pass ahead (the default, under every schedule: the transfer then overlaps "
+          "the computes between; --pipeline-schedule eager-1f1b always does).", const=False),
     _ours("--pipeline-plan", "parallel.pipeline_plan", str,
           "A JSON file of pipeline stages, each with its ranks, TP degree and layer range: "
           "stage meshes of different shapes, joined by cross-mesh resharding (docs/pipeline.md); "

@@ -127,10 +127,6 @@ MEGATRON_ROWS: tuple[Flag, ...] = (
     notice("--optimizer-cuda-graph", "the optimizer step is not captured in a CUDA graph"),
     notice("--tp-comm-overlap-cfg", "--tp-comm-overlap uses torch symmetric memory, which takes "
            "no Transformer Engine userbuffer config", value),
-    notice("--no-overlap-p2p-communication",
-           "the pipeline's sends and receives are always posted asynchronously and waited "
-           "where the schedule needs them (--pipeline-schedule eager-1f1b overlaps each "
-           "forward's send with the next compute)"),
     Flag("--cp-comm-type", NOTICE, "read only with --context-parallel-size above 1, which is "
          "refused", type=value, nargs="+"),
     notice("--use-precision-aware-optimizer", "optimizer states and master weights are fp32, "

@@ -70,9 +70,15 @@ class ParallelConfig:
     """--pipeline-plan: a JSON file of stages (ranks, TP degree, layer range) for stage meshes
     of different shapes; None: Megatron's uniform plan. Either way the run's PipelinePlan is
     `config/pipeline_plan.py`'s `resolve_plan`, resolved once."""
+    overlap_p2p_communication: bool = True
+    """Each pipeline receive is posted one compute of its pass ahead (schedules.with_transfers'
+    `prefetch`), so that the transfer overlaps the computes between (gloo and NCCL move a
+    message only once its receive is posted); --no-overlap-p2p-communication (Megatron's flag)
+    posts it just before it is needed. Eager-1F1B always prefetches."""
     pipeline_schedule: str = "1f1b"
-    """'1f1b', 'interleaved' (needs virtual stages) or 'eager-1f1b' (Alpa's overlap-friendly
-    1F1B: more warm-up forwards, each forward's send overlapping the next compute)."""
+    """'1f1b', 'interleaved' (needs virtual stages), 'eager-1f1b' (Alpa's overlap-friendly
+    1F1B: more warm-up forwards, each forward's send overlapping the next compute) or 'zb-h1'
+    (zero-bubble ZB-H1: 1F1B with split backwards, pipeline/schedules.py)."""
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     """With sequence parallelism: fuse the all-gather / reduce-scatter into the GEMMs

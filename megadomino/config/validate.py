@@ -84,7 +84,7 @@ def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe
                           f"the Domino schedule bypasses: {which} runs with --zero-stage 1 only")
 
 
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "eager-1f1b")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1")
 
 
 def _pipeline_rules(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -113,7 +113,8 @@ def _pipeline_rules(model: ModelConfig, parallel: ParallelConfig) -> None:
           "'interleaved' only with virtual stages (--virtual-pipeline-model-parallel-size or "
           "--num-layers-per-virtual-pipeline-stage)")
     check(interleaved or chunks == 1, "--pipeline-schedule", parallel.pipeline_schedule,
-          "'interleaved' with virtual stages (1f1b and eager-1f1b run one chunk a stage)")
+          "'interleaved' with virtual stages (1f1b, eager-1f1b and zb-h1 run one chunk a "
+          "stage)")
     if parallel.pipeline_plan is None:  # a plan gives each stage's layers (plan_rules)
         layer_split(model.num_layers, pp, chunks, parallel.decoder_first_pipeline_num_layers,
                     parallel.decoder_last_pipeline_num_layers)

@@ -1,10 +1,10 @@
 """Pipeline parallelism: a stage's chunks of the model (`stage`, of the run's plan:
 config/pipeline_plan.py), schedules as action lists (`schedules`: 1F1B, interleaved 1F1B,
-eager-1F1B), their executor (`executor`), the transports between stages (`transport_protocol`,
-what the executor calls; `transport_p2p`: plain P2P between same-layout stages;
-`transport_reshard`: the cross-mesh resharding plans of `reshard/` between stages of different
-layouts, for --pipeline-plan), and the training step that joins them to the data-parallel engine
-(`runtime`). docs/pipeline.md says what composes.
+eager-1F1B, ZB-H1), their executor (`executor`), the transports between stages
+(`transport_protocol`, what the executor calls; `transport_p2p`: plain P2P between same-layout
+stages; `transport_reshard`: the cross-mesh resharding plans of `reshard/` between stages of
+different layouts, for --pipeline-plan), and the training step that joins them to the
+data-parallel engine (`runtime`). docs/pipeline.md says what composes.
 
 Drives `models` (a stage runs a range of the layer stack) and is never imported by it.
 """

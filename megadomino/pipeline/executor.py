@@ -12,7 +12,10 @@ For each action, in order and nothing else:
                    `weights` (per-token loss), loss times the micro-batch's weight instead
   backward         torch.autograd.backward of the kept output with the received output gradient
                    (of the scaled loss on the last virtual stage); the input's gradient is kept
-                   for its send
+                   for its send. Where the list has the micro-batch's `weight` (a split
+                   backward, schedules.SPLIT_BACKWARD), tp/wgrad.py's B: the linears' weight
+                   gradients are deferred into the chunk's WeightGradStore
+  weight           tp/wgrad.py's W: the weight gradients the micro-batch's B deferred
 
 Parameter gradients accumulate wherever autograd puts them (`.grad`, or the data-parallel
 engine's hooks); reducing them is the caller's (pipeline/runtime.py). Every kept tensor is
@@ -24,11 +27,11 @@ a wait's the time blocked); what benchmarks/bench_pipeline.py derives each stage
 from. Nothing is recorded without a list.
 
 Phase timers (`run(..., timers=...)`, train/timers.py's Timers): each forward action runs under the
-phase `forward`, each backward under `backward` and each wait under `wait`, the time the stage is
-blocked on a transfer; the flush of posted transfers before an action is in none. On a GPU the
-timers read CUDA events on the current stream, so a phase is the stream's time: a wait on an NCCL
-transfer makes the stream wait (the host does not block), and the stream's stall is what `wait`
-measures; no synchronization is added.
+phase `forward`, each backward and weight under `backward` and each wait under `wait`, the time
+the stage is blocked on a transfer; the flush of posted transfers before an action is in none. On
+a GPU the timers read CUDA events on the current stream, so a phase is the stream's time: a wait
+on an NCCL transfer makes the stream wait (the host does not block), and the stream's stall is
+what `wait` measures; no synchronization is added.
 """
 
 from __future__ import annotations
@@ -43,21 +46,25 @@ from torch import nn
 from megadomino.pipeline.schedules import Action
 from megadomino.pipeline.stage import run_chunk
 from megadomino.pipeline.transport_protocol import Transport
+from megadomino.tp.wgrad import WeightGradStore, backward_input, backward_weight
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # tokens, labels, loss_mask [b, s]
 PhaseTimers = Callable[[str], contextlib.AbstractContextManager]
 """`timers(phase)` times what runs inside it under `phase` (train/timers.py's Timers)."""
-TIMED = ("forward", "backward", "wait")
-"""The actions timed under a phase of their own name (module docstring)."""
+PHASES = {"forward": "forward", "backward": "backward", "weight": "backward", "wait": "wait"}
+"""The actions timed, by the phase they are timed under (module docstring)."""
 
 
 class Executor:
     """Runs action lists on this rank's chunks (stage `stage` of `stages`) through
-    `transport`."""
+    `transport`. `split_backward`: the lists may split backwards (a `weight` action), for which
+    each chunk gets a WeightGradStore (its parameters point to it while it lives)."""
 
-    def __init__(self, chunks: nn.ModuleList, transport: Transport, stage: int, stages: int):
+    def __init__(self, chunks: nn.ModuleList, transport: Transport, stage: int, stages: int,
+                 split_backward: bool = False):
         self.chunks, self.transport = chunks, transport
         self.stage, self.stages = stage, stages
+        self.stores = [WeightGradStore(chunk) for chunk in chunks] if split_backward else None
 
     def _is_last(self, chunk: int) -> bool:
         return self.stage == self.stages - 1 and chunk == len(self.chunks) - 1
@@ -77,20 +84,26 @@ class Executor:
         `timers`: the phase timers of the forwards, backwards and waits (module docstring)."""
         state = _State(len(batches), loss_scale, train, weights,
                        list(loss_weights) if loss_weights is not None else [1.0] * len(batches))
+        state.split = {(a.micro, a.chunk or 0) for a in actions if a.op == "weight"}
+        if state.split and self.stores is None:
+            raise ValueError("this action list splits backwards (weight actions): build the "
+                             "Executor with split_backward=True")
         with torch.enable_grad() if train else torch.no_grad():
             for action in actions:
                 start = time.perf_counter() if timeline is not None else 0.0
                 if action.op not in ("send", "recv"):
                     self.transport.flush()  # a step's posts go out together, before the rest
-                timed = timers is not None and action.op in TIMED
-                with timers(action.op) if timed else contextlib.nullcontext():
+                timed = timers is not None and action.op in PHASES
+                with timers(PHASES[action.op]) if timed else contextlib.nullcontext():
                     self._do(action, batches, state)
                 if timeline is not None:
                     timeline.append((action, start, time.perf_counter()))
         self.transport.flush()
-        if state.pending or state.kept:
-            raise RuntimeError(f"the action list left operations or tensors behind: "
-                               f"{sorted(state.pending)} {sorted(state.kept)}")
+        deferred = [store.pending() for store in self.stores or []]
+        if state.pending or state.kept or any(deferred):
+            raise RuntimeError(f"the action list left operations, tensors or weight gradients "
+                               f"behind: {sorted(state.pending)} {sorted(state.kept)} "
+                               f"{deferred}")
         return [state.losses[m] for m in sorted(state.losses)]
 
     def _do(self, action: Action, batches: Sequence[MicroBatch], state: _State) -> None:
@@ -111,6 +124,8 @@ class Executor:
                 state.kept[("out", micro, chunk)] = out
         elif action.op == "backward":
             self._backward(micro, chunk, state)
+        elif action.op == "weight":
+            backward_weight(self.stores[chunk], micro)
         elif action.op == "send":
             self._send(action, micro, chunk, state)
         elif action.op == "recv":
@@ -131,7 +146,10 @@ class Executor:
         out = state.kept.pop(("out", micro, chunk))
         x = state.kept.pop(("x", micro, chunk))
         grad = None if self._is_last(chunk) else state.kept.pop(("dy", micro, chunk))
-        torch.autograd.backward(out, grad_tensors=grad)
+        if (micro, chunk) in state.split:
+            backward_input(out, grad, self.stores[chunk], micro)
+        else:
+            torch.autograd.backward(out, grad_tensors=grad)
         if x is not None:
             state.kept[("dx", micro, chunk)] = x.grad
 
@@ -158,4 +176,5 @@ class _State:
         self.weights, self.loss_weights = weights, loss_weights
         self.pending: dict[tuple, tuple] = {}
         self.kept: dict[tuple, torch.Tensor | None] = {}
+        self.split: set[tuple[int, int]] = set()  # (micro, chunk) whose backward is split
         self.losses: dict[int, torch.Tensor] = {}

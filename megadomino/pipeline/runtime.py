@@ -5,7 +5,10 @@ backward under the data-parallel engine's `no_sync()` (gradients accumulate over
 micro-batches), sums the tied embedding's accumulated gradient over the embedding group, then has
 the engine reduce over DP (stages 0 and 1: after the last micro-batch's backward, as Megatron's
 finalize step does). The engine's step then clips by the norm over every stage (an all-reduce
-over the pipeline group, zero/sharded.py).
+over the pipeline group, zero/sharded.py). A schedule that splits its backwards (zb-h1:
+schedules.SPLIT_BACKWARD) runs every B and W inside that same `no_sync()`, so both reductions
+come after the last W; the executor keeps one WeightGradStore a chunk and refuses a step that
+leaves a W pending (tp/wgrad.py's rules).
 
 Losses are Megatron's: the last stage computes each micro-batch's loss, the step's is their
 mean, broadcast over the pipeline group so that every rank knows it for logging. With per-token
@@ -30,7 +33,12 @@ from megadomino.distributed import comm
 from megadomino.models.blocks import DTYPES
 from megadomino.pipeline.executor import Executor, MicroBatch, PhaseTimers
 from megadomino.pipeline.reshard.layout import part_range
-from megadomino.pipeline.schedules import compute_order, schedule, with_transfers
+from megadomino.pipeline.schedules import (
+    SPLIT_BACKWARD,
+    compute_order,
+    schedule,
+    with_transfers,
+)
 from megadomino.pipeline.stage import StageChunks, embedding_group, tied_embedding
 from megadomino.pipeline.transport_p2p import P2PTransport
 from megadomino.pipeline.transport_reshard import ReshardTransport
@@ -67,8 +75,10 @@ class PipelineRuntime:
                                      device, num_micro)
         if plan.size > 1:  # NCCL: the group's first operation must be a collective of it all
             comm.barrier(group=dims.pp_group)
-        self.executor = Executor(chunks, transport, stage.index, plan.size)
+        self.executor = Executor(chunks, transport, stage.index, plan.size,
+                                 split_backward=schedule_name in SPLIT_BACKWARD)
         self.schedule_name = schedule_name
+        self.prefetch = parallel.overlap_p2p_communication
         self._actions: dict[int, list] = {}
         tied = plan.size > 1 and not model.untie_embeddings_and_output_weights
         self.embedding_group = embedding_group(plan, dims) if tied else None
@@ -81,7 +91,8 @@ class PipelineRuntime:
         transport's count, whose tags it sizes)."""
         if num_micro not in self._actions:
             self._actions[num_micro] = schedule(self.schedule_name, self.plan.size,
-                                                self.stage.index, num_micro, self.plan.chunks)
+                                                self.stage.index, num_micro, self.plan.chunks,
+                                                prefetch=self.prefetch)
         return self._actions[num_micro]
 
     def train_step(self, batches: Sequence[MicroBatch], engine,

@@ -10,43 +10,53 @@ An `Action(pass_, op, micro, chunk)` is printed as Domino's actions are (`table`
     B M3 V1 recv      post the receive of the gradient of that output
     B M3 V1 backward  autograd backward of the chunk's output with that gradient
     B M3 V1 send      post the send of the input's gradient to the previous stage
+    W M3 V1 weight    the weight gradients of that backward (tp/wgrad.py's W), deferred: where a
+                      list has it, `B M3 V1 backward` is the input-gradient part (B) alone
     F/B ... wait send block until that send has gone
 
 `chunk` is None without a virtual pipeline. Compute orders: 1F1B (PipeDream-Flush, Megatron's
 non-interleaved schedule: stage s of P runs min(P - s - 1, m) warm-up forwards), interleaved
 1F1B (Megatron's: chunks of P micro-batches per model chunk, (P - s - 1) * 2 + (V - 1) * P
 warm-up forwards, all of them when m = P; its steady state pairs a forward with a backward in one
-step of transfers) and eager-1F1B (Alpa's overlap-friendly PipeDream schedule, arXiv 2211.05322:
+step of transfers), eager-1F1B (Alpa's overlap-friendly PipeDream schedule, arXiv 2211.05322:
 min(m, 2 (P - s) - 1) warm-up forwards; a forward's send is waited only after the next compute,
-so it overlaps it; backward sends are waited at once; its receives are prefetched, see
-`with_transfers`).
+so it overlaps it; backward sends are waited at once) and ZB-H1 (Qi et al., "Zero Bubble
+Pipeline Parallelism", arXiv 2401.10241; `_zb_h1`). Every schedule prefetches its receives
+by default (`with_transfers`' `prefetch`; --no-overlap-p2p-communication turns it off but for
+eager-1F1B, which is defined with it): over a slow link 1F1B with prefetched receives measured
+1.39-1.47x 1F1B without (BENCHMARKS.md).
 
 Transfers (`with_transfers`), one rule for every order: after a compute, post its send, then post
 the receive the next compute needs, then wait (the sends to wait now, then the receive). Every
 receive is posted before the rank blocks, which keeps the schedule free of deadlocks even where
 a send completes only once its receive is posted (NCCL; tests/test_pipeline_schedules.py
 simulates that for every schedule); it is the pairing of Megatron's
-send_forward_recv_backward / send_backward_recv_forward.
+send_forward_recv_backward / send_backward_recv_forward. A weight-gradient pass moves nothing: it
+belongs to the step before it and runs after that step's posts, before its waits, so that it
+fills the time the stage would block (the rule that gives ZB-H1's ideal bubble with receives
+prefetched or not, tests/test_pipeline_simulate.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megadomino.config import ConfigError
+from megadomino.config import ConfigError, ParallelConfig
 from megadomino.overlap.domino.actions import table
+from megadomino.tp.wgrad import check_split_backward
 
-SCHEDULES = ("1f1b", "interleaved", "eager-1f1b")
+SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1")
+SPLIT_BACKWARD = ("zb-h1",)
+"""The schedules whose backward is split into B (input gradients) and W (weight gradients)."""
 
-__all__ = ["SCHEDULES", "Action", "bubble_fraction", "compute_order", "compute_steps", "schedule",
-           "table",
-           "with_transfers"]
+__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "Action", "bubble_fraction", "check_schedule",
+           "compute_order", "compute_steps", "schedule", "table", "with_transfers"]
 
 
 @dataclass(frozen=True)
 class Action:
-    pass_: str                 # "F" (activations) or "B" (gradients)
-    op: str                    # forward backward send recv wait
+    pass_: str                 # "F" (activations), "B" (gradients) or "W" (weight gradients)
+    op: str                    # forward backward weight send recv wait
     micro: int
     chunk: int | None = None
     waits: str | None = None   # wait: "send" or "recv"
@@ -59,7 +69,8 @@ class Action:
         return f"{self.pass_} {where:<5} {what}"
 
 
-Compute = tuple[str, int, int]   # ("F" or "B", micro, chunk)
+Compute = tuple[str, int, int]   # ("F", "B" or "W", micro, chunk)
+COMPUTE_OPS = {"F": "forward", "B": "backward", "W": "weight"}
 
 
 def compute_order(name: str, stages: int, stage: int, micro: int,
@@ -72,7 +83,8 @@ def compute_steps(name: str, stages: int, stage: int, micro: int,
                   chunks: int = 1) -> list[list[Compute]]:
     """The compute order in steps of transfers: one compute a step, except the interleaved
     schedule's steady state, whose forward and backward share one step (Megatron's
-    send_forward_backward_recv_forward_backward)."""
+    send_forward_backward_recv_forward_backward), and a weight-gradient pass, which shares the
+    step of the compute before it (module docstring)."""
     if name == "interleaved":
         return _interleaved(stages, stage, micro, chunks)
     if chunks != 1:
@@ -84,6 +96,8 @@ def compute_steps(name: str, stages: int, stage: int, micro: int,
         # min(m, 2 (P - s) - 1) forwards before the first backward, then backward and forward
         # in turn: the steady state of 1F1B with one forward fewer in its warm-up.
         warmup = min(micro, 2 * (stages - stage) - 1) - 1
+    elif name == "zb-h1":
+        return _zb_h1(stages, stage, micro)
     else:
         raise ConfigError(f"--pipeline-schedule {name} is unknown: choose one of "
                           f"{', '.join(SCHEDULES)}")
@@ -100,6 +114,29 @@ def _one_f_one_b(forwards: list[Compute], backwards: list[Compute], warmup: int,
         pair = [forwards[warmup + k], backwards[k]]
         steps += [pair] if paired else [[c] for c in pair]
     return steps + [[b] for b in backwards[len(forwards) - warmup:]]
+
+
+def _zb_h1(stages: int, stage: int, micro: int) -> list[list[Compute]]:
+    """ZB-H1: 1F1B's forwards and B's (min(P - s - 1, m) warm-up forwards, then forward and B
+    in turn), each B followed by the W of the micro-batch s B's before it (stage s runs its first
+    s B's without a W), the W's left at the end.
+
+    Why: B alone is on the critical path, so the gradients reach stage 0 sooner than 1F1B's
+    whole backwards do, and the W's a stage delays fill its cool-down, where it waits for the B's
+    of the stages after it (the later the stage, the more W's it has left). Memory: stage s
+    holds at most min(P - s, m) micro-batches whose B has not run, 1F1B's count, and
+    min(P, m) whose W has not run, 1F1B's peak (stage 0's), on every stage: the paper's bound.
+    With F = B = W = t and m >= P the step is (3 m + P - 1) t, a bubble of (P - 1) t, a third of
+    1F1B's 3 (P - 1) t. Torch's ScheduleInterleavedZeroBubble with one stage a rank (its ZB1P)
+    runs this order (tests/test_pipeline_schedules.py)."""
+    warmup = min(stages - stage - 1, micro)
+    steps = [[("F", m, 0)] for m in range(warmup)]
+    for m in range(micro):
+        if warmup + m < micro:
+            steps.append([("F", warmup + m, 0)])
+        steps.append([("B", m, 0)] + ([("W", m - stage, 0)] if m >= stage else []))
+    steps[-1] += [("W", m, 0) for m in range(max(micro - stage, 0), micro)]
+    return steps
 
 
 def _interleaved(stages: int, stage: int, micro: int, chunks: int) -> list[list[Compute]]:
@@ -124,25 +161,29 @@ def _interleaved(stages: int, stage: int, micro: int, chunks: int) -> list[list[
 
 def _receives(pass_: str, stage: int, chunk: int, stages: int, chunks: int) -> bool:
     """Does this compute need an input from another stage (activation or output gradient)?"""
+    if pass_ == "W":
+        return False
     if pass_ == "F":
         return not (stage == 0 and chunk == 0)
     return not (stage == stages - 1 and chunk == chunks - 1)
 
 
 def _sends(pass_: str, stage: int, chunk: int, stages: int, chunks: int) -> bool:
-    return _receives("B" if pass_ == "F" else "F", stage, chunk, stages, chunks)
+    opposite = "B" if pass_ == "F" else "F"
+    return pass_ != "W" and _receives(opposite, stage, chunk, stages, chunks)
 
 
 def with_transfers(steps: list[list[Compute]], stages: int, stage: int, chunks: int,
                    eager: bool = False, prefetch: bool = False) -> list[Action]:
     """The computes, in steps, with their sends, receives and waits (module docstring's rule,
     applied per step: a step is one compute, or the interleaved schedule's steady-state
-    forward + backward pair). `eager`: a forward's send is waited after the next step instead
-    of at once. `prefetch`: each receive is posted right after the previous receive of its
-    pass (F or B) was waited, one compute of that pass ahead, instead of after the compute
-    before it: gloo and NCCL move a message only once its receive is posted, so without it a
-    transfer cannot overlap the receiver's computes, and a send waited at once blocks until
-    the receiver gets to its post. Receives keep their order either way."""
+    forward + backward pair, with the weight-gradient passes that follow it, which run after
+    the step's posts and before its waits). `eager`: a forward's send is waited after the next
+    step instead of at once. `prefetch`: each receive is posted right after the previous
+    receive of its pass (F or B) was waited, one compute of that pass ahead, instead of after
+    the compute before it: gloo and NCCL move a message only once its receive is posted, so
+    without it a transfer cannot overlap the receiver's computes, and a send waited at once
+    blocks until the receiver gets to its post. Receives keep their order either way."""
     def action(pass_: str, op: str, micro: int, chunk: int, waits: str | None = None):
         return Action(pass_, op, micro, chunk if chunks > 1 else None, waits)
 
@@ -170,23 +211,39 @@ def with_transfers(steps: list[list[Compute]], stages: int, stage: int, chunks: 
     for index, step in enumerate(steps):
         waits = list(deferred)
         deferred = []
+        fill = [action(p, COMPUTE_OPS[p], m, v) for p, m, v in step if p == "W"]
         for pass_, micro, chunk in step:
-            out.append(action(pass_, "forward" if pass_ == "F" else "backward", micro, chunk))
+            if pass_ != "W":
+                out.append(action(pass_, COMPUTE_OPS[pass_], micro, chunk))
         for pass_, micro, chunk in step:
             if _sends(pass_, stage, chunk, stages, chunks):
                 out.append(action(pass_, "send", micro, chunk))
                 sent = action(pass_, "wait", micro, chunk, "send")
                 (deferred if eager and pass_ == "F" else waits).append(sent)
         posts, receive = receives(steps[index + 1]) if index + 1 < len(steps) else ([], [])
-        out += posts + waits + receive
+        out += posts + fill + waits + receive
     return out + deferred
 
 
-def schedule(name: str, stages: int, stage: int, micro: int, chunks: int = 1) -> list[Action]:
-    """The action list of `stage` (0-based) of `stages` for `micro` micro-batches."""
+def schedule(name: str, stages: int, stage: int, micro: int, chunks: int = 1,
+             prefetch: bool = True) -> list[Action]:
+    """The action list of `stage` (0-based) of `stages` for `micro` micro-batches; `prefetch`:
+    receives posted one compute ahead (with_transfers; --no-overlap-p2p-communication turns it
+    off), which eager-1F1B always does."""
     eager = name == "eager-1f1b"
     return with_transfers(compute_steps(name, stages, stage, micro, chunks), stages, stage,
-                          chunks, eager=eager, prefetch=eager)
+                          chunks, eager=eager, prefetch=prefetch or eager)
+
+
+def check_schedule(parallel: ParallelConfig) -> None:
+    """Refuse, as one line before any process group, what the pipeline's schedule cannot run
+    with: a split backward (SPLIT_BACKWARD) refuses the ways of running the layers whose
+    backward computes weight gradients in its own kernels or graphs (tp/wgrad.py). Virtual
+    stages with a schedule other than interleaved are config/validate.py's refusal."""
+    name = parallel.pipeline_schedule
+    if parallel.pipeline_model_parallel_size > 1 and name in SPLIT_BACKWARD:
+        check_split_backward(parallel, parallel.tensor_model_parallel_size,
+                             f"--pipeline-schedule {name}")
 
 
 def bubble_fraction(stages: int, micro: int, chunks: int = 1) -> float:

@@ -5,6 +5,10 @@ micro-batches each stage holds in flight.
 The model, the same rules the executor and the transports follow:
 - A stage runs its actions in order. A forward of chunk v on stage s takes `forward[s]` / V
   seconds, a backward `backward[s]` / V (the stage's layers split evenly over its V chunks).
+  Given `weight`, `backward[s]` is the input-gradient part (B) of a backward and `weight[s]` its
+  weight-gradient part (W): a `weight` action takes `weight[s]` / V, a backward whose W is in
+  the list (a split backward, schedules.SPLIT_BACKWARD) `backward[s]` / V, any other backward
+  their sum; without `weight`, W takes no time.
 - `send` and `recv` post a message and return at once; a message is identified by its pass, the
   boundary it crosses (between virtual stages b and b + 1, on the link from stage b mod P to
   stage (b + 1) mod P) and its micro-batch, as tests/test_pipeline_schedules.py's deadlock check
@@ -45,7 +49,7 @@ class Prediction:
     step: float
     """Seconds from every stage starting to the last one finishing."""
     busy: tuple[float, ...]
-    """Each stage's seconds in forwards and backwards."""
+    """Each stage's seconds in forwards, backwards and weight-gradient passes."""
     in_flight: tuple[int, ...]
     """Each stage's peak count of (micro-batch, chunk) forwards whose backward has not run: the
     activations it holds, in micro-batches' worth of one chunk."""
@@ -65,22 +69,30 @@ def message(stages: int, stage: int, action: Action) -> tuple[str, int, int]:
 
 
 def simulate(name: str, stages: int, micro: int, forward: Sequence[float],
-             backward: Sequence[float], link: float, chunks: int = 1) -> Prediction:
+             backward: Sequence[float], link: float, chunks: int = 1,
+             prefetch: bool = True, weight: Sequence[float] | None = None) -> Prediction:
     """Run schedule `name` of `stages` stages over `micro` micro-batches (`chunks` virtual
-    stages each): `forward[s]` / `backward[s]` one micro-batch's seconds on stage s, `link` one
-    message's seconds over a link (module docstring)."""
-    lists = [schedule(name, stages, s, micro, chunks) for s in range(stages)]
+    stages each, receives prefetched or not as schedules.schedule says): `forward[s]` /
+    `backward[s]` (and `weight[s]`) one micro-batch's seconds on stage s, `link` one message's
+    seconds over a link (module docstring)."""
+    lists = [schedule(name, stages, s, micro, chunks, prefetch) for s in range(stages)]
     return run(lists, stages, [f / chunks for f in forward], [b / chunks for b in backward],
-               link)
+               link, weight=None if weight is None else [w / chunks for w in weight])
+
+
+def _seconds(times: Sequence[float | Sequence[float]] | None, stage: int, chunk: int) -> float:
+    """`times[stage]`, or its chunk's `times[stage][chunk]`; no times: none spent."""
+    spent = times[stage] if times is not None else 0.0
+    return spent if isinstance(spent, float | int) else spent[chunk]
 
 
 def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float | Sequence[float]],
-        backward: Sequence[float | Sequence[float]], link: float, *,
-        sends: str = "rendezvous") -> Prediction:
-    """Every stage's `lists[s]` against a clock: `forward[s]` / `backward[s]` seconds a compute
-    action of stage s (or `forward[s][v]` of its chunk v), `link` seconds a message (module
-    docstring). `sends`, when a message
-    moves and when its send's wait ends:
+        backward: Sequence[float | Sequence[float]], link: float, *, sends: str = "rendezvous",
+        weight: Sequence[float | Sequence[float]] | None = None) -> Prediction:
+    """Every stage's `lists[s]` against a clock: `forward[s]` / `backward[s]` / `weight[s]`
+    seconds a compute action of stage s (or `forward[s][v]` of its chunk v; a backward's time
+    as the module docstring says), `link` seconds a message (module docstring). `sends`, when a
+    message moves and when its send's wait ends:
       rendezvous  once both ends posted it; the send's wait ends when it arrived (NCCL);
       handed      once both ends posted it; the send's wait ends when it starts to move (gloo
                   over TCP: after the receiver's ready notice the message goes to the kernel's
@@ -96,6 +108,8 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
     link_free: dict[tuple[int, int], float] = {}  # (from stage, to stage) -> when free
     blocked: dict[tuple, list[int]] = {}          # (side, message) -> stages waiting on it
     ready = [(0.0, s) for s in range(stages)]
+    times = {"forward": forward, "backward": backward, "weight": weight}
+    split = [{(a.micro, a.chunk or 0) for a in actions if a.op == "weight"} for actions in lists]
 
     def finish(side: tuple, when: float) -> None:
         done[side] = when
@@ -120,13 +134,14 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
         _, s = heapq.heappop(ready)
         while at[s] < len(lists[s]):
             action = lists[s][at[s]]
-            if action.op in ("forward", "backward"):
-                spent = (forward if action.op == "forward" else backward)[s]
-                if not isinstance(spent, float | int):
-                    spent = spent[action.chunk or 0]
+            if action.op in times:
+                chunk = action.chunk or 0
+                spent = _seconds(times[action.op], s, chunk)
+                if action.op == "backward" and (action.micro, chunk) not in split[s]:
+                    spent += _seconds(weight, s, chunk)  # unsplit: B and W in one
                 clock[s] += spent
                 busy[s] += spent
-                held[s] += 1 if action.op == "forward" else -1
+                held[s] += {"forward": 1, "backward": -1}.get(action.op, 0)
                 peak[s] = max(peak[s], held[s])
             elif action.op in ("send", "recv"):
                 post(message(stages, s, action), 0 if action.op == "send" else 1, clock[s])

@@ -32,6 +32,7 @@ from megadomino.distributed.random import model_parallel_seed
 from megadomino.overlap.cuda_graph import capture_layers
 from megadomino.overlap.domino.autotune import autotune_domino
 from megadomino.pipeline.runtime import PipelineRuntime, run_plan
+from megadomino.pipeline.schedules import check_schedule
 from megadomino.pipeline.stage import build_stage
 from megadomino.train.checkpoint import (
     TRACKER,
@@ -116,6 +117,7 @@ def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[st
     """The run `train` describes (module docstring for the order)."""
     validate(config, dims.world_size, dims.gpus_per_node, data_given=train_data is not None,
              plan=dims.plan)
+    check_schedule(config.parallel)
     _check_grid(config.parallel, dims)
     train_config = config.train
     config = dataclasses.replace(config, model=config.model.replace(
