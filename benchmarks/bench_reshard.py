@@ -151,8 +151,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def write_rows(args, case: Case, plans: dict, seconds: dict, wire_rows: list[dict]) -> None:
-    """One JSON line per distinct plan: times, bound, the plan's link bytes and the wire bytes
-    per run that each host's veth counted (uplink: its tx; downlink: its rx)."""
+    """One JSON line per distinct plan: times, bound, the cost model's prediction for gloo
+    (reshard/cost.py: latency 0, as the links add none), the plan's link bytes and the wire
+    bytes per run that each host's veth counted (uplink: its tx; downlink: its rx)."""
     with open(os.path.join(args.out, "results.jsonl"), "a") as out:
         for key, plan in plans.items():
             measured = {}
@@ -164,7 +165,8 @@ def write_rows(args, case: Case, plans: dict, seconds: dict, wire_rows: list[dic
                 "case": args.case, "strategy": key[0], "solvers": list(key[1:]),
                 "rate_mbit": args.rate_mbit, "tensor_bytes": 4 * torch.Size(case.shape).numel(),
                 "seconds": seconds[key], "median_s": statistics.median(seconds[key]),
-                "bound_s": plan.makespan(), "exact": plan.exact,
+                "bound_s": plan.makespan(), "predicted_s": plan.predicted_time(),
+                "exact": plan.exact,
                 "link_bytes": {f"{way} {host}": n for (way, host), n in
                                sorted(plan.link_bytes().items()) if way != "local"},
                 "wire_bytes": measured,
@@ -177,7 +179,8 @@ def plan_mode(args: argparse.Namespace) -> None:
             busiest = max(plan.link_bytes().items(), key=lambda item: item[1]
                           if item[0][0] != "local" else -1)
             print(f"{name:<13} {key[0]:<20} {'/'.join(key[1:]):<40} bound "
-                  f"{plan.makespan():6.3f} s  busiest {busiest[0]} {busiest[1] / MIB:.1f} MiB")
+                  f"{plan.makespan():6.3f} s  predicted (gloo) {plan.predicted_time():6.3f} s  "
+                  f"busiest {busiest[0]} {busiest[1] / MIB:.1f} MiB")
 
 
 def report(args: argparse.Namespace) -> None:

@@ -7,7 +7,9 @@ pair equal the plan's edges (so its per-link bytes are what was sent).
 Default tier: worlds of 2, 3 and 4 ranks (every source + destination split of them, 1-D meshes,
 replicated or sharded along each dim of an odd (5, 7, 3) tensor, so some tiles are uneven and
 some empty). Slow tier: worlds of 5, 6 and 8 with 2-D meshes (e.g. TP x batch-split DP). One
-case per (world, strategy) runs every layout pair and solver, to keep process launches few."""
+case per (world, strategy) runs every layout pair and solver, to keep process launches few.
+Plans made for NCCL with one NIC per GPU (network.py) run here too: their all-gather exchange is
+a ring (each part chained from its owner), their senders balanced per device."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from megadomino.pipeline.reshard import (
     make_plan,
 )
 from megadomino.pipeline.reshard.layout import box_slices
+from megadomino.pipeline.reshard.network import Network
 
 SHAPE = (5, 7, 3)
 
@@ -71,15 +74,18 @@ def layout_pairs(world: int, two_d: bool) -> list[tuple[Layout, Layout]]:
     return pairs
 
 
-def check_strategy(strategy: str, groups: GroupCache, world: int, two_d: bool) -> None:
+def check_strategy(strategy: str, groups: GroupCache, world: int, two_d: bool,
+                   network: Network | None = None) -> None:
     rank = dist.get_rank()
     generator = torch.Generator().manual_seed(world)
     activation = torch.randn(SHAPE, generator=generator)
     gradient = torch.randn(SHAPE, generator=generator)
     failures = []
     for (src, dst), solver in itertools.product(layout_pairs(world, two_d), SOLVERS):
-        plan = make_plan(SHAPE, torch.float32, src, dst, strategy, solver, seed=7, chunks=3)
-        where = f"{strategy}/{solver} {src.mesh.shape}{src.dims} -> {dst.mesh.shape}{dst.dims}"
+        plan = make_plan(SHAPE, torch.float32, src, dst, strategy, solver, seed=7, chunks=3,
+                         network=network)
+        where = (f"{strategy}/{solver} {src.mesh.shape}{src.dims} -> {dst.mesh.shape}{dst.dims}"
+                 f"{'' if network is None else ' ' + network.describe()}")
         for direction, current, full in ((" forward", plan, activation),
                                          (" backward", plan.backward(), gradient)):
             transport = Reshard(current, groups)
@@ -111,6 +117,10 @@ def _setup(world: int) -> dict:
 
 for _strategy in STRATEGIES:
     SUITE.case(f"reshard-{_strategy}", check_strategy, _strategy, C.groups, C.world, False)
+RINGS = Network("nccl", gpus_per_host=2, nics_per_host=2)  # host_of: two ranks per host
+for _strategy in ("send_recv_allgather", "broadcast"):
+    SUITE.case(f"reshard-rings-{_strategy}", check_strategy, _strategy, C.groups, C.world, False,
+               RINGS)
 
 test_reshard = SUITE.test()
 

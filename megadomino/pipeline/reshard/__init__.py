@@ -9,16 +9,23 @@ sender choice.
     forward, backward = Reshard(plan, groups), Reshard(plan.backward(), groups)
     tile = forward.run(my_tile_or_None)        # every rank of both meshes
 
-Modules: `layout` (meshes, layouts, tiles), `plan` (tile-to-slice planning, strategies, link
-bytes), `solvers` (sender choice), `resharding` (the plan), `transport` (running it).
+    # on GPUs: NCCL's ring broadcast, one NIC per GPU, the strategy chosen by predicted time
+    net = Network("nccl", latency=10e-6, gpus_per_host=8, nics_per_host=8)
+    plan = make_plan((s, b, h), torch.bfloat16, src, dst, network=net, rates=nic_bytes_per_s)
+    print(plan.describe())                     # the choice, its predicted time, the others
+
+Modules: `layout` (meshes, layouts, tiles), `network` (links per host or per device, the
+backend), `plan` (tile-to-slice planning, strategies, link bytes), `solvers` (sender choice),
+`cost` (predicted time per backend), `resharding` (the plan), `transport` (running it).
 See docs/reshard.md.
 """
 
 from .layout import Layout, Mesh
+from .network import BACKENDS, Network
 from .plan import STRATEGIES
 from .resharding import ReshardPlan, make_plan
 from .solvers import SOLVERS
 from .transport import GroupCache, Reshard
 
-__all__ = ["SOLVERS", "STRATEGIES", "GroupCache", "Layout", "Mesh", "Reshard", "ReshardPlan",
-           "make_plan"]
+__all__ = ["BACKENDS", "SOLVERS", "STRATEGIES", "GroupCache", "Layout", "Mesh", "Network",
+           "Reshard", "ReshardPlan", "make_plan"]

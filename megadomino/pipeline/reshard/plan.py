@@ -13,13 +13,18 @@ the units a solver gives a sender:
   it as a binomial tree over the group's ranks in ascending order, rooted at the sender (virtual
   rank v = (rank - root) mod n; in round i every v < 2^i with bit i clear sends to v + 2^i), not
   pipelined: each edge carries the whole slice after the edge into its source has finished.
+  NCCL runs it as a pipelined ring, modelled as the chain of `chained_broadcast` (network.py).
 - `chained_broadcast`: one work per slice, sent along a chain sender -> replicas (the sender's
   host first, then host by host), in chunks so that every edge streams at once: each link that
   the chain crosses carries the slice once.
 
+The exchange of `send_recv_allgather` is point-to-point on gloo; on NCCL a ring all-gather:
+each part travels the ring of the replicas (host by host) from its owner.
+
 Every work becomes edges (source rank, destination rank), each carrying the work's bytes. An
 edge between two hosts loads the source host's uplink ("up", host) and the destination's downlink
-("down", host); an edge inside a host loads ("local", host), which has no rate (loopback).
+("down", host); an edge inside a host loads ("local", host), which has no rate (loopback). With
+several NICs per host, or rated GPU ports, the links are the network's (network.py).
 """
 
 from __future__ import annotations
@@ -27,11 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layout import Box, Layout, box_intersection, box_numel, part_range
+from .network import DEFAULT_NETWORK, Link, Network
 
 STRATEGIES = ("send_recv", "send_recv_allgather", "broadcast", "chained_broadcast")
-
-Link = tuple[str, str]
-"""("up" | "down" | "local", host)."""
 
 Edge = tuple[int, int]
 """(source rank, destination rank) of one copy of a work's bytes."""
@@ -128,35 +131,40 @@ def binomial_edges(sender: int, receivers: tuple[int, ...]) -> list[Edge]:
     return edges
 
 
-def work_edges(strategy: str, work: Work, sender: int, host_of: dict[int, str]) -> list[Edge]:
+def work_edges(strategy: str, work: Work, sender: int, host_of: dict[int, str],
+               network: Network = DEFAULT_NETWORK) -> list[Edge]:
     """The edges that carry `work` from `sender`, each the work's whole payload."""
-    if strategy == "broadcast":
+    if strategy == "broadcast" and not network.rings:
         return binomial_edges(sender, work.receivers)
-    if strategy == "chained_broadcast":
+    if strategy in ("broadcast", "chained_broadcast"):
         chain = chain_order(sender, work.receivers, host_of)
         return list(zip(chain[:-1], chain[1:]))
     return [(sender, receiver) for receiver in work.receivers]
 
 
-def exchange_edges(work: Work) -> list[Edge]:
-    """send_recv_allgather's second phase for one part: its replica sends it to the others."""
+def exchange_edges(work: Work, host_of: dict[int, str] | None = None,
+                   network: Network = DEFAULT_NETWORK) -> list[Edge]:
+    """send_recv_allgather's second phase for one part: its replica sends it to the others
+    (gloo), or it travels the replicas' ring from its replica (NCCL's all-gather)."""
     (owner,) = work.receivers
-    return [(owner, other) for other in work.transfer.receivers if other != owner]
+    if not network.rings:
+        return [(owner, other) for other in work.transfer.receivers if other != owner]
+    ring = chain_order(work.transfer.receivers[0], work.transfer.receivers, host_of)[1:]
+    start = ring.index(owner)  # one ring for every part, entered at its owner
+    ring = ring[start:] + ring[:start]
+    return list(zip(ring[:-1], ring[1:]))
 
 
-def add_edge_bytes(loads: dict[Link, int], edge: Edge, nbytes: int,
-                   host_of: dict[int, str]) -> None:
+def add_edge_bytes(loads: dict[Link, int], edge: Edge, nbytes: int, host_of: dict[int, str],
+                   network: Network = DEFAULT_NETWORK) -> None:
     """Count `nbytes` sent over `edge` on the links it crosses."""
-    src_host, dst_host = host_of[edge[0]], host_of[edge[1]]
-    if src_host == dst_host:
-        loads[("local", src_host)] = loads.get(("local", src_host), 0) + nbytes
-        return
-    loads[("up", src_host)] = loads.get(("up", src_host), 0) + nbytes
-    loads[("down", dst_host)] = loads.get(("down", dst_host), 0) + nbytes
+    for link in network.edge_links(edge, host_of):
+        loads[link] = loads.get(link, 0) + nbytes
 
 
-def edge_loads(edges: list[Edge], nbytes: int, host_of: dict[int, str]) -> dict[Link, int]:
+def edge_loads(edges: list[Edge], nbytes: int, host_of: dict[int, str],
+               network: Network = DEFAULT_NETWORK) -> dict[Link, int]:
     loads: dict[Link, int] = {}
     for edge in edges:
-        add_edge_bytes(loads, edge, nbytes, host_of)
+        add_edge_bytes(loads, edge, nbytes, host_of, network)
     return loads

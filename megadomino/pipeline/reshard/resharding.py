@@ -5,15 +5,22 @@ calls it with the same arguments holds the same plan without any communication; 
 a pipeline builds the plans of every stage boundary on every rank. `plan.backward()` is the plan
 of the gradient going back (destination layout -> source layout, same strategy and solver): the
 gradient of a replicated activation is the same on every replica, so any replica may send it.
+
+The `network` (network.py) says which links each edge loads (senders balanced per host or per
+device) and what the backend's broadcast and all-gather are; cost.py prices a plan in seconds
+(`predicted_time`), and strategy "auto" takes the candidate with the lowest prediction.
+`describe()` is the line a transport prints at start-up for each boundary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from . import cost
 from .layout import Box, Layout
+from .network import DEFAULT_NETWORK, Network
 from .plan import (
     STRATEGIES,
     Edge,
@@ -45,8 +52,10 @@ class ReshardPlan:
 
     steps: the works in the order they run, with their senders; exchanges: the all-gather phase
     of `send_recv_allgather` (empty otherwise); rates: bytes/s of each host's uplink and downlink
-    (1.0 each when not given: the makespan is then in bytes); chunks: how many pieces a chained
-    broadcast streams per work; exact: whether the search solver proved its choice optimal."""
+    (of each of its NICs; 1.0 each when not given: times are then in bytes); chunks: how many
+    pieces a chained broadcast streams per work; exact: whether the search solver proved its
+    choice optimal; network: the links and backend planned for; considered: (strategy,
+    predicted seconds) of each candidate when `auto` chose this plan, else empty."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -60,6 +69,8 @@ class ReshardPlan:
     steps: tuple[Step, ...]
     exchanges: tuple[Step, ...]
     exact: bool
+    network: Network = DEFAULT_NETWORK
+    considered: tuple[tuple[str, float], ...] = ()
 
     @property
     def itemsize(self) -> int:
@@ -70,7 +81,7 @@ class ReshardPlan:
                 **dict(zip(self.dst.mesh.ranks, self.dst.mesh.hosts))}
 
     def link_rates(self) -> dict[Link, float]:
-        return {(way, host): rate for host, rate in self.rates for way in ("up", "down")}
+        return self.network.link_rates(dict(self.rates), self.host_of())
 
     def edge_bytes(self) -> dict[Edge, int]:
         """Bytes over each (source rank, destination rank) pair, all steps and exchanges."""
@@ -84,33 +95,57 @@ class ReshardPlan:
         """Bytes on every link (see plan.py's module docstring)."""
         host_of, loads = self.host_of(), {}
         for edge, nbytes in self.edge_bytes().items():
-            add_edge_bytes(loads, edge, nbytes, host_of)
+            add_edge_bytes(loads, edge, nbytes, host_of, self.network)
         return loads
 
     def makespan(self) -> float:
         """The bound: bytes on the most loaded link / its rate."""
         return makespan(self.link_bytes(), self.link_rates())
 
+    def predicted_time(self) -> float:
+        """Seconds (with rates in bytes/s) that cost.py predicts for running the plan."""
+        return cost.predict(self)
+
+    def describe(self) -> str:
+        """One printable line: the boundary's choice and its predicted time (cost.describe)."""
+        return cost.describe(self)
+
     def backward(self) -> ReshardPlan:
-        """The plan moving a gradient of the destination layout back to the source layout."""
-        return make_plan(self.shape, self.dtype, self.dst, self.src, self.strategy, self.solver,
-                         seed=self.seed, chunks=self.chunks, rates=dict(self.rates))
+        """The plan moving a gradient of the destination layout back to the source layout: the
+        same strategy, or, when `auto` chose this plan, `auto` again over the same candidates
+        (the best strategy of a direction need not be the other's: a TP1 -> TP2 activation
+        wants a broadcast, its gradient a single send)."""
+        strategy, candidates = ("auto", tuple(name for name, _ in self.considered)) \
+            if self.considered else (self.strategy, STRATEGIES)
+        return make_plan(self.shape, self.dtype, self.dst, self.src, strategy, self.solver,
+                         seed=self.seed, chunks=self.chunks, rates=dict(self.rates),
+                         network=self.network, candidates=candidates)
 
 
 def make_plan(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout,
               strategy: str = "auto", solver: str = "least_bytes", *,
-              seed: int = 0, chunks: int = 16, rates: dict[str, float] | None = None
+              seed: int = 0, chunks: int = 16, rates: dict[str, float] | None = None,
+              network: Network | None = None, candidates: tuple[str, ...] = STRATEGIES
               ) -> ReshardPlan:
     """Plan moving a `shape` tensor from `src` to `dst` (see plan.py for the strategies and
-    solvers.py for the solvers). rates: bytes/s of each host's links, default 1.0 each.
+    solvers.py for the solvers). rates: bytes/s of each host's links (each NIC's), default 1.0
+    each; network: the links and backend (network.py), default gloo with one NIC per host.
 
-    strategy "auto": the strategy whose plan has the lowest makespan, the first of STRATEGIES
-    on a tie, so the chained broadcast is taken only where it lowers the bound (replicas on
-    several hosts, or several replicas behind one uplink) and plain send/recv otherwise."""
+    strategy "auto": of `candidates` (the strategies the caller can run), the one whose plan
+    has the lowest predicted time (cost.py), the first of them on a tie (within 1e-9), so a
+    broadcast is taken only where it is faster and plain send/recv where all are the same."""
+    network = network if network is not None else DEFAULT_NETWORK
     if strategy == "auto":
+        unknown = [name for name in candidates if name not in STRATEGIES]
+        if unknown or not candidates:
+            raise ValueError(f"candidates {tuple(candidates)}: choose one or more of "
+                             f"{', '.join(STRATEGIES)}")
         plans = [make_plan(shape, dtype, src, dst, name, solver, seed=seed, chunks=chunks,
-                           rates=rates) for name in STRATEGIES]
-        return min(plans, key=ReshardPlan.makespan)
+                           rates=rates, network=network) for name in candidates]
+        times = [plan.predicted_time() for plan in plans]
+        chosen = next(plan for plan, seconds in zip(plans, times)
+                      if seconds <= min(times) * (1 + 1e-9))
+        return replace(chosen, considered=tuple(zip(candidates, times)))
     if chunks < 1:
         raise ValueError(f"chunks={chunks}: a chained broadcast needs at least one chunk")
     shape = tuple(shape)
@@ -118,32 +153,36 @@ def make_plan(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layo
     host_of = {**dict(zip(src.mesh.ranks, src.mesh.hosts)),
                **dict(zip(dst.mesh.ranks, dst.mesh.hosts))}
     host_rates = {host: 1.0 for host in host_of.values()} | dict(rates or {})
-    link_rates = {(way, host): rate for host, rate in host_rates.items() for way in ("up", "down")}
+    link_rates = network.link_rates(host_rates, host_of)
     works = make_works(strategy, plan_transfers(shape, src, dst))
-    options, fixed = work_options(strategy, works, host_of, itemsize)
-    exchanges = tuple(Step(work, work.receivers[0], tuple(exchange_edges(work)))
+    options, fixed = work_options(strategy, works, host_of, itemsize, network)
+    exchanges = tuple(Step(work, work.receivers[0],
+                           tuple(exchange_edges(work, host_of, network)))
                       for work in works if strategy == "send_recv_allgather")
     solution: Solution = solve(options, fixed, link_rates, solver, seed=seed)
     steps = []
     for index in solution.order:
         work = works[index]
         sender = work.transfer.senders[solution.choice[index]]
-        steps.append(Step(work, sender, tuple(work_edges(strategy, work, sender, host_of))))
+        steps.append(Step(work, sender,
+                          tuple(work_edges(strategy, work, sender, host_of, network))))
     return ReshardPlan(shape, dtype, src, dst, strategy, solver, seed, chunks,
                        tuple(sorted(host_rates.items())), tuple(steps), exchanges,
-                       solution.exact)
+                       solution.exact, network)
 
 
-def work_options(strategy: str, works: list[Work], host_of: dict[int, str], itemsize: int
+def work_options(strategy: str, works: list[Work], host_of: dict[int, str], itemsize: int,
+                 network: Network = DEFAULT_NETWORK
                  ) -> tuple[list[list[dict[Link, int]]], dict[Link, int]]:
     """The solver's problem: per work, per candidate sender, the bytes it puts on each link;
     and the bytes that are there whatever the choice (the all-gather exchange)."""
-    options = [[edge_loads(work_edges(strategy, work, sender, host_of), work.numel * itemsize,
-                           host_of) for sender in work.transfer.senders] for work in works]
+    options = [[edge_loads(work_edges(strategy, work, sender, host_of, network),
+                           work.numel * itemsize, host_of, network)
+                for sender in work.transfer.senders] for work in works]
     fixed: dict[Link, int] = {}
     for work in works if strategy == "send_recv_allgather" else ():
-        for edge in exchange_edges(work):
-            add_edge_bytes(fixed, edge, work.numel * itemsize, host_of)
+        for edge in exchange_edges(work, host_of, network):
+            add_edge_bytes(fixed, edge, work.numel * itemsize, host_of, network)
     return options, fixed
 
 

@@ -5,7 +5,9 @@ destination rank passes None and gets its tile, bit-identical to slicing the ful
 Ordering: every rank walks the plan's steps in the same order; sends and receives between one
 pair of ranks are posted in that order on both sides (gloo matches them in posting order). Sends
 never block; a rank blocks only on a receive whose sender has walked the same steps before it,
-so a plan cannot deadlock.
+so a plan cannot deadlock. A plan made for NCCL (network.py: rings) runs the all-gather exchange
+as the chained broadcast of each part along the replicas' ring, from its owner: the data
+movement of NCCL's ring all-gather, in point-to-point messages.
 
 `broadcast` needs one process group per (sender + replicas) set. `torch.distributed.new_group`
 is collective over the whole world, so a `Reshard` of that strategy must be built on every rank
@@ -44,7 +46,7 @@ class Reshard:
 
     device: where the received tiles are allocated (the rank's GPU under NCCL); sent: bytes
     this rank has sent to each destination rank over its runs (for broadcast, the bytes of
-    gloo's tree edges out of this rank, as plan.py models them)."""
+    the backend's tree or ring edges out of this rank, as plan.py models them)."""
 
     def __init__(self, plan: ReshardPlan, groups: GroupCache | None = None,
                  device: torch.device | str = "cpu") -> None:
@@ -74,12 +76,15 @@ class Reshard:
                if dst_tile is not None else None)
         buffers: dict = {}  # transfer -> its slice, flattened, on this receiver
         if plan.strategy == "chained_broadcast":
-            self._chained(local, src_tile, buffers)
+            self._chained(plan.steps, local, src_tile, buffers)
         elif plan.strategy == "broadcast":
             self._broadcast(local, src_tile, buffers)
         else:
             self._p2p(plan.steps, local, src_tile, buffers)
-            self._p2p(plan.exchanges, None, None, buffers)
+            if plan.network.rings:  # the all-gather's ring: each part chained from its owner
+                self._chained(plan.exchanges, None, None, buffers)
+            else:
+                self._p2p(plan.exchanges, None, None, buffers)
         for transfer, flat in buffers.items():
             out[box_slices(transfer.box, transfer.tile)] = flat.view(box_shape(transfer.box))
         return out
@@ -121,26 +126,30 @@ class Reshard:
                     ops.append(comm.recv_op(self._buffer(step, buffers), source))
         comm.batch_p2p(ops).wait()
 
-    def _chained(self, local, src_tile, buffers: dict) -> None:
+    def _chained(self, steps: tuple[Step, ...], local, src_tile, buffers: dict) -> None:
         """Along each step's chain, chunk by chunk: a rank forwards chunk c as soon as it has
         it, while chunk c+1 is still arriving, so every edge streams at once. Every receive of
         every step is posted first: a rank still forwarding step t then already takes step
-        t+1's data, so the plan's order does not serialize links that could run together."""
+        t+1's data, so the plan's order does not serialize links that could run together.
+        For exchanges (local None) a chain's head sends the part it received in the first
+        phase."""
+        steps = tuple(step for step in steps if step.edges)  # a part with no other replica
         receives: dict[Step, list] = {}
-        for step in self.plan.steps:
+        for step in steps:
             chain = self._chain(step)
             if self.rank in chain[1:]:
                 chunks = self._buffer(step, buffers).tensor_split(self._pieces(step))
                 predecessor = chain[chain.index(self.rank) - 1]
                 receives[step] = [(chunk, comm.irecv(chunk, predecessor)) for chunk in chunks]
         sends = []
-        for step in self.plan.steps:
+        for step in steps:
             chain = self._chain(step)
             if self.rank not in chain or chain[-1] == self.rank:
                 continue  # the chain's end only receives: waited for below
             successor = chain[chain.index(self.rank) + 1]
             if chain[0] == self.rank:
-                data = self._payload(step, local, src_tile).tensor_split(self._pieces(step))
+                data = (self._payload(step, local, src_tile) if local is not None
+                        else self._buffer(step, buffers)).tensor_split(self._pieces(step))
                 sends += [self._send(chunk, successor) for chunk in data]
                 continue
             for chunk, receive in receives.pop(step):  # popped: a gloo work waits only once
