@@ -42,9 +42,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megadomino.build import build_stage
 from megadomino.config import ModelConfig, ParallelConfig
 from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.distributed import ParallelDims
+from megadomino.pipeline.executor import micro_batch_loss
 from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.pipeline.schedules import (
     Action,
@@ -54,7 +56,6 @@ from megadomino.pipeline.schedules import (
     with_transfers,
 )
 from megadomino.pipeline.simulate import run
-from megadomino.pipeline.stage import build_stage, run_chunk
 
 SCHEDULES = ("1f1b", "eager-1f1b", "interleaved")
 VARIANTS = {"eager-1f1b/no-prefetch": ("eager-1f1b", False), "1f1b/prefetch": ("1f1b", True),
@@ -208,7 +209,10 @@ def compute_times(chunks, batch, shape: tuple[int, ...], runs: int) -> list[list
         for chunk in chunks:
             x = None if chunk.pre_process else torch.randn(shape, requires_grad=True)
             start = time.perf_counter()
-            out = run_chunk(chunk, x, *batch)
+            tokens, labels, loss_mask = batch
+            out = chunk(tokens, labels, loss_mask, decoder_input=x)
+            if chunk.post_process:
+                out = micro_batch_loss(out, loss_mask)
             middle = time.perf_counter()
             out.backward(None if chunk.post_process else torch.ones_like(out))
             row += [middle - start, time.perf_counter() - middle]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from test_tp_equivalence import tiny_config
 
 from dist_utils import C, DistSuite, assert_close, free_port
+from megadomino.build import build_stage
 from megadomino.config import ModelConfig
 from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.distributed import ParallelDims
@@ -41,7 +42,6 @@ from megadomino.interop.megatron import (
 )
 from megadomino.interop.megatron_dist import save_megatron_dist
 from megadomino.models.gpt import GPTModel
-from megadomino.pipeline.stage import build_stage
 from megadomino.train.checkpoint import CheckpointError, load_checkpoint
 
 REL = 1e-5

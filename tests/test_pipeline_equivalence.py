@@ -19,11 +19,11 @@ from test_tp_equivalence import batch, tiny_config
 
 from configs import parallel_config
 from dist_utils import C, DistSuite, assert_close
-from megadomino.build import build_model
+from megadomino.build import build_model, build_stage
 from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.distributed import ParallelDims, mappings
 from megadomino.pipeline.runtime import PipelineRuntime
-from megadomino.pipeline.stage import build_stage, load_stage_full_state, stage_full_state
+from megadomino.pipeline.stage import load_stage_full_state, stage_full_state
 
 REL = 1e-5
 MBS = 3

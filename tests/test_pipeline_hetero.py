@@ -25,13 +25,14 @@ from test_tp_equivalence import batch, tiny_config
 
 from configs import make_config, parallel_config
 from dist_utils import C, DistSuite, assert_close
+from megadomino.build import build_stage
 from megadomino.cli.arguments import parse_args
 from megadomino.config import ConfigError, ModelConfig
 from megadomino.config.pipeline_plan import PipelinePlan, Stage
 from megadomino.config.validate import validate
 from megadomino.distributed import ParallelDims, mappings
 from megadomino.pipeline.runtime import PipelineRuntime
-from megadomino.pipeline.stage import build_stage, load_stage_full_state, stage_full_state
+from megadomino.pipeline.stage import load_stage_full_state, stage_full_state
 from megadomino.train.loop import train
 
 REL = 1e-5

@@ -24,13 +24,14 @@ import torch.distributed as dist
 from test_megatron_checkpoint import config_of, our_logits, shared_dir, tokens_of
 
 from dist_utils import C, DistSuite, assert_close
+from megadomino.build import build_stage
 from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.distributed import ParallelDims
 from megadomino.interop.hf import load_llama_weights, save_llama
 from megadomino.interop.megatron_dist import save_megatron_dist
 from megadomino.models.gpt import GPTModel
 from megadomino.models.llama import LlamaModel
-from megadomino.pipeline.stage import build_stage, stage_full_state
+from megadomino.pipeline.stage import stage_full_state
 from megadomino.train.checkpoint import load_checkpoint
 from megadomino.train.inputs import hf_model_init
 

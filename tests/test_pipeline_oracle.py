@@ -15,10 +15,11 @@ from torch import nn
 
 from configs import parallel_config
 from dist_utils import C, DistSuite, assert_close
+from megadomino.build import build_stage
 from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.distributed import ParallelDims
 from megadomino.pipeline.runtime import PipelineRuntime
-from megadomino.pipeline.stage import build_stage, embedding_group, tied_embedding
+from megadomino.pipeline.stage import embedding_group, tied_embedding
 
 REL = 1e-5
 MICRO, MBS = 4, 2

@@ -230,15 +230,10 @@ def load_llama_weights(model: nn.Module, hf_dir: str) -> None:
     _copy_weights(model, reader)
 
 
-def _named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters under the whole model's names (a stage's `checkpoint_parameters`)."""
-    return list(getattr(model, "checkpoint_parameters", model.named_parameters)())
-
-
 def _copy_weights(model: nn.Module, reader: SafetensorsReader) -> None:
     config, layout = model.config, weight_layout(model.config)
     with torch.no_grad():
-        for name, param in _named(model):
+        for name, param in model.checkpoint_parameters():
             param.copy_(_read_shard(reader, layout[name], param, model.dims)
                         - _norm_offset(config, name))
 
@@ -319,7 +314,7 @@ def save_llama(model: nn.Module, out_dir: str, dtype: str | None = None,
     dtype = dtype or config.params_dtype
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    named = [(name, param) for name, param in _named(model)
+    named = [(name, param) for name, param in model.checkpoint_parameters()
              if not getattr(param, "pipeline_duplicate", False)]
     files = _plan_files(config, _stage_orders([name for name, _ in named], dims),
                         DTYPES[dtype], max_shard_bytes)

@@ -246,8 +246,7 @@ def _megatron_tensors(model: torch.nn.Module,
     keys' rows of the held layers, in runs of consecutive layers."""
     layers: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     tensors = {}
-    named = getattr(model, "checkpoint_parameters", model.named_parameters)
-    for name, param in named():
+    for name, param in model.checkpoint_parameters():
         if getattr(param, "pipeline_duplicate", False):
             continue
         full = gather_full(param.detach(), param, dims).cpu()

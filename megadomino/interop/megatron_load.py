@@ -65,9 +65,7 @@ def load_megatron(iteration_dir: Path, model: torch.nn.Module, dims,
     kind = megatron_format(iteration_dir)
     if kind is None:
         raise MegatronCheckpointError(f"{iteration_dir} holds no Megatron-LM checkpoint")
-    # a pipeline stage names its parameters as the whole model does through checkpoint_parameters
-    named = getattr(model, "checkpoint_parameters", model.named_parameters)
-    params = dict(named())
+    params = dict(model.checkpoint_parameters())  # a stage's too: the whole model's names
     if kind == "torch_dist":
         reader = DistReader(iteration_dir)
         used = _load_dist(reader, params, dims, model.config.num_layers)

@@ -47,10 +47,13 @@ class GPTModel(nn.Module):
     """`layer_range`, `pre_process` and `post_process` (Megatron's names) build a part of the
     model, as a pipeline stage holds one: layers [start, end) only, the embedding only with
     `pre_process`, the final norm and output layer only with `post_process` (which keeps the
-    word embedding too when the output layer is tied to it). Such a part is run piece by piece
-    (`embed`, `decoder`, `logits_parallel`, `loss_parallel`); its `forward` refuses. Every part
-    draws the whole model's initial values in the same order and keeps its own, so the parts
-    of a model start from the whole model's weights for the same seed."""
+    word embedding too when the output layer is tied to it). The whole model is the part that
+    holds everything (a one-stage plan's stage: megadomino.build). A part's `forward` skips what
+    it does not hold: without `pre_process` it takes the previous stage's activation
+    (`decoder_input`) instead of embedding the tokens, and without `post_process` it returns its
+    layers' output. Every part draws the whole model's initial values in the same order and
+    keeps its own, so the parts of a model start from the whole model's weights for the same
+    seed; `checkpoint_parameters()` names its parameters as the whole model does."""
 
     def __init__(self, config: ModelConfig, dims, device=None, *,
                  parallel: ParallelConfig | None = None, fp8: FP8Recipe | None = None,
@@ -58,8 +61,6 @@ class GPTModel(nn.Module):
                  post_process: bool = True):
         super().__init__()
         self.pre_process, self.post_process = pre_process, post_process
-        self.whole = (pre_process and post_process
-                      and layer_range in (None, (0, config.num_layers)))
         parallel = parallel or ParallelConfig()
         validate_layers(config, parallel, dims.tp, fp8)
         device = torch.device(device) if device is not None else default_device()
@@ -156,12 +157,16 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.whole:
-            raise RuntimeError("this model holds a part of the layers (a pipeline stage): run it "
-                               "piece by piece, as megadomino.pipeline's stages do")
-        hidden = self.embed(tokens, position_ids)
+                position_ids: torch.Tensor | None = None,
+                decoder_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The module docstring's call. Without `pre_process`, `decoder_input` (s, b, h) (or
+        (s/tp, b, h) under sequence parallelism: the previous stage's output) takes the
+        embedding's place, `tokens` giving the sequence length and device only; without
+        `post_process` the result is the last layer's output in that shape."""
+        hidden = self.embed(tokens, position_ids) if self.pre_process else decoder_input
         hidden = self.decoder(hidden, self.rotary(tokens.shape[1], position_ids, tokens.device))
+        if not self.post_process:
+            return hidden
         logits = self.logits_parallel(hidden)
         if labels is None:
             # (s, b, V/tp) -> (b, s, vocab_size)
@@ -170,6 +175,15 @@ class GPTModel(nn.Module):
         return self.loss_parallel(logits, labels, loss_mask)
 
     # ---- full (unsharded) state ------------------------------------------------------------
+    def checkpoint_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) as checkpoints key them: the whole model's names (Megatron's), a
+        part's layers by their global index `decoder.layers.{layer_offset + i}`, so a stage's
+        shard loads at another pipeline degree. The whole model's are `named_parameters()`."""
+        offset = self.decoder.layer_offset
+        if offset == 0:
+            return list(self.named_parameters())
+        return [(_global_name(name, offset), param) for name, param in self.named_parameters()]
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded, unpadded state dict on CPU, identical on every rank and at every TP.
         Collective over the TP group: every TP rank must call it."""
@@ -197,6 +211,14 @@ class GPTModel(nn.Module):
                 raise ValueError(f"{name}: shape {tuple(full.shape)} but the model expects "
                                  f"{expected}")
             param.copy_(shard_full(full.to(param.device, torch.float32), param, self.dims))
+
+
+def _global_name(name: str, offset: int) -> str:
+    """A part's parameter name under the whole model's (`decoder.layers.{offset + index}`)."""
+    if not name.startswith("decoder.layers."):
+        return name
+    index, rest = name[len("decoder.layers."):].split(".", 1)
+    return f"decoder.layers.{int(index) + offset}.{rest}"
 
 
 class _Replicated:

@@ -4,12 +4,14 @@ For each action, in order and nothing else:
   recv / send      post the transport's asynchronous receive / send (transport_protocol.py)
   wait             block on the posted operation; a received activation becomes a leaf that
                    requires grad (its .grad is what the backward sends back)
-  forward          run chunk v on micro-batch m (stage.run_chunk); the activation input and
-                   the output are kept until that micro-batch's backward. On the last virtual
-                   stage the output is the micro-batch's loss; what is kept for backward is
-                   loss / num_micro (times the fp16 loss scale): gradients accumulate over the
-                   micro-batches as Megatron's do, to the gradient of the mean loss; with
-                   `weights` (per-token loss), loss times the micro-batch's weight instead
+  forward          run chunk v's forward on micro-batch m (the received activation its
+                   `decoder_input`); the activation input and the output are kept until that
+                   micro-batch's backward. On the last virtual stage the output is the
+                   micro-batch's loss (`micro_batch_loss` of the chunk's per-token loss); what
+                   is kept for backward is loss / num_micro (times the fp16 loss scale):
+                   gradients accumulate over the micro-batches as Megatron's do, to the
+                   gradient of the mean loss; with `weights` (per-token loss), loss times the
+                   micro-batch's weight instead
   backward         torch.autograd.backward of the kept output with the received output gradient
                    (of the scaled loss on the last virtual stage); the input's gradient is kept
                    for its send. Where the list has the micro-batch's `weight` (a split
@@ -44,7 +46,6 @@ import torch
 from torch import nn
 
 from megadomino.pipeline.schedules import Action
-from megadomino.pipeline.stage import run_chunk
 from megadomino.pipeline.transport_protocol import Transport
 from megadomino.tp.wgrad import WeightGradStore, backward_input, backward_weight
 
@@ -53,6 +54,13 @@ PhaseTimers = Callable[[str], contextlib.AbstractContextManager]
 """`timers(phase)` times what runs inside it under `phase` (train/timers.py's Timers)."""
 PHASES = {"forward": "forward", "backward": "backward", "weight": "backward", "wait": "wait"}
 """The actions timed, by the phase they are timed under (module docstring)."""
+
+
+def micro_batch_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss from the last chunk's per-token loss (b, s) (already times the
+    mask): the mask-weighted mean, fp32 scalar."""
+    # An all-zero mask (an SFT prompt filling the sequence) contributes 0, not 0 / 0.
+    return per_token.sum() / loss_mask.sum().clamp(min=1.0)
 
 
 class Executor:
@@ -111,9 +119,10 @@ class Executor:
         key = (action.pass_, micro, chunk)
         if action.op == "forward":
             x = state.kept.pop(("in", micro, chunk), None)
-            out = run_chunk(self.chunks[chunk], x, *batches[micro])
+            tokens, labels, loss_mask = batches[micro]
+            out = self.chunks[chunk](tokens, labels, loss_mask, decoder_input=x)
             if self._is_last(chunk):
-                out = out * state.loss_weights[micro]
+                out = micro_batch_loss(out, loss_mask) * state.loss_weights[micro]
                 state.losses[micro] = out.detach().float()
                 out = out * (state.loss_scale / state.num_micro if state.weights is None
                              else state.loss_scale * state.weights[micro])

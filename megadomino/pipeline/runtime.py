@@ -30,6 +30,7 @@ import torch
 from megadomino.config import Config, ConfigError, ModelConfig, ParallelConfig
 from megadomino.config.pipeline_plan import PipelinePlan, resolve_plan
 from megadomino.distributed import comm
+from megadomino.models import StageChunks
 from megadomino.models.blocks import DTYPES
 from megadomino.pipeline.executor import Executor, MicroBatch, PhaseTimers
 from megadomino.pipeline.reshard.layout import part_range
@@ -39,7 +40,7 @@ from megadomino.pipeline.schedules import (
     schedule,
     with_transfers,
 )
-from megadomino.pipeline.stage import StageChunks, embedding_group, tied_embedding
+from megadomino.pipeline.stage import embedding_group, tied_embedding
 from megadomino.pipeline.transport_p2p import P2PTransport
 from megadomino.pipeline.transport_reshard import ReshardTransport
 
@@ -52,7 +53,7 @@ def run_plan(config: Config, dims) -> PipelinePlan:
 
 class PipelineRuntime:
     """Built alike on every rank (it creates the embedding groups: collective over the world).
-    chunks: this rank's, with its Stage of `plan` (pipeline/stage.py build_stage), which the
+    chunks: this rank's, with its Stage of `plan` (megadomino.build.build_stage), which the
     transport and the executor are handed; micro_batch_size, num_micro: the step's
     micro-batches; schedule_name: one of schedules.SCHEDULES."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from megadomino.build import build_model, build_stage
 from megadomino.config import Config, DataConfig
 from megadomino.config.batches import sample_counts
 from megadomino.data import build_tokenizer, build_train_valid_test_datasets
@@ -20,7 +21,6 @@ from megadomino.data.sft import build_sft_datasets
 from megadomino.data.tokenizer import Tokenizer
 from megadomino.distributed import ParallelDims
 from megadomino.pipeline.runtime import run_plan
-from megadomino.pipeline.stage import build_stage
 from megadomino.train.loop import ModelInit
 from megadomino.train.step import Dataset
 
@@ -74,21 +74,21 @@ def vocab_source(data: DataConfig) -> str:
 
 
 def hf_model_init(hf_dir: str) -> ModelInit:
-    """Builds the model from a Hugging Face Llama directory, with the run's resolved config
-    (architecture overrides and precision; how the layers run) applied over config.json's; with
-    pipeline stages, this rank's stage (the run's config, which must match the checkpoint's
-    tensors) filled with its layers' tensors."""
+    """Builds this rank's model, or with pipeline stages its stage (megadomino.build), of the
+    run's resolved config (config.json's with the architecture overrides and precision applied,
+    checked against the checkpoint's tensors by the launcher), filled with its layers' tensors
+    from the Hugging Face Llama directory `hf_dir`."""
     def init(config: Config, dims: ParallelDims):
-        from megadomino.interop.hf import load_llama, load_llama_weights
+        from megadomino.interop.hf import load_llama_weights
 
         fp8 = config.train.precision.fp8
         if dims.pp == 1:
-            return load_llama(hf_dir, dims, parallel=config.parallel, fp8=fp8,
-                              **vars(config.model))
-        plan = run_plan(config, dims)
-        stage = build_stage(config.model, dims, plan, "llama", parallel=config.parallel,
-                            fp8=fp8, init_seed=config.train.runtime.seed)
-        load_llama_weights(stage, hf_dir)
-        return stage
+            model = build_model(config.model, dims, "llama", parallel=config.parallel, fp8=fp8)
+        else:
+            model = build_stage(config.model, dims, run_plan(config, dims), "llama",
+                                parallel=config.parallel, fp8=fp8,
+                                init_seed=config.train.runtime.seed)
+        load_llama_weights(model, hf_dir)
+        return model
 
     return init

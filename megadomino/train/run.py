@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megadomino import overlap
-from megadomino.build import build_model
+from megadomino.build import build_model, build_stage
 from megadomino.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from megadomino.config.batches import BatchSchedule, sample_counts
 from megadomino.config.validate import validate
@@ -33,7 +33,6 @@ from megadomino.overlap.cuda_graph import capture_layers
 from megadomino.overlap.domino.autotune import autotune_domino
 from megadomino.pipeline.runtime import PipelineRuntime, run_plan
 from megadomino.pipeline.schedules import check_schedule
-from megadomino.pipeline.stage import build_stage
 from megadomino.train.checkpoint import (
     TRACKER,
     CheckpointError,

@@ -53,9 +53,9 @@ from gpu_twins import (
 )
 
 from dist_utils import C, DistSuite
+from megadomino.build import build_stage
 from megadomino.distributed import ParallelDims
 from megadomino.models.gpt import GPTModel
-from megadomino.pipeline.stage import build_stage
 
 LOOP = 120.0  # budget (s) of a case: a few short runs of the training loop
 # What the megatron-core cases require: the top-level package, because DistSuite checks it with

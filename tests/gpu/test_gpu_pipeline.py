@@ -57,9 +57,8 @@ from test_tp_equivalence import batch, tiny_config
 
 from configs import make_config
 from dist_utils import C, DistSuite
-from megadomino.build import build_model
+from megadomino.build import build_model, build_stage
 from megadomino.distributed import ParallelDims
-from megadomino.pipeline.stage import build_stage
 from megadomino.train.loop import train
 
 TRACK_STEPS = 10

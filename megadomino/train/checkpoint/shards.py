@@ -291,11 +291,10 @@ def _whole_weights(engine: ZeroPlusPlus | None) -> Iterator[None]:
 
 
 def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) as checkpoints key them: the whole model's names. A pipeline stage's
-    chunks (megadomino.pipeline.stage.StageChunks) name their layers by global index, so a
-    stage's shard holds `decoder.layers.{global index}` and loads at another pipeline degree."""
-    named = getattr(model, "checkpoint_parameters", None)
-    return list(named() if named is not None else model.named_parameters())
+    """(name, parameter) as checkpoints key them: the whole model's names (the model's, or a
+    pipeline stage's, `checkpoint_parameters`: layers by global index, so a stage's shard holds
+    `decoder.layers.{global index}` and loads at another pipeline degree)."""
+    return model.checkpoint_parameters()
 
 
 def saved_pipeline_size(source: Path) -> int:
