@@ -23,8 +23,8 @@ min(m, 2 (P - s) - 1) warm-up forwards; a forward's send is waited only after th
 so it overlaps it; backward sends are waited at once) and ZB-H1 (Qi et al., "Zero Bubble
 Pipeline Parallelism", arXiv 2401.10241; `_zb_h1`). Every schedule prefetches its receives
 by default (`with_transfers`' `prefetch`; --no-overlap-p2p-communication turns it off but for
-eager-1F1B, which is defined with it): over a slow link 1F1B with prefetched receives measured
-1.39-1.47x 1F1B without (BENCHMARKS.md).
+eager-1F1B, which is defined with it): a transfer moves only once its receive is posted, so
+without it a slow link's transfer cannot overlap the receiver's computes (BENCHMARKS.md).
 
 Transfers (`with_transfers`), one rule for every order: after a compute, post its send, then post
 the receive the next compute needs, then wait (the sends to wait now, then the receive). Every
