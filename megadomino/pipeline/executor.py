@@ -1,22 +1,26 @@
 """The executor: runs one stage's action list (schedules.py) for one global batch.
 
 For each action, in order and nothing else:
-  recv / send      post the transport's asynchronous receive / send (transport_protocol.py)
+  recv / send      post the transport's asynchronous receive / send (transport_protocol.py;
+                   a one-stage list has none, and its executor no transport)
   wait             block on the posted operation; a received activation becomes a leaf that
                    requires grad (its .grad is what the backward sends back)
   forward          run chunk v's forward on micro-batch m (the received activation its
                    `decoder_input`); the activation input and the output are kept until that
                    micro-batch's backward. On the last virtual stage the output is the
-                   micro-batch's loss (`micro_batch_loss` of the chunk's per-token loss); what
-                   is kept for backward is loss / num_micro (times the fp16 loss scale):
-                   gradients accumulate over the micro-batches as Megatron's do, to the
-                   gradient of the mean loss; with `weights` (per-token loss), loss times the
-                   micro-batch's weight instead
+                   micro-batch's loss (`micro_batch_loss` of the chunk's per-token loss: the
+                   mask-weighted mean, or with `token_scale` (per-token loss) the token sum
+                   times it); what is kept for backward is loss / num_micro (per-token loss:
+                   the loss as is), times the fp16 loss scale: gradients accumulate over the
+                   micro-batches as Megatron's do, to the gradient of the step's loss. With the
+                   caller's `backward` (PP 1: the data-parallel engine's, which applies the
+                   loss scale itself) the scale is left to it
   backward         torch.autograd.backward of the kept output with the received output gradient
-                   (of the scaled loss on the last virtual stage); the input's gradient is kept
-                   for its send. Where the list has the micro-batch's `weight` (a split
-                   backward, schedules.SPLIT_BACKWARD), tp/wgrad.py's B: the linears' weight
-                   gradients are deferred into the chunk's WeightGradStore
+                   (of the scaled loss on the last virtual stage; there, with the caller's
+                   `backward`, that call instead); the input's gradient is kept for its send.
+                   Where the list has the micro-batch's `weight` (a split backward,
+                   schedules.SPLIT_BACKWARD), tp/wgrad.py's B: the linears' weight gradients
+                   are deferred into the chunk's WeightGradStore
   weight           tp/wgrad.py's W: the weight gradients the micro-batch's B deferred
 
 Parameter gradients accumulate wherever autograd puts them (`.grad`, or the data-parallel
@@ -56,20 +60,25 @@ PHASES = {"forward": "forward", "backward": "backward", "weight": "backward", "w
 """The actions timed, by the phase they are timed under (module docstring)."""
 
 
-def micro_batch_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def micro_batch_loss(per_token: torch.Tensor, loss_mask: torch.Tensor,
+                     token_scale: torch.Tensor | float | None = None) -> torch.Tensor:
     """A micro-batch's loss from the last chunk's per-token loss (b, s) (already times the
-    mask): the mask-weighted mean, fp32 scalar."""
+    mask): the mask-weighted mean, fp32 scalar; with `token_scale` (per-token loss: a token's
+    weight in the step's loss) the token losses' sum times it."""
+    if token_scale is not None:
+        return per_token.sum() * token_scale
     # An all-zero mask (an SFT prompt filling the sequence) contributes 0, not 0 / 0.
     return per_token.sum() / loss_mask.sum().clamp(min=1.0)
 
 
 class Executor:
     """Runs action lists on this rank's chunks (stage `stage` of `stages`) through
-    `transport`. `split_backward`: the lists may split backwards (a `weight` action), for which
-    each chunk gets a WeightGradStore (its parameters point to it while it lives)."""
+    `transport` (None: one stage, whose lists move nothing). `split_backward`: the lists may
+    split backwards (a `weight` action), for which each chunk gets a WeightGradStore (its
+    parameters point to it while it lives)."""
 
-    def __init__(self, chunks: nn.ModuleList, transport: Transport, stage: int, stages: int,
-                 split_backward: bool = False):
+    def __init__(self, chunks: nn.ModuleList, transport: Transport | None, stage: int,
+                 stages: int, split_backward: bool = False):
         self.chunks, self.transport = chunks, transport
         self.stage, self.stages = stage, stages
         self.stores = [WeightGradStore(chunk) for chunk in chunks] if split_backward else None
@@ -79,19 +88,20 @@ class Executor:
 
     def run(self, actions: Sequence[Action], batches: Sequence[MicroBatch],
             loss_scale: float = 1.0, train: bool = True,
-            weights: Sequence[torch.Tensor] | None = None,
+            token_scale: torch.Tensor | float | None = None,
             loss_weights: Sequence[float] | None = None,
             timeline: list[tuple[Action, float, float]] | None = None,
-            timers: PhaseTimers | None = None) -> list[torch.Tensor]:
+            timers: PhaseTimers | None = None,
+            backward: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Run `actions` on `batches` (one per micro-batch). Returns the losses of the
         micro-batches (detached fp32 scalars) on the last stage, [] elsewhere. `train` False:
-        forwards only, without autograd (evaluation). `weights`: each micro-batch's factor on
-        its loss for backward (default 1 / micro-batches). `loss_weights`: each micro-batch's
-        loss is first multiplied by its weight (a batch-split stage's share of the micro-batch,
-        runtime.py). `timeline`: a list to append each action's (action, start, end) to;
-        `timers`: the phase timers of the forwards, backwards and waits (module docstring)."""
-        state = _State(len(batches), loss_scale, train, weights,
-                       list(loss_weights) if loss_weights is not None else [1.0] * len(batches))
+        forwards only, without autograd (evaluation). `token_scale`: per-token loss, a token's
+        weight (micro_batch_loss). `loss_weights`: each micro-batch's loss is multiplied by its
+        weight (a batch-split stage's share of the micro-batch, runtime.py). `timeline`: a list
+        to append each action's (action, start, end) to; `timers`: the phase timers of the
+        forwards, backwards and waits (module docstring). `backward(micro, loss)`: runs the
+        last chunk's backward of micro-batch `micro`'s kept loss, the loss scale its own."""
+        state = _State(len(batches), loss_scale, train, token_scale, loss_weights, backward)
         state.split = {(a.micro, a.chunk or 0) for a in actions if a.op == "weight"}
         if state.split and self.stores is None:
             raise ValueError("this action list splits backwards (weight actions): build the "
@@ -99,14 +109,15 @@ class Executor:
         with torch.enable_grad() if train else torch.no_grad():
             for action in actions:
                 start = time.perf_counter() if timeline is not None else 0.0
-                if action.op not in ("send", "recv"):
+                if self.transport is not None and action.op not in ("send", "recv"):
                     self.transport.flush()  # a step's posts go out together, before the rest
                 timed = timers is not None and action.op in PHASES
                 with timers(PHASES[action.op]) if timed else contextlib.nullcontext():
                     self._do(action, batches, state)
                 if timeline is not None:
                     timeline.append((action, start, time.perf_counter()))
-        self.transport.flush()
+        if self.transport is not None:
+            self.transport.flush()
         deferred = [store.pending() for store in self.stores or []]
         if state.pending or state.kept or any(deferred):
             raise RuntimeError(f"the action list left operations, tensors or weight gradients "
@@ -122,10 +133,12 @@ class Executor:
             tokens, labels, loss_mask = batches[micro]
             out = self.chunks[chunk](tokens, labels, loss_mask, decoder_input=x)
             if self._is_last(chunk):
-                out = micro_batch_loss(out, loss_mask) * state.loss_weights[micro]
+                out = micro_batch_loss(out, loss_mask, state.token_scale)
+                if state.loss_weights is not None:
+                    out = out * state.loss_weights[micro]
                 state.losses[micro] = out.detach().float()
-                out = out * (state.loss_scale / state.num_micro if state.weights is None
-                             else state.loss_scale * state.weights[micro])
+                if state.train:
+                    out = state.for_backward(out)
             if state.train:
                 state.kept[("x", micro, chunk)] = x
                 state.kept[("out", micro, chunk)] = out
@@ -154,8 +167,11 @@ class Executor:
     def _backward(self, micro: int, chunk: int, state: _State) -> None:
         out = state.kept.pop(("out", micro, chunk))
         x = state.kept.pop(("x", micro, chunk))
-        grad = None if self._is_last(chunk) else state.kept.pop(("dy", micro, chunk))
-        if (micro, chunk) in state.split:
+        last = self._is_last(chunk)
+        grad = None if last else state.kept.pop(("dy", micro, chunk))
+        if last and state.backward is not None:
+            state.backward(micro, out)
+        elif (micro, chunk) in state.split:
             backward_input(out, grad, self.stores[chunk], micro)
         else:
             torch.autograd.backward(out, grad_tensors=grad)
@@ -180,10 +196,21 @@ class _State:
     times its weight)."""
 
     def __init__(self, num_micro: int, loss_scale: float, train: bool,
-                 weights: Sequence[torch.Tensor] | None, loss_weights: list[float]):
+                 token_scale: torch.Tensor | float | None,
+                 loss_weights: Sequence[float] | None,
+                 backward: Callable[[int, torch.Tensor], None] | None):
         self.num_micro, self.loss_scale, self.train = num_micro, loss_scale, train
-        self.weights, self.loss_weights = weights, loss_weights
+        self.token_scale, self.loss_weights, self.backward = token_scale, loss_weights, backward
         self.pending: dict[tuple, tuple] = {}
         self.kept: dict[tuple, torch.Tensor | None] = {}
         self.split: set[tuple[int, int]] = set()  # (micro, chunk) whose backward is split
         self.losses: dict[int, torch.Tensor] = {}
+
+    def for_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """What the last chunk backpropagates of a micro-batch's `loss`: its share of the
+        step's loss (the mean's 1 / micro-batches; per-token loss: the loss as is), times the
+        fp16 loss scale unless the caller's `backward` applies it."""
+        if self.backward is not None:
+            return loss if self.token_scale is not None else loss / self.num_micro
+        return loss * (self.loss_scale if self.token_scale is not None
+                       else self.loss_scale / self.num_micro)

@@ -1,7 +1,14 @@
 """One rank's pipeline: its plan, chunks, transport, schedule and executor, for a training step.
 
-`PipelineRuntime.train_step(batches, engine)` runs the schedule's action list with every
-backward under the data-parallel engine's `no_sync()` (gradients accumulate over the
+Every step runs here, at every pipeline degree (as Megatron-core's `get_forward_backward_func`
+hands PP 1 its `forward_backward_no_pipelining` with the pipelined schedules' signature). At PP 1
+the whole model is the one chunk of a one-stage plan: no transport, the action list
+F0 B0 F1 B1 ... (1F1B of one stage), and each backward is the data-parallel engine's
+`backward()`, every one but the last under `no_sync()`, so that the DP reduction overlaps the
+last backward; the engine applies the fp16 loss scale.
+
+At PP > 1, `PipelineRuntime.train_step(batches, engine)` runs the schedule's action list with
+every backward under the data-parallel engine's `no_sync()` (gradients accumulate over the
 micro-batches), sums the tied embedding's accumulated gradient over the embedding group, then has
 the engine reduce over DP (stages 0 and 1: after the last micro-batch's backward, as Megatron's
 finalize step does). The engine's step then clips by the norm over every stage (an all-reduce
@@ -12,9 +19,9 @@ leaves a W pending (tp/wgrad.py's rules).
 
 Losses are Megatron's: the last stage computes each micro-batch's loss, the step's is their
 mean, broadcast over the pipeline group so that every rank knows it for logging. With per-token
-loss (--calculate-per-token-loss) the caller passes each micro-batch's weight instead of
-1 / micro-batches (its token count times dp / the global batch's tokens, which every stage
-computes from the masks it reads): the step's loss is the weighted sum, as at PP 1.
+loss (--calculate-per-token-loss) the caller passes a token's weight, `token_scale` (dp / the
+global batch's tokens, which every stage computes from the masks it reads): a micro-batch's loss
+is its token losses' sum times it, and the step's loss their sum.
 
 The number of micro-batches may change from step to step (--rampup-batch-size): the schedule's
 action list is generated for each count when first needed, and kept.
@@ -27,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megadomino.config import Config, ConfigError, ModelConfig, ParallelConfig
+from megadomino.config import Config, ModelConfig, ParallelConfig
 from megadomino.config.pipeline_plan import PipelinePlan, resolve_plan
 from megadomino.distributed import comm
 from megadomino.models import StageChunks
@@ -62,30 +69,24 @@ class PipelineRuntime:
                  num_micro: int):
         self.stage = stage = chunks.stage
         self.plan, self.dims, self.chunks, self.num_micro = plan, dims, chunks, num_micro
-        device, dtype = next(chunks.parameters()).device, DTYPES[model.params_dtype]
-        if plan.batch_split:  # the whole micro-batch's activation, resharded between stages
-            transport = ReshardTransport(
-                plan, stage, dims.rank, (model.seq_length, micro_batch_size, model.hidden_size),
-                dtype, device, num_micro, parallel.sequence_parallel, dims.gpus_per_node)
-        else:
-            seq = model.seq_length
-            if parallel.sequence_parallel and dims.tp > 1:
-                seq //= dims.tp
-            transport = P2PTransport(plan, stage, dims.pp_group,
-                                     (seq, micro_batch_size, model.hidden_size), dtype,
-                                     device, num_micro)
-        if plan.size > 1:  # NCCL: the group's first operation must be a collective of it all
-            comm.barrier(group=dims.pp_group)
+        self.device = next(chunks.parameters()).device
+        transport = None
+        if plan.size > 1:
+            transport = _transport(plan, stage, dims, model, parallel, micro_batch_size,
+                                   num_micro, self.device)
+            comm.barrier(group=dims.pp_group)  # NCCL: a group's first operation is a collective
+        # one stage has no pipeline schedule: its list is 1F1B's F0 B0 F1 B1 ...
+        self.schedule_name = schedule_name if plan.size > 1 else "1f1b"
         self.executor = Executor(chunks, transport, stage.index, plan.size,
-                                 split_backward=schedule_name in SPLIT_BACKWARD)
-        self.schedule_name = schedule_name
+                                 split_backward=self.schedule_name in SPLIT_BACKWARD)
         self.prefetch = parallel.overlap_p2p_communication
         self._actions: dict[int, list] = {}
         tied = plan.size > 1 and not model.untie_embeddings_and_output_weights
         self.embedding_group = embedding_group(plan, dims) if tied else None
         self.tied = tied_embedding(chunks, plan)
         last = plan.stages[-1].ranks
-        self.loss_source = last[stage.ranks.index(dims.rank)] if dims.uniform else last[0]
+        self.loss_source = (None if plan.size == 1 else last[stage.ranks.index(dims.rank)]
+                            if dims.uniform else last[0])
 
     def actions(self, num_micro: int) -> list:
         """This stage's action list for a step of `num_micro` micro-batches (at most the
@@ -97,28 +98,31 @@ class PipelineRuntime:
         return self._actions[num_micro]
 
     def train_step(self, batches: Sequence[MicroBatch], engine,
-                   weights: Sequence[torch.Tensor] | None = None,
+                   token_scale: torch.Tensor | None = None,
                    timers: PhaseTimers | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch, gradients reduced over the embedding
         group and DP (stages 0 and 1). Returns the mean loss (0-dim fp32, every rank), or with
-        `weights` (one per micro-batch) the weighted sum. `timers`: the schedule's forwards,
-        backwards and waits are timed under those phases (executor.py), and the reductions and
-        the loss's broadcast after it under `wait` (the stage's time in communication)."""
-        if engine.config.stage == 3:
-            raise ConfigError("--zero-stage 3 with pipeline parallelism is not supported: "
-                              "its per-layer gathers run in forward hooks that the pipeline's "
-                              "interleaved micro-batches would repeat; use --zero-stage 0 or 1")
+        `token_scale` (per-token loss: a token's weight) the sum of the micro-batches' weighted
+        token sums. `timers`: the schedule's forwards, backwards and waits are timed under those
+        phases (executor.py); at PP > 1 the reductions and the loss's broadcast after it under
+        `wait` (the stage's time in communication). At PP 1 the engine's last backward reduces
+        (module docstring)."""
+        batches, shard_weights = self.shards(batches, token_scale is not None)
+        actions = self.actions(len(batches))
+        if self.plan.size == 1:
+            losses = self.executor.run(actions, batches, token_scale=token_scale,
+                                       loss_weights=shard_weights, timers=timers,
+                                       backward=_engine_backward(engine, len(batches)))
+            return self.step_loss(losses, mean=token_scale is None)
         scale = engine.loss_scaler.scale if engine.loss_scaler is not None else 1.0
-        batches, shard_weights = self.shards(batches)
         with engine.no_sync():
-            losses = self.executor.run(self.actions(len(batches)), batches, scale,
-                                       weights=weights, loss_weights=shard_weights,
-                                       timers=timers)
+            losses = self.executor.run(actions, batches, scale, token_scale=token_scale,
+                                       loss_weights=shard_weights, timers=timers)
         with timers("wait") if timers is not None else contextlib.nullcontext():
             if self.tied is not None:
                 comm.all_reduce(engine.accumulated_grad(self.tied), group=self.embedding_group)
             engine.reduce_gradients()
-            return self.mean_loss(losses, weights)
+            return self.step_loss(losses, mean=token_scale is None)
 
     def forward_backward(self, batches: Sequence[MicroBatch]) -> torch.Tensor:
         """Without an engine: gradients accumulate in `.grad` (the tied embedding's summed over
@@ -128,14 +132,13 @@ class PipelineRuntime:
                                    loss_weights=shard_weights)
         if self.tied is not None and self.tied.grad is not None:
             comm.all_reduce(self.tied.grad, group=self.embedding_group)
-        return self.mean_loss(losses)
+        return self.step_loss(losses)
 
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[MicroBatch],
-                 weights: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        """The mean loss (or `weights`' sum) of forwards only, any number of micro-batches
-        (eval mode is the caller's): every forward in the order of the training schedule, no
-        backward."""
+    def evaluate(self, batches: Sequence[MicroBatch], per_token: bool = False) -> torch.Tensor:
+        """The sum of the micro-batches' losses (`per_token`: of their token losses' sums) of
+        forwards only, any number of micro-batches (eval mode is the caller's): every forward
+        in the order of the training schedule, no backward."""
         plan, stage = self.plan, self.stage.index
         name = "interleaved" if plan.chunks > 1 and len(batches) % plan.size == 0 else None
         if name is None and plan.chunks > 1:
@@ -144,16 +147,19 @@ class PipelineRuntime:
             order = [c for c in compute_order(name or "1f1b", plan.size, stage, len(batches),
                                               plan.chunks) if c[0] == "F"]
         actions = with_transfers([[c] for c in order], plan.size, stage, plan.chunks)
-        batches, shard_weights = self.shards(batches)
-        return self.mean_loss(self.executor.run(actions, batches, train=False,
-                                                loss_weights=shard_weights), weights)
+        batches, shard_weights = self.shards(batches, per_token)
+        losses = self.executor.run(actions, batches, train=False,
+                                   token_scale=1.0 if per_token else None,
+                                   loss_weights=shard_weights)
+        return self.step_loss(losses, mean=False)
 
-    def shards(self, batches: Sequence[MicroBatch]
+    def shards(self, batches: Sequence[MicroBatch], per_token: bool = False
                ) -> tuple[Sequence[MicroBatch], list[float] | None]:
         """Under a batch-split plan, this rank's part of each whole micro-batch (its DP
         position's rows, part_range's rule, as the transport's layouts) and each part's loss
-        weight dp x (its loss-mask tokens / the micro-batch's): the DP average of the weighted
-        losses (and of the gradients) is the whole micro-batch's. Else unchanged, no weights."""
+        weight dp x (its loss-mask tokens / the micro-batch's; `per_token`: dp, its token sum
+        being its share already): the DP average of the weighted losses (and of the gradients)
+        is the whole micro-batch's. Else unchanged, no weights."""
         if not self.plan.batch_split:
             return batches, None
         dp = self.dims.dp
@@ -161,20 +167,21 @@ class PipelineRuntime:
         for tokens, labels, loss_mask in batches:
             start, stop = part_range(tokens.shape[0], dp, self.dims.dp_rank)
             parts.append((tokens[start:stop], labels[start:stop], loss_mask[start:stop]))
+            if per_token:
+                weights.append(float(dp))
+                continue
             mine = loss_mask[start:stop].sum().clamp(min=1.0)
             weights.append(dp * (mine / loss_mask.sum().clamp(min=1.0)).item())
         return parts, weights
 
-    def mean_loss(self, losses: list[torch.Tensor],
-                  weights: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        """The mean of the last stage's micro-batch losses (or their sum weighted by
-        `weights`), broadcast over the pipeline group."""
-        device = next(self.chunks.parameters()).device
-        total = torch.zeros((), device=device)
-        for micro, loss in enumerate(losses):
-            total += loss if weights is None else loss * weights[micro]
+    def step_loss(self, losses: list[torch.Tensor], mean: bool = True) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses (`mean` False: their sum),
+        broadcast over the pipeline group."""
+        total = torch.zeros((), device=self.device)
+        for loss in losses:
+            total += loss
         if losses:
-            if weights is None:
+            if mean:
                 total /= len(losses)
             if self.plan.batch_split and self.dims.dp > 1:  # the weighted parts' DP mean
                 comm.all_reduce(total, group=self.dims.dp_group)
@@ -182,3 +189,29 @@ class PipelineRuntime:
         if self.plan.size > 1:
             comm.broadcast(total, self.loss_source, group=self.dims.pp_group)
         return total
+
+
+def _engine_backward(engine, num_micro: int):
+    """PP 1's backward of micro-batch m's loss: the engine's, under `no_sync()` but for the last
+    micro-batch, whose backward the DP reduction overlaps (the engine scales the loss)."""
+    def backward(micro: int, loss: torch.Tensor) -> None:
+        with engine.no_sync() if micro != num_micro - 1 else contextlib.nullcontext():
+            engine.backward(loss)
+    return backward
+
+
+def _transport(plan: PipelinePlan, stage, dims, model: ModelConfig, parallel: ParallelConfig,
+               micro_batch_size: int, num_micro: int, device: torch.device):
+    """The transport between this stage and its neighbours: the reshard transport under a
+    batch-split plan (the whole micro-batch's activation, resharded between stages), else P2P
+    of this DP rank's activation [seq (/ tp under SP), micro_batch_size, hidden]."""
+    dtype = DTYPES[model.params_dtype]
+    if plan.batch_split:
+        return ReshardTransport(
+            plan, stage, dims.rank, (model.seq_length, micro_batch_size, model.hidden_size),
+            dtype, device, num_micro, parallel.sequence_parallel, dims.gpus_per_node)
+    seq = model.seq_length
+    if parallel.sequence_parallel and dims.tp > 1:
+        seq //= dims.tp
+    return P2PTransport(plan, stage, dims.pp_group, (seq, micro_batch_size, model.hidden_size),
+                        dtype, device, num_micro)

@@ -2,11 +2,13 @@
 
 The order is the one every later piece needs: the config checked against the process grid;
 the batch schedule (global batch, iterations, micro-batches); the datasets in the order their
-samples are read; the RNGs seeded, then the model (or this rank's pipeline stage) built and, with
-`--domino`, its plan timed, before anything hooks its parameters; the start-up summary; `--load`'s
-weights into the whole model; the data-parallel engine, which takes the parameters over, and its
-optimizer state; the CUDA graphs (after the engine: they read the parameters' storage as the
-engine left it); the pipeline runtime; the stepper and the reporter.
+samples are read; the RNGs seeded, then this rank's stage of the pipeline plan built (at PP 1 the
+whole model, the one chunk of a one-stage plan) and, with `--domino`, its plan timed, before
+anything hooks its parameters; the start-up summary; `--load`'s weights into the whole model;
+the data-parallel engine, which takes the parameters over, and its optimizer state; the CUDA
+graphs (after the engine: they read the parameters' storage as the engine left it); the pipeline
+runtime, at every pipeline degree (at PP 1 one stage, no transport); the stepper and the
+reporter.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ import torch.distributed as dist
 from torch import nn
 
 from megadomino import overlap
-from megadomino.build import build_model, build_stage
+from megadomino.build import build_stage
 from megadomino.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from megadomino.config.batches import BatchSchedule, sample_counts
+from megadomino.config.pipeline_plan import PipelinePlan
 from megadomino.config.validate import validate
 from megadomino.data.cyclic import loader_order
 from megadomino.data.mock import MockDataset
 from megadomino.distributed import ParallelDims
 from megadomino.distributed.random import model_parallel_seed
+from megadomino.models import StageChunks
 from megadomino.overlap.cuda_graph import capture_layers
 from megadomino.overlap.domino.autotune import autotune_domino
 from megadomino.pipeline.runtime import PipelineRuntime, run_plan
@@ -54,7 +58,8 @@ from megadomino.zero.loss_scaler import StepResult
 from megadomino.zero.optimizer import build_engine
 
 ModelInit = Callable[[Config, ParallelDims], nn.Module]
-"""Builds this rank's model from the resolved config (default: `build_model` of the family)."""
+"""Builds this rank's model from the resolved config (default: its stage of the run's plan,
+`build_stage`; at PP 1 the whole model)."""
 
 
 @dataclasses.dataclass
@@ -129,7 +134,8 @@ def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[st
                             f"{type(train_data).__name__} of {len(train_data)} samples")
     train_data, valid_data = _ordered_data(config, data_dp, train_data, valid_data)
     model_parallel_seed(train_config.runtime.seed, dims)
-    config, model, stages = _model(config, dims, family, model_init, log)
+    config, model, plan = _model(config, dims, family, model_init, log)
+    stages = plan if plan.size > 1 else None  # the summary's pipeline plan
     device = next(model.parameters()).device
     parameters = count_parameters(model, dims)  # collective; whole, before ZeRO-3 partitions
     if dims.rank == 0:
@@ -146,9 +152,9 @@ def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[st
         capture_layers(model, mbs, log=log)  # after the engine (module docstring)
     num_micro = gbs // (batches.micro_batch_size * data_dp)
     timers = Timers(device)
-    pipeline = None if stages is None else PipelineRuntime(
-        model, stages, dims, config.model, config.parallel, config.parallel.pipeline_schedule,
-        mbs, num_micro)
+    chunks = model if plan.size > 1 else StageChunks([model], plan.stages[0])
+    pipeline = PipelineRuntime(chunks, plan, dims, config.model, config.parallel,
+                               config.parallel.pipeline_schedule, mbs, num_micro)
     step = Stepper(model, engine, dims, mbs, num_micro, device, timers,
                    per_token_loss=train_config.schedule.calculate_per_token_loss,
                    pipeline=pipeline)
@@ -181,25 +187,28 @@ def _ordered_data(config: Config, data_dp: int, train_data: Dataset | None,
 
 
 def _model(config: Config, dims: ParallelDims, family: str, model_init: ModelInit | None,
-           log: Callable[[str], None]) -> tuple[Config, nn.Module, Any]:
-    """This rank's model (or pipeline stage, with the plan) in training mode; with --domino its
-    plan timed and put into the config that runs."""
-    stages = None  # the pipeline plan, with pipeline stages
-    if dims.pp > 1:
-        stages = run_plan(config, dims)
-        model = model_init(config, dims) if model_init is not None else build_stage(
-            config.model, dims, stages, family, parallel=config.parallel,
-            fp8=config.train.precision.fp8, init_seed=config.train.runtime.seed)
+           log: Callable[[str], None]) -> tuple[Config, nn.Module, PipelinePlan]:
+    """This rank's stage of the run's plan (at PP 1 the whole model, its one chunk), in
+    training mode, and the plan; with --domino its plan timed and put into the config that
+    runs. At PP > 1 every stage draws its weights from --seed (build_stage); at PP 1 the whole
+    model draws them from the default generator as model_parallel_seed left it."""
+    plan = run_plan(config, dims)
+    if model_init is not None:
+        model = model_init(config, dims)
     else:
-        model = (model_init or (lambda c, d: _build_model(c, d, family)))(config, dims)
+        seed = config.train.runtime.seed if plan.size > 1 else None
+        model = build_stage(config.model, dims, plan, family, parallel=config.parallel,
+                            fp8=config.train.precision.fp8, init_seed=seed)
+    if plan.size == 1:
+        model = model[0] if isinstance(model, StageChunks) else model
         overlap.apply(model, config.parallel)  # a model_init's model runs as the config says
     model.train()
     if config.parallel.domino_auto:  # before the engine hooks the parameters
-        plan = autotune_domino(model, config.train.schedule.micro_batch_size, log)
+        domino = autotune_domino(model, config.train.schedule.micro_batch_size, log)
         # the plan that runs; domino_auto stays, the summary says the plan was timed
         config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
-                                                                          domino=plan))
-    return config, model, stages
+                                                                          domino=domino))
+    return config, model, plan
 
 
 def _summary(config: Config, dims: ParallelDims, family: str, model: nn.Module,
@@ -218,11 +227,6 @@ def _summary(config: Config, dims: ParallelDims, family: str, model: nn.Module,
                               threads=torch.get_num_threads() if device.type == "cpu"
                               else None):
         log(line)
-
-
-def _build_model(config: Config, dims: ParallelDims, family: str) -> nn.Module:
-    return build_model(config.model, dims, family, parallel=config.parallel,
-                       fp8=config.train.precision.fp8)
 
 
 def _default_data(config: Config, train_data: Dataset | None,

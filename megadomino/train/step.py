@@ -19,18 +19,19 @@ and DP ranks, one all-reduce before the forwards): each micro-batch backpropagat
 sum times dp / N, so that the engine's DP mean of the gradients is the gradient of that loss.
 Evaluation weighs tokens alike.
 
-The Stepper drives the data-parallel engine (`megadomino.zero.ZeroPlusPlus`, any stage):
-`zero_grad()`, `no_sync()` for all but the last micro-batch, `backward(loss / num_micro)` (fp16
-loss scaling and the DP reduction inside), `step()`. With pipeline stages the pipeline runtime
-(megadomino.pipeline.runtime) runs the micro-batches through its schedule and has the engine
-reduce after the last backward; every stage reads the micro-batches (the first uses the tokens,
-the last the labels and mask; with per-token loss every stage counts the masks' tokens, so
-that the last stage's weights need no broadcast).
+The Stepper reads the micro-batches, then the pipeline runtime (megadomino.pipeline.runtime)
+runs them through its schedule at every pipeline degree (at PP 1: the whole model as the one
+chunk, F0 B0 F1 B1 ..., each backward the data-parallel engine's `backward(loss / num_micro)`
+(fp16 loss scaling inside), under `no_sync()` for all but the last micro-batch, whose DP
+reduction overlaps it); the Stepper drives the engine (`megadomino.zero.ZeroPlusPlus`, any
+stage) around that: `zero_grad()`, then `step()`. The runtime's executor computes every
+micro-batch's loss (executor.micro_batch_loss). Every stage reads the micro-batches (the first
+uses the tokens, the last the labels and mask; with per-token loss every stage counts the masks'
+tokens, so that the last stage's token weight needs no broadcast).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -65,9 +66,10 @@ class Stepper:
                  device: torch.device, timers: Timers, per_token_loss: bool = False,
                  pipeline: PipelineRuntime | None = None):
         """`num_micro`: micro-batches of a full global batch (evaluation's; training's unless
-        a batch ramp-up passes fewer to `train`). `pipeline`: with pipeline stages, the runtime
-        whose schedule runs the micro-batches (`model` is then this rank's chunks); its loss is
-        the last stage's, on every rank."""
+        a batch ramp-up passes fewer to `train`). `pipeline`: the runtime whose schedule runs
+        the micro-batches of `model` (this rank's chunks, or at PP 1 the whole model, its one
+        chunk); its loss is the last stage's, on every rank. None: a Stepper that only reads
+        micro-batches (`_micro_batch`)."""
         self.model, self.engine, self.dims, self.pipeline = model, engine, dims, pipeline
         self.mbs, self.num_micro, self.device, self.timers = (micro_batch_size, num_micro, device,
                                                               timers)
@@ -90,17 +92,6 @@ class Stepper:
         loss_mask = loss_mask.to(self.device, non_blocking=True)
         return tokens[:, :-1], tokens[:, 1:], loss_mask
 
-    def _token_losses(self, tokens: torch.Tensor, labels: torch.Tensor,
-                      loss_mask: torch.Tensor) -> torch.Tensor:
-        """The sum of the micro-batch's mask-weighted token losses (0-dim)."""
-        return self.model(tokens, labels=labels, loss_mask=loss_mask).sum()
-
-    def _loss(self, tokens: torch.Tensor, labels: torch.Tensor,
-              loss_mask: torch.Tensor) -> torch.Tensor:
-        # A micro-batch whose mask is all zero (say, an SFT prompt that fills the sequence)
-        # contributes 0, not 0 / 0.
-        return self._token_losses(tokens, labels, loss_mask) / loss_mask.sum().clamp(min=1.0)
-
     def _dp_tokens(self, masks: list[torch.Tensor]) -> torch.Tensor:
         """The weighted tokens of `masks` summed over the DP group (at least 1: an all-masked
         batch contributes 0, not 0 / 0)."""
@@ -108,13 +99,6 @@ class Stepper:
         if self.dims.dp > 1:
             comm.all_reduce(count, group=self.dims.dp_group)
         return count.clamp(min=1.0).float().reshape(())
-
-    def _token_weights(self, batches: list) -> list[torch.Tensor]:
-        """Per-token loss through the pipeline: each micro-batch's weight on its mean loss, its
-        token count times dp / the global batch's tokens (the mean times the count is the
-        micro-batch's token sum, as at PP 1)."""
-        scale = self.dims.dp / self._dp_tokens([mask for _, _, mask in batches])
-        return [mask.sum().clamp(min=1.0) * scale for _, _, mask in batches]
 
     def train(self, dataset: Dataset, consumed: int, num_micro: int | None = None,
               before_step: Callable[[], None] | None = None) -> tuple[torch.Tensor, StepResult]:
@@ -125,38 +109,18 @@ class Stepper:
         LR there: it may read the last step's skip flag without the GPU idling)."""
         num_micro = num_micro or self.num_micro
         self.engine.zero_grad()
-        if self.pipeline is not None:
-            with self.timers("data"):
-                batches = [self._micro_batch(dataset, consumed, micro)
-                           for micro in range(num_micro)]
-                weights = self._token_weights(batches) if self.per_token_loss else None
-            # Forwards and backwards interleave in the schedule: it times each under its phase,
-            # and its waits for transfers and reductions under "wait" (pipeline/runtime.py).
-            loss = self.pipeline.train_step(batches, self.engine, weights, self.timers)
-            with self.timers("optimizer"):
-                if before_step is not None:
-                    before_step()
-                return loss, self.engine.step()
-        total = torch.zeros((), device=self.device)
         with self.timers("data"):
             batches = [self._micro_batch(dataset, consumed, micro) for micro in range(num_micro)]
-            if self.per_token_loss:  # weight of a token: dp / the global batch's tokens
-                scale = self.dims.dp / self._dp_tokens([batch[2] for batch in batches])
-        divisor = 1 if self.per_token_loss else num_micro
-        for micro, batch in enumerate(batches):
-            last = micro == num_micro - 1
-            with self.engine.no_sync() if not last else contextlib.nullcontext():
-                with self.timers("forward"):
-                    loss = (self._token_losses(*batch) * scale if self.per_token_loss
-                            else self._loss(*batch))
-                with self.timers("backward"):
-                    self.engine.backward(loss / divisor)
-            total += loss.detach()
+            token_scale = None  # per-token loss: a token's weight, dp / the batch's tokens
+            if self.per_token_loss:
+                token_scale = self.dims.dp / self._dp_tokens([mask for _, _, mask in batches])
+        # Forwards and backwards interleave in the schedule: it times each under its phase,
+        # and at PP > 1 its waits for transfers and reductions under "wait" (runtime.py).
+        loss = self.pipeline.train_step(batches, self.engine, token_scale, self.timers)
         with self.timers("optimizer"):
             if before_step is not None:
                 before_step()
-            result = self.engine.step()
-        return total / divisor, result
+            return loss, self.engine.step()
 
     @torch.no_grad()
     def probe(self, dataset: Dataset, consumed: int) -> float:
@@ -164,8 +128,7 @@ class Stepper:
         `consumed` (eval mode: no dropout, no generator touched), averaged over DP: the same
         value on every rank."""
         self.model.eval()
-        batch = self._micro_batch(dataset, consumed, 0)
-        loss = self._loss(*batch) if self.pipeline is None else self.pipeline.evaluate([batch])
+        loss = self.pipeline.evaluate([self._micro_batch(dataset, consumed, 0)])
         self.model.train()
         return dp_mean(loss, self.dims).item()
 
@@ -182,17 +145,9 @@ class Stepper:
         for batch in range(iters):
             batches = [self._micro_batch(dataset, consumed + batch * global_batch, micro)
                        for micro in range(self.num_micro)]
-            if self.pipeline is not None and self.per_token_loss:  # the token losses' sum
-                total += self.pipeline.evaluate(
-                    batches, [mask.sum().clamp(min=1.0) for _, _, mask in batches])
+            total += self.pipeline.evaluate(batches, self.per_token_loss)
+            if self.per_token_loss:  # the token losses' sum
                 masks += [mask for _, _, mask in batches]
-            elif self.pipeline is not None:
-                total += self.pipeline.evaluate(batches) * self.num_micro
-            elif self.per_token_loss:
-                total += sum(self._token_losses(*micro_batch) for micro_batch in batches)
-                masks += [mask for _, _, mask in batches]
-            else:
-                total += sum(self._loss(*micro_batch) for micro_batch in batches)
             if progress is not None:
                 progress(batch + 1)
         self.model.train()
