@@ -150,14 +150,10 @@ class _LinearWithAsyncGradReduce(torch.autograd.Function):
             gather_handle.wait()
         reduce_handle = None
         if ctx.needs_input_grad[0]:
-            if sequence_parallel:
-                grad_input, reduce_handle = reduce_scatter_dim0(grad_input, group, async_op=True)
-            else:
-                grad_input = grad_input.contiguous()
-                reduce_handle = all_reduce(grad_input, group, async_op=True)
-        grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weight = weight_grad(weight, grad_out_2d, total.reshape(-1, total.shape[-1]))
-        grad_bias = grad_out_2d.sum(dim=0) if ctx.needs_input_grad[2] else None
+            grad_input, reduce_handle = _reduce_input_grad(grad_input, group, sequence_parallel,
+                                                           async_op=True)
+        grad_weight, grad_bias = _weight_and_bias_grads(weight, grad_out, total,
+                                                        ctx.needs_input_grad[2])
         if reduce_handle is not None:
             reduce_handle.wait()
         return (grad_input if ctx.needs_input_grad[0] else None), grad_weight, grad_bias, None, None
@@ -172,20 +168,33 @@ def _column_input_grad(ctx, store, x, weight, grad_out) -> tuple:
 
     def weight_and_bias() -> tuple[torch.Tensor, torch.Tensor | None]:
         total = all_gather_dim0(x, group)[0] if sequence_parallel else x
-        grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        return (weight_grad(weight, grad_out_2d, total.reshape(-1, total.shape[-1])),
-                grad_out_2d.sum(dim=0) if needs_bias else None)
+        return _weight_and_bias_grads(weight, grad_out, total, needs_bias)
 
     store.record(ctx, weight_and_bias, (1, 2))
     grad_input = None
     if ctx.needs_input_grad[0]:
-        grad_input = grad_out.matmul(weight)
-        if sequence_parallel:
-            grad_input = reduce_scatter_dim0(grad_input, group)[0]
-        else:
-            grad_input = grad_input.contiguous()
-            all_reduce(grad_input, group)
+        grad_input, _ = _reduce_input_grad(grad_out.matmul(weight), group, sequence_parallel,
+                                           async_op=False)
     return grad_input, None, None, None, None
+
+
+def _reduce_input_grad(grad_input: torch.Tensor, group, sequence_parallel: bool,
+                       async_op: bool) -> tuple[torch.Tensor, object]:
+    """A column-parallel input gradient's collective: reduce-scatter over the sequence under
+    sequence parallelism, else an in-place all-reduce. (result, handle: None unless async)."""
+    if sequence_parallel:
+        return reduce_scatter_dim0(grad_input, group, async_op=async_op)
+    grad_input = grad_input.contiguous()
+    return grad_input, all_reduce(grad_input, group, async_op=async_op)
+
+
+def _weight_and_bias_grads(weight: torch.Tensor, grad_out: torch.Tensor, total: torch.Tensor,
+                           needs_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The column-parallel weight gradient (weight_grad: fused into main_grad where the engine
+    set it up) of the whole (gathered) input `total`, and the bias gradient if needed."""
+    grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
+    return (weight_grad(weight, grad_out_2d, total.reshape(-1, total.shape[-1])),
+            grad_out_2d.sum(dim=0) if needs_bias else None)
 
 
 def column_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -137,9 +137,11 @@ def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[st
     config, model, plan = _model(config, dims, family, model_init, log)
     stages = plan if plan.size > 1 else None  # the summary's pipeline plan
     device = next(model.parameters()).device
+    mbs, gbs = batches.micro_batch_size, batches.global_batch_size
+    num_micro = gbs // (mbs * data_dp)
     parameters = count_parameters(model, dims)  # collective; whole, before ZeRO-3 partitions
     if dims.rank == 0:
-        _summary(config, dims, family, model, parameters, stages, batches, iters,
+        _summary(config, dims, family, device, parameters, stages, gbs, num_micro, iters,
                  data_description, log)
     state = _resume(train_config.checkpoint, model, dims, log)  # before the engine takes them
     engine = build_engine(model, dims, config)
@@ -147,10 +149,8 @@ def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[st
     if state.iteration > 0 and not checkpoint.no_load_optim:  # resumed a training run
         with _loading(checkpoint.load):
             load_optimizer_state(checkpoint.load, state.iteration, engine, dims, log)
-    mbs, gbs = train_config.schedule.micro_batch_size, batches.global_batch_size
     if config.parallel.enable_cuda_graph:
         capture_layers(model, mbs, log=log)  # after the engine (module docstring)
-    num_micro = gbs // (batches.micro_batch_size * data_dp)
     timers = Timers(device)
     chunks = model if plan.size > 1 else StageChunks([model], plan.stages[0])
     pipeline = PipelineRuntime(chunks, plan, dims, config.model, config.parallel,
@@ -211,18 +211,14 @@ def _model(config: Config, dims: ParallelDims, family: str, model_init: ModelIni
     return config, model, plan
 
 
-def _summary(config: Config, dims: ParallelDims, family: str, model: nn.Module,
-             parameters, stages, batches: BatchSchedule, iters: int, data_description: str,
+def _summary(config: Config, dims: ParallelDims, family: str, device: torch.device,
+             parameters, stages, gbs: int, num_micro: int, iters: int, data_description: str,
              log: Callable[[str], None]) -> None:
     """The start-up summary (rank 0); `parameters`: count_parameters' (every rank counts)."""
-    device = next(model.parameters()).device
-    data_dp = config.parallel.data_parallel_size(dims.dp)
-    gbs = batches.global_batch_size
     for line in startup_lines(family, config, parameters,
                               world=dims.world_size, tp=dims.tp, pp=dims.pp, dp=dims.dp,
                               backend=dist.get_backend(), device=device_name(device),
-                              global_batch=gbs,
-                              micro_batches=gbs // (batches.micro_batch_size * data_dp),
+                              global_batch=gbs, micro_batches=num_micro,
                               iterations=iters, data=data_description, plan=stages,
                               threads=torch.get_num_threads() if device.type == "cpu"
                               else None):
