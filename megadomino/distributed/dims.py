@@ -76,6 +76,7 @@ class ParallelDims:
         self.stages = tuple((tuple(block.flatten().tolist()), block.shape[1]) for block in blocks)
         """Each stage's (ranks, TP degree): what a checkpoint records of the plan."""
         self._writers_group, self._writers_made = None, False
+        self._channels: dict[int, dict] = {}
 
         # new_group is collective over the whole world: every rank creates every group, in order.
         self.tp_group = _groups_containing(rank, [row for block in blocks for row in block],
@@ -138,6 +139,37 @@ class ParallelDims:
             self._writers_group = _groups_containing(self.rank, [writers], timeout=self.timeout)
             self._writers_made = True
         return self._writers_group
+
+    def pipeline_channels(self, chunks: int) -> dict[tuple[str, int], object]:
+        """This rank's point-to-point channels of a same-layout pipeline: a group of two ranks
+        for each (pass, boundary) it sends or receives on, keyed ("F" activations or "B"
+        gradients, b) for the boundary between stages b and b + 1 (mod P; the wrap-around
+        boundary P - 1 only with virtual stages, `chunks` > 1). Each channel carries one
+        direction's messages of one pass, in one order on both ends.
+
+        Why not the pipeline group: NCCL runs a communicator's operations one after the other
+        on one stream, so a receive posted early (prefetched) holds up every later send on that
+        communicator until its message arrives, and the peer's message may need one of those
+        sends first (1F1B, interleaved and ZB-H1 hung on 2 and 4 GPUs that way). On its own
+        channel a prefetched receive waits only behind receives of its own pass from the same
+        stage. Made once (every rank calls this alike, the groups collectively over the world
+        on the world's backend, as stage_writers_group's reason says), and kept."""
+        if not self.uniform:
+            raise ValueError("pipeline channels join same-layout stages (Megatron's grid)")
+        if chunks not in self._channels:
+            stages = [ranks for ranks, _ in self.stages]
+            count = len(stages)
+            boundaries = count if chunks > 1 else count - 1
+            mine = {}
+            for b in range(boundaries):
+                for pass_ in ("F", "B"):
+                    pairs = [torch.tensor([low, high])
+                             for low, high in zip(stages[b], stages[(b + 1) % count])]
+                    group = _groups_containing(self.rank, pairs, timeout=self.timeout)
+                    if group is not None:
+                        mine[(pass_, b)] = group
+            self._channels[chunks] = mine
+        return self._channels[chunks]
 
     @property
     def is_first_rank(self) -> bool:

@@ -213,5 +213,5 @@ def _transport(plan: PipelinePlan, stage, dims, model: ModelConfig, parallel: Pa
     seq = model.seq_length
     if parallel.sequence_parallel and dims.tp > 1:
         seq //= dims.tp
-    return P2PTransport(plan, stage, dims.pp_group, (seq, micro_batch_size, model.hidden_size),
-                        dtype, device, num_micro)
+    return P2PTransport(plan, stage, dims.rank, dims.pipeline_channels(plan.chunks),
+                        (seq, micro_batch_size, model.hidden_size), dtype, device, num_micro)
