@@ -5,6 +5,11 @@ execution strategies (`overlap`, the `zero` engine, `pipeline`) drive
 `models` and never the reverse; `train` and `cli` sit on top; `kernels` needs torch and Triton
 only; `data` knows nothing of models. The table below is the document's table, as data.
 
+Inside the packages, MODULE_RULES hold the shape of the step path, module by module (config
+needs no process group; outside pipeline/ only its runtime and schedules are used; only the
+runtime picks a transport; a transport knows neither schedule nor model; a schedule is data), and
+CALLERS the single call sites: one builder, one look-up of a rank's stage, one runtime.
+
 And every collective and point-to-point call of the package goes through
 `megadomino.distributed.comm` (which places tensors on the group's device and returns one work a
 P2P batch whatever the backend): no other module calls torch.distributed's collectives."""
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
@@ -30,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "overlap": _BELOW_MODELS | {"models"},
     "zero": _BELOW_MODELS | {"models"},
     "pipeline": _BELOW_MODELS | {"models", "overlap", "zero"},
-    "interop": {"config", "distributed", "tp", "models"},
+    "interop": {"config", "distributed", "tp", "models", "megadomino"},  # load_llama: build_model
     "data": {"config", "distributed"},  # its builder's outcome goes out through `comm`
     "train": _BELOW_MODELS | _STRATEGIES | {"megadomino", "models", "interop", "data"},
     "cli": _BELOW_MODELS | _STRATEGIES | {"megadomino", "models", "interop", "data", "train"},
@@ -152,6 +158,169 @@ def test_the_check_sees_what_it_looks_for():
     assert violations("models", "from megadomino import train, tp\n", "megadomino.models", True) \
         == [("train", 1, "megadomino.train")]
     assert violations("cli", source, "megadomino.cli.launch", False) == []
+
+
+@dataclass(frozen=True)
+class ModuleRule:
+    """Modules named by `importers` (each with everything under it) import no module named by
+    `forbidden` (each with everything under it), but those named by `allowed`; modules named by
+    `exempt` are not bound. Finer than the package table: what the one step path, the one
+    builder and the one plan need of the modules inside a package."""
+
+    importers: tuple[str, ...]
+    forbidden: tuple[str, ...]
+    reason: str
+    allowed: tuple[str, ...] = ()
+    exempt: tuple[str, ...] = ()
+
+
+_PIPELINE = "megadomino.pipeline"
+_TRANSPORTS = (f"{_PIPELINE}.transport_p2p", f"{_PIPELINE}.transport_reshard")
+MODULE_RULES = [
+    ModuleRule(("megadomino.config",), ("torch.distributed",),
+               "every rank validates the tree and resolves the pipeline plan before any process "
+               "group exists (a bad flag is one line and exit 2), so config cannot need one"),
+    ModuleRule(("megadomino.models", "megadomino.build"), ("torch.distributed",),
+               "the model and its builder reach other ranks only through `distributed`'s "
+               "collectives (comm, mappings): a block does not call torch.distributed itself"),
+    ModuleRule(("megadomino",), (_PIPELINE,),
+               "one step path: outside pipeline/ a step goes through the runtime at every PP and "
+               "a schedule is checked by `schedules`; executor, transports and stages sit behind "
+               "the runtime", allowed=(f"{_PIPELINE}.runtime", f"{_PIPELINE}.schedules"),
+               exempt=(_PIPELINE,)),
+    ModuleRule(("megadomino",), _TRANSPORTS,
+               "the runtime picks the transport from the plan (none at PP 1); the executor and the "
+               "rest see the Transport protocol only", exempt=(f"{_PIPELINE}.runtime",)),
+    ModuleRule((f"{_PIPELINE}.transport_protocol", *_TRANSPORTS),
+               (f"{_PIPELINE}.executor", f"{_PIPELINE}.runtime", f"{_PIPELINE}.schedules",
+                f"{_PIPELINE}.simulate", f"{_PIPELINE}.stage", "megadomino.models",
+                "megadomino.overlap", "megadomino.zero"),
+               "a transport moves activations between two stages of the plan: it knows the plan "
+               "and the process group, not the schedule, the model or the step"),
+    ModuleRule((f"{_PIPELINE}.executor",),
+               (f"{_PIPELINE}.runtime", f"{_PIPELINE}.stage", f"{_PIPELINE}.reshard"),
+               "the executor runs one stage's action list with the chunks and the transport it "
+               "is handed; which stage, which transport and the reductions are the runtime's"),
+    ModuleRule((f"{_PIPELINE}.schedules", f"{_PIPELINE}.simulate"),
+               ("torch", "megadomino.distributed", "megadomino.models", _PIPELINE),
+               "a schedule is data: its action list is generated, printed, checked and simulated "
+               "without a tensor, a model or a process group",
+               allowed=(f"{_PIPELINE}.schedules",)),
+    ModuleRule((f"{_PIPELINE}.reshard",), (_PIPELINE,),
+               "the cross-mesh resharding plans are a library under the resharding transport, "
+               "never the reverse", allowed=(f"{_PIPELINE}.reshard",)),
+]
+"""Rules on single modules, each with its reason (docs/architecture.md lists them)."""
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == prefix or name.startswith(f"{prefix}.") for prefix in prefixes)
+
+
+def all_imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, name) for every import in `source`, of any package, at any depth. `from a import
+    b` gives both `a` and `a.b` (b may be a module: `from torch import distributed`); relative
+    imports are resolved against `module`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")
+                base = ".".join(parts[:len(parts) - node.level + is_package]
+                                + ([node.module] if node.module else []))
+            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{alias.name}")
+                                              for alias in node.names]
+    return sorted(set(found))
+
+
+def module_rule_violations(source: str, module: str,
+                           is_package: bool) -> list[tuple[ModuleRule, int, str]]:
+    """(rule, line, imported name) for each import of `source` (module `module`) that a rule
+    of MODULE_RULES forbids."""
+    return [(rule, line, name) for rule in MODULE_RULES
+            if _within(module, rule.importers) and not _within(module, rule.exempt)
+            for line, name in all_imports(source, module, is_package)
+            if _within(name, rule.forbidden) and not _within(name, rule.allowed)]
+
+
+def test_modules_follow_the_module_rules():
+    broken = [f"{path.relative_to(ROOT)}:{line} imports {name}: {rule.reason}"
+              for path in MODULES
+              for rule, line, name in module_rule_violations(
+                  path.read_text(), module_name(path), path.name == "__init__.py")]
+    assert not broken, "imports against docs/architecture.md's module rules:\n  " + \
+        "\n  ".join(broken)
+
+
+def test_every_module_rule_binds_a_module():
+    names = {module_name(path) for path in MODULES}
+    idle = [rule.reason for rule in MODULE_RULES
+            if not any(_within(name, rule.importers) for name in names)]
+    assert not idle, f"rules naming no module of the package: {idle}"
+
+
+def test_the_module_rule_check_sees_what_it_looks_for():
+    def broken(source: str, module: str) -> list[tuple[int, str]]:
+        return [(line, name) for _, line, name in module_rule_violations(source, module, False)]
+
+    assert broken("from torch import distributed as dist\n", "megadomino.config.validate") == [
+        (1, "torch.distributed")]
+    assert broken("import torch.distributed\n", "megadomino.models.gpt") == [
+        (1, "torch.distributed")]
+    assert broken("from megadomino.pipeline import executor\n", "megadomino.train.step") == [
+        (1, "megadomino.pipeline"), (1, "megadomino.pipeline.executor")]
+    assert broken("from megadomino.pipeline.runtime import PipelineRuntime\n",
+                  "megadomino.train.step") == []
+    assert broken("from .transport_p2p import P2PTransport\n", "megadomino.pipeline.executor") \
+        == [(1, "megadomino.pipeline.transport_p2p"),
+            (1, "megadomino.pipeline.transport_p2p.P2PTransport")]
+    assert broken("from .transport_p2p import P2PTransport\n", "megadomino.pipeline.runtime") \
+        == []
+    assert broken("from ..schedules import Action\n", "megadomino.pipeline.reshard.plan") == [
+        (1, "megadomino.pipeline.schedules"), (1, "megadomino.pipeline.schedules.Action")]
+    assert broken("from .layout import Box\nimport torch\n",
+                  "megadomino.pipeline.reshard.plan") == []
+    assert broken("import torch\nfrom .schedules import Action\n",
+                  "megadomino.pipeline.simulate") == [(1, "torch")]
+
+
+_BUILDER = "megadomino/build.py"
+CALLERS = {
+    "FAMILIES": {_BUILDER},  # one builder: FAMILIES[family](...) draws every stage's chunks
+    "GPTModel": set(),  # ... and no module builds a model class by name (the whole model is
+    "LlamaModel": set(),  # build_model's, the one chunk of a one-stage plan)
+    "stage_of": {_BUILDER},  # a rank's Stage is looked up once, then handed on
+    "PipelineRuntime": {"megadomino/train/run.py"},  # one step path: the run builds one runtime
+}
+"""Callee -> the modules of the package that call it, exactly."""
+
+
+def calls_of(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) for each call in `source` of a callee named in `names`: `name(...)`,
+    `x.name(...)` or `name[key](...)`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            callee = node.func.value if isinstance(node.func, ast.Subscript) else node.func
+            name = callee.id if isinstance(callee, ast.Name) else getattr(callee, "attr", None)
+            if name in names:
+                found.append((node.lineno, name))
+    return sorted(found)
+
+
+def test_one_builder_one_stage_lookup_one_runtime():
+    callers: dict[str, set[str]] = {name: set() for name in CALLERS}
+    for path in MODULES:
+        for _, name in calls_of(path.read_text(), set(CALLERS)):
+            callers[name].add(str(path.relative_to(ROOT)))
+    assert callers == CALLERS
+    source = ("m = FAMILIES['gpt'](config, dims)\nstage = plan.stage_of(rank)\n"
+              "GPTModel.__init__\nLlamaModel(config, dims)\nother(GPTModel)\n")
+    assert calls_of(source, set(CALLERS)) == [(1, "FAMILIES"), (2, "stage_of"),
+                                              (4, "LlamaModel")]
 
 
 COLLECTIVES = {

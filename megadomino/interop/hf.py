@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megadomino.build import build_model
 from megadomino.config import ConfigError, FP8Recipe, ModelConfig, ParallelConfig
 from megadomino.distributed import comm
 from megadomino.interop.hf_config import hf_config_from, model_config_from_hf
@@ -190,14 +191,16 @@ def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
                device: torch.device | str | None = None, *,
                parallel: ParallelConfig | None = None, fp8: FP8Recipe | None = None,
                **config_overrides: Any) -> LlamaModel:
-    """A LlamaModel holding this rank's shards of the HF Llama checkpoint in `hf_dir`.
+    """A LlamaModel holding this rank's shards of the HF Llama checkpoint in `hf_dir`, built by
+    the one builder (megadomino.build.build_model, family 'llama') and then filled.
 
     `params_dtype`: 'float32' (default), 'bfloat16', 'float16' or the torch dtype. `device`: the
     model's default (the current CUDA device, else CPU) when None. `parallel` and `fp8`: how its
-    layers run (LlamaModel's). Keyword `config_overrides` replace ModelConfig fields
-    (seq_length, ...). Not collective: each rank reads its own slices. Raises ConfigError for
-    an unsupported config, a missing or unreadable file, a missing tensor or a shape that
-    contradicts config.json (naming the file or tensor; `check_hf_checkpoint` reads headers)."""
+    layers run (build_model's: with the runner `parallel` asks for). Keyword `config_overrides`
+    replace ModelConfig fields (seq_length, ...). Not collective: each rank reads its own
+    slices. Raises ConfigError for an unsupported config, a missing or unreadable file, a missing
+    tensor or a shape that contradicts config.json (naming the file or tensor;
+    `check_hf_checkpoint` reads headers)."""
     if isinstance(params_dtype, torch.dtype):
         params_dtype = {dtype: name for name, dtype in DTYPES.items()}[params_dtype]
     if params_dtype is not None:
@@ -205,7 +208,7 @@ def load_llama(hf_dir: str, dims, params_dtype: str | torch.dtype | None = None,
     config = model_config_from_hf(read_hf_config(hf_dir), **config_overrides)
     reader = SafetensorsReader(hf_dir)
     _check_tensors(reader, config, hf_dir)
-    model = LlamaModel(config, dims, device, parallel=parallel, fp8=fp8)
+    model = build_model(config, dims, "llama", device, parallel=parallel, fp8=fp8)
     _copy_weights(model, reader)
     return model
 
