@@ -40,6 +40,15 @@
 #                3 rounds: step time, the weight gathers' bytes (the engine's count), each loss
 #   domino       benchmarks/bench_domino.py core rows, CUDA-graphed, with megatron-core
 #   domino-ds    the GPT row with DeepSpeed's Domino too (CUDA_DEVICE_MAX_CONNECTIONS=1)
+#   domino-link=LINK[:ROWS]
+#                the communication-bound testbed: bench_domino.py --link LINK (nvlink, pcie,
+#                pcie-1ch, socket: NCCL variables each rank exports, benchmarks/domino_links.py)
+#                on ROWS (default `link`: GPT-3 6.7B and Llama-2 7B at micro-batch 4 and 8),
+#                eager as --domino times its plans, 3 rounds: the limit, plain TP, SP (SP with
+#                fused collectives under nvlink only: they bypass NCCL), megatron-core, every
+#                Domino plan, auto's choice; the collectives' bus bandwidth and their share of
+#                plain TP -> $OUT/domino_link_LINK[-ROWS].json (written as each row finishes).
+#                Slow links (socket) fit one call with one or two rows: domino-link=socket:gpt3-6.7b
 #   e2e          pretrain_gpt.py gpt3-6.7b, 8 layers, TP = all GPUs: eager vs SP + fused comm +
 #                CUDA graphs
 #   profile      where a step's GPU time goes by kernel kind (benchmarks/timeline.py): gpt3-1.3b
@@ -166,6 +175,13 @@ for name in "$@"; do
                  --nproc_per_node "$GPUS" benchmarks/bench_domino.py --rows gpt3-6.7b \
                  --peers megatron,deepspeed --plans 1x1 --comm-overlap --cuda-graph --iters 10 \
                  --out "$OUT/domino_ds.json" ;;
+    domino-link=*)
+      spec=${name#domino-link=}
+      link=${spec%%:*} rows=link tag=${spec%%:*}
+      if [[ $spec == *:* ]]; then rows=${spec#*:} tag="$link-${rows//,/+}"; fi
+      step "domino-link-$tag" 540 torchrun --standalone --nproc_per_node "$GPUS" \
+        benchmarks/bench_domino.py --link "$link" --rows "$rows" --rounds 3 --warmup 2 \
+        --iters 6 --comm-overlap --peers megatron --auto --out "$OUT/domino_link_$tag.json" ;;
     e2e) step e2e 400 python3 benchmarks/bench_pretrain.py --preset gpt3-6.7b --num-layers 8 \
            --tp "$GPUS" --iters 10 --micro-batch-size 4 \
            --variants '--hidden-dropout 0 --attention-dropout 0' \

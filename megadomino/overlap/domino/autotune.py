@@ -2,14 +2,19 @@
 shapes at start-up and keep the fastest; plain tensor parallelism and Domino's unsliced explicit
 backward are always candidates, so auto is never slower than plain TP (up to timing noise).
 
-Every rank times every candidate (forward + backward of the decoder on a random micro-batch);
-the per-candidate times are reduced with MAX over the world (the slowest rank is the step time),
-rank 0 picks and broadcasts its choice, so ranks cannot disagree, and rank 0 prints the table.
+Every rank times every candidate (forward + backward of the decoder on a random micro-batch, eager:
+`--enable-cuda-graph` refuses auto). The candidates are timed in `rounds` interleaved passes, each
+pass timing every candidate for `iters` steps after `warmup`, so that a drift of the device's
+speed during start-up (clocks, a neighbour's work) falls on every candidate alike; a candidate's
+time is the median of its passes, then the MAX over the world (the slowest rank is the step
+time). Rank 0 picks and broadcasts its choice, so ranks cannot disagree, and prints the start-up
+line (PlanTimes.line): the plan chosen and every candidate with its time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -20,19 +25,55 @@ from megadomino.distributed import comm
 
 # (N, K); (1, 1) is the plain TP path, "1x1-runner" Domino's explicit backward without slicing.
 CANDIDATES = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)]
+PLAIN_TP = (1, 1, False)
+"""A candidate is (batch slices N, hidden slices K, under Domino's runner); this one is plain TP."""
 
 
-def _candidates(config, tp: int, micro_batch: int) -> list[tuple[int, int, bool]]:
+def candidates(config, tp: int, micro_batch: int) -> list[tuple[int, int, bool]]:
+    """The plans auto compares for this layer shape: plain TP, Domino unsliced, and the sliced
+    plans of CANDIDATES that fit (N <= micro-batch, K divides this rank's ffn columns)."""
     ffn_local = config.ffn_hidden_size // tp
-    plans = [(1, 1, False), (1, 1, True)]
+    plans = [PLAIN_TP, (1, 1, True)]
     plans += [(n, k, True) for n, k in CANDIDATES[1:] if n <= micro_batch and ffn_local % k == 0]
     return plans
 
 
-def _name(n: int, k: int, runner: bool) -> str:
+def plan_name(n: int, k: int, runner: bool) -> str:
     if not runner:
         return "plain TP"
     return "Domino unsliced (explicit backward)" if n == k == 1 else f"Domino N={n} K={k}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanTimes:
+    """The candidates auto timed and its choice, the same on every rank."""
+
+    plans: tuple[tuple[int, int, bool], ...]
+    ms: tuple[float, ...]
+    """Per candidate: ms per micro-batch (decoder forward + backward), median of the passes, MAX
+    over ranks."""
+    choice: int
+    """Index into plans: the fastest (rank 0's pick, broadcast)."""
+    passes: int
+
+    @property
+    def plan(self) -> DominoPlan:
+        """The chosen plan; DominoPlan() (not enabled) is plain TP."""
+        return DominoPlan(*self.plans[self.choice])
+
+    def line(self) -> str:
+        """'domino auto: chose <plan> at <ms> ms (<x> plain TP's time); ...: <every candidate
+        and its ms>'."""
+        chosen = self.ms[self.choice]
+        against = ""
+        if self.plans[self.choice] != PLAIN_TP and PLAIN_TP in self.plans:
+            against = f" ({chosen / self.ms[self.plans.index(PLAIN_TP)]:.3f}x plain TP's time)"
+        rows = ", ".join(f"{plan_name(*plan)} {ms:.2f} ms" + (" (chosen)" if i == self.choice
+                                                             else "")
+                         for i, (plan, ms) in enumerate(zip(self.plans, self.ms)))
+        return (f"domino auto: chose {plan_name(*self.plans[self.choice])} at {chosen:.2f} ms"
+                f"{against}; timed the decoder's forward+backward per micro-batch, median of "
+                f"{self.passes} passes, slowest rank: {rows}")
 
 
 def _time(block, x, grad, rotary, warmup: int, iters: int) -> float:
@@ -52,11 +93,11 @@ def _time(block, x, grad, rotary, warmup: int, iters: int) -> float:
     return (time.perf_counter() - begin) / iters * 1e3
 
 
-def autotune_domino(model, micro_batch_size: int, log=print, warmup: int = 2,
-                    iters: int = 5) -> DominoPlan:
-    """Time the candidate plans on `model.decoder` and install the fastest. Returns its
-    DominoPlan: DominoPlan() (not enabled) is plain TP. Gradients the timing left on the
-    parameters are cleared."""
+def time_plans(model, micro_batch_size: int, warmup: int = 1, iters: int = 2,
+               rounds: int = 3) -> PlanTimes:
+    """Time every candidate on `model.decoder` (module docstring) and pick the fastest. The model
+    is left with the runner its own config asks for and no gradients. A collective: every rank
+    calls it."""
     block, config, dims = model.decoder, model.config, model.dims
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -66,24 +107,30 @@ def autotune_domino(model, micro_batch_size: int, log=print, warmup: int = 2,
                     generator=gen).requires_grad_()
     grad = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
     rotary = model.rotary(config.seq_length, None, device)
-    plans = _candidates(config, dims.tp, micro_batch_size)
-    times = []
-    for n, k, runner in plans:
-        overlap.apply(model, dataclasses.replace(model.parallel, domino=DominoPlan(n, k, runner)))
-        times.append(_time(block, x, grad, rotary, warmup, iters))
+    plans = candidates(config, dims.tp, micro_batch_size)
+    passes: list[list[float]] = [[] for _ in plans]
+    for _ in range(rounds):
+        for times, (n, k, runner) in zip(passes, plans):
+            overlap.apply(model, dataclasses.replace(model.parallel,
+                                                     domino=DominoPlan(n, k, runner)))
+            times.append(_time(block, x, grad, rotary, warmup, iters))
+    overlap.apply(model, model.parallel)
     model.zero_grad(set_to_none=True)
-    measured = torch.tensor(times, device=device)
+    measured = torch.tensor([statistics.median(times) for times in passes], device=device)
     if dims.world_size > 1:
         comm.all_reduce(measured, op=comm.ReduceOp.MAX)
     choice = torch.tensor([int(measured.argmin())], device=device)
     if dims.world_size > 1:
         comm.broadcast(choice, src=0)
-    n, k, runner = plans[int(choice)]
-    plan = DominoPlan(n, k, runner)
-    overlap.apply(model, dataclasses.replace(model.parallel, domino=plan))
-    if dims.rank == 0:
-        rows = ", ".join(f"{_name(pn, pk, r)}: {t:.2f} ms"
-                         for (pn, pk, r), t in zip(plans, measured.tolist()))
-        name = _name(n, k, runner)
-        log(f"domino auto: {name} (decoder forward+backward per micro-batch: {rows})")
-    return plan
+    return PlanTimes(tuple(plans), tuple(measured.tolist()), int(choice), rounds)
+
+
+def autotune_domino(model, micro_batch_size: int, log=print, **timing) -> DominoPlan:
+    """Time the candidate plans on `model.decoder` (time_plans; `timing`: its warmup, iters,
+    rounds), install the fastest and, on rank 0, log the start-up line naming it and every time
+    compared. Returns its DominoPlan: DominoPlan() (not enabled) is plain TP."""
+    timed = time_plans(model, micro_batch_size, **timing)
+    overlap.apply(model, dataclasses.replace(model.parallel, domino=timed.plan))
+    if model.dims.rank == 0:
+        log(timed.line())
+    return timed.plan
