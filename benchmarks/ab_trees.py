@@ -8,10 +8,11 @@ run's own spread.
 Each tree runs from its own directory with its own package on PYTHONPATH (`megadomino.kernels`
 is linked to the tree's kernels/, as setup.py maps it). Per round, both trees run, the order
 alternating, the benchmarks `--benches` names: quant (benchmarks/bench_quant.py, our ops, no
-DeepSpeed: fixed groups), pretrain (benchmarks/bench_pretrain.py at TP=1, gpt3-1.3b by default),
-domino (benchmarks/bench_domino.py's core layer rows at TP=1: plain TP and Domino 1x1 and 2x1,
-device and host ms per layer) and domino-graph (the same under CUDA graphs). The report gives,
-per row, each tree's median and range over the rounds and after / before of the medians.
+DeepSpeed: fixed groups), pretrain (benchmarks/bench_pretrain.py at TP=1, gpt3-1.3b by
+default; `--pp` stages of `--accumulation` micro-batches a step), domino
+(benchmarks/bench_domino.py's core layer rows at TP=1: plain TP and Domino 1x1 and 2x1, device
+and host ms per layer) and domino-graph (the same under CUDA graphs). The report gives, per row,
+each tree's median and range over the rounds and after / before of the medians.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ def main() -> int:
     parser.add_argument("--preset", default="gpt3-1.3b")
     parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--num-layers", default=None, help="pretrain: --num-layers")
+    parser.add_argument("--pp", default="1", help="pretrain: pipeline stages (GPUs)")
+    parser.add_argument("--accumulation", default="1",
+                        help="pretrain: micro-batches per step (bench_pretrain.py's)")
     parser.add_argument("--variants", nargs="+", default=[""],
                         help="pretrain: flags per variant, as bench_pretrain.py's --variants")
     parser.add_argument("--groups", nargs="+", default=["256", "2048", "8192"])
@@ -120,7 +124,8 @@ def main() -> int:
                   quant_rows, 900),
         "pretrain": (["benchmarks/bench_pretrain.py", "--preset", args.preset, "--tp", "1",
                       "--iters", str(args.iters), "--log-interval", "5", "--micro-batch-size",
-                      "4", "--variants", *args.variants,
+                      "4", "--pp", args.pp, "--accumulation", args.accumulation,
+                      "--variants", *args.variants,
                       *(["--num-layers", args.num_layers] if args.num_layers else [])],
                      pretrain_rows, 900),
     }
