@@ -31,6 +31,7 @@ from megadomino.config import ConfigError, ModelConfig
 from megadomino.config.pipeline_plan import PipelinePlan, Stage
 from megadomino.config.validate import validate
 from megadomino.distributed import ParallelDims, mappings
+from megadomino.pipeline.reshard.boundary import STRATEGY_OF
 from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.pipeline.stage import load_stage_full_state, stage_full_state
 from megadomino.train.loop import train
@@ -44,7 +45,14 @@ PLANS = {  # name -> (stages: ranks, tp, layers), layers in all
     "tp1_tp2_tp1": ([((0,), 1, (0, 2)), ((1, 2), 2, (2, 3)), ((3,), 1, (3, 5))], 5),
     "dp2_dp3": ([((0, 1), 1, (0, 3)), ((2, 3, 4), 1, (3, 5))], 5),
     "dp2tp2_tp1": ([((0, 1, 2, 3), 2, (0, 2)), ((4,), 1, (2, 4))], 4),
+    "tp1_tp2": ([((0,), 1, (0, 2)), ((1, 2), 2, (2, 4))], 4),
+    "dp2_dp1": ([((0, 1), 1, (0, 4)), ((2,), 1, (4, 7))], 7),
+    "dp2_tp2": ([((0, 1), 1, (0, 2)), ((2, 3), 2, (2, 4))], 4),
 }
+RESHARD_PLANS = {3: ("tp2_tp1", "tp1_tp2", "dp2_dp1"), 4: ("tp1_tp2_tp1", "dp2_tp2")}
+"""The plans every --pipeline-reshard strategy runs, by world: TP2 -> TP1 (the gradient
+broadcast to two replicas), TP1 -> TP2 (the activation), DP2 -> DP1 (no replica), a chain of
+both, and DP2 -> TP2 (two slices to each of two replicas)."""
 
 
 def file_plan(stages, num_layers: int) -> PipelinePlan:
@@ -65,6 +73,8 @@ def check_hetero(family: str, dims, dims_ref, plan_name: str, schedule: str, mic
     stage = build_stage(config, dims, plan, family, "cpu", parallel=parallel_cfg)
     load_stage_full_state(stage, full)
     runtime = PipelineRuntime(stage, plan, dims, config, parallel_cfg, schedule, mbs, micro)
+    if "pipeline_reshard" in parallel:
+        check_strategy(runtime.transport, parallel["pipeline_reshard"])
     loss = runtime.forward_backward(every)
     assert_close(loss, ref_loss, REL, "mean loss")
     for model in stage:
@@ -81,6 +91,21 @@ def check_hetero(family: str, dims, dims_ref, plan_name: str, schedule: str, mic
     names = [None] * dims.world_size
     dist.all_gather_object(names, sorted(params))
     assert set().union(*map(set, names)) == set(ref_grads)
+
+
+def check_strategy(transport, strategy: str) -> None:
+    """Every boundary between different layouts runs `strategy` both ways (else the equality
+    would hold whatever the flag did), and each start-up line names it with its time."""
+    ways = [*transport.forward, *transport.backward]
+    planned = [way.route for way in ways if way.route.plan is not None]
+    assert planned and {route.plan.strategy for route in planned} == {STRATEGY_OF[strategy]}
+    moved = [(route.broadcasts, route.gathers) for route in planned]
+    if strategy == "broadcast":
+        assert all(casts and not gathers for casts, gathers in moved)
+    lines = transport.describe()
+    assert len(lines) == 2 * (transport.stages - 1) and all(
+        "same layout" in line or f": {STRATEGY_OF[strategy]} (" in line
+        and " predicted " in line for line in lines), lines
 
 
 SUITE = DistSuite(worlds=(3, 4, 5), timeout=300.0)
@@ -109,31 +134,54 @@ SUITE.case("llama-dp2tp2-sp-tp1", check_hetero, "llama", C.dp2tp2_tp1, C.ref, "d
            "eager-1f1b", 4, 3, True, sequence_parallel=True, worlds=(5,))
 SUITE.case("gpt-tp1-tp2-tp1-tied", check_hetero, "gpt", C.tp1_tp2_tp1, C.ref,
            "tp1_tp2_tp1", "1f1b", 4, 3, False, worlds=(4,))
+# Every strategy x family x schedule on a plan of 3 and of 4 ranks in the default tier, the
+# plans taken in turn so that each runs every strategy; the rest of the grid in the slow tier.
+for strategy in ("broadcast", "scatter-gather"):
+    for turn, (family, schedule) in enumerate((f, s) for f in ("gpt", "llama")
+                                              for s in ("1f1b", "eager-1f1b", "zb-h1")):
+        for world, names in RESHARD_PLANS.items():
+            for name in names:
+                main = name == names[turn % len(names)]
+                SUITE.case(f"{family}-{name.replace('_', '-')}-{strategy}-{schedule}",
+                           check_hetero, family, getattr(C, name), C.ref, name, schedule, 4, 3,
+                           True, pipeline_reshard=strategy, worlds=(world,) if main else (),
+                           slow_worlds=() if main else (world,))
+SUITE.case("gpt-tp2-sp-tp1-broadcast", check_hetero, "gpt", C.tp2_tp1, C.ref, "tp2_tp1",
+           "1f1b", 3, 3, True, sequence_parallel=True, pipeline_reshard="broadcast",
+           worlds=(3,))
 
 
 
-def train_run(family: str, dims, layers: int, mbs: int, **changes) -> dict:
+def train_run(family: str, dims, layers: int, mbs: int, log=None, **changes) -> dict:
     config = make_config(
         tiny_config(family, num_layers=layers, vocab_size=331,
                     untie_embeddings_and_output_weights=True),
         micro_batch_size=mbs, global_batch_size=3 * 5, train_iters=ITERS, lr=3e-3, min_lr=3e-4,
         lr_warmup_iters=2, clip_grad=0.5, log_interval=5, eval_interval=ITERS, eval_iters=1,
         mock_data=True, **changes)
-    return train(config, dims, family, log=lambda line: None)
+    return train(config, dims, family, log=log or (lambda line: None))
 
 
-def check_training(family: str, dims, dims_ref, plan_name: str, schedule: str, **changes):
+def check_training(family: str, dims, dims_ref, plan_name: str, schedule: str,
+                   reshard: str | None = None, **changes):
     """AdamW steps through the training loop with the plan, against the same global batches
     on every rank as plain data parallelism (mock data: every label counts, so the mean over
-    the plan's micro-batches of 5 and over the DP ranks' micro-batches of 1 are the same)."""
+    the plan's micro-batches of 5 and over the DP ranks' micro-batches of 1 are the same).
+    `reshard`: the plan's --pipeline-reshard, whose choice rank 0 prints per boundary."""
     stages, layers = PLANS[plan_name]
     path = os.path.join(tempfile.mkdtemp(), "plan.json")
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"stages": [{"ranks": list(r), "tp": t, "layers": list(la)}
                               for r, t, la in stages]}, handle)
     ref = train_run(family, dims_ref, layers, 1, **changes)
-    mine = train_run(family, dims, layers, 5, pipeline_plan=path, pipeline_schedule=schedule,
-                     pipeline_model_parallel_size=len(stages), **changes)
+    lines: list[str] = []
+    mine = train_run(family, dims, layers, 5, lines.append, pipeline_plan=path,
+                     pipeline_schedule=schedule, pipeline_model_parallel_size=len(stages),
+                     **({} if reshard is None else {"pipeline_reshard": reshard}), **changes)
+    printed = [line for line in lines if line.startswith(" pipeline boundary ")]
+    assert dims.rank != 0 or len(printed) == 2 * (len(stages) - 1), lines
+    for line in printed if reshard is not None else ():
+        assert f": {STRATEGY_OF[reshard]} (" in line and " predicted " in line, line
     assert ref["losses"][-1] < ref["losses"][0] - 0.3, ref["losses"]
     for what in ("losses", "grad_norms"):
         for step, (a, b) in enumerate(zip(mine[what], ref[what], strict=True)):
@@ -149,6 +197,10 @@ SUITE.case("gpt-train-dp2-dp3-zero1", check_training, "gpt", C.dp2_dp3, C.ref, "
            "1f1b", worlds=(5,), stage=1)
 SUITE.case("llama-train-tp2-tp1", check_training, "llama", C.tp2_tp1, C.ref, "tp2_tp1", "1f1b",
            worlds=(3,))
+SUITE.case("gpt-train-tp1-tp2-broadcast", check_training, "gpt", C.tp1_tp2, C.ref, "tp1_tp2",
+           "eager-1f1b", "broadcast", worlds=(3,))
+SUITE.case("llama-train-tp2-tp1-scatter-gather", check_training, "llama", C.tp2_tp1, C.ref,
+           "tp2_tp1", "zb-h1", "scatter-gather", worlds=(3,))
 
 test_hetero_pipeline_matches_no_pp = SUITE.test()
 

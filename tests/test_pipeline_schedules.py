@@ -3,9 +3,10 @@ for n = 3 equals the schedule in the docstring of Alpa's `OverlapFriendlyPipeDre
 (alpa/pipeline_parallel/schedules.py); ZB-H1's order equals torch's
 ScheduleInterleavedZeroBubble's with one stage a rank (its ZB1P) and keeps 1F1B's order and
 activation bound; every schedule runs each forward, backward (and W) once, in dependency
-order, and cannot deadlock even where a send completes only once its receive is posted (a
-simulation of every rank's list), and both ends of every pair post its messages in the same
-order (what NCCL, which ignores tags, matches by); the bubble formulas; Megatron's layer splits
+order, and cannot deadlock even where a send completes only once its receive is posted, nor
+where every boundary is a collective one whose communicator runs its collectives in posting
+order (a simulation of every rank's list), and both ends of every pair post its messages in the
+same order (what NCCL, which ignores tags, matches by); the bubble formulas; Megatron's splits
 and the one-line refusals of the validator and of zb-h1's split backward."""
 
 from __future__ import annotations
@@ -294,6 +295,11 @@ def test_every_schedule_runs_to_the_end(name, stages, micro, chunks, prefetch):
     # every rank's list with rendezvous sends (a message moves once both ends posted it):
     # simulate raises naming the blocked stages when they deadlock
     simulate(name, stages, micro, [0.0] * stages, [0.0] * stages, 0.0, chunks, prefetch)
+    # every boundary a collective one (--pipeline-reshard broadcast or scatter-gather): each
+    # moves once both ends posted it, one at a time per boundary and pass, in posting order
+    boundaries = {(p, b) for p in "FB" for b in range(stages * chunks)}
+    simulate(name, stages, micro, [1.0] * stages, [2.0] * stages, 0.5, chunks, prefetch,
+             collectives=boundaries)
     # Backends that ignore tags (NCCL) match a pair's messages in posting order: the same order
     # on both ends.
     posted = channels(name, stages, micro, chunks, prefetch)

@@ -4,7 +4,7 @@ schedules.bubble_fraction gives); the micro-batches a stage holds are its warm-u
 (1F1B: p - s, eager-1F1B: 2 (p - s) - 1); ZB-H1's step is the paper's (its bubble a third of
 1F1B's when F = B = W); a slow link costs time, a buffered link (gloo over
 TCP) never more than a rendezvous (NCCL); the slowest stage sets the pace; a list that
-deadlocks is named."""
+deadlocks is named, also one that only a collective boundary's posting order deadlocks."""
 
 from __future__ import annotations
 
@@ -97,3 +97,17 @@ def test_zb_h1_free_transfers_give_its_ideal_bubble(stages, prefetch):
             if micro >= stages and forward == backward == weight:
                 assert zb.step - busy == pytest.approx((one.step - busy) / 3)
             assert zb.in_flight == tuple(min(stages - s, micro) for s in range(stages))
+
+
+def test_a_collective_boundary_moves_in_posting_order():
+    """Stage 0 posts micro-batch 1's send before 0's, stage 1 waits 0 before posting 1's
+    receive: point-to-point messages (matched by tag) move, a collective boundary (one
+    communicator, matched by order) waits for 1 first and deadlocks."""
+    lists = [[Action("F", "send", 1), Action("F", "send", 0),
+              Action("F", "wait", 1, waits="send"), Action("F", "wait", 0, waits="send")],
+             [Action("F", "recv", 0), Action("F", "wait", 0, waits="recv"),
+              Action("F", "recv", 1), Action("F", "wait", 1, waits="recv")]]
+    times = ([1.0, 1.0], [1.0, 1.0], 0.5)
+    assert run(lists, 2, *times).step == pytest.approx(1.0)
+    with pytest.raises(RuntimeError, match="deadlocks: stages blocked at"):
+        run(lists, 2, *times, collectives={("F", 0)})

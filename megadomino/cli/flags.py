@@ -123,6 +123,19 @@ FLAGS: tuple[Flag, ...] = (
           "stage meshes of different shapes, joined by cross-mesh resharding (docs/pipeline.md); "
           "its stage count is --pipeline-model-parallel-size unless that flag is given; "
           "default Megatron's uniform plan."),
+    _ours("--pipeline-reshard", "parallel.pipeline_reshard", str,
+          "How a --pipeline-plan's boundaries between stages of different layouts move an "
+          "activation and its gradient: send-recv (a message per overlapping tile), broadcast "
+          "(a collective from one holder to every replica of a tile), scatter-gather (each "
+          "replica receives a part, then all-gathers with the others, as Megatron's "
+          "scatter-gather between pipeline stages) or auto (default: per boundary and "
+          "direction the strategy the cost model predicts fastest; each choice is printed at "
+          "start-up with its predicted time). Only with --pipeline-plan.",
+          choices=("auto", "send-recv", "broadcast", "scatter-gather")),
+    _ours("--nics-per-node", "parallel.nics_per_node", int,
+          "Network interfaces per node, the GPUs spread evenly over them: the resharding cost "
+          "model of --pipeline-plan's boundaries balances senders per NIC (1, the default: per "
+          "host; --gpus-per-node: one NIC per GPU, per device). Only with --pipeline-plan."),
     _impl("--sequence-parallel", "parallel.sequence_parallel", None,
           "Shard norm and dropout activations over TP ranks; dropped with a notice at TP 1, as in "
           "Megatron-LM."),
@@ -571,7 +584,7 @@ RANGES: dict[str, Range] = {
                      "--ddp-bucket-size", "--micro-batch-size", "--global-batch-size",
                      "--train-iters", "--train-samples", "--lr-decay-iters",
                      "--loss-scale-window", "--hysteresis", "--log-interval", "--eval-interval",
-                     "--save-interval", "--exit-interval", "--gpus-per-node",
+                     "--save-interval", "--exit-interval", "--gpus-per-node", "--nics-per-node",
                      "--domino-hidden-slices", "--zeropp-hpz-partition-size",
                      "--zeropp-block-size", "--zero-layers-per-unit", "--zero-unit-params",
                      "--tensorboard-log-interval", "--fp8-amax-history-len", "--fp8-interval",

@@ -70,6 +70,16 @@ class ParallelConfig:
     """--pipeline-plan: a JSON file of stages (ranks, TP degree, layer range) for stage meshes
     of different shapes; None: Megatron's uniform plan. Either way the run's PipelinePlan is
     `config/pipeline_plan.py`'s `resolve_plan`, resolved once."""
+    pipeline_reshard: str = "auto"
+    """--pipeline-reshard: how a --pipeline-plan's boundaries between stages of different
+    layouts move an activation and its gradient (pipeline/reshard/boundary.py): 'send-recv'
+    (one message per overlapping tile), 'broadcast' (a collective from one holder to every
+    replica), 'scatter-gather' (each replica receives a part, then an all-gather among the
+    replicas), or 'auto': per boundary and direction the one the cost model predicts fastest."""
+    nics_per_node: int | None = None
+    """--nics-per-node: network interfaces per node, the GPUs spread evenly over them; the
+    resharding cost model balances a boundary's senders per NIC (1: per host; --gpus-per-node:
+    per device). None: one."""
     overlap_p2p_communication: bool = True
     """Each pipeline receive is posted one compute of its pass ahead (schedules.with_transfers'
     `prefetch`), so that the transfer overlaps the computes between (gloo and NCCL move a
@@ -136,6 +146,10 @@ class ParallelConfig:
         if self.domino.enabled:
             return f"domino {self.domino.batch_slices}x{self.domino.hidden_slices}"
         return "fused-sp" if self.tp_comm_overlap else "none"
+
+
+PIPELINE_RESHARD = ("auto", "send-recv", "broadcast", "scatter-gather")
+"""--pipeline-reshard's choices (ParallelConfig.pipeline_reshard)."""
 
 
 def check_degrees(world: int, tp: int, pp: int, dp: int) -> None:

@@ -43,7 +43,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from megadomino.config.check import ConfigError
+from megadomino.config.check import ConfigError, check
+from megadomino.config.parallel import PIPELINE_RESHARD
 from megadomino.config.pipeline_split import layer_split
 
 
@@ -226,11 +227,14 @@ def check_plan(path: str, plan: PipelinePlan, num_layers: int,
         raise ConfigError(f"{name}: the stages must cover the world's ranks exactly once; {what}")
 
 
-def plan_rules(config, world_size: int | None, plan: PipelinePlan | None = None) -> list[int]:
-    """The validator's rules for --pipeline-plan (none without it) on a `Config`: the file
-    (`plan`: as already read; None: read here), the plan, what composes with it. Returns the
-    stages' TP degrees, at which the validator checks the layers."""
+def plan_rules(config, world_size: int | None, plan: PipelinePlan | None = None,
+               gpus_per_node: int | None = None) -> list[int]:
+    """The validator's rules for --pipeline-plan on a `Config`: the file (`plan`: as already
+    read; None: read here), the plan, what composes with it, and its boundaries' flags (refused
+    without it). gpus_per_node: the launcher's ranks per node (None: --gpus-per-node, else the
+    whole world). Returns the stages' TP degrees, at which the validator checks the layers."""
     parallel, path = config.parallel, config.parallel.pipeline_plan
+    check_reshard(parallel, world_size, gpus_per_node)
     if path is None:
         return []
     plan = plan if plan is not None else read_plan(path, config.model.num_layers)
@@ -239,6 +243,26 @@ def plan_rules(config, world_size: int | None, plan: PipelinePlan | None = None)
                       config.train.schedule.micro_batch_size)
     check_features(path, config)
     return sorted({stage.tp for stage in plan.stages})
+
+
+def check_reshard(parallel, world_size: int | None, gpus_per_node: int | None) -> None:
+    """--pipeline-reshard and --nics-per-node choose how a plan's boundaries move data and
+    nothing else reads them: refused without --pipeline-plan; a node has at most one NIC per
+    GPU (the cost model's senders per host at 1, per device at --gpus-per-node)."""
+    check(parallel.pipeline_reshard in PIPELINE_RESHARD, "--pipeline-reshard",
+          parallel.pipeline_reshard, "one of " + ", ".join(PIPELINE_RESHARD))
+    if parallel.pipeline_plan is None:
+        for flag, given in (("--pipeline-reshard", parallel.pipeline_reshard != "auto"),
+                            ("--nics-per-node", parallel.nics_per_node is not None)):
+            if given:
+                raise ConfigError(f"{flag} needs --pipeline-plan: it chooses how a plan's "
+                                  "boundaries between stages of different layouts move data")
+        return
+    nics = parallel.nics_per_node
+    gpus = parallel.gpus_per_node or gpus_per_node or world_size
+    check(nics is None or nics >= 1 and (gpus is None or nics <= gpus), "--nics-per-node", nics,
+          f"between 1 and the GPUs per node ({gpus}: --gpus-per-node, else the ranks torchrun "
+          "starts on a node)")
 
 
 def check_features(path: str, config) -> None:

@@ -45,7 +45,7 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
     read again (None: read here)."""
     _train_rules(config.train, finetune, data_given)
     _parallel_rules(config.model, config.parallel, config.train.precision.fp8)
-    for tp in plan_rules(config, world_size, plan):  # each stage's TP under --pipeline-plan
+    for tp in plan_rules(config, world_size, plan, gpus_per_node):  # each plan stage's TP
         validate_layers(config.model, config.parallel, tp, config.train.precision.fp8)
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)

@@ -70,14 +70,14 @@ class PipelineRuntime:
         self.stage = stage = chunks.stage
         self.plan, self.dims, self.chunks, self.num_micro = plan, dims, chunks, num_micro
         self.device = next(chunks.parameters()).device
-        transport = None
+        self.transport = None
         if plan.size > 1:
-            transport = _transport(plan, stage, dims, model, parallel, micro_batch_size,
-                                   num_micro, self.device)
+            self.transport = _transport(plan, stage, dims, model, parallel, micro_batch_size,
+                                        num_micro, self.device)
             comm.barrier(group=dims.pp_group)  # NCCL: a group's first operation is a collective
         # one stage has no pipeline schedule: its list is 1F1B's F0 B0 F1 B1 ...
         self.schedule_name = schedule_name if plan.size > 1 else "1f1b"
-        self.executor = Executor(chunks, transport, stage.index, plan.size,
+        self.executor = Executor(chunks, self.transport, stage.index, plan.size,
                                  split_backward=self.schedule_name in SPLIT_BACKWARD)
         self.prefetch = parallel.overlap_p2p_communication
         self._actions: dict[int, list] = {}
@@ -87,6 +87,13 @@ class PipelineRuntime:
         last = plan.stages[-1].ranks
         self.loss_source = (None if plan.size == 1 else last[stage.ranks.index(dims.rank)]
                             if dims.uniform else last[0])
+
+    def boundary_lines(self) -> list[str]:
+        """Under a --pipeline-plan, each boundary's resharding strategy and its predicted time
+        per direction (ReshardTransport.describe: what the start-up prints); else none."""
+        if isinstance(self.transport, ReshardTransport):
+            return self.transport.describe()
+        return []
 
     def actions(self, num_micro: int) -> list:
         """This stage's action list for a step of `num_micro` micro-batches (at most the
@@ -209,7 +216,8 @@ def _transport(plan: PipelinePlan, stage, dims, model: ModelConfig, parallel: Pa
     if plan.batch_split:
         return ReshardTransport(
             plan, stage, dims.rank, (model.seq_length, micro_batch_size, model.hidden_size),
-            dtype, device, num_micro, parallel.sequence_parallel, dims.gpus_per_node)
+            dtype, device, num_micro, parallel.sequence_parallel, dims.gpus_per_node,
+            parallel.pipeline_reshard, parallel.nics_per_node or 1, dims.timeout)
     seq = model.seq_length
     if parallel.sequence_parallel and dims.tp > 1:
         seq //= dims.tp

@@ -20,6 +20,11 @@ The model, the same rules the executor and the transports follow:
   ready).
 - `wait` blocks the stage until its message has arrived (a receive) or, for a send, arrived
   (NCCL) or started to move (gloo over TCP hands it to the kernel's socket buffer): `sends`.
+- A boundary whose messages are collectives (`collectives`: a --pipeline-plan boundary moved by
+  broadcast or scatter + all-gather, pipeline/reshard/boundary.py) moves a message once both
+  ends posted it, whatever `sends`, and a send's wait ends when it arrived; its communicator
+  runs one collective at a time, in the order they were posted (the same on both ends), so a
+  message moves only after the one posted before it on that boundary and pass has arrived.
 A stage blocked forever is a deadlock: `simulate` raises naming the stages and their actions.
 
 What it leaves out: the tied-embedding all-reduce, the data-parallel reduction and the optimizer
@@ -35,7 +40,7 @@ the prediction beside the measurement).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from megadomino.pipeline.schedules import Action, schedule
@@ -70,14 +75,17 @@ def message(stages: int, stage: int, action: Action) -> tuple[str, int, int]:
 
 def simulate(name: str, stages: int, micro: int, forward: Sequence[float],
              backward: Sequence[float], link: float, chunks: int = 1,
-             prefetch: bool = True, weight: Sequence[float] | None = None) -> Prediction:
+             prefetch: bool = True, weight: Sequence[float] | None = None,
+             collectives: Collection[tuple[str, int]] = ()) -> Prediction:
     """Run schedule `name` of `stages` stages over `micro` micro-batches (`chunks` virtual
     stages each, receives prefetched or not as schedules.schedule says): `forward[s]` /
     `backward[s]` (and `weight[s]`) one micro-batch's seconds on stage s, `link` one message's
-    seconds over a link (module docstring)."""
+    seconds over a link, `collectives` the (pass, boundary) whose messages are collectives
+    (module docstring)."""
     lists = [schedule(name, stages, s, micro, chunks, prefetch) for s in range(stages)]
     return run(lists, stages, [f / chunks for f in forward], [b / chunks for b in backward],
-               link, weight=None if weight is None else [w / chunks for w in weight])
+               link, weight=None if weight is None else [w / chunks for w in weight],
+               collectives=collectives)
 
 
 def _seconds(times: Sequence[float | Sequence[float]] | None, stage: int, chunk: int) -> float:
@@ -88,7 +96,8 @@ def _seconds(times: Sequence[float | Sequence[float]] | None, stage: int, chunk:
 
 def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float | Sequence[float]],
         backward: Sequence[float | Sequence[float]], link: float, *, sends: str = "rendezvous",
-        weight: Sequence[float | Sequence[float]] | None = None) -> Prediction:
+        weight: Sequence[float | Sequence[float]] | None = None,
+        collectives: Collection[tuple[str, int]] = ()) -> Prediction:
     """Every stage's `lists[s]` against a clock: `forward[s]` / `backward[s]` / `weight[s]`
     seconds a compute action of stage s (or `forward[s][v]` of its chunk v; a backward's time
     as the module docstring says), `link` seconds a message (module docstring). `sends`, when a
@@ -97,39 +106,23 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
       handed      once both ends posted it; the send's wait ends when it starts to move (gloo
                   over TCP: after the receiver's ready notice the message goes to the kernel's
                   socket buffer);
-      buffered    once its send is posted; the send's wait ends at once."""
+      buffered    once its send is posted; the send's wait ends at once.
+    `collectives`: the (pass, boundary) whose messages are collectives, moved in posting order
+    once both ends posted them (module docstring)."""
     if sends not in SENDS:
         raise ValueError(f"sends must be one of {SENDS}, not {sends!r}")
-    buffered = sends == "buffered"
     clock, at = [0.0] * stages, [0] * stages
     busy, held, peak = [0.0] * stages, [0] * stages, [0] * stages
-    posted: dict[tuple, list[float | None]] = {}  # message -> [send posted, receive posted]
-    done: dict[tuple, float] = {}                 # (side, message) -> when its wait may end
-    link_free: dict[tuple[int, int], float] = {}  # (from stage, to stage) -> when free
-    blocked: dict[tuple, list[int]] = {}          # (side, message) -> stages waiting on it
     ready = [(0.0, s) for s in range(stages)]
     times = {"forward": forward, "backward": backward, "weight": weight}
     split = [{(a.micro, a.chunk or 0) for a in actions if a.op == "weight"} for actions in lists]
 
-    def finish(side: tuple, when: float) -> None:
-        done[side] = when
-        for waiter in blocked.pop(side, []):
-            clock[waiter] = max(clock[waiter], when)
-            heapq.heappush(ready, (clock[waiter], waiter))
+    def wake(stage: int, when: float) -> None:
+        clock[stage] = max(clock[stage], when)
+        heapq.heappush(ready, (clock[stage], stage))
 
-    def post(key: tuple, side: int, when: float) -> None:
-        times = posted.setdefault(key, [None, None])
-        times[side] = when
-        send, receive = times
-        if send is None or ("recv", key) in done or (receive is None and not buffered):
-            return
-        low, high = key[1] % stages, (key[1] + 1) % stages
-        lane = (low, high) if key[0] == "F" else (high, low)  # (from stage, to stage)
-        start = max(send if buffered else max(send, receive), link_free.get(lane, 0.0))
-        link_free[lane] = start + link
-        finish(("recv", key), start + link)
-        finish(("send", key), {"buffered": send, "handed": start}.get(sends, start + link))
-
+    messages = _Messages(stages, link, sends, frozenset(collectives), wake)
+    done, blocked = messages.done, messages.blocked
     while ready:
         _, s = heapq.heappop(ready)
         while at[s] < len(lists[s]):
@@ -144,7 +137,8 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
                 held[s] += {"forward": 1, "backward": -1}.get(action.op, 0)
                 peak[s] = max(peak[s], held[s])
             elif action.op in ("send", "recv"):
-                post(message(stages, s, action), 0 if action.op == "send" else 1, clock[s])
+                messages.post(message(stages, s, action), 0 if action.op == "send" else 1,
+                              clock[s])
             else:
                 side = (action.waits, message(stages, s, action))
                 if side not in done:
@@ -161,3 +155,60 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
     if stuck:
         raise RuntimeError(f"the schedule deadlocks: stages blocked at {stuck}")
     return Prediction(max(clock), tuple(busy), tuple(peak))
+
+
+class _Messages:
+    """`run`'s messages: when each is posted, moves over its link and may be waited (the
+    module docstring's rules). `wake(stage, when)` resumes a stage blocked on a message."""
+
+    def __init__(self, stages: int, link: float, sends: str,
+                 collectives: frozenset[tuple[str, int]], wake: Callable[[int, float], None]):
+        self.stages, self.link, self.sends, self.collectives = stages, link, sends, collectives
+        self.wake = wake
+        self.posted: dict[tuple, list[float | None]] = {}  # message -> [send, receive] posted
+        self.done: dict[tuple, float] = {}              # (side, message) -> its wait may end
+        self.blocked: dict[tuple, list[int]] = {}       # (side, message) -> stages waiting
+        self.link_free: dict[tuple[int, int], float] = {}  # (from, to stage) -> when free
+        self.queued: dict[tuple, list[tuple]] = {}      # a collectives' (pass, boundary) ->
+        self.channel_free: dict[tuple, float] = {}      # its posted sends; its last's arrival
+
+    def finish(self, side: tuple, when: float) -> None:
+        self.done[side] = when
+        for waiter in self.blocked.pop(side, []):
+            self.wake(waiter, when)
+
+    def lane(self, key: tuple) -> tuple[int, int]:
+        """The link a message crosses: (from stage, to stage)."""
+        low, high = key[1] % self.stages, (key[1] + 1) % self.stages
+        return (low, high) if key[0] == "F" else (high, low)
+
+    def post(self, key: tuple, side: int, when: float) -> None:
+        """Side 0 (the send) or 1 (the receive) of message `key` posted at `when`."""
+        times = self.posted.setdefault(key, [None, None])
+        times[side] = when
+        if key[:2] in self.collectives:
+            if side == 0:
+                self.queued.setdefault(key[:2], []).append(key)
+            self._collectives(key[:2])
+            return
+        send, receive = times
+        buffered = self.sends == "buffered"
+        if send is None or ("recv", key) in self.done or (receive is None and not buffered):
+            return
+        lane = self.lane(key)
+        start = max(send if buffered else max(send, receive), self.link_free.get(lane, 0.0))
+        self.link_free[lane] = start + self.link
+        self.finish(("recv", key), start + self.link)
+        self.finish(("send", key), {"buffered": send, "handed": start}.get(self.sends,
+                                                                          start + self.link))
+
+    def _collectives(self, channel: tuple) -> None:
+        """Move the channel's collectives in posting order while the first has both ends."""
+        line = self.queued.get(channel, [])
+        while line and None not in self.posted[line[0]]:
+            key = line.pop(0)
+            start = max(*self.posted[key], self.link_free.get(self.lane(key), 0.0),
+                        self.channel_free.get(channel, 0.0))
+            self.link_free[self.lane(key)] = self.channel_free[channel] = start + self.link
+            self.finish(("recv", key), start + self.link)
+            self.finish(("send", key), start + self.link)

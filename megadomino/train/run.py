@@ -155,6 +155,8 @@ def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[st
     chunks = model if plan.size > 1 else StageChunks([model], plan.stages[0])
     pipeline = PipelineRuntime(chunks, plan, dims, config.model, config.parallel,
                                config.parallel.pipeline_schedule, mbs, num_micro)
+    for line in pipeline.boundary_lines() if dims.rank == 0 else ():
+        log(f" pipeline {line}")
     step = Stepper(model, engine, dims, mbs, num_micro, device, timers,
                    per_token_loss=train_config.schedule.calculate_per_token_loss,
                    pipeline=pipeline)

@@ -8,10 +8,14 @@ and every full gradient, tests/test_pipeline_equivalence.py); the training loop 
 DP2 (losses, grad norms, validation loss: tests/test_pipeline_training.py); --rampup-batch-size
 and --decoupled-lr against the run without PP (tests/test_pipeline_features.py); bf16 at PP2.
 World 3: heterogeneous plans (tests/test_pipeline_hetero.py): a TP boundary (TP2 -> TP1, with
-and without sequence parallelism) and a batch-split boundary (DP2 -> DP1, a plan added here)
-against the model without PP; the loop through TP2 -> TP1 against DP3; bf16 through TP2 -> TP1;
-the plan's checkpoints (tests/test_pipeline_hetero_checkpoint.py): exact resume, saved at the
-plan and resumed at PP3 (another TP and PP), and back.
+and without sequence parallelism) and a batch-split boundary (DP2 -> DP1) against the model
+without PP; the loop through TP2 -> TP1 against DP3; bf16 through TP2 -> TP1; the plan's
+checkpoints (tests/test_pipeline_hetero_checkpoint.py): exact resume, saved at the plan and
+resumed at PP3 (another TP and PP), and back.
+--pipeline-reshard broadcast and scatter-gather (NCCL broadcasts and all-gathers on each
+boundary's groups), worlds 3 and 4: TP2 -> TP1, TP1 -> TP2, DP2 -> DP1, TP1 -> TP2 -> TP1 and
+DP2 -> TP2, each strategy once on each plan, the schedules and families in turn, against the
+model without PP; the loop through TP1 -> TP2 (broadcast) and TP2 -> TP1 (scatter-gather).
 World 4: PP2 x TP2 (sequence parallel, eager-1F1B; Domino's schedule; recompute), PP2 x DP2
 (interleaved) and PP4 (1F1B uneven, interleaved) against the model without PP; the loop at
 PP2 x DP2 with ZeRO stage 1, PP2 x TP2 against TP2 x DP2, Domino in the stages; the per-token
@@ -67,7 +71,6 @@ PASS, LOOP = 90.0, 120.0  # budgets (s): one forward-backward; runs of the train
 # Batch-split boundaries within 4 ranks (the twin's are on 5): (stages: ranks, tp, layers),
 # layers in all, as test_pipeline_hetero.PLANS writes them.
 PLANS = {
-    "dp2_dp1": ([((0, 1), 1, (0, 4)), ((2,), 1, (4, 7))], 7),
     "tp2_dp2": ([((0, 1), 2, (0, 3)), ((2, 3), 1, (3, 5))], 5),
     "dp1_dp3": ([((0,), 1, (0, 2)), ((1, 2, 3), 1, (2, 5))], 5),
 }
@@ -188,6 +191,18 @@ SUITE.case("hetero-llama-tp2-dp2-eager-1f1b", hetero.check_hetero, "llama", C.tp
            "tp2_dp2", "eager-1f1b", 4, 3, True, worlds=(4,), timeout=PASS)
 SUITE.case("hetero-gpt-dp1-dp3-1f1b", hetero.check_hetero, "gpt", C.dp1_dp3, C.ref, "dp1_dp3",
            "1f1b", 3, 5, True, worlds=(4,), timeout=PASS)
+
+# --pipeline-reshard's collective strategies: each on every plan of 3 and 4 ranks, the schedules
+# and families in turn (the twin's cases, the slow tier's among them); the loop through both.
+for _turn, (_strategy, (_world, _name)) in enumerate(
+        (s, p) for s in ("broadcast", "scatter-gather")
+        for p in ((w, n) for w, names in hetero.RESHARD_PLANS.items() for n in names)):
+    _family = ("gpt", "llama")[_turn % 2]
+    _schedule = ("1f1b", "eager-1f1b", "zb-h1")[_turn % 3]
+    _adopt(hetero.SUITE, "hetero", _world,
+           (f"{_family}-{_name.replace('_', '-')}-{_strategy}-{_schedule}",), PASS)
+_adopt(hetero.SUITE, "hetero", 3, ("gpt-train-tp1-tp2-broadcast",
+                                   "llama-train-tp2-tp1-scatter-gather"), LOOP)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ sender choice.
 
 Modules: `layout` (meshes, layouts, tiles), `network` (links per host or per device, the
 backend), `plan` (tile-to-slice planning, strategies, link bytes), `solvers` (sender choice),
-`cost` (predicted time per backend), `resharding` (the plan), `transport` (running it).
+`cost` (predicted time per backend), `resharding` (the plan), `transport` (running it, blocking),
+`boundary` (a pipeline boundary's routes and groups, as the training transport runs them).
 See docs/reshard.md.
 """
 

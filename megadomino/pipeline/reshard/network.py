@@ -121,3 +121,19 @@ class Network:
 
 DEFAULT_NETWORK = Network()
 """gloo, one unrated loopback per host, one NIC per host, no latency: times are link bounds."""
+
+NOMINAL = {"nccl": (10e-6, 50e9, 450e9), "gloo": (50e-6, 1.25e9, None)}
+"""backend -> (latency s, bytes/s of a NIC, bytes/s of a GPU's intra-host port or None): the
+figures the training transport plans with when nothing was measured. nccl: a GPU cluster's
+400 Gb/s NIC (InfiniBand NDR) and NVLink 4's 450 GB/s a direction; gloo: a 10 Gb/s Ethernet
+NIC, the host's loopback unrated. They set the strategies' relative cost (bytes against
+latency, links against ports), which is what the choice depends on; the predicted times are
+first-order."""
+
+
+def nominal_network(backend: str, gpus_per_host: int, nics_per_host: int
+                    ) -> tuple[Network, float]:
+    """`NOMINAL`'s network for `backend` and the rate of each NIC (make_plan's `rates`)."""
+    latency, nic_rate, local_rate = NOMINAL[backend]
+    return Network(backend, latency=latency, gpus_per_host=gpus_per_host,
+                   nics_per_host=nics_per_host, local_rate=local_rate), nic_rate
