@@ -26,6 +26,7 @@ setup(
         "megadomino.overlap.domino",
         "megadomino.zero",
         "megadomino.pipeline",
+        "megadomino.pipeline.placement",
         "megadomino.pipeline.reshard",
         "megadomino.data",
         "megadomino.train",

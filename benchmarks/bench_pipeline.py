@@ -1,5 +1,7 @@
 """Pipeline schedules over an emulated slow link (issue 20): a small GPT at PP=2, one gloo rank
-per stage, 1F1B, eager-1F1B and interleaved 1F1B side by side in the same run.
+per stage, 1F1B, eager-1F1B, interleaved 1F1B, ZB-H1, eager-zb and auto (the schedule
+pipeline/schedule_auto.py picks from its own start-up profile; its rows name the one it ran)
+side by side in the same run.
 
     sudo bash benchmarks/bench_pipeline_netns.sh         # two namespaces, 1 Gbit/s, 100, 50 Mbit/s
     python benchmarks/bench_pipeline.py report DIR       # the table of DIR/results.jsonl
@@ -25,8 +27,9 @@ from whatever else runs on the machine), `--warmup` rounds first, then `--steps`
   round trip of a send and its echo; `--repeats` runs after each round's steps, the median of
   all (so that c and F+B see the load the steps saw).
 - F+B: one micro-batch's forward and backward on each stage, alone (no transfers; both stages
-  compute at the same time, as they do in a step); measured like c. c/(F+B) takes the slower
-  stage's F+B.
+  compute at the same time, as they do in a step); measured like c, with the split backward's
+  B and W beside (schedule_auto.time_chunks, what auto's own profile runs). c/(F+B) takes the
+  slower stage's F+B.
 No latency is added: the links are rate limits only (tbf; this kernel has no netem).
 """
 
@@ -46,9 +49,10 @@ from megadomino.build import build_stage
 from megadomino.config import ModelConfig, ParallelConfig
 from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.distributed import ParallelDims
-from megadomino.pipeline.executor import micro_batch_loss
 from megadomino.pipeline.runtime import PipelineRuntime
+from megadomino.pipeline.schedule_auto import AUTO, time_chunks
 from megadomino.pipeline.schedules import (
+    SPLIT_BACKWARD,
     Action,
     bubble_fraction,
     compute_steps,
@@ -57,7 +61,7 @@ from megadomino.pipeline.schedules import (
 )
 from megadomino.pipeline.simulate import run
 
-SCHEDULES = ("1f1b", "eager-1f1b", "interleaved")
+SCHEDULES = ("1f1b", "eager-1f1b", "interleaved", "zb-h1", "eager-zb", AUTO)
 VARIANTS = {"eager-1f1b/no-prefetch": ("eager-1f1b", False), "1f1b/prefetch": ("1f1b", True),
             "1f1b/no-prefetch": ("1f1b", False)}
 """Controls beside the schedules: (schedule, prefetch) with the receives posted as named
@@ -88,9 +92,11 @@ def predicted_step(row: dict) -> float:
     steps: each chunk's forward and backward alone (rows kept before they were recorded: each
     stage's F+B split F : B = 1 : 2, a backward being two GEMMs to a forward's one, and evenly
     over its chunks), a message's time the longer of c and the link's rate's, sends as gloo
-    over TCP makes them (simulate.run's "handed")."""
-    chunks, lists = action_lists(row["schedule"], row["stages"], row["micro"],
-                                 row.get("prefetch", False))
+    over TCP makes them (simulate.run's "handed"); a split backward's B and W as measured
+    (rows without them: the whole backward for B, W free). An auto row is predicted as the
+    schedule it ran."""
+    name = row.get("runs", row["schedule"])
+    chunks, lists = action_lists(name, row["stages"], row["micro"], row.get("prefetch", False))
     # a message alone may ride the token bucket's burst; messages back to back get the rate
     link = max(row["c_s"], row["c_rate_s"] or 0.0)
     if "chunk_fb_s" in row:  # each chunk's forward and backward, measured
@@ -99,7 +105,11 @@ def predicted_step(row: dict) -> float:
     else:
         forward = [[t / 3 / chunks] * chunks for t in row["fb_s"]]
         backward = [[2 * t / 3 / chunks] * chunks for t in row["fb_s"]]
-    return run(lists, row["stages"], forward, backward, link, sends=SENDS).step
+    weight = None
+    if VARIANTS.get(name, (name,))[0] in SPLIT_BACKWARD and "chunk_split_s" in row:
+        backward = [stage[0::2] for stage in row["chunk_split_s"]]
+        weight = [stage[1::2] for stage in row["chunk_split_s"]]
+    return run(lists, row["stages"], forward, backward, link, sends=SENDS, weight=weight).step
 
 
 def predict(paths: list[str]) -> None:
@@ -201,23 +211,15 @@ def link_times(shape: tuple[int, ...], rank: int, runs: int) -> list[float]:
 
 def compute_times(chunks, batch, shape: tuple[int, ...], runs: int) -> list[list[float]]:
     """`runs` times, each chunk's forward and backward of one micro-batch through this stage,
-    alone: [run][2 * chunk + (0: forward, 1: backward)] seconds."""
+    alone, then each chunk's split backward (B, W): [run][2 * chunk + (0: forward, 1:
+    backward)], then [run][2 * chunks + 2 * chunk + (0: B, 1: W)] seconds."""
     times = []
     for _ in range(runs):
         dist.barrier()
-        row = []
-        for chunk in chunks:
-            x = None if chunk.pre_process else torch.randn(shape, requires_grad=True)
-            start = time.perf_counter()
-            tokens, labels, loss_mask = batch
-            out = chunk(tokens, labels, loss_mask, decoder_input=x)
-            if chunk.post_process:
-                out = micro_batch_loss(out, loss_mask)
-            middle = time.perf_counter()
-            out.backward(None if chunk.post_process else torch.ones_like(out))
-            row += [middle - start, time.perf_counter() - middle]
-        times.append(row)
-        chunks.zero_grad(set_to_none=True)
+        measured = time_chunks(chunks, batch, shape, torch.float32, split=True, warmup=0,
+                               runs=1)
+        times.append([t for f, b, _, _ in measured for t in (f, b)]
+                     + [t for _, _, b, w in measured for t in (b, w)])
     return times
 
 
@@ -257,11 +259,13 @@ def build_runtimes(args: argparse.Namespace, dims: ParallelDims) -> dict[str, tu
     for name in args.schedules.split(","):
         base, prefetch = VARIANTS.get(name, (name, None))
         chunks = 2 if base == "interleaved" else 1
-        if chunks not in stages:
+        # a split backward's chunks belong to its executor's weight-gradient stores: their own
+        key = (chunks, name if base in (*SPLIT_BACKWARD, AUTO) else "")
+        if key not in stages:
             plan = uniform_plan(args.layers, 2, 1, 2, chunks)
-            stages[chunks] = (build_stage(config, dims, plan, "gpt", "cpu", parallel=parallel,
-                                          init_seed=1234), plan)
-        stage, plan = stages[chunks]
+            stages[key] = (build_stage(config, dims, plan, "gpt", "cpu", parallel=parallel,
+                                       init_seed=1234), plan)
+        stage, plan = stages[key]
         runtime = PipelineRuntime(stage, plan, dims, config, parallel, base, args.mbs,
                                   args.micro)
         actions = (runtime.actions(args.micro) if prefetch is None
@@ -307,21 +311,24 @@ def worker(args: argparse.Namespace) -> None:
     steps, c, fb = run_rounds(args, runtimes)
     load.append(os.getloadavg()[0])
     every = [None, None]
-    # per chunk count: each chunk's forward and backward, medians over the runs
+    # per chunk count: each chunk's forward and backward (then B and W), medians over the runs
     medians = {v: [statistics.median(run[k] for run in runs) for k in range(len(runs[0]))]
                for v, runs in fb.items()}
-    dist.all_gather_object(every, {"fb": sum(medians[min(medians)]), "chunk_fb": medians,
-                                   "steps": steps})
+    fewest = min(medians)
+    dist.all_gather_object(every, {"fb": sum(medians[fewest][:2 * fewest]),
+                                   "chunk_fb": medians, "steps": steps})
     if args.rank == 0:
         write_rows(args, statistics.median(c), every,
-                   {name: r.plan.chunks for name, (r, _) in runtimes.items()}, load)
+                   {name: r.plan.chunks for name, (r, _) in runtimes.items()}, load,
+                   {name: r.schedule_name for name, (r, _) in runtimes.items()})
     dist.destroy_process_group()
 
 
 def write_rows(args: argparse.Namespace, c: float, every: list[dict],
-               chunks: dict[str, int], load: list[float]) -> None:
+               chunks: dict[str, int], load: list[float], ran: dict[str, str]) -> None:
     """One JSON line per schedule (module docstring for what each number is); `load`: the
-    machine's 1-minute load average at the start and the end of the run."""
+    machine's 1-minute load average at the start and the end of the run; `ran`: the schedule
+    each row's runtime ran (auto's choice)."""
     activation = 4 * args.seq * args.mbs * args.hidden
     fb = [rank["fb"] for rank in every]
     with open(os.path.join(args.out, "results.jsonl"), "a") as out:
@@ -332,6 +339,7 @@ def write_rows(args: argparse.Namespace, c: float, every: list[dict],
                        for steps in per_rank]
             out.write(json.dumps({
                 "rate": args.rate, "rate_mbit": args.rate_mbit, "schedule": name,
+                "runs": ran[name],
                 "prefetch": VARIANTS.get(name, (name, True))[1] or name == "eager-1f1b",
                 "load_average": load, "cpus": os.cpu_count(),
                 "stages": 2, "micro": args.micro, "chunks": v,
@@ -340,7 +348,8 @@ def write_rows(args: argparse.Namespace, c: float, every: list[dict],
                 "activation_bytes": activation, "c_s": c,
                 "c_rate_s": activation * 8 / (args.rate_mbit * 1e6) if args.rate_mbit else None,
                 "fb_s": fb, "c_over_fb": c / max(fb),
-                "chunk_fb_s": [rank["chunk_fb"][v] for rank in every],
+                "chunk_fb_s": [rank["chunk_fb"][v][:2 * v] for rank in every],
+                "chunk_split_s": [rank["chunk_fb"][v][2 * v:] for rank in every],
                 "step_s": step_s, "step_median_s": statistics.median(step_s),
                 "bubble_formula": bubble_fraction(2, args.micro, v),
                 "per_stage": [{

@@ -18,7 +18,14 @@ gather). With a peer or --no-dropout, dropout is 0 (the
 peer's SDPA attention takes none). `--rounds N` repeats every run N times, ours and the peer's
 in alternating order, and the summary gives each row's median with its range and the ratio of
 medians ours / peer. `--limit` adds, on 1-GPU rows, the step's GEMMs and attention alone
-(benchmarks/step_limit.py) and each column's fraction of it ("of limit").
+(benchmarks/step_limit.py) and each column's fraction of it ("of limit"). Every row records
+which linears ran FP8 (`fp8_linears`: the start-up summary's clause, 'none' without
+--fp8-format; with --fp8-linears auto also `fp8_auto`, its choice and the times compared), e.g.
+
+    python benchmarks/bench_pretrain.py --preset gpt3-1.3b --tp 1 --micro-batch-size 2 \
+        --accumulation 8 --rounds 3 --variants ' --compile-layer-pieces' \
+        ' --compile-layer-pieces --fp8-format hybrid' \
+        ' --compile-layer-pieces --fp8-format hybrid --fp8-linears auto'
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| loss (\S+) \| lr \S+ \| global
                   r"grad norm \S+ \| "
                   r"([\d.]+) ms/iter \| ([\d.]+) tokens/s \| ([\d.]+) TFLOP/s/GPU \| "
                   r"MFU ([\d.]+)% \| peak mem ([\d.]+) GiB")
+FP8_CLAUSE = re.compile(r"precision: [^,\n]*, (FP8 [^\n]*)")
+"""The start-up summary's FP8 clause: which linears of which layers ran FP8."""
+FP8_AUTO = re.compile(r"fp8 linears auto: ([^\n]*)")
+"""--fp8-linears auto's start-up line: its choice and every time compared."""
 
 
 def _shared_flags(args, tp: int) -> list[str]:
@@ -93,10 +104,21 @@ def run(cmd: list[str], row: dict, env: dict | None = None) -> dict:
         print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
         return {**row, "error": proc.returncode}
     it, total, loss, ms, tokens, tflops, mfu, mem = matches[-1]
-    return {**row, "iteration": int(it), "first_logged_loss": float(matches[0][2]),
-            "loss": float(loss), "ms_per_iter": float(ms), "tokens_per_s": float(tokens),
+    return {**row, **fp8_fields(proc.stdout), "iteration": int(it),
+            "first_logged_loss": float(matches[0][2]), "loss": float(loss),
+            "ms_per_iter": float(ms), "tokens_per_s": float(tokens),
             "tflops_per_gpu": float(tflops), "mfu_percent": float(mfu),
             "peak_mem_gib": float(mem)}
+
+
+def fp8_fields(stdout: str) -> dict:
+    """A run's FP8 linears, from its start-up lines: `fp8_linears`, the summary's clause (which
+    linears of which layers ran FP8; 'none' without --fp8-format), and with --fp8-linears auto
+    `fp8_auto`, its line's choice and times."""
+    clause = FP8_CLAUSE.search(stdout)
+    fields = {"fp8_linears": clause.group(1) if clause else "none"}
+    auto = FP8_AUTO.search(stdout)
+    return {**fields, "fp8_auto": auto.group(1)} if auto else fields
 
 
 def launches(args, gpus: int) -> list[tuple[dict, list[str], dict | None]]:
@@ -149,7 +171,10 @@ def summary(rows: list[dict]) -> list[dict]:
                          tokens_max=max(tokens),
                          ms_per_iter=statistics.median(r["ms_per_iter"] for r in good),
                          mfu_percent=statistics.median(r["mfu_percent"] for r in good),
-                         peak_mem_gib=max(r["peak_mem_gib"] for r in good))
+                         peak_mem_gib=max(r["peak_mem_gib"] for r in good),
+                         # auto may choose otherwise in another round: every choice is named
+                         fp8_linears=" / ".join(sorted({r.get("fp8_linears", "none")
+                                                        for r in good})))
         table.append(entry)
     for entry in table:
         peer = next((e for e in table if e["system"] == "megatron-core" and e["tp"] == entry["tp"]
@@ -210,8 +235,8 @@ def main() -> None:
           f"PP {args.pp}{f' (vp {args.vp})' if args.vp else ''}, DP {args.dp}, bf16, {device}, "
           f"{args.rounds} round(s): medians [range]")
     print("| system | TP | SP | variant | ms/iter | tokens/s | MFU | peak GiB | vs peer | "
-          "of limit |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "of limit | FP8 linears |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for e in table:
         head = f"| {e['system']} | {e['tp']} | {e['sequence_parallel']} | {e['variant'] or '-'} |"
         if "tokens_per_s" not in e:
@@ -221,7 +246,7 @@ def main() -> None:
         of_limit = f"{e['of_limit']:.3f}" if "of_limit" in e else "-"
         print(f"{head} {e['ms_per_iter']:.1f} | {e['tokens_per_s']:.0f} "
               f"[{e['tokens_min']:.0f}-{e['tokens_max']:.0f}] | {e['mfu_percent']:.1f}% | "
-              f"{e['peak_mem_gib']:.1f} | {ratio} | {of_limit} |"
+              f"{e['peak_mem_gib']:.1f} | {ratio} | {of_limit} | {e['fp8_linears']} |"
               + (f" ({e['failed']} failed)" if e["failed"] else ""))
 
 

@@ -6,7 +6,8 @@ execution strategies (`overlap`, the `zero` engine, `pipeline`) drive
 only; `data` knows nothing of models. The table below is the document's table, as data.
 
 Inside the packages, MODULE_RULES hold the shape of the step path, module by module (config
-needs no process group; outside pipeline/ only its runtime and schedules are used; only the
+needs no process group; outside pipeline/ only its runtime, schedules and placement's resolver
+are used; only the
 runtime picks a transport; a transport knows neither schedule nor model; a schedule is data), and
 CALLERS the single call sites: one builder, one look-up of a rank's stage, one runtime.
 
@@ -186,7 +187,9 @@ MODULE_RULES = [
     ModuleRule(("megadomino",), (_PIPELINE,),
                "one step path: outside pipeline/ a step goes through the runtime at every PP and "
                "a schedule is checked by `schedules`; executor, transports and stages sit behind "
-               "the runtime", allowed=(f"{_PIPELINE}.runtime", f"{_PIPELINE}.schedules"),
+               "the runtime (and the launcher plans --pipeline-plan auto with placement's "
+               "resolver)", allowed=(f"{_PIPELINE}.runtime", f"{_PIPELINE}.schedules",
+                                     f"{_PIPELINE}.placement.resolve"),
                exempt=(_PIPELINE,)),
     ModuleRule(("megadomino",), _TRANSPORTS,
                "the runtime picks the transport from the plan (none at PP 1); the executor and the "

@@ -350,6 +350,9 @@ def _rows() -> list[Row]:
                              ("--data-cache-path", (DATA, ("--data-path", "prefix"))))
           for damage, make, code in (("a file", a_file, 2), ("read-only", read_only, 2),
                                      ("an empty directory: fine", empty_dir, 0))),
+        *(Row("--pipeline-placement-dir", damage, make,
+              flag("--pipeline-placement-dir", [*MOCK, "--pipeline-plan", "auto"]))
+          for damage, make in (("a file", a_file), ("read-only", read_only))),
         Row("--data-cache-path", "default, beside data it cannot be written beside",
             blocked_cache, data_path, names=lambda bad: bad.parent / "index-cache"),
     ]
@@ -360,7 +363,8 @@ NOT_PATHS = {"--ckpt-format", "--dataloader-type", "--fp8-amax-compute-algo", "-
              "--fp8-recipe", "--lr-decay-style", "--lr-wsd-decay-style", "--model-preset",
              "--normalization", "--optimizer", "--pipeline-schedule", "--position-embedding-type",
              "--prompt-template", "--recompute-granularity", "--recompute-method", "--split",
-             "--step-batch-size-schedule", "--tokenizer-type"}
+             "--step-batch-size-schedule", "--tokenizer-type", "--emulate-slow-rank",
+             "--diloco-pseudo-grad-dtype", "--pipeline-planner", "--pipeline-reshard"}
 """The flags taking a string that is not a path: a name, a choice, a template or a schedule."""
 
 

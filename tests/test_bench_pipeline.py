@@ -2,7 +2,9 @@
 bench_pipeline_netns.sh) stays runnable: its two workers on localhost (2 gloo ranks, one tiny
 GPT, every schedule and control) write one row per schedule with every field the report reads,
 measured bubbles in [0, 1), memory that grows with the micro-batches a schedule keeps in
-flight; the report prints the table and checks the target (no timing assertions)."""
+flight, the split backward's B and W beside F and B (ZB-H1's prediction runs them), auto's row
+naming the schedule it ran; the report prints the table and checks the target (no timing
+assertions)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,12 @@ def test_two_ranks_on_localhost_write_every_field(tmp_path):
     assert [stage["peak_in_flight"] for stage in first] == [2, 3]
     assert first[0]["peak_saved_bytes"] < first[1]["peak_saved_bytes"]
     assert by["interleaved"]["bubble_formula"] == 1 / (2 * 4 + 1)
+    assert by["zb-h1"]["runs"] == "zb-h1" and by["1f1b/no-prefetch"]["runs"] == "1f1b"
+    assert by["auto"]["runs"] in ("1f1b", "eager-1f1b", "zb-h1")
+    for row in rows:
+        assert [len(stage) for stage in row["chunk_split_s"]] == [2 * row["chunks"]] * 2
+        assert min(min(stage) for stage in row["chunk_split_s"]) > 0
+        assert bench.predicted_step(row) > 0
     assert "eager-1f1b" in report.stdout and "target" in report.stdout
 
 

@@ -295,8 +295,13 @@ VALUED = [flag for flag in FLAGS if flag.policy != ALIAS
 COMPANIONS = {"--recompute-granularity=full": ("--recompute-method", "uniform",
                                               "--recompute-num-layers", "1"),
               "--fp8-recipe": ("--fp8-format", "hybrid"),
+              "--pipeline-planner": ("--pipeline-plan", "auto"),
+              "--pipeline-reshard": ("--num-layers", "3", "--untie-embeddings-and-output-weights",
+                                     "--pipeline-plan", str(Path(__file__).parent / "fixtures"
+                                                            / "pipeline_plan_tp2_tp1.json")),
               "--fp8-amax-compute-algo": ("--fp8-format", "hybrid"),
               "--zeropp-gradient-bits": ("--zero-stage", "3", "--zeropp-quantized-gradients"),
+              "--diloco-pseudo-grad-dtype": ("--diloco-inner-steps", "10"),
               "--lr-decay-style=WSD": ("--lr-wsd-decay-iters", "2"),
               "--lr-wsd-decay-style": ("--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"),
               "--pipeline-schedule=interleaved": ("--num-layers", "4",

@@ -16,8 +16,8 @@ from megadomino.pipeline.schedules import schedule
 from megadomino.pipeline.transport_p2p import channel
 
 CASES = [(name, chunks, stages, micro)
-         for name, chunks in (("1f1b", 1), ("eager-1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
-                              ("interleaved", 3))
+         for name, chunks in (("1f1b", 1), ("eager-1f1b", 1), ("zb-h1", 1), ("eager-zb", 1),
+                              ("interleaved", 2), ("interleaved", 3))
          for stages in (2, 3, 4, 5)
          for micro in (stages, 2 * stages, 3 * stages, 4 * stages + (chunks == 1))]
 

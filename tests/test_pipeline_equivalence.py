@@ -1,14 +1,22 @@
 """Pipeline parallelism against the same model without it (fp32, dropout 0, vocabulary 331 that
 pads): the mean loss over the micro-batches and every full gradient within 1e-5 relative, for
 GPT (tied embedding shared by the first and last stage) and Llama, every schedule (1F1B,
-eager-1F1B, interleaved with 2 chunks a stage, ZB-H1 with its split backward), at PP2, PP4,
+eager-1F1B, interleaved with 2 chunks a stage, ZB-H1 and eager-zb with their split backward,
+and auto's choice after its profiling pass), at PP2, PP4,
 PP2 x TP2 (with and without sequence parallelism) and PP2 x DP2, with uneven layer counts (7
 layers over PP2 with --decoder-first-pipeline-num-layers 4; 5 over PP4 with first 2), full
 recompute and Domino's schedule (3 batch x 2 hidden slices, sequence parallel) inside a stage;
 ZB-H1 also with fewer micro-batches than stages (3 over PP4), an odd count (5 over PP2) and full
 recompute under PP2 x TP2 with sequence parallelism (its W all-gathers the TP input). The
 reference sees every DP rank's micro-batches; the pipeline's DP ranks average their gradients as
-the engine does. The slow tier adds PP4 x TP2 (sequence parallel) and PP2 x TP2 x DP2 on 8 ranks."""
+the engine does. The slow tier adds PP4 x TP2 (sequence parallel) and PP2 x TP2 x DP2 on 8 ranks.
+
+Sent outputs freed (the executor's `free_outputs`, Megatron's deallocate_output_tensor): the
+loss and every gradient are bit for bit those of the same stage keeping its outputs, and the
+bytes the executor holds (the distinct storages of its kept tensors, after every action) drop
+on each sending stage by at least the outputs of all but one of the micro-batches it has in
+flight, while the last stage, which sends no output, holds what it held: 1F1B and eager-1F1B
+at PP2, ZB-H1 (its B through the engine on a freed output) at PP2 and PP4."""
 
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from dist_utils import C, DistSuite, assert_close
 from megadomino.build import build_model, build_stage
 from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.distributed import ParallelDims, mappings
+from megadomino.pipeline.executor import Executor
 from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.pipeline.stage import load_stage_full_state, stage_full_state
 
@@ -91,7 +100,8 @@ def _setup(world: int) -> dict:
     return out
 
 
-SCHEDULES = (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+SCHEDULES = (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("eager-zb", 1),
+             ("auto", 1))
 for family in ("gpt", "llama"):
     for name, chunks in SCHEDULES:
         layers, first = (8, None) if chunks > 1 else (7, 4)
@@ -122,6 +132,60 @@ for family in ("gpt", "llama"):
 for family in ("gpt", "llama"):
     SUITE.case(f"{family}-pp2tp2-domino", check_pipeline, family, C.pp2tp2, C.ref, "1f1b", 4, 3,
                sequence_parallel=True, batch_slices=3, hidden_slices=2, worlds=(4,))
+
+
+
+class HeldBytes(Executor):
+    """The executor, recording the peak bytes of the distinct storages of the tensors it keeps
+    (inputs, outputs, received and sent gradients), measured after every action."""
+
+    peak = 0
+
+    def _do(self, action, batches, state) -> None:
+        super()._do(action, batches, state)
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in state.kept.values() if t is not None}
+        self.peak = max(self.peak, sum(held.values()))
+
+
+def check_outputs_freed(family: str, dims, schedule: str, num_layers: int, micro: int,
+                        first: int | None = None):
+    """Freeing sent outputs changes no bit and holds less (module docstring)."""
+    config = tiny_config(family, num_layers=num_layers, vocab_size=331)
+    batches = [batch(config, seed=100 + m, b=MBS)[:3] for m in range(micro)]
+    plan = uniform_plan(num_layers, dims.world_size, dims.tp, dims.pp, first=first)
+    parallel = parallel_config(pipeline_model_parallel_size=dims.pp)
+    torch.manual_seed(5)
+    stage = build_stage(config, dims, plan, family, "cpu", parallel=parallel, init_seed=5)
+    runtime = PipelineRuntime(stage, plan, dims, config, parallel, schedule, MBS, micro)
+    runs = {}
+    for free in (False, True):
+        stage.zero_grad(set_to_none=True)
+        runtime.executor = HeldBytes(stage, runtime.transport, dims.pp_rank, dims.pp,
+                                     split_backward=runtime.executor.stores is not None,
+                                     free_outputs=free)
+        loss = runtime.forward_backward(batches)
+        runs[free] = (loss, [p.grad.clone() for p in stage.parameters()],
+                      runtime.executor.peak)
+    (kept_loss, kept_grads, kept_peak), (loss, grads, peak) = runs[False], runs[True]
+    assert torch.equal(loss, kept_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, kept_grads, strict=True))
+    if dims.pp_rank == dims.pp - 1:
+        assert peak == kept_peak, (peak, kept_peak)
+        return
+    activation = config.seq_length * MBS * config.hidden_size * 4  # fp32
+    in_flight = min(dims.pp - dims.pp_rank, micro)
+    if schedule == "eager-1f1b":
+        in_flight = min(2 * (dims.pp - dims.pp_rank) - 1, micro)
+    # a freed output keeps one element (4 bytes)
+    assert kept_peak - peak >= (in_flight - 1) * (activation - 4), (kept_peak, peak, in_flight)
+
+
+for family, name in (("gpt", "1f1b"), ("llama", "eager-1f1b"), ("gpt", "zb-h1")):
+    SUITE.case(f"{family}-pp2-{name}-outputs-freed", check_outputs_freed, family, C.pp2, name,
+               7, 4, 4, worlds=(2,))
+SUITE.case("llama-pp4-zb-h1-outputs-freed", check_outputs_freed, "llama", C.pp4, "zb-h1", 5, 6,
+           2, worlds=(4,))
 
 test_pipeline_matches_no_pp = SUITE.test()
 

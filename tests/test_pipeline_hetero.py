@@ -1,7 +1,8 @@
 """Heterogeneous pipeline plans (--pipeline-plan) against the same model without PP (fp32,
 dropout 0, vocabulary 331 that pads): the mean loss over the micro-batches and every full
-gradient within 1e-5 relative, GPT and Llama, 1F1B, eager-1F1B and ZB-H1, for the plans of issue
-20: a TP=2 stage feeding a TP=1 stage (3 ranks; with and without sequence parallelism), TP=2
+gradient within 1e-5 relative, GPT and Llama, 1F1B, eager-1F1B, ZB-H1, eager-zb and auto's
+choice (its profiling pass through the resharding transport), for the plans of issue 20: a TP=2
+stage feeding a TP=1 stage (3 ranks; with and without sequence parallelism), TP=2
 then two TP=1 stages (4 ranks), a TP=1 / TP=2 / TP=1 chain whose ends share GPT's tied embedding
 (4 ranks), a stage of 2 batch-split ranks feeding one of 3 (5 ranks: a micro-batch of 5
 sequences splits 3 + 2, then 2 + 2 + 1), and a DP2 x TP2 stage with sequence parallelism (a 2-D
@@ -121,7 +122,7 @@ def _setup(world: int) -> dict:
 
 
 for family in ("gpt", "llama"):
-    for schedule in ("1f1b", "eager-1f1b", "zb-h1"):
+    for schedule in ("1f1b", "eager-1f1b", "zb-h1", "eager-zb", "auto"):
         SUITE.case(f"{family}-tp2-tp1-{schedule}", check_hetero, family, C.tp2_tp1, C.ref,
                    "tp2_tp1", schedule, 4, 3, True, worlds=(3,))
         SUITE.case(f"{family}-tp2-tp1-tp1-{schedule}", check_hetero, family,

@@ -2,12 +2,13 @@
 for n = 3 equals the schedule in the docstring of Alpa's `OverlapFriendlyPipeDreamSchedule`
 (alpa/pipeline_parallel/schedules.py); ZB-H1's order equals torch's
 ScheduleInterleavedZeroBubble's with one stage a rank (its ZB1P) and keeps 1F1B's order and
-activation bound; every schedule runs each forward, backward (and W) once, in dependency
-order, and cannot deadlock even where a send completes only once its receive is posted, nor
-where every boundary is a collective one whose communicator runs its collectives in posting
-order (a simulation of every rank's list), and both ends of every pair post its messages in the
-same order (what NCCL, which ignores tags, matches by); the bubble formulas; Megatron's splits
-and the one-line refusals of the validator and of zb-h1's split backward."""
+activation bound (eager-zb eager-1F1B's); every schedule runs each forward, backward (and W)
+once, in dependency order, and cannot deadlock even where a send completes only once its
+receive is posted, nor where every boundary is a collective one whose communicator runs its
+collectives in posting order (a simulation of every rank's list), and both ends of every pair
+post its messages in the same order (what NCCL, which ignores tags, matches by); the bubble
+formulas; Megatron's splits and the one-line refusals of the validator and of zb-h1's split
+backward."""
 
 from __future__ import annotations
 
@@ -219,14 +220,18 @@ def test_zb_h1_is_torchs_zero_bubble_order():
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 5])
-def test_zb_h1_keeps_1f1b_order_and_memory(stages):
-    """The paper's ZB-H1: 1F1B's forwards and B's in 1F1B's order, every W after its B, in the
-    B's order, all of them in the step; at most min(P - s, m) micro-batches whose B has not run
-    on stage s (1F1B's count) and min(P, m) whose W has not run on every stage (1F1B's peak,
-    stage 0's)."""
+@pytest.mark.parametrize("name,base,held", [
+    ("zb-h1", "1f1b", lambda p, s: p - s),
+    ("eager-zb", "eager-1f1b", lambda p, s: 2 * (p - s) - 1)])
+def test_deferred_weights_keep_the_order_and_memory(name, base, held, stages):
+    """The paper's ZB-H1 (and eager-zb): 1F1B's (eager-1F1B's) forwards and B's in its order,
+    every W after its B, in the B's order, all of them in the step; at most min(P - s, m)
+    micro-batches whose B has not run on stage s (1F1B's count; eager-zb: eager-1F1B's
+    2 (P - s) - 1) and s more whose W has not run: min(P, m) on every stage under ZB-H1 (1F1B's
+    peak, stage 0's)."""
     for micro, stage in itertools.product(range(1, 10), range(stages)):
-        order = compute_order("zb-h1", stages, stage, micro)
-        assert [c for c in order if c[0] != "W"] == compute_order("1f1b", stages, stage, micro)
+        order = compute_order(name, stages, stage, micro)
+        assert [c for c in order if c[0] != "W"] == compute_order(base, stages, stage, micro)
         assert [m for p, m, _ in order if p == "W"] == list(range(micro))
         for m in range(micro):
             assert order.index(("B", m, 0)) < order.index(("W", m, 0))
@@ -235,7 +240,8 @@ def test_zb_h1_keeps_1f1b_order_and_memory(stages):
             before_b += {"F": 1, "B": -1}.get(pass_, 0)
             before_w += {"F": 1, "W": -1}.get(pass_, 0)
             peak_b, peak_w = max(peak_b, before_b), max(peak_w, before_w)
-        assert (peak_b, peak_w) == (min(stages - stage, micro), min(stages, micro))
+        bound = held(stages, stage)
+        assert (peak_b, peak_w) == (min(bound, micro), min(bound + stage, micro))
 
 
 def test_zb_h1_refuses_what_its_split_backward_cannot_defer():
@@ -268,7 +274,7 @@ def _key(stages: int, stage: int, action, op: str) -> tuple:
 
 CASES = [(name, stages, micro, chunks)
          for name, chunks in (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2),
-                              ("interleaved", 3), ("zb-h1", 1))
+                              ("interleaved", 3), ("zb-h1", 1), ("eager-zb", 1))
          for stages in (2, 3, 4) for micro in range(1, 9)
          if name != "interleaved" or micro % stages == 0]
 

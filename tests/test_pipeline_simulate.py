@@ -2,11 +2,14 @@
 are the ideal pipeline's ((m + p - 1) (F + B), interleaved (v m + p - 1) (F + B) / v, the bubble
 schedules.bubble_fraction gives); the micro-batches a stage holds are its warm-up plus one
 (1F1B: p - s, eager-1F1B: 2 (p - s) - 1); ZB-H1's step is the paper's (its bubble a third of
-1F1B's when F = B = W); a slow link costs time, a buffered link (gloo over
+1F1B's when F = B = W); eager-zb's is ZB-H1's over free links and no slower than ZB-H1's or
+eager-1F1B's over slow ones (B at least F); a slow link costs time, a buffered link (gloo over
 TCP) never more than a rendezvous (NCCL); the slowest stage sets the pace; a list that
 deadlocks is named, also one that only a collective boundary's posting order deadlocks."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
@@ -111,3 +114,24 @@ def test_a_collective_boundary_moves_in_posting_order():
     assert run(lists, 2, *times).step == pytest.approx(1.0)
     with pytest.raises(RuntimeError, match="deadlocks: stages blocked at"):
         run(lists, 2, *times, collectives={("F", 0)})
+
+
+@pytest.mark.parametrize("sends", ["rendezvous", "handed"])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_eager_zb_keeps_both_gains(stages, sends):
+    """Eager-zb (eager-1F1B's forwards, ZB-H1's deferred W's), B at least F: ZB-H1's step over
+    free links, and never slower than eager-1F1B or ZB-H1 over slow ones; strictly faster than
+    both somewhere (a message as long as a forward)."""
+    faster = False
+    for micro, link in itertools.product(range(1, 11), (0.0, 0.2, 0.5, 1.0, 2.0)):
+        for forward, backward, weight in ((1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (1.0, 2.0, 1.0)):
+            times = ([forward] * stages, [backward] * stages, link)
+            lists = {name: [schedule(name, stages, s, micro) for s in range(stages)]
+                     for name in ("eager-zb", "zb-h1", "eager-1f1b")}
+            step = {name: run(each, stages, *times, sends=sends, weight=[weight] * stages).step
+                    for name, each in lists.items()}
+            if link == 0.0:
+                assert step["eager-zb"] == pytest.approx(step["zb-h1"]), (micro, step)
+            assert step["eager-zb"] <= min(step["zb-h1"], step["eager-1f1b"]) + 1e-9, step
+            faster |= step["eager-zb"] < min(step["zb-h1"], step["eager-1f1b"]) - 1e-9
+    assert faster

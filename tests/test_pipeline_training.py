@@ -2,7 +2,8 @@
 it): 30 AdamW steps, clipping on, mock data, fp32, dropout 0, give the losses and grad norms of
 the same run without PP (1e-5 relative): PP2 against DP2 (world 2), PP2 x DP2 (ZeRO stage 1)
 against DP4 and PP2 x TP2 (sequence parallel) against TP2 x DP2 (world 4), for each schedule
-(ZB-H1 included: its split backward under the engine) and both families, and with Domino's
+(ZB-H1 and eager-zb included: their split backward under the engine; auto: its start-up
+choice) and both families, and with Domino's
 schedule inside the stages (PP2 x TP2); a vocabulary that pads (331), uneven layers (7 over
 PP2). Validation loss (forwards only through the pipeline) too. The run without PP has the same
 global batch: every step reads the same samples. bf16 and fp16 (loss scaling) at PP2 stay within
@@ -72,7 +73,7 @@ def tier(family: str, default_family: str, world: int) -> dict:
 
 
 for family in ("gpt", "llama"):
-    for schedule in ("1f1b", "eager-1f1b", "interleaved", "zb-h1"):
+    for schedule in ("1f1b", "eager-1f1b", "interleaved", "zb-h1", "eager-zb", "auto"):
         layers = 8 if schedule == "interleaved" else 7
         SUITE.case(f"{family}-pp2-{schedule}", check_training, family, C.pp2, C.dp2, schedule,
                    layers, worlds=(2,))

@@ -43,7 +43,7 @@ from megadomino.config import (
     build,
 )
 from megadomino.config.batches import parse_step_schedule
-from megadomino.config.pipeline_plan import PipelinePlan, read_plan
+from megadomino.config.pipeline_plan import AUTO, PipelinePlan, read_plan
 from megadomino.config.validate import validate
 
 _REQUIRED_WITHOUT_PRESET = ("--num-layers", "--hidden-size", "--num-attention-heads",
@@ -245,7 +245,7 @@ def _apply_pipeline_rules(parallel_fields: dict[str, Any],
     """A plan sets the PP size (its stage count); virtual stages pick the interleaved schedule.
     Returns --pipeline-plan's plan (None without it)."""
     path = parallel_fields.get("pipeline_plan")
-    plan = read_plan(path, num_layers) if path is not None else None
+    plan = read_plan(path, num_layers) if path not in (None, AUTO) else None  # auto: launch's
     if plan is not None and "pipeline_model_parallel_size" not in parallel_fields:
         # the plan's stages are the pipeline: their count is its size
         parallel_fields["pipeline_model_parallel_size"] = plan.size
@@ -412,10 +412,19 @@ def _inert_settings(train_fields: dict[str, Any]) -> list[str]:
     then ignores without a word: dropped from the fields, each with a notice."""
     notices = []
     precision = train_fields["precision"]
+    fp8 = "train.precision.fp8."
     if "fp8" in precision and "format" not in precision["fp8"]:
-        names = ", ".join(f"--fp8-{name.replace('_', '-')}" for name in precision.pop("fp8"))
+        names = ", ".join(_flag_setting(fp8 + name) for name in precision.pop("fp8"))
         notices.append(f"{names}: not read, FP8 is off without --fp8-format (Megatron-LM builds "
                        "its FP8 recipe only with --fp8-format)")
+    ends = [name for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+            if name in precision.get("fp8", {})]
+    if ends and not precision["fp8"].get("first_last_layers_bf16"):
+        for name in ends:
+            del precision["fp8"][name]
+        names = ", ".join(_flag_setting(fp8 + name) for name in ends)
+        notices.append(f"{names}: not read without --first-last-layers-bf16 (Megatron-LM reads "
+                       "them only with it)")
     schedule = train_fields.get("schedule", {})
     if schedule.get("eval_iters", 0) < 0:
         notices.append(f"--eval-iters={schedule['eval_iters']}: no evaluation (Megatron-LM "
@@ -427,6 +436,11 @@ def _inert_settings(train_fields: dict[str, Any]) -> list[str]:
         notices.append("--no-data-sharding: not read, the single loader reads consecutive "
                        "samples (--dataloader-type cyclic reads it)")
     return notices
+
+
+def _flag_setting(field: str) -> str:
+    """The flag (of FLAGS) that sets the config field at path `field`."""
+    return next(flag.name for flag in FLAGS if flag.field == field and flag.policy != ALIAS)
 
 
 def _check_fp8_flags(fp8_fields: dict[str, Any] | None) -> None:

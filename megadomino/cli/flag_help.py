@@ -22,6 +22,7 @@ HELP_GROUPS: tuple[tuple[str, str], ...] = (
     ("model", "model shape"),
     ("parallel.zero", "ZeRO and the distributed optimizer"),
     ("parallel.domino", "Domino"),
+    ("parallel.diloco", "DiLoCo: data parallelism across slow links"),
     ("parallel", "parallelism, recompute and speed"),
     ("train.schedule", "batch, iterations, learning-rate schedule and evaluation"),
     ("train.optimizer", "optimizer"),

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megadomino.config.train import FP8_AUTO, FP8_ROLES
+
 IMPLEMENTED, ALIAS, OURS, NOTICE, REFUSED = "implemented", "alias", "ours", "notice", "refused"
 
 
@@ -58,7 +60,8 @@ class Flag:
             return "{" + ",".join(str(c) for c in shown) + "}"
         if self.type is None:
             return "..." if self.policy == REFUSED else ""
-        names = {int: "N", count: "N", float: "X", slices_or_auto: "N|auto", value: "VALUE"}
+        names = {int: "N", count: "N", float: "X", slices_or_auto: "N|auto",
+                 roles_or_auto: "all|auto|ROLE,...", value: "VALUE"}
         return names.get(self.type, "NAME")
 
     @property
@@ -92,6 +95,14 @@ class Flag:
 def slices_or_auto(value: str) -> int | str:
     """An integer, or 'auto' (resolved at start-up by megadomino.overlap.domino.autotune)."""
     return value if value == "auto" else int(value)
+
+
+def roles_or_auto(value: str) -> tuple[str, ...] | str:
+    """--fp8-linears: 'all' (every role of FP8_ROLES), 'auto', or a comma list of roles, kept as
+    given (the validator names a role it does not know)."""
+    if value in ("all", FP8_AUTO):
+        return FP8_ROLES if value == "all" else value
+    return tuple(role.strip() for role in value.split(","))
 
 
 def count(value: str) -> int:

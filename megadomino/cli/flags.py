@@ -26,10 +26,13 @@ from megadomino.cli.flag_row import impl as _impl
 from megadomino.cli.flag_row import notice as _notice
 from megadomino.cli.flag_row import ours as _ours
 from megadomino.cli.flag_row import refuse as _refuse
+from megadomino.cli.flag_row import roles_or_auto as _roles_or_auto
 from megadomino.cli.flag_row import slices_or_auto as _slices_or_auto
 from megadomino.cli.flag_row import value as _value
 from megadomino.cli.flags_megatron import MEGATRON_ROWS, MOE
 from megadomino.cli.flags_megatron_config import MEGATRON_CONFIG_ROWS
+from megadomino.config.diloco import PSEUDO_GRAD_DTYPES
+from megadomino.config.parallel import PIPELINE_PLANNERS
 
 __all__ = ["ALIAS", "FINETUNE_FLAGS", "FLAGS", "IMPLEMENTED", "NOTICE", "OURS", "RANGES",
            "REFUSED", "Flag"]
@@ -108,12 +111,17 @@ FLAGS: tuple[Flag, ...] = (
     _ours("--pipeline-schedule", "parallel.pipeline_schedule", str,
           "1f1b (Megatron's), interleaved (virtual stages, Megatron's), eager-1f1b (Alpa's "
           "overlap-friendly 1F1B: more warm-up forwards, each forward's send overlaps the next "
-          "compute) or zb-h1 (zero-bubble ZB-H1: 1F1B with each backward split into input- and "
+          "compute), zb-h1 (zero-bubble ZB-H1: 1F1B with each backward split into input- and "
           "weight-gradient passes, the weight gradients delayed into the bubbles; 1F1B's "
-          "activation memory, about a third of its bubble; not with Domino, --tp-comm-overlap "
-          "or CUDA graphs). Default: interleaved with virtual stages (as in Megatron), else "
-          "1f1b.",
-          choices=("1f1b", "interleaved", "eager-1f1b", "zb-h1")),
+          "activation memory, about a third of its bubble), eager-zb (eager-1f1b's forwards "
+          "with zb-h1's delayed weight gradients: both gains over slow links; eager-1f1b's "
+          "memory) (the two split ones not with Domino, --tp-comm-overlap or CUDA graphs), or "
+          "auto (at start-up each stage's forward, backward and split backward are timed on a "
+          "random micro-batch and a message over the links, and the schedule the pipeline "
+          "simulator predicts fastest runs; the start-up prints every prediction; with virtual "
+          "stages the interleaved schedule). Default: interleaved with virtual stages (as in "
+          "Megatron), else 1f1b.",
+          choices=("1f1b", "interleaved", "eager-1f1b", "zb-h1", "eager-zb", "auto")),
     _impl("--no-overlap-p2p-communication", "parallel.overlap_p2p_communication", None,
           "Post each pipeline receive just before its compute needs it instead of one compute "
           "of its pass ahead (the default, under every schedule: the transfer then overlaps "
@@ -121,8 +129,29 @@ FLAGS: tuple[Flag, ...] = (
     _ours("--pipeline-plan", "parallel.pipeline_plan", str,
           "A JSON file of pipeline stages, each with its ranks, TP degree and layer range: "
           "stage meshes of different shapes, joined by cross-mesh resharding (docs/pipeline.md); "
-          "its stage count is --pipeline-model-parallel-size unless that flag is given; "
-          "default Megatron's uniform plan."),
+          "its stage count is --pipeline-model-parallel-size unless that flag is given; or "
+          "'auto': planned at start-up from the measured links between every pair of ranks and "
+          "each rank's GEMM speed (docs/placement.md), the plan and its predicted step time "
+          "printed; default Megatron's uniform plan."),
+    _ours("--pipeline-planner", "parallel.pipeline_planner", str,
+          "With --pipeline-plan auto: op-fence (default: ranks clustered by bandwidth, the "
+          "clusters chained, the layers cut exactly to balance the slowest stage or link), "
+          "dt-fm (DT-FM's equal groups and objective) or brute-force (every ordering of the "
+          "ranks into stages: the oracle, slow beyond 8 ranks).",
+          choices=PIPELINE_PLANNERS),
+    _ours("--pipeline-placement-dir", "parallel.pipeline_placement_dir", str,
+          "With --pipeline-plan auto: the directory the plan (plan.json, a --pipeline-plan "
+          "file) and the start-up measurement (links.json) are written to; default --save's "
+          "directory when given, else they are only printed."),
+    _ours("--pipeline-link-delay", "parallel.pipeline_link_delay", float,
+          "Seconds added to every received pipeline message, and to the start-up measurement's "
+          "latency probes: an emulation of link latency for experiments where the kernel has "
+          "no netem (an upper bound: a message that arrived during a compute waits too). "
+          "Default 0."),
+    _ours("--emulate-slow-rank", "parallel.emulate_slow_rank", str,
+          "RANK:FACTOR: rank RANK computes FACTOR times slower, an emulated slow device for "
+          "experiments (after each pipeline compute action, and each GEMM of --pipeline-plan "
+          "auto's speed probe, it waits FACTOR - 1 times as long as the work took)."),
     _ours("--pipeline-reshard", "parallel.pipeline_reshard", str,
           "How a --pipeline-plan's boundaries between stages of different layouts move an "
           "activation and its gradient: send-recv (a message per overlapping tile), broadcast "
@@ -255,6 +284,26 @@ FLAGS: tuple[Flag, ...] = (
           "linears' weights are all-gathered as e4m3 codes, one scale a weight from its amax "
           "(max-reduced over DP), about half the bytes of a bf16 gather; the weight is rounded "
           "to FP8 once, as without it, and checkpoints gather the exact weights."),
+    _ours("--fp8-linears", "train.precision.fp8.linears", _roles_or_auto,
+          "With --fp8-format: which of each transformer layer's linears run FP8: all (default), "
+          "a comma list of qkv, proj, fc1, fc2 (the attention's QKV and output projections, the "
+          "MLP's two; the others run in the model's dtype, bf16 with --bf16), or auto: at "
+          "start-up each role's GEMMs, forward and backward at the run's shapes, are timed in "
+          "bf16 and in FP8 (casts and scaling included; median of 3 interleaved passes, slowest "
+          "rank), and a role runs FP8 where FP8 takes at most 0.98x bf16's time; one start-up "
+          "line gives every time and the choice. The start-up summary names the linears and "
+          "layers that run FP8."),
+    _impl("--first-last-layers-bf16", "train.precision.fp8.first_last_layers_bf16", None,
+          "With --fp8-format: every linear of the first --num-layers-at-start-in-bf16 and the "
+          "last --num-layers-at-end-in-bf16 transformer layers runs in the model's dtype, bf16 "
+          "with --bf16 (global layer indices, whatever the pipeline split). Megatron-LM refuses "
+          "it with delayed scaling (Transformer Engine's recipe is global); here each FP8 "
+          "linear keeps its own scaling state, so both recipes take it."),
+    _impl("--num-layers-at-start-in-bf16", "train.precision.fp8.num_layers_at_start_in_bf16",
+          int, "With --first-last-layers-bf16: the layers at the start kept in bf16 (default "
+          "1)."),
+    _impl("--num-layers-at-end-in-bf16", "train.precision.fp8.num_layers_at_end_in_bf16", int,
+          "With --first-last-layers-bf16: the layers at the end kept in bf16 (default 1)."),
     # Seed, logging, evaluation, data.
     _impl("--seed", "train.runtime.seed", int, "Random seed."),
     _impl("--log-interval", "train.logging.log_interval", int, "Steps between log lines."),
@@ -441,6 +490,28 @@ FLAGS: tuple[Flag, ...] = (
           "this many parameters per GPU (default 2e8, like DeepSpeed's bucket sizes) or a sixth "
           "of the layers, so that at least six units pipeline (four layers of GPT-3 1.3B, one "
           "from 6.7B up). Needs --zero-stage."),
+    # DiLoCo across slow links (megadomino.zero.diloco).
+    _ours("--diloco-inner-steps", "parallel.diloco.inner_steps", int,
+          "DiLoCo: the data-parallel ranks are cut into sites (--diloco-sites; default one a "
+          "node, as --gpus-per-node cuts them); inside a site the engine trains as always "
+          "(ZeRO over the site's ranks, nothing crosses the sites), and after every H inner "
+          "steps one outer Nesterov step on the sites' averaged pseudo-gradients (the last "
+          "global weights minus a site's) makes them alike again, each pipeline stage syncing "
+          "its own parameters; the replicas' checksums are then compared (a difference stops "
+          "the run). Checkpoints add one diloco_dp_rank_YYY.pt per data-parallel rank "
+          "(megadomino/zero/diloco.py)."),
+    _ours("--diloco-sites", "parallel.diloco.sites", int,
+          "DiLoCo: sites, each a run of consecutive data-parallel ranks (default: one a node); "
+          "must divide the data-parallel size. Needs --diloco-inner-steps."),
+    _ours("--diloco-outer-lr", "parallel.diloco.outer_lr", float,
+          "DiLoCo's outer learning rate (default 0.7, DiLoCo's). Needs --diloco-inner-steps."),
+    _ours("--diloco-outer-momentum", "parallel.diloco.outer_momentum", float,
+          "DiLoCo's outer Nesterov momentum (default 0.9, DiLoCo's; 0: SGD on the averaged "
+          "pseudo-gradients). Needs --diloco-inner-steps."),
+    _ours("--diloco-pseudo-grad-dtype", "parallel.diloco.pseudo_grad_dtype", str,
+          "What crosses the sites: fp32, bf16 (the default, half fp32's bytes) or int8 "
+          "(block-quantized with one fp32 scale per 2048 elements, about a quarter). Needs "
+          "--diloco-inner-steps.", choices=PSEUDO_GRAD_DTYPES),
     # Accepted with a notice.
     _notice("--use-flash-attn", _SDPA),
     _notice("--attention-backend", _SDPA, str),
@@ -592,9 +663,14 @@ RANGES: dict[str, Range] = {
                      "--rampup-batch-size"),
                     _POSITIVE_COUNT),
     "--eval-iters": Range(-1),
+    "--diloco-inner-steps": _POSITIVE_COUNT,
+    "--diloco-sites": Range(2),
+    "--diloco-outer-lr": _POSITIVE,
+    "--diloco-outer-momentum": _PROBABILITY,
     **dict.fromkeys(("--lr-warmup-iters", "--seed", "--num-workers",
                      "--exit-duration-in-mins", "--local-rank", "--clip-grad", "--fp8-margin",
-                     "--lr-warmup-samples"),
+                     "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16",
+                     "--lr-warmup-samples", "--pipeline-link-delay"),
                     _NON_NEGATIVE),
     **dict.fromkeys(("--rotary-base", "--norm-epsilon", "--init-method-std", "--adam-eps",
                      "--initial-loss-scale", "--min-loss-scale", "--peak-tflops",

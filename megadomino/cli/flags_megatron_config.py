@@ -77,8 +77,6 @@ _MHC = "manifold-constrained hyper-connections (mHC) are not implemented"
 _MUP = "maximal update parametrization (muP) is not implemented"
 _GTP = "generalized tensor parallelism (sharded, rematerialized weights) is not implemented"
 _FP4 = "FP4 training is not implemented"
-_BF16_ENDS = ("with --fp8-format every transformer layer's linears run in FP8: keeping the first "
-              "and last layers in bf16 is not implemented")
 _BATCH_INVARIANT = "batch-invariant kernels are not implemented"
 _VALIDATION = ("evaluation runs --eval-iters batches of the training batch size on the one "
                "validation split: other evaluation schedules and sets are not implemented")
@@ -200,8 +198,6 @@ MEGATRON_CONFIG_ROWS: tuple[Flag, ...] = (
     # Precision.
     *refuse(("--no-fp8-wgrad",), "under --fp8-format the weight-gradient GEMMs run in FP8 like "
             "the others: a high-precision wgrad is not implemented"),
-    *refuse(("--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
-             "--num-layers-at-end-in-bf16"), _BF16_ENDS),
     *refuse(("--fp8-output-proj",), "the output layer stays in high precision: FP8 covers the "
             "transformer layers' linears"),
     *refuse(("--fp8-quantizer-factory",), "custom FP8 recipes are not implemented"),

@@ -37,7 +37,8 @@ from megadomino.cli.arguments import parse_run
 from megadomino.cli.heartbeat import Heartbeat, StalledRankError
 from megadomino.cli.slurm_env import apply_slurm_env
 from megadomino.config import ConfigError
-from megadomino.config.pipeline_plan import resolve_plan
+from megadomino.config.diloco import site_count
+from megadomino.config.pipeline_plan import AUTO, resolve_plan
 from megadomino.config.validate import validate
 from megadomino.distributed import ParallelDims, comm
 
@@ -64,7 +65,9 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         world_size = int(os.environ["WORLD_SIZE"])
         local_size = _local_world_size(world_size)
         validate(config, world_size, local_size, finetune=finetune, plan=read)
-        plan = resolve_plan(config, world_size, read)  # the run's one plan, before any group
+        # the run's one plan, before any group (--pipeline-plan auto's once the group exists)
+        plan = None if config.parallel.pipeline_plan == AUTO else resolve_plan(config,
+                                                                              world_size, read)
     except ConfigError as err:
         if _local_rank() == 0:  # the node's other ranks met the same error: one prints it
             _print_errors(err)
@@ -76,6 +79,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     from megadomino.train.inputs import build_datasets, hf_model_init
     from megadomino.train.loop import train
     from megadomino.train.report import NonFiniteLossError
+    from megadomino.zero.diloco import ReplicaMismatchError
 
     parallel, timeout = config.parallel, config.train.runtime.distributed_timeout_minutes
     _init_process_group(timeout)
@@ -85,8 +89,11 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
             heartbeat = Heartbeat(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                   dist.get_rank(), world_size, timeout)
             heartbeat.start()
+        if plan is None:
+            config, plan = _plan_auto(config)
         dims = ParallelDims(gpus_per_node=parallel.gpus_per_node or local_size,
-                            timeout=datetime.timedelta(minutes=timeout), plan=plan)
+                            timeout=datetime.timedelta(minutes=timeout), plan=plan,
+                            sites=site_count(parallel, world_size, local_size))
         train_data, valid_data = build_datasets(config, dims, tokenizer, finetune)
         model_init = None
         if config.train.checkpoint.hf_checkpoint is not None:
@@ -100,7 +107,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
         if not err.alike or _local_rank() == 0:  # alike: the node's other ranks hold it too
             _print_errors(err)
         return 2
-    except (CheckpointError, NonFiniteLossError, StalledRankError) as err:
+    except (CheckpointError, NonFiniteLossError, ReplicaMismatchError, StalledRankError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as err:
@@ -116,6 +123,14 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
             heartbeat.stop()  # before the store's host (rank 0) may go away with its group
         dist.destroy_process_group()
     return 0
+
+
+def _plan_auto(config):
+    """--pipeline-plan auto's config and plan, planned from the measured world once its process
+    group exists (pipeline/placement/resolve.py), every rank the same."""
+    from megadomino.pipeline.placement.resolve import resolve_auto
+
+    return resolve_auto(config, functools.partial(print, flush=True))
 
 
 def _print_errors(err: ConfigError) -> None:

@@ -1,6 +1,7 @@
 """How the layers run across GPUs: the parallel degrees, sequence parallelism, the one
 tensor-parallel overlap (none, fused SP communication or Domino with its plan), CUDA graphs,
-activation recompute, and the data-parallel engine (ZeroConfig).
+activation recompute, the data-parallel engine (ZeroConfig) and DiLoCo's outer optimizer across
+sites of data-parallel ranks (DilocoConfig).
 
 Rules that involve the architecture or the precision are the validator's (config/validate.py).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megadomino.config.check import ConfigError, check
+from megadomino.config.diloco import DilocoConfig
 from megadomino.config.zero import ZeroConfig
 
 
@@ -68,8 +70,28 @@ class ParallelConfig:
     """Layers of the last stage."""
     pipeline_plan: str | None = None
     """--pipeline-plan: a JSON file of stages (ranks, TP degree, layer range) for stage meshes
-    of different shapes; None: Megatron's uniform plan. Either way the run's PipelinePlan is
-    `config/pipeline_plan.py`'s `resolve_plan`, resolved once."""
+    of different shapes, or 'auto': planned at start-up from measured links and device speeds
+    (pipeline/placement/); None: Megatron's uniform plan. Either way the run's PipelinePlan is
+    resolved once (`config/pipeline_plan.py`'s `resolve_plan`; auto's after the process group
+    exists, before ParallelDims)."""
+    pipeline_planner: str = "op-fence"
+    """--pipeline-planner, with --pipeline-plan auto: 'op-fence' (bandwidth clusters, exact
+    layer cut), 'dt-fm' (DT-FM's equal groups and objective) or 'brute-force' (every ordered
+    partition of the ranks: the oracle; slow beyond 8 ranks)."""
+    pipeline_placement_dir: str | None = None
+    """--pipeline-placement-dir, with --pipeline-plan auto: where the planned plan (plan.json,
+    the --pipeline-plan file format) and the start-up measurement (links.json) are written;
+    None: --save's directory when given, else they are only printed."""
+    pipeline_link_delay: float = 0.0
+    """--pipeline-link-delay: seconds added to every pipeline message, an emulation of link
+    latency for experiments (this kernel has no netem): a received message is used that long
+    after its wait found it arrived (pipeline/transport_delay.py); the start-up measurement's
+    latency probes are delayed alike. 0: none."""
+    emulate_slow_rank: str | None = None
+    """--emulate-slow-rank RANK:FACTOR: rank RANK computes FACTOR times slower, for experiments
+    on uneven devices: after each pipeline compute action (pipeline/executor.py) and each GEMM
+    of --pipeline-plan auto's speed probe it waits FACTOR - 1 times as long as the work took.
+    None: every rank at full speed."""
     pipeline_reshard: str = "auto"
     """--pipeline-reshard: how a --pipeline-plan's boundaries between stages of different
     layouts move an activation and its gradient (pipeline/reshard/boundary.py): 'send-recv'
@@ -87,8 +109,10 @@ class ParallelConfig:
     posts it just before it is needed. Eager-1F1B always prefetches."""
     pipeline_schedule: str = "1f1b"
     """'1f1b', 'interleaved' (needs virtual stages), 'eager-1f1b' (Alpa's overlap-friendly
-    1F1B: more warm-up forwards, each forward's send overlapping the next compute) or 'zb-h1'
-    (zero-bubble ZB-H1: 1F1B with split backwards, pipeline/schedules.py)."""
+    1F1B: more warm-up forwards, each forward's send overlapping the next compute), 'zb-h1'
+    (zero-bubble ZB-H1: 1F1B with split backwards, pipeline/schedules.py), 'eager-zb'
+    (eager-1F1B's forwards with ZB-H1's deferred weight gradients) or 'auto' (the one the
+    pipeline simulator predicts fastest from a start-up profile, pipeline/schedule_auto.py)."""
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     """With sequence parallelism: fuse the all-gather / reduce-scatter into the GEMMs
@@ -119,12 +143,23 @@ class ParallelConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """The data-parallel engine: ZeRO stage 0 (plain data parallelism), 1 or 3, ZeRO++'s
     options."""
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    """DiLoCo across sites of data-parallel ranks (the engine runs inside each site, an outer
+    optimizer steps across them); DilocoConfig() (the default) is off."""
 
     @property
     def fused_weight_gradients(self) -> bool:
         """The layers' linears own their weights' whole backward: gradient-accumulation fusion
         on and no Domino schedule (which hands weight gradients to autograd itself)."""
         return self.gradient_accumulation_fusion and not (self.domino.enabled or self.domino_auto)
+
+    def slowdown(self, rank: int) -> float:
+        """--emulate-slow-rank's factor on `rank` (1.0: full speed); the validator checked the
+        value's form (config/pipeline_auto.py)."""
+        if self.emulate_slow_rank is None:
+            return 1.0
+        slow, factor = self.emulate_slow_rank.split(":")
+        return float(factor) if int(slow) == rank else 1.0
 
     def virtual_chunks(self, num_layers: int) -> int:
         """Model chunks per pipeline stage, from either virtual-pipeline flag (1 without)."""
@@ -150,6 +185,9 @@ class ParallelConfig:
 
 PIPELINE_RESHARD = ("auto", "send-recv", "broadcast", "scatter-gather")
 """--pipeline-reshard's choices (ParallelConfig.pipeline_reshard)."""
+
+PIPELINE_PLANNERS = ("op-fence", "dt-fm", "brute-force")
+"""--pipeline-planner's choices (ParallelConfig.pipeline_planner)."""
 
 
 def check_degrees(world: int, tp: int, pp: int, dp: int) -> None:

@@ -30,12 +30,13 @@ arithmetic counts one data-parallel replica of the whole pipeline.
 The plan is one value, resolved once before any process group (`resolve_plan`: the file as the
 argument parser read it, or the flags' uniform plan); `ParallelDims` is built from it and every
 later step takes it (a rank's own stage: `stage_of`, looked up once by the stage builder and
-handed on). A plan computed from the world (`--pipeline-plan auto`, the slow-links issue's) is a
-resolver of the same result, `(config, world group) -> PipelinePlan`, every rank returning the
-same plan: the launcher calls it after init_process_group and before `ParallelDims`, the flags
-validated before the group as now, the computed plan checked by `check_plan` and
-`check_composition` (their ConfigError then raised alike on every rank). `check_plan` and the
-rest are the validator's: every rule names the file and what is wrong.
+handed on). A plan computed from the world (`--pipeline-plan auto`: pipeline/placement/'s
+`resolve_auto`, from measured links and speeds) is a resolver of the same result, every rank
+returning the same plan: the launcher calls it after init_process_group and before
+`ParallelDims`, the flags validated before the group (config/pipeline_auto.py: what can be
+planned on the world), the computed plan checked by `check_plan` and `check_composition`.
+`plan_file` writes a plan as a file `read_plan` reads. `check_plan` and the rest are the
+validator's: every rule names the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from dataclasses import dataclass
 from megadomino.config.check import ConfigError, check
 from megadomino.config.parallel import PIPELINE_RESHARD
 from megadomino.config.pipeline_split import layer_split
+
+AUTO = "auto"
+"""--pipeline-plan's value for a plan made at start-up from measured links and speeds."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,10 @@ def resolve_plan(config, world_size: int, read: PipelinePlan | None = None) -> P
     plan's file (`read`: as the argument parser read it, not read again; None: read now), else
     Megatron's uniform plan of the flags. `config`: a Config the validator has passed."""
     parallel, model = config.parallel, config.model
+    if parallel.pipeline_plan == AUTO:
+        raise ConfigError("--pipeline-plan auto is planned once the process group exists "
+                          "(pipeline/placement/resolve.py's resolve_auto): build ParallelDims "
+                          "with its plan")
     if parallel.pipeline_plan is not None:
         return read if read is not None else read_plan(parallel.pipeline_plan, model.num_layers)
     return uniform_plan(model.num_layers, world_size, parallel.tensor_model_parallel_size,
@@ -167,6 +175,13 @@ def read_plan(path: str, num_layers: int) -> PipelinePlan:
                           "'stages'")
     return PipelinePlan(tuple(_stage(path, index, entry) for index, entry in enumerate(stages)),
                         num_layers, batch_split=True)
+
+
+def plan_file(plan: PipelinePlan) -> str:
+    """The plan as a --pipeline-plan file (one chunk a stage), which read_plan reads back."""
+    stages = [{"ranks": list(stage.ranks), "tp": stage.tp, "layers": list(stage.layers[0])}
+              for stage in plan.stages]
+    return json.dumps({"stages": stages}) + "\n"
 
 
 def _stage(path: str, index: int, entry) -> Stage:
@@ -235,7 +250,7 @@ def plan_rules(config, world_size: int | None, plan: PipelinePlan | None = None,
     whole world). Returns the stages' TP degrees, at which the validator checks the layers."""
     parallel, path = config.parallel, config.parallel.pipeline_plan
     check_reshard(parallel, world_size, gpus_per_node)
-    if path is None:
+    if path is None or (path == AUTO and plan is None):  # auto's: config/pipeline_auto.py
         return []
     plan = plan if plan is not None else read_plan(path, config.model.num_layers)
     check_plan(path, plan, config.model.num_layers, world_size)
@@ -300,6 +315,21 @@ def check_composition(path: str, plan: PipelinePlan, parallel, model,
         raise ConfigError(f"--pipeline-model-parallel-size="
                           f"{parallel.pipeline_model_parallel_size} disagrees with {name}'s "
                           f"{count} stages: give --pipeline-model-parallel-size {count}")
+    check_flags_beside_plan(name, parallel, model)
+    largest = max(stage.dp for stage in stages)
+    if micro_batch_size < largest:
+        raise ConfigError(f"--micro-batch-size={micro_batch_size} is invalid with {name}: the "
+                          f"micro-batch (all of a stage's DP ranks together) must hold at least "
+                          f"one sequence per DP rank of every stage ({largest})")
+    if not model.untie_embeddings_and_output_weights and not same_layout(stages[0], stages[-1]):
+        raise ConfigError(f"{name}: the first and last stage hold the tied embedding and must "
+                          "have the same layout (tp and rank count) unless "
+                          "--untie-embeddings-and-output-weights")
+
+
+def check_flags_beside_plan(name: str, parallel, model) -> None:
+    """The flags a plan (file or auto) does not compose with, each refused with its reason;
+    `name`: '--pipeline-plan FILE'."""
     refusals = (
         (parallel.tensor_model_parallel_size != 1, "--tensor-model-parallel-size",
          "each stage's TP degree is the plan's 'tp'"),
@@ -317,12 +347,3 @@ def check_composition(path: str, plan: PipelinePlan, parallel, model,
     for refused, flag, reason in refusals:
         if refused:
             raise ConfigError(f"{flag} cannot be used with {name}: {reason}")
-    largest = max(stage.dp for stage in stages)
-    if micro_batch_size < largest:
-        raise ConfigError(f"--micro-batch-size={micro_batch_size} is invalid with {name}: the "
-                          f"micro-batch (all of a stage's DP ranks together) must hold at least "
-                          f"one sequence per DP rank of every stage ({largest})")
-    if not model.untie_embeddings_and_output_weights and not same_layout(stages[0], stages[-1]):
-        raise ConfigError(f"{name}: the first and last stage hold the tied embedding and must "
-                          "have the same layout (tp and rank count) unless "
-                          "--untie-embeddings-and-output-weights")

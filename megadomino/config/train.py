@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megadomino.config.check import ConfigError
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 """How WSD anneals (Megatron-LM's --lr-wsd-decay-style choices)."""
@@ -82,9 +84,17 @@ class ScheduleConfig:
     eval_iters: int = 100
 
 
+FP8_ROLES = ("qkv", "proj", "fc1", "fc2")
+"""A transformer layer's linears, as FP8Recipe.linears names them: the attention's fused QKV
+projection and output projection, the MLP's fc1 and fc2."""
+FP8_AUTO = "auto"
+
+
 @dataclass(frozen=True)
 class FP8Recipe:
-    """How the transformer layers' linears cast to FP8 (Megatron-LM's defaults)."""
+    """How the transformer layers' linears cast to FP8 (Megatron-LM's defaults), and which of
+    them do: a linear runs FP8 when its role is in `linears` and its layer is not one of the
+    bf16 ends (`bf16_layer`); every other linear runs in the model's dtype."""
 
     format: str = "hybrid"
     """'hybrid': e4m3 forward, e5m2 gradients; 'e4m3': e4m3 everywhere."""
@@ -97,10 +107,37 @@ class FP8Recipe:
     """Scales are divided by 2^margin (delayed): headroom for amax growth between updates."""
     interval: int = 1
     """Steps between scale updates (delayed)."""
+    linears: tuple[str, ...] | str = FP8_ROLES
+    """The roles (FP8_ROLES) of each layer's linears that run FP8, or 'auto': the training
+    run's start-up times each role at the run's shapes and keeps FP8 where it is faster
+    (train/fp8_linears.py); the model is built with the roles it chose."""
+    first_last_layers_bf16: bool = False
+    """Keep every linear of the first `num_layers_at_start_in_bf16` and the last
+    `num_layers_at_end_in_bf16` layers (global indices, whatever the pipeline split) in the
+    model's dtype (Megatron-LM's rule)."""
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
 
     @property
     def grad_dtype(self) -> torch.dtype:
         return E5M2 if self.format == "hybrid" else E4M3
+
+    def runs_fp8(self, role: str) -> bool:
+        """Whether the linears of `role` run FP8 (outside the bf16 end layers); 'auto' must be
+        resolved first, since the model is built with the chosen roles."""
+        if self.linears == FP8_AUTO:
+            raise ConfigError("--fp8-linears auto is resolved by the training run's start-up "
+                              "(train.loop.train): build the model with the roles it chose, "
+                              "or name them (e.g. fc1,fc2)")
+        return role in self.linears
+
+    def bf16_layer(self, layer: int, num_layers: int) -> bool:
+        """Whether layer `layer` (global, 0-based) of `num_layers` keeps all its linears in the
+        model's dtype: one of the first or last layers under first_last_layers_bf16."""
+        if not self.first_last_layers_bf16:
+            return False
+        return (layer < self.num_layers_at_start_in_bf16
+                or layer >= num_layers - self.num_layers_at_end_in_bf16)
 
 
 @dataclass

@@ -19,13 +19,17 @@ import os
 from types import SimpleNamespace
 
 from megadomino.config.batches import BatchSchedule
-from megadomino.config.check import ConfigError, check
+from megadomino.config.check import ConfigError, check, check_writable
+from megadomino.config.diloco import check_diloco
 from megadomino.config.model import ModelConfig
 from megadomino.config.parallel import ParallelConfig, check_degrees, check_gpus_per_node
-from megadomino.config.pipeline_plan import PipelinePlan, plan_rules
+from megadomino.config.pipeline_auto import check_auto
+from megadomino.config.pipeline_plan import AUTO, PipelinePlan, plan_rules
 from megadomino.config.pipeline_split import layer_split
 from megadomino.config.train import (
     DATALOADER_TYPES,
+    FP8_AUTO,
+    FP8_ROLES,
     WSD_STYLES,
     FP8Recipe,
     ScheduleConfig,
@@ -47,8 +51,10 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
     _parallel_rules(config.model, config.parallel, config.train.precision.fp8)
     for tp in plan_rules(config, world_size, plan, gpus_per_node):  # each plan stage's TP
         validate_layers(config.model, config.parallel, tp, config.train.precision.fp8)
+    check_auto(config, world_size if plan is None else None)  # a planned plan: plan_rules'
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)
+    check_diloco(config, world_size, gpus_per_node)
 
 
 def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe | None) -> None:
@@ -84,7 +90,9 @@ def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe
                           f"the Domino schedule bypasses: {which} runs with --zero-stage 1 only")
 
 
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1", "eager-zb", "auto")
+"""--pipeline-schedule's values; 'auto' is picked at start-up among those the stages can run
+(pipeline/schedule_auto.py): with virtual stages the interleaved schedule."""
 
 
 def _pipeline_rules(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -112,13 +120,14 @@ def _pipeline_rules(model: ModelConfig, parallel: ParallelConfig) -> None:
     check(not interleaved or chunks > 1, "--pipeline-schedule", parallel.pipeline_schedule,
           "'interleaved' only with virtual stages (--virtual-pipeline-model-parallel-size or "
           "--num-layers-per-virtual-pipeline-stage)")
-    check(interleaved or chunks == 1, "--pipeline-schedule", parallel.pipeline_schedule,
-          "'interleaved' with virtual stages (1f1b, eager-1f1b and zb-h1 run one chunk a "
-          "stage)")
+    check(interleaved or parallel.pipeline_schedule == "auto" or chunks == 1,
+          "--pipeline-schedule", parallel.pipeline_schedule,
+          "'interleaved' with virtual stages (1f1b, eager-1f1b, zb-h1 and eager-zb run one "
+          "chunk a stage)")
     if parallel.pipeline_plan is None:  # a plan gives each stage's layers (plan_rules)
         layer_split(model.num_layers, pp, chunks, parallel.decoder_first_pipeline_num_layers,
                     parallel.decoder_last_pipeline_num_layers)
-    if pp == 1:
+    if pp == 1 and parallel.pipeline_plan != AUTO:  # auto plans 2 stages or more
         return
     check(not parallel.domino_auto, "--domino-batch-slices", "auto", "an explicit plan with "
           "pipeline parallelism (--domino-batch-slices N --domino-hidden-slices K): the "
@@ -162,6 +171,7 @@ def validate_layers(model: ModelConfig, parallel: ParallelConfig, tp: int,
               "and restores RNG states, which a CUDA graph cannot capture)")
     if fp8 is not None:
         _fp8_rules(parallel, fp8)
+        _fp8_linears_rules(fp8, model.num_layers)
 
 
 def _fp8_rules(parallel: ParallelConfig, fp8: FP8Recipe) -> None:
@@ -193,6 +203,22 @@ def _fp8_rules(parallel: ParallelConfig, fp8: FP8Recipe) -> None:
           "delayed-scaling state a second time (use selective, or --fp8-recipe tensorwise)")
 
 
+def _fp8_linears_rules(fp8: FP8Recipe, num_layers: int) -> None:
+    """Which linears run FP8: known roles (none: what auto may choose), or 'auto'; bf16 end
+    layers within the model."""
+    linears = fp8.linears
+    roles = ", ".join(FP8_ROLES)
+    check(linears == FP8_AUTO or (isinstance(linears, (tuple, list))
+                                  and all(role in FP8_ROLES for role in linears)),
+          "--fp8-linears", linears if isinstance(linears, str) else ",".join(map(str, linears)),
+          f"'all', 'auto' or a comma list of {roles}")
+    if fp8.first_last_layers_bf16:
+        for flag, count in (("--num-layers-at-start-in-bf16", fp8.num_layers_at_start_in_bf16),
+                            ("--num-layers-at-end-in-bf16", fp8.num_layers_at_end_in_bf16)):
+            check(0 <= count <= num_layers, flag, count,
+                  f"in [0, --num-layers ({num_layers})] with --first-last-layers-bf16")
+
+
 def _world_rules(config: Config, world_size: int, local_world_size: int | None) -> None:
     """On `world_size` ranks, `local_world_size` of them a node (None: all of them) unless
     --gpus-per-node says otherwise: the world must tile into TP x PP x DP, a TP group must fit in
@@ -210,7 +236,7 @@ def _world_rules(config: Config, world_size: int, local_world_size: int | None) 
     batches = BatchSchedule.from_config(schedule, dp)
     batches.train_iterations(schedule)
     parallel.domino.validate(config.model.ffn_hidden_size, tp, schedule.micro_batch_size)
-    if parallel.pipeline_schedule == "interleaved" and pp > 1:
+    if parallel.virtual_chunks(config.model.num_layers) > 1 and pp > 1:  # interleaved
         global_batch, num_micro = batch_plan(schedule, dp)
         check(num_micro % pp == 0, "--global-batch-size", global_batch,
               f"a multiple of --micro-batch-size x data-parallel size x "
@@ -295,7 +321,7 @@ def _train_rules(train: TrainConfig, finetune: bool, data_given: bool) -> None:
     for flag, directory in (("--save", checkpoint.save), ("--data-cache-path", cache),
                             ("--tensorboard-dir", logging.tensorboard_dir)):
         if directory is not None:
-            _check_writable(flag, directory)
+            check_writable(flag, directory)
     if checkpoint.load is not None and os.path.isfile(checkpoint.load):
         raise ConfigError(f"--load={checkpoint.load} is a file, not a directory: give the "
                           "directory --save wrote (it holds latest_checkpointed_iteration.txt)")
@@ -368,19 +394,6 @@ def _schedule_rules(schedule: ScheduleConfig) -> None:
             raise ConfigError(f"--decoupled-min-lr={low} is invalid: it must be in [0, "
                               f"--decoupled-lr ({schedule.decoupled_lr})] (it defaults to "
                               "--min-lr)")
-
-
-def _check_writable(flag: str, directory: str) -> None:
-    """`flag`'s directory (--save, --tensorboard-dir, --data-cache-path) must be one this process
-    can write, or creatable in one: found at start-up, on every rank, rather than at the first
-    write, hours in, on the one rank that writes."""
-    path = os.path.abspath(directory)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.path.isdir(path):
-        raise ConfigError(f"{flag}={directory} is invalid: {path} is a file, not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag}={directory} is invalid: {path} is not writable by this user")
 
 
 def _check_data(train: TrainConfig, finetune: bool) -> None:

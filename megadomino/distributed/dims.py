@@ -14,6 +14,12 @@ cut from each block the same way; ranks of different stages then have different 
 For ZeRO++ the DP group is further cut by node: `intra_node_group` holds the DP peers on the same
 node, `inter_node_group` the DP peers with the same position on other nodes. `gpus_per_node`
 defaults to LOCAL_WORLD_SIZE and may be set smaller so that one host stands in for several nodes.
+
+For DiLoCo (zero/diloco.py) the DP ranks of each column are cut into `sites` runs of
+site_dp = dp / sites consecutive ranks: DP rank d is in site d // site_dp at position
+d % site_dp. `site_view()` is the grid as the data-parallel engine inside a site sees it (its
+DP group, node groups and replica group the site's); `cross_site_group` holds the ranks at the
+same position of every site of the column, which hold the same parameters of the same shape.
 """
 
 from __future__ import annotations
@@ -36,11 +42,12 @@ class ParallelDims:
     plan: the run's pipeline plan, whose stages' ranks are their DP x TP blocks in Megatron's
     order; then tp, pp and dp are this rank's stage's (each stage has its own TP and DP groups)
     and the arguments tp / pp / dp are not used. Without it the grid is the degrees' (as tests
-    build it), and `plan` is None."""
+    build it), and `plan` is None.
+    sites: DiLoCo's sites (the module docstring); 1: none, and `site_view()` is the grid."""
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None,
                  gpus_per_node: int | None = None, timeout: datetime.timedelta | None = None,
-                 plan: PipelinePlan | None = None):
+                 plan: PipelinePlan | None = None, sites: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ParallelDims needs torch.distributed.init_process_group() first")
         world = dist.get_world_size()
@@ -77,6 +84,11 @@ class ParallelDims:
         """Each stage's (ranks, TP degree): what a checkpoint records of the plan."""
         self._writers_group, self._writers_made = None, False
         self._channels: dict[int, dict] = {}
+        self.replica_group = dist.group.WORLD
+        """The ranks that hold one replica of the model between them (ZeRO's global reductions
+        run over it): the world, or in a site view the site's ranks."""
+        self.sites, self.site, self.cross_site_group = sites, 0, None
+        self._site_view: ParallelDims | _SiteView = self
 
         # new_group is collective over the whole world: every rank creates every group, in order.
         self.tp_group = _groups_containing(rank, [row for block in blocks for row in block],
@@ -86,6 +98,8 @@ class ParallelDims:
                                            timeout=timeout)
         self._pipeline_groups(rank, blocks, timeout)
         self._node_groups(rank, blocks, gpus_per_node, timeout)
+        if sites != 1:
+            self._site_groups(rank, blocks, sites, timeout)
 
     def _pipeline_groups(self, rank: int, blocks: list[torch.Tensor], timeout) -> None:
         """Megatron's grid: one rank per stage, grid[:, d, t]. Stages of different shapes
@@ -125,6 +139,34 @@ class ParallelDims:
         self.inter_node_group = _groups_containing(rank, inter, timeout=timeout)
         self.intra_node_rank = self.dp_rank % dp_per_node
         self.inter_node_rank = self.dp_rank // dp_per_node
+
+    def _site_groups(self, rank: int, blocks: list[torch.Tensor], sites: int, timeout) -> None:
+        """DiLoCo's groups (module docstring): per site its DP groups, node groups and the
+        group of all its ranks, for the site view; the cross-site groups, for the grid."""
+        if not self.uniform or self.dp % sites:
+            raise ValueError(f"{sites} DiLoCo sites need stages of one shape whose data-parallel "
+                             f"size ({self.dp}) they divide")
+        site_dp = self.dp // sites
+        runs = [block[s * site_dp:(s + 1) * site_dp] for block in blocks for s in range(sites)]
+        view = _SiteView(self, dp=site_dp, dp_rank=self.dp_rank % site_dp, sites=1, site=0,
+                         cross_site_group=None)
+        view.dp_group = _groups_containing(rank, [run[:, t] for run in runs
+                                                  for t in range(self.tp)], timeout=timeout)
+        view.replica_group = _groups_containing(
+            rank, [torch.cat([block[s * site_dp:(s + 1) * site_dp].flatten() for block in blocks])
+                   for s in range(sites)], timeout=timeout)
+        ParallelDims._node_groups(view, rank, runs, self.gpus_per_node, timeout)
+        self.site = self.dp_rank // site_dp
+        self.cross_site_group = _groups_containing(
+            rank, [block[j::site_dp, t] for block in blocks for t in range(self.tp)
+                   for j in range(site_dp)], timeout=timeout)
+        self._site_view = view
+
+    def site_view(self) -> ParallelDims | _SiteView:
+        """The grid as the data-parallel engine inside this rank's DiLoCo site sees it: `dp`,
+        `dp_rank`, `dp_group`, the node groups and `replica_group` are the site's, everything
+        else the grid's; the grid itself without sites."""
+        return self._site_view
 
     def stage_writers_group(self):
         """The group of every stage's first rank (TP and DP rank 0 of each stage, the writers
@@ -179,6 +221,18 @@ class ParallelDims:
         return (f"ParallelDims(world={self.world_size}, tp={self.tp}, pp={self.pp}, dp={self.dp}, "
                 f"gpus_per_node={self.gpus_per_node}, rank={self.rank}: tp_rank={self.tp_rank}, "
                 f"dp_rank={self.dp_rank}, pp_rank={self.pp_rank})")
+
+
+class _SiteView:
+    """A DiLoCo site's view of a ParallelDims: the attributes given here, every other one (and
+    every method: pipeline channels, writer groups) the grid's."""
+
+    def __init__(self, grid: ParallelDims, **overrides):
+        self._grid = grid
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str):
+        return getattr(self._grid, name)
 
 
 def _groups_containing(rank: int, rank_lists: list[torch.Tensor], pg_options=None,

@@ -21,6 +21,12 @@ from megadomino.tp.layers import ColumnParallelLinear, RowParallelLinear, scaled
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def fp8_of(fp8: FP8Recipe | None, role: str) -> FP8Recipe | None:
+    """The recipe the linear of `role` (config.train.FP8_ROLES) is built with: `fp8` where that
+    role runs FP8 (FP8Recipe.linears), else None (the model's dtype)."""
+    return fp8 if fp8 is not None and fp8.runs_fp8(role) else None
+
+
 class LocalLinear(Protocol):
     """How a runner multiplies by a parallel linear's local weight inside a layer piece:
     x @ W^T (+ b), W the rows (dim 0, with the bias) or columns (dim 1) [start, start + length)
@@ -104,13 +110,14 @@ class Attention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, dims, bias=config.add_bias_linear,
             sequence_parallel=sp, comm_overlap=overlap,
-            init_std=config.init_method_std, fp8=fp8, compile_fp8_casts=self.compile_pieces,
-            fuse_wgrad=parallel.fused_weight_gradients,
+            init_std=config.init_method_std, fp8=fp8_of(fp8, "qkv"),
+            compile_fp8_casts=self.compile_pieces, fuse_wgrad=parallel.fused_weight_gradients,
             device=device, dtype=dtype)
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, dims,
             bias=config.add_bias_linear, sequence_parallel=sp, comm_overlap=overlap,
-            init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
+            init_std=scaled_init_std(config.init_method_std, config.num_layers),
+            fp8=fp8_of(fp8, "proj"),
             compile_fp8_casts=self.compile_pieces,
             fuse_wgrad=parallel.fused_weight_gradients, device=device, dtype=dtype)
 
@@ -201,14 +208,14 @@ class MLP(nn.Module):
             config.hidden_size, stripes * config.ffn_hidden_size, dims,
             bias=config.add_bias_linear, sequence_parallel=sp,
             comm_overlap=overlap, init_std=config.init_method_std,
-            stripes=stripes, fp8=fp8, compile_fp8_casts=self.compile_pieces,
+            stripes=stripes, fp8=fp8_of(fp8, "fc1"), compile_fp8_casts=self.compile_pieces,
             fuse_wgrad=parallel.fused_weight_gradients,
             device=device, dtype=dtype)
         self.linear_fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, dims, bias=config.add_bias_linear,
             sequence_parallel=sp, comm_overlap=overlap,
-            init_std=scaled_init_std(config.init_method_std, config.num_layers), fp8=fp8,
-            compile_fp8_casts=self.compile_pieces,
+            init_std=scaled_init_std(config.init_method_std, config.num_layers),
+            fp8=fp8_of(fp8, "fc2"), compile_fp8_casts=self.compile_pieces,
             fuse_wgrad=parallel.fused_weight_gradients, device=device, dtype=dtype)
 
     def activation(self, h: torch.Tensor, up: torch.Tensor | None = None,

@@ -17,10 +17,16 @@ from megadomino.models.blocks import MLP, Attention, build_norm
 
 
 class TransformerLayer(nn.Module):
+    """Layer `layer_index` (0-based, of the whole model's config.num_layers): its linears run FP8
+    as `fp8` selects them (their roles, FP8Recipe.linears), none of them in a bf16 end layer
+    (FP8Recipe.bf16_layer)."""
+
     def __init__(self, config: ModelConfig, dims, parallel: ParallelConfig | None = None,
-                 fp8: FP8Recipe | None = None, device=None):
+                 fp8: FP8Recipe | None = None, device=None, *, layer_index: int = 0):
         super().__init__()
         parallel = parallel or ParallelConfig()
+        if fp8 is not None and fp8.bf16_layer(layer_index, config.num_layers):
+            fp8 = None
         self.config, self.dims = config, dims
         self.sequence_parallel = parallel.sequence_parallel and dims.tp > 1
         sp, self.compile_pieces = parallel.sequence_parallel, parallel.compile_layer_pieces
@@ -85,7 +91,7 @@ class TransformerBlock(nn.Module):
         self.layer_offset = start
         kept = []
         for index in range(config.num_layers):
-            layer = TransformerLayer(config, dims, parallel, fp8, device)
+            layer = TransformerLayer(config, dims, parallel, fp8, device, layer_index=index)
             if start <= index < end:
                 kept.append(layer)
         self.layers = nn.ModuleList(kept)

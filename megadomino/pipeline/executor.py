@@ -4,19 +4,24 @@ For each action, in order and nothing else:
   recv / send      post the transport's asynchronous receive / send (transport_protocol.py;
                    a one-stage list has none, and its executor no transport)
   wait             block on the posted operation; a received activation becomes a leaf that
-                   requires grad (its .grad is what the backward sends back)
+                   requires grad (its .grad is what the backward sends back); once an output's
+                   send is waited, its storage is freed (`free_outputs`, Megatron's
+                   deallocate_output_tensor): backward needs its autograd node, not its values
   forward          run chunk v's forward on micro-batch m (the received activation its
                    `decoder_input`); the activation input and the output are kept until that
-                   micro-batch's backward. On the last virtual stage the output is the
-                   micro-batch's loss (`micro_batch_loss` of the chunk's per-token loss: the
-                   mask-weighted mean, or with `token_scale` (per-token loss) the token sum
-                   times it); what is kept for backward is loss / num_micro (per-token loss:
-                   the loss as is), times the fp16 loss scale: gradients accumulate over the
+                   micro-batch's backward (a sent output only as its autograd node: above).
+                   On the last virtual stage the output is the micro-batch's loss
+                   (`micro_batch_loss` of the chunk's per-token loss: the mask-weighted mean,
+                   or with `token_scale` (per-token loss) the token sum times it); what is
+                   kept for backward is loss / num_micro (per-token loss: the loss as is),
+                   times the fp16 loss scale: gradients accumulate over the
                    micro-batches as Megatron's do, to the gradient of the step's loss. With the
                    caller's `backward` (PP 1: the data-parallel engine's, which applies the
                    loss scale itself) the scale is left to it
-  backward         torch.autograd.backward of the kept output with the received output gradient
-                   (of the scaled loss on the last virtual stage; there, with the caller's
+  backward         autograd's backward of the kept output with the received output gradient
+                   (the engine called directly, as Megatron's custom_backward does: a freed
+                   output's data no longer has the gradient's shape, its node's recorded shape
+                   does); on the last virtual stage of the scaled loss (there, with the caller's
                    `backward`, that call instead); the input's gradient is kept for its send.
                    Where the list has the micro-batch's `weight` (a split backward,
                    schedules.SPLIT_BACKWARD), tp/wgrad.py's B: the linears' weight gradients
@@ -31,6 +36,12 @@ Timeline (`run(..., timeline=[])`): each action is appended as (action, start, e
 `time.perf_counter()` around its handling (a compute's includes the flush of the posts before it,
 a wait's the time blocked); what benchmarks/bench_pipeline.py derives each stage's idle time
 from. Nothing is recorded without a list.
+
+Emulated slowdown (`slowdown`, --emulate-slow-rank's factor on its rank): after each forward,
+backward and weight action the executor waits (slowdown - 1) times as long as the action took
+(on a GPU the stream is synchronized first, so the action's own time is what is stretched): a
+slower device, deterministic, for experiments on uneven devices (benchmarks/
+bench_placement_netns.sh).
 
 Phase timers (`run(..., timers=...)`, train/timers.py's Timers): each forward action runs under the
 phase `forward`, each backward and weight under `backward` and each wait under `wait`, the time
@@ -51,11 +62,12 @@ from torch import nn
 
 from megadomino.pipeline.schedules import Action
 from megadomino.pipeline.transport_protocol import Transport
-from megadomino.tp.wgrad import WeightGradStore, backward_input, backward_weight
+from megadomino.tp.wgrad import WeightGradStore, backward_weight
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # tokens, labels, loss_mask [b, s]
 PhaseTimers = Callable[[str], contextlib.AbstractContextManager]
 """`timers(phase)` times what runs inside it under `phase` (train/timers.py's Timers)."""
+COMPUTE = ("forward", "backward", "weight")
 PHASES = {"forward": "forward", "backward": "backward", "weight": "backward", "wait": "wait"}
 """The actions timed, by the phase they are timed under (module docstring)."""
 
@@ -75,13 +87,16 @@ class Executor:
     """Runs action lists on this rank's chunks (stage `stage` of `stages`) through
     `transport` (None: one stage, whose lists move nothing). `split_backward`: the lists may
     split backwards (a `weight` action), for which each chunk gets a WeightGradStore (its
-    parameters point to it while it lives)."""
+    parameters point to it while it lives). `free_outputs` (the default): a sent output's
+    storage is freed once its send was waited (module docstring); off, it is kept until its
+    backward (what tests compare the freeing with)."""
 
     def __init__(self, chunks: nn.ModuleList, transport: Transport | None, stage: int,
-                 stages: int, split_backward: bool = False):
-        self.chunks, self.transport = chunks, transport
-        self.stage, self.stages = stage, stages
-        self.stores = [WeightGradStore(chunk) for chunk in chunks] if split_backward else None
+                 stages: int, split_backward: bool = False, slowdown: float = 1.0,
+                 free_outputs: bool = True):
+        self.chunks, self.transport, self.free_outputs = chunks, transport, free_outputs
+        self.stage, self.stages, self.slowdown = stage, stages, slowdown
+        self.stores = [WeightGradStore.of(chunk) for chunk in chunks] if split_backward else None
 
     def _is_last(self, chunk: int) -> bool:
         return self.stage == self.stages - 1 and chunk == len(self.chunks) - 1
@@ -113,7 +128,7 @@ class Executor:
                     self.transport.flush()  # a step's posts go out together, before the rest
                 timed = timers is not None and action.op in PHASES
                 with timers(PHASES[action.op]) if timed else contextlib.nullcontext():
-                    self._do(action, batches, state)
+                    self._do_slowed(action, batches, state)
                 if timeline is not None:
                     timeline.append((action, start, time.perf_counter()))
         if self.transport is not None:
@@ -124,6 +139,17 @@ class Executor:
                                f"behind: {sorted(state.pending)} {sorted(state.kept)} "
                                f"{deferred}")
         return [state.losses[m] for m in sorted(state.losses)]
+
+    def _do_slowed(self, action: Action, batches: Sequence[MicroBatch], state: _State) -> None:
+        """`_do`, a compute action stretched by the emulated slowdown (module docstring)."""
+        if self.slowdown <= 1 or action.op not in COMPUTE:
+            self._do(action, batches, state)
+            return
+        start = time.perf_counter()
+        self._do(action, batches, state)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        time.sleep((self.slowdown - 1) * (time.perf_counter() - start))
 
     def _do(self, action: Action, batches: Sequence[MicroBatch], state: _State) -> None:
         micro, chunk = action.micro, action.chunk or 0
@@ -157,6 +183,9 @@ class Executor:
         elif action.op == "wait":
             handle, tensor = state.pending.pop(key + (action.waits,))
             handle.wait()
+            if action.waits == "send" and action.pass_ == "F" and state.train \
+                    and self.free_outputs:
+                free_storage(state.kept[("out", micro, chunk)])
             if action.waits == "recv" and action.pass_ == "F":
                 state.kept[("in", micro, chunk)] = tensor.requires_grad_(state.train)
             elif action.waits == "recv":
@@ -172,9 +201,10 @@ class Executor:
         if last and state.backward is not None:
             state.backward(micro, out)
         elif (micro, chunk) in state.split:
-            backward_input(out, grad, self.stores[chunk], micro)
+            with self.stores[chunk].defer(micro):  # tp/wgrad.py's B (backward_input)
+                backward_of(out, grad)
         else:
-            torch.autograd.backward(out, grad_tensors=grad)
+            backward_of(out, grad)
         if x is not None:
             state.kept[("dx", micro, chunk)] = x.grad
 
@@ -189,6 +219,28 @@ class Executor:
             handle = self.transport.send_grad(tensor, micro, chunk)
         # The tensor stays referenced until its send is waited.
         state.pending[(action.pass_, micro, chunk, "send")] = (handle, tensor)
+
+
+def free_storage(output: torch.Tensor) -> None:
+    """Free a sent output's values, keeping its autograd node (Megatron's
+    deallocate_output_tensor): its data becomes one element. A view is left alone (its base's
+    storage is not its own to free); an output its own node saved for backward keeps the values
+    there, so the backward is exact either way."""
+    if output._base is None:
+        output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
+
+
+def backward_of(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """`torch.autograd.backward(output, grad)` (None: of a scalar loss); with a gradient,
+    through autograd's engine directly, as Megatron's custom_backward: the engine checks `grad`
+    against the shape the output's node recorded, not against the output's data, which
+    free_storage may have shrunk."""
+    if grad is None:
+        torch.autograd.backward(output)
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        inputs=(), allow_unreachable=True, accumulate_grad=True)
 
 
 class _State:

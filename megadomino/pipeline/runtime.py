@@ -25,6 +25,11 @@ is its token losses' sum times it, and the step's loss their sum.
 
 The number of micro-batches may change from step to step (--rampup-batch-size): the schedule's
 action list is generated for each count when first needed, and kept.
+
+`--pipeline-schedule auto`: the runtime, as it is built (before the data-parallel engine hooks
+the parameters), times its chunks and its transport and takes the schedule the simulator
+predicts fastest for the configured micro-batch count (schedule_auto.py); `schedule_name` is
+the choice, the same on every rank, and `start_lines()` names it with every prediction.
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ from megadomino.models import StageChunks
 from megadomino.models.blocks import DTYPES
 from megadomino.pipeline.executor import Executor, MicroBatch, PhaseTimers
 from megadomino.pipeline.reshard.layout import part_range
+from megadomino.pipeline.schedule_auto import (
+    AUTO,
+    Choice,
+    candidates,
+    profile_and_pick,
+    random_batch,
+)
 from megadomino.pipeline.schedules import (
     SPLIT_BACKWARD,
     compute_order,
@@ -48,6 +60,7 @@ from megadomino.pipeline.schedules import (
     with_transfers,
 )
 from megadomino.pipeline.stage import embedding_group, tied_embedding
+from megadomino.pipeline.transport_delay import DelayedTransport
 from megadomino.pipeline.transport_p2p import P2PTransport
 from megadomino.pipeline.transport_reshard import ReshardTransport
 
@@ -62,7 +75,9 @@ class PipelineRuntime:
     """Built alike on every rank (it creates the embedding groups: collective over the world).
     chunks: this rank's, with its Stage of `plan` (megadomino.build.build_stage), which the
     transport and the executor are handed; micro_batch_size, num_micro: the step's
-    micro-batches; schedule_name: one of schedules.SCHEDULES."""
+    micro-batches; schedule_name: one of schedules.SCHEDULES, or 'auto' (schedule_auto.py:
+    profiled and picked here, a collective over the world; `schedule_name` is then the
+    choice)."""
 
     def __init__(self, chunks: StageChunks, plan: PipelinePlan, dims, model: ModelConfig,
                  parallel: ParallelConfig, schedule_name: str, micro_batch_size: int,
@@ -74,12 +89,19 @@ class PipelineRuntime:
         if plan.size > 1:
             self.transport = _transport(plan, stage, dims, model, parallel, micro_batch_size,
                                         num_micro, self.device)
+            if parallel.pipeline_link_delay > 0:  # an emulated latency (transport_delay.py)
+                self.transport = DelayedTransport(self.transport, parallel.pipeline_link_delay)
             comm.barrier(group=dims.pp_group)  # NCCL: a group's first operation is a collective
         # one stage has no pipeline schedule: its list is 1F1B's F0 B0 F1 B1 ...
         self.schedule_name = schedule_name if plan.size > 1 else "1f1b"
-        self.executor = Executor(chunks, self.transport, stage.index, plan.size,
-                                 split_backward=self.schedule_name in SPLIT_BACKWARD)
         self.prefetch = parallel.overlap_p2p_communication
+        self.auto = None
+        if self.schedule_name == AUTO:  # before the executor, which the choice configures
+            self.schedule_name, self.auto = self._pick_schedule(model, parallel,
+                                                                micro_batch_size)
+        self.executor = Executor(chunks, self.transport, stage.index, plan.size,
+                                 split_backward=self.schedule_name in SPLIT_BACKWARD,
+                                 slowdown=parallel.slowdown(dims.rank))
         self._actions: dict[int, list] = {}
         tied = plan.size > 1 and not model.untie_embeddings_and_output_weights
         self.embedding_group = embedding_group(plan, dims) if tied else None
@@ -88,12 +110,37 @@ class PipelineRuntime:
         self.loss_source = (None if plan.size == 1 else last[stage.ranks.index(dims.rank)]
                             if dims.uniform else last[0])
 
-    def boundary_lines(self) -> list[str]:
-        """Under a --pipeline-plan, each boundary's resharding strategy and its predicted time
-        per direction (ReshardTransport.describe: what the start-up prints); else none."""
-        if isinstance(self.transport, ReshardTransport):
-            return self.transport.describe()
-        return []
+    def start_lines(self) -> list[str]:
+        """What the start-up prints of the pipeline (rank 0's): under a --pipeline-plan, each
+        boundary's resharding strategy and its predicted time per direction
+        (ReshardTransport.describe); with --pipeline-schedule auto, the schedule chosen and
+        every candidate's predicted step (schedule_auto.Choice.line)."""
+        lines = []
+        transport = getattr(self.transport, "inner", self.transport)  # under a delay
+        if isinstance(transport, ReshardTransport):
+            lines += [f"pipeline {line}" for line in transport.describe()]
+        if self.auto is not None:
+            lines.append(self.auto.line())
+        return lines
+
+    def _pick_schedule(self, model: ModelConfig, parallel: ParallelConfig,
+                       micro_batch_size: int) -> tuple[str, Choice | None]:
+        """--pipeline-schedule auto: the schedule_auto.py's profiling pass on this rank's
+        chunks and transport, with a random micro-batch of this rank's part (its rows of a
+        batch-split plan's micro-batch) and an activation of the transport's layout; the
+        choice (the same on every rank) and, on rank 0, what it was chosen from."""
+        dims, plan = self.dims, self.plan
+        rows = micro_batch_size
+        if plan.batch_split:
+            start, stop = part_range(micro_batch_size, dims.dp, dims.dp_rank)
+            rows = stop - start
+        seq = model.seq_length
+        local_seq = seq // dims.tp if parallel.sequence_parallel and dims.tp > 1 else seq
+        names = candidates(parallel, plan.chunks, max(s.tp for s in plan.stages))
+        return profile_and_pick(self.chunks, self.transport, dims, self.stage.index, plan.size,
+                                names, random_batch(rows, seq, model.vocab_size, self.device),
+                                (local_seq, rows, model.hidden_size), DTYPES[model.params_dtype],
+                                self.num_micro, self.prefetch)
 
     def actions(self, num_micro: int) -> list:
         """This stage's action list for a step of `num_micro` micro-batches (at most the

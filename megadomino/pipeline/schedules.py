@@ -20,10 +20,12 @@ non-interleaved schedule: stage s of P runs min(P - s - 1, m) warm-up forwards),
 warm-up forwards, all of them when m = P; its steady state pairs a forward with a backward in one
 step of transfers), eager-1F1B (Alpa's overlap-friendly PipeDream schedule, arXiv 2211.05322:
 min(m, 2 (P - s) - 1) warm-up forwards; a forward's send is waited only after the next compute,
-so it overlaps it; backward sends are waited at once) and ZB-H1 (Qi et al., "Zero Bubble
-Pipeline Parallelism", arXiv 2401.10241; `_zb_h1`). Every schedule prefetches its receives
-by default (`with_transfers`' `prefetch`; --no-overlap-p2p-communication turns it off but for
-eager-1F1B, which is defined with it): a transfer moves only once its receive is posted, so
+so it overlaps it; backward sends are waited at once), ZB-H1 (Qi et al., "Zero Bubble
+Pipeline Parallelism", arXiv 2401.10241: 1F1B with each backward split into B and W, the W's
+deferred; `_deferred_weights`) and eager-zb (eager-1F1B's forwards with ZB-H1's deferred W's).
+Every schedule prefetches its receives by default (`with_transfers`' `prefetch`;
+--no-overlap-p2p-communication turns it off but for eager-1F1B and eager-zb, which are defined
+with it): a transfer moves only once its receive is posted, so
 without it a slow link's transfer cannot overlap the receiver's computes (BENCHMARKS.md).
 
 Transfers (`with_transfers`), one rule for every order: after a compute, post its send, then post
@@ -45,11 +47,14 @@ from megadomino.config import ConfigError, ParallelConfig
 from megadomino.overlap.domino.actions import table
 from megadomino.tp.wgrad import check_split_backward
 
-SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1")
-SPLIT_BACKWARD = ("zb-h1",)
+SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1", "eager-zb")
+SPLIT_BACKWARD = ("zb-h1", "eager-zb")
 """The schedules whose backward is split into B (input gradients) and W (weight gradients)."""
+EAGER = ("eager-1f1b", "eager-zb")
+"""The schedules with eager-1F1B's warm-up, whose forward sends are waited after the next
+compute and whose receives are always prefetched."""
 
-__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "Action", "bubble_fraction", "check_schedule",
+__all__ = ["EAGER", "SCHEDULES", "SPLIT_BACKWARD", "Action", "bubble_fraction", "check_schedule",
            "compute_order", "compute_steps", "schedule", "table", "with_transfers"]
 
 
@@ -90,19 +95,18 @@ def compute_steps(name: str, stages: int, stage: int, micro: int,
     if chunks != 1:
         raise ConfigError(f"--pipeline-schedule {name} runs one model chunk per stage: a "
                           f"virtual pipeline needs --pipeline-schedule interleaved")
-    if name == "1f1b":
+    if name in ("1f1b", "zb-h1"):
         warmup = min(stages - stage - 1, micro)
-    elif name == "eager-1f1b":
+    elif name in EAGER:
         # min(m, 2 (P - s) - 1) forwards before the first backward, then backward and forward
         # in turn: the steady state of 1F1B with one forward fewer in its warm-up.
         warmup = min(micro, 2 * (stages - stage) - 1) - 1
-    elif name == "zb-h1":
-        return _zb_h1(stages, stage, micro)
     else:
         raise ConfigError(f"--pipeline-schedule {name} is unknown: choose one of "
                           f"{', '.join(SCHEDULES)}")
-    return _one_f_one_b([("F", m, 0) for m in range(micro)],
-                        [("B", m, 0) for m in range(micro)], warmup, paired=False)
+    steps = _one_f_one_b([("F", m, 0) for m in range(micro)],
+                         [("B", m, 0) for m in range(micro)], warmup, paired=False)
+    return _deferred_weights(steps, stage, micro) if name in SPLIT_BACKWARD else steps
 
 
 def _one_f_one_b(forwards: list[Compute], backwards: list[Compute], warmup: int,
@@ -116,10 +120,20 @@ def _one_f_one_b(forwards: list[Compute], backwards: list[Compute], warmup: int,
     return steps + [[b] for b in backwards[len(forwards) - warmup:]]
 
 
-def _zb_h1(stages: int, stage: int, micro: int) -> list[list[Compute]]:
-    """ZB-H1: 1F1B's forwards and B's (min(P - s - 1, m) warm-up forwards, then forward and B
-    in turn), each B followed by the W of the micro-batch s B's before it (stage s runs its first
-    s B's without a W), the W's left at the end.
+def _deferred_weights(steps: list[list[Compute]], stage: int,
+                      micro: int) -> list[list[Compute]]:
+    """The split backward's W's placed into a one-chunk order of F's and B's (ZB-H1's rule):
+    each B of stage s followed by the W of the micro-batch s B's before it (stage s runs its
+    first s B's without a W), the W's left at the end.
+
+    ZB-H1 is 1F1B's order with this rule (min(P - s - 1, m) warm-up forwards, then forward and
+    B in turn); eager-zb is eager-1F1B's (min(m, 2 (P - s) - 1) forwards before the first B,
+    each forward's send overlapping the next compute), which keeps both gains: the W's fill the
+    cool-down as ZB-H1's do, and a slow link's transfers overlap the extra warm-up forwards (the
+    simulator, where B takes at least F: ZB-H1's step over free links, never above eager-1F1B's
+    or ZB-H1's over slow ones, tests/test_pipeline_simulate.py; where B is shorter than F its
+    extra warm-up forwards delay the first B's). It holds eager-1F1B's 2 (P - s) - 1
+    micro-batches before their B, and at most s more whose W is pending.
 
     Why: B alone is on the critical path, so the gradients reach stage 0 sooner than 1F1B's
     whole backwards do, and the W's a stage delays fill its cool-down, where it waits for the B's
@@ -128,15 +142,11 @@ def _zb_h1(stages: int, stage: int, micro: int) -> list[list[Compute]]:
     min(P, m) whose W has not run, 1F1B's peak (stage 0's), on every stage: the paper's bound.
     With F = B = W = t and m >= P the step is (3 m + P - 1) t, a bubble of (P - 1) t, a third of
     1F1B's 3 (P - 1) t. Torch's ScheduleInterleavedZeroBubble with one stage a rank (its ZB1P)
-    runs this order (tests/test_pipeline_schedules.py)."""
-    warmup = min(stages - stage - 1, micro)
-    steps = [[("F", m, 0)] for m in range(warmup)]
-    for m in range(micro):
-        if warmup + m < micro:
-            steps.append([("F", warmup + m, 0)])
-        steps.append([("B", m, 0)] + ([("W", m - stage, 0)] if m >= stage else []))
-    steps[-1] += [("W", m, 0) for m in range(max(micro - stage, 0), micro)]
-    return steps
+    runs ZB-H1's order (tests/test_pipeline_schedules.py)."""
+    placed = [step + [("W", m - stage, 0) for p, m, _ in step if p == "B" and m >= stage]
+              for step in steps]
+    placed[-1] += [("W", m, 0) for m in range(max(micro - stage, 0), micro)]
+    return placed
 
 
 def _interleaved(stages: int, stage: int, micro: int, chunks: int) -> list[list[Compute]]:
@@ -229,8 +239,8 @@ def schedule(name: str, stages: int, stage: int, micro: int, chunks: int = 1,
              prefetch: bool = True) -> list[Action]:
     """The action list of `stage` (0-based) of `stages` for `micro` micro-batches; `prefetch`:
     receives posted one compute ahead (with_transfers; --no-overlap-p2p-communication turns it
-    off), which eager-1F1B always does."""
-    eager = name == "eager-1f1b"
+    off), which the EAGER schedules always do."""
+    eager = name in EAGER
     return with_transfers(compute_steps(name, stages, stage, micro, chunks), stages, stage,
                           chunks, eager=eager, prefetch=prefetch or eager)
 
@@ -239,8 +249,15 @@ def check_schedule(parallel: ParallelConfig) -> None:
     """Refuse, as one line before any process group, what the pipeline's schedule cannot run
     with: a split backward (SPLIT_BACKWARD) refuses the ways of running the layers whose
     backward computes weight gradients in its own kernels or graphs (tp/wgrad.py). Virtual
-    stages with a schedule other than interleaved are config/validate.py's refusal."""
+    stages with a schedule other than interleaved are config/validate.py's refusal. 'auto'
+    (schedule_auto.py) leaves out of its candidates what is refused, and is itself refused
+    with --pipeline-plan auto, whose planner predicts each plan's step under the schedule it is
+    given."""
     name = parallel.pipeline_schedule
+    if name == "auto" and parallel.pipeline_plan == "auto":
+        raise ConfigError("--pipeline-schedule auto cannot be used with --pipeline-plan auto: "
+                          "the planner predicts each plan's step under one given schedule; "
+                          "give --pipeline-schedule 1f1b, eager-1f1b or zb-h1")
     if parallel.pipeline_model_parallel_size > 1 and name in SPLIT_BACKWARD:
         check_split_backward(parallel, parallel.tensor_model_parallel_size,
                              f"--pipeline-schedule {name}")

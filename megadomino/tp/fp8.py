@@ -1,5 +1,8 @@
 """FP8 GEMMs for the tensor-parallel linears: e4m3 forward, e5m2 (hybrid) or e4m3 gradients,
-per-tensor scales, through `torch._scaled_mm`.
+per-tensor scales, through `torch._scaled_mm`. Which of a layer's linears run them is the
+recipe's (FP8Recipe.linears and Megatron's first / last layers in bf16, applied where the layers
+are built, models/blocks.py and transformer.py; --fp8-linears auto times them at start-up,
+train/fp8_linears.py); the others are plain linears in the model's dtype.
 
     y  [M, N] = x [M, K] @ W^T            x, W in e4m3
     dx [M, K] = g [M, N] @ W [N, K]       g in e5m2 (--fp8-format hybrid) or e4m3 (e4m3)

@@ -89,6 +89,18 @@ class WeightGradStore:
         self._pending: dict[Hashable, list[tuple[Compute, tuple]]] = {}
         self._recording: list[tuple[Compute, tuple]] | None = None
 
+    @classmethod
+    def of(cls, module: nn.Module) -> WeightGradStore:
+        """The live store made for `module` (owning all its parameters), else a new one: one
+        store per chunk, whoever asks first (the executor, a start-up timing pass)."""
+        for param in module.parameters():
+            ref = getattr(param, "wgrad_store", None)
+            owner = ref() if ref is not None else None
+            if owner is not None and all(id(p) in owner._params for p in module.parameters()):
+                return owner
+            break
+        return cls(module)
+
     @contextlib.contextmanager
     def defer(self, key: Hashable) -> Iterator[None]:
         """Inside: every backward of our linears defers its weight gradients, recorded under

@@ -2,15 +2,10 @@
 
 The FLOPs count follows Megatron-LM's `num_floating_point_operations` for a dense transformer
 (`megatron/training/training.py`): every GEMM is counted three times (forward, weight-gradient,
-data-gradient) at 2 FLOPs per multiply-add; per layer and token
-
-    attention   6 * (h * (q + 2 * kv) + q * h)       QKV and output projections (GQA-aware)
-              + 6 * q * s / 2 * 2                    QK^T and PV under a causal mask (half)
-    MLP         6 * h * ffn * (3 if SwiGLU else 2)   SwiGLU stacks three GEMMs, GELU two
-    logits      6 * h * V_padded                     once per token, not per layer
-
-with q = kv_channels * heads and kv = kv_channels * query_groups. Recomputation is not counted:
-these are model FLOPs, so MFU does not reward recomputing.
+data-gradient) at 2 FLOPs per multiply-add, over the multiply-adds per token of
+config/flops.py (each layer's attention and MLP GEMMs, the causal core at half, and the logits
+once per token, not per layer). Recomputation is not counted: these are model FLOPs, so MFU
+does not reward recomputing.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ import sys
 import torch
 
 from megadomino.config import ModelConfig
+from megadomino.config.flops import layer_macs, logits_macs
 
 _FWD_BWD = 3
 _FMA = 2
@@ -29,16 +25,9 @@ _FMA = 2
 def num_floating_point_operations(config: ModelConfig, batch_size: int,
                                   padded_vocab_size: int) -> float:
     """Model FLOPs of one training iteration over `batch_size` sequences of config.seq_length."""
-    h, s = config.hidden_size, config.seq_length
-    query_size = config.kv_channels * config.num_attention_heads
-    kv_size = config.kv_channels * config.num_query_groups
-    attention = (h * (query_size + 2 * kv_size)  # QKV projection
-                 + query_size * s / 2 * 2  # causal QK^T and PV
-                 + query_size * h)  # output projection
-    mlp = h * config.ffn_hidden_size * (3 if config.swiglu else 2)
-    logits = h * padded_vocab_size
-    per_token = _FWD_BWD * _FMA * (config.num_layers * (attention + mlp) + logits)
-    return float(batch_size * s * per_token)
+    per_token = _FWD_BWD * _FMA * (config.num_layers * layer_macs(config)
+                                   + logits_macs(config, padded_vocab_size))
+    return float(batch_size * config.seq_length * per_token)
 
 
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),

@@ -2,13 +2,15 @@
 
 The order is the one every later piece needs: the config checked against the process grid;
 the batch schedule (global batch, iterations, micro-batches); the datasets in the order their
-samples are read; the RNGs seeded, then this rank's stage of the pipeline plan built (at PP 1 the
+samples are read; the RNGs seeded; with `--fp8-linears auto` the layers' linears timed in bf16
+and FP8 (train/fp8_linears.py); then this rank's stage of the pipeline plan built (at PP 1 the
 whole model, the one chunk of a one-stage plan) and, with `--domino`, its plan timed, before
 anything hooks its parameters; the start-up summary; `--load`'s weights into the whole model;
-the data-parallel engine, which takes the parameters over, and its optimizer state; the CUDA
-graphs (after the engine: they read the parameters' storage as the engine left it); the pipeline
-runtime, at every pipeline degree (at PP 1 one stage, no transport); the stepper and the
-reporter.
+the pipeline runtime, at every pipeline degree (at PP 1 one stage, no transport; with
+`--pipeline-schedule auto` its schedule picked by timing the chunks, before anything hooks their
+parameters); the data-parallel engine, which takes the parameters over, and its optimizer state;
+the CUDA graphs (after the engine: they read the parameters' storage as the engine left it); the
+stepper and the reporter.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from megadomino import overlap
 from megadomino.build import build_stage
 from megadomino.config import CheckpointConfig, Config, ConfigError, ParallelConfig
 from megadomino.config.batches import BatchSchedule, sample_counts
+from megadomino.config.diloco import site_count
 from megadomino.config.pipeline_plan import PipelinePlan
 from megadomino.config.validate import validate
 from megadomino.data.cyclic import loader_order
 from megadomino.data.mock import MockDataset
-from megadomino.distributed import ParallelDims
+from megadomino.distributed import ParallelDims, comm
 from megadomino.distributed.random import model_parallel_seed
 from megadomino.models import StageChunks
 from megadomino.overlap.cuda_graph import capture_layers
@@ -46,6 +49,7 @@ from megadomino.train.checkpoint import (
     load_checkpoint,
     load_optimizer_state,
 )
+from megadomino.train.fp8_linears import resolve_fp8_linears
 from megadomino.train.lr_schedule import LRSchedule
 from megadomino.train.metrics import num_floating_point_operations, peak_tflops
 from megadomino.train.report import Reporter
@@ -134,6 +138,9 @@ def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[st
                             f"{type(train_data).__name__} of {len(train_data)} samples")
     train_data, valid_data = _ordered_data(config, data_dp, train_data, valid_data)
     model_parallel_seed(train_config.runtime.seed, dims)
+    # --fp8-linears auto: the roles FP8 is faster in, which the model is built with
+    config = resolve_fp8_linears(config, dims, batches.global_batch_size // (
+        batches.micro_batch_size * data_dp), log)
     config, model, plan = _model(config, dims, family, model_init, log)
     stages = plan if plan.size > 1 else None  # the summary's pipeline plan
     device = next(model.parameters()).device
@@ -144,6 +151,12 @@ def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[st
         _summary(config, dims, family, device, parameters, stages, gbs, num_micro, iters,
                  data_description, log)
     state = _resume(train_config.checkpoint, model, dims, log)  # before the engine takes them
+    chunks = model if plan.size > 1 else StageChunks([model], plan.stages[0])
+    # before the engine hooks the parameters: --pipeline-schedule auto times the chunks here
+    pipeline = PipelineRuntime(chunks, plan, dims, config.model, config.parallel,
+                               config.parallel.pipeline_schedule, mbs, num_micro)
+    for line in pipeline.start_lines() if dims.rank == 0 else ():
+        log(f" {line}")
     engine = build_engine(model, dims, config)
     checkpoint = train_config.checkpoint
     if state.iteration > 0 and not checkpoint.no_load_optim:  # resumed a training run
@@ -151,12 +164,9 @@ def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[st
             load_optimizer_state(checkpoint.load, state.iteration, engine, dims, log)
     if config.parallel.enable_cuda_graph:
         capture_layers(model, mbs, log=log)  # after the engine (module docstring)
+    if plan.size > 1:  # the stages start step 1 together: its waits are the schedule's, not
+        comm.barrier(group=dims.pp_group)  # the stages' unequal set-up times (engine, graphs)
     timers = Timers(device)
-    chunks = model if plan.size > 1 else StageChunks([model], plan.stages[0])
-    pipeline = PipelineRuntime(chunks, plan, dims, config.model, config.parallel,
-                               config.parallel.pipeline_schedule, mbs, num_micro)
-    for line in pipeline.boundary_lines() if dims.rank == 0 else ():
-        log(f" pipeline {line}")
     step = Stepper(model, engine, dims, mbs, num_micro, device, timers,
                    per_token_loss=train_config.schedule.calculate_per_token_loss,
                    pipeline=pipeline)
@@ -223,7 +233,7 @@ def _summary(config: Config, dims: ParallelDims, family: str, device: torch.devi
                               global_batch=gbs, micro_batches=num_micro,
                               iterations=iters, data=data_description, plan=stages,
                               threads=torch.get_num_threads() if device.type == "cpu"
-                              else None):
+                              else None, sites=dims.sites):
         log(line)
 
 
@@ -288,6 +298,11 @@ def _check_grid(config: ParallelConfig, dims: ParallelDims) -> None:
     if config.gpus_per_node not in (None, dims.gpus_per_node):
         raise ConfigError(f"--gpus-per-node={config.gpus_per_node} disagrees with the process "
                           f"grid's gpus_per_node={dims.gpus_per_node}")
+    sites = site_count(config, dims.world_size, dims.gpus_per_node)
+    if sites != dims.sites:
+        raise ConfigError(f"--diloco-inner-steps / --diloco-sites make {sites} DiLoCo site(s), "
+                          f"the process grid has {dims.sites}: build it with "
+                          f"ParallelDims(sites={sites})")
 
 
 def device_name(device: torch.device) -> str:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megadomino.config import CheckpointConfig, Config, ScheduleConfig, ZeroConfig
+from megadomino.config import CheckpointConfig, Config, FP8Recipe, ScheduleConfig, ZeroConfig
 from megadomino.config.batches import sample_counts
 from megadomino.config.pipeline_plan import PipelinePlan
+from megadomino.config.train import FP8_AUTO, FP8_ROLES
 from megadomino.distributed import comm
 from megadomino.train.lr_schedule import LRSchedule
 from megadomino.train.pad_rows import first_pad_row
@@ -79,19 +80,30 @@ def _zero(zero: ZeroConfig) -> str:
     return f"ZeRO stage {zero.stage} ({', '.join(options)})"
 
 
+def _diloco(diloco, dp: int, sites: int) -> str:
+    """What DiLoCo adds to the data-parallel line ('' when off)."""
+    if not diloco.enabled:
+        return ""
+    return (f" inside each of {sites} DiLoCo sites of "
+            f"{_plural(dp // sites, 'data-parallel rank')}, an outer Nesterov step (lr "
+            f"{diloco.outer_lr:g}, momentum {diloco.outer_momentum:g}) across them every "
+            f"{_plural(diloco.inner_steps, 'inner step')}, pseudo-gradients sent as "
+            f"{diloco.pseudo_grad_dtype}")
+
+
 def startup_lines(family: str, config: Config, parameters: int, *, world: int, tp: int, pp: int,
                   dp: int, backend: str, device: str, global_batch: int, micro_batches: int,
                   iterations: int, data: str, plan: PipelinePlan | None = None,
-                  threads: int | None = None) -> list[str]:
+                  threads: int | None = None, sites: int = 1) -> list[str]:
     """The start-up summary, one line per subject. tp, dp: rank 0's (a --pipeline-plan's stages
     have their own, which `plan` gives); plan: the pipeline plan when pp > 1, its table printed
-    after the parallelism line; threads: a CPU rank's intra-op threads (None on a GPU)."""
+    after the parallelism line; threads: a CPU rank's intra-op threads (None on a GPU); sites:
+    DiLoCo's sites (1: none)."""
     model, parallel, train = config.model, config.parallel, config.train
     bits = train.precision
     precision = "bf16" if bits.bf16 else "fp16 (dynamic loss scaling)" if bits.fp16 else "fp32"
     if bits.fp8 is not None:
-        precision += (f", FP8 {bits.fp8.format} ({bits.fp8.recipe} scaling) in the layers' "
-                      "linears")
+        precision += ", " + fp8_linears(bits.fp8, model.num_layers, precision.split()[0])
     overlap = parallel.overlap
     if parallel.domino_auto:
         overlap += " (--domino: the fastest plan is timed at start-up)"
@@ -120,7 +132,8 @@ def startup_lines(family: str, config: Config, parameters: int, *, world: int, t
         f" parallelism: {_grid(world, tp, pp, dp, plan)}, {backend} on {device}{threads_line}; "
         f"TP overlap: {overlap}",
         *([f" pipeline {line}" for line in plan.table().splitlines()] if plan else []),
-        f" data parallelism: {_zero(parallel.zero)}; precision: {precision}",
+        f" data parallelism: {_zero(parallel.zero)}{_diloco(parallel.diloco, dp, sites)}; "
+        f"precision: {precision}",
         f" data: {data}{_order(train.data)}; global batch {global_batch} = micro-batch "
         f"{train.schedule.micro_batch_size} x "
         f"{_plural(micro_batches, 'micro-batch', 'micro-batches')}"
@@ -132,6 +145,36 @@ def startup_lines(family: str, config: Config, parameters: int, *, world: int, t
     ]
     paths = _paths(train.checkpoint, train.logging.tensorboard_dir)
     return lines + ([paths] if paths else [])
+
+
+def fp8_linears(fp8: FP8Recipe, num_layers: int, dtype: str = "bf16") -> str:
+    """Which linears of which layers run FP8 (layers numbered from 1) and what stays in `dtype`:
+    'FP8 hybrid (delayed scaling) in linears fc1, fc2 of layers 2-23; qkv, proj and layers 1, 24
+    in bf16' (benchmarks/bench_pretrain.py records this clause in every row)."""
+    head = f"FP8 {fp8.format} ({fp8.recipe} scaling)"
+    if fp8.linears == FP8_AUTO:
+        return f"{head} in the linears --fp8-linears auto picks at start-up"
+    roles = [role for role in FP8_ROLES if role in fp8.linears]
+    kept = [role for role in FP8_ROLES if role not in fp8.linears]
+    ends = [layer for layer in range(num_layers) if fp8.bf16_layer(layer, num_layers)]
+    layers = [layer for layer in range(num_layers) if layer not in ends]
+    if not roles or not layers:
+        return f"{head} in no linear (every linear in {dtype})"
+    high = " and ".join(filter(None, (", ".join(kept), _layers(ends) if ends else "")))
+    return (f"{head} in linears {', '.join(roles)} of {_layers(layers)}"
+            + (f"; {high} in {dtype}" if high else ""))
+
+
+def _layers(layers: list[int]) -> str:
+    """0-based layer indices as 1-based spans: 'layer 3', 'layers 1-24', 'layers 1, 23-24'."""
+    spans: list[list[int]] = []
+    for layer in layers:
+        if spans and spans[-1][1] == layer - 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer])
+    text = ", ".join(f"{a + 1}" if a == b else f"{a + 1}-{b + 1}" for a, b in spans)
+    return ("layer " if len(layers) == 1 else "layers ") + text
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -1,5 +1,5 @@
-"""The engine's collectives, counted: plain all-gather / reduce-scatter, qwZ's quantized all-gather
-and qgZ's hierarchical quantized reduce-scatter.
+"""The engine's collectives, counted: plain all-gather / reduce-scatter, qwZ's quantized all-gather,
+qgZ's hierarchical quantized reduce-scatter and DiLoCo's pseudo-gradient mean across sites.
 
 Byte accounting. Every collective the engine issues goes through one `CommCounter`, which forwards
 it to torch.distributed and adds, under a tag ('weights forward', 'weights backward', 'gradients',
@@ -216,6 +216,44 @@ def all_gather_quantized(comm: CommCounter, shard: torch.Tensor, group, bits: in
         return quant.dequantize_reduce(q_all, scales_all, 1, bits, block_size, numel,
                                        shard.dtype)
     return Pending(finish)
+
+
+# ---- DiLoCo --------------------------------------------------------------------------------------
+
+
+def all_gather_mean(comm: CommCounter, flat: torch.Tensor, group, encoding: str,
+                    block_size: int, tag: str) -> Pending:
+    """DiLoCo's pseudo-gradient exchange: launch the all-gather of `flat` [S] (fp32) encoded as
+    `encoding` ('fp32' as it is, 'bf16' rounded to bfloat16, 'int8' quantize_shard's payload,
+    one fp32 scale per `block_size` elements); wait() -> the members' decoded values summed in
+    fp32 in group-rank order, times 1 / g, [S] fp32. Gathered rather than all-reduced: every
+    member sums the same rows in the same order, so all hold the same bits (which the replicas'
+    checksums rely on), and a quantized payload cannot be summed on the wire."""
+    size, numel = dist.get_world_size(group), flat.numel()
+    if encoding == "int8":
+        quant = _kernels()
+        layout = _layout(1, numel, 8, block_size)
+        payload = quantize_shard(flat, 8, block_size)
+        received = layout.empty(size, flat.device)
+        work = comm.all_gather(received.view(-1), payload.view(-1), group, tag, async_op=True)
+
+        def decode() -> torch.Tensor:
+            work.wait()
+            q_all, scales_all = layout.views(received)  # one member's payload per row
+            return quant.dequantize_reduce(q_all, scales_all, size, 8, block_size, numel,
+                                           torch.float32, multiplier=1.0 / size)
+        return Pending(decode)
+    sent = flat.to(torch.bfloat16 if encoding == "bf16" else torch.float32)
+    rows = sent.new_empty(size, numel)
+    work = comm.all_gather(rows.view(-1), sent, group, tag, async_op=True)
+
+    def total() -> torch.Tensor:
+        work.wait()
+        mean = rows[0].float().clone()
+        for row in rows[1:]:
+            mean += row.float()
+        return mean.mul_(torch.tensor(1.0 / size, dtype=torch.float32))
+    return Pending(total)
 
 
 # ---- qgZ -----------------------------------------------------------------------------------------

@@ -6,9 +6,11 @@ ZeRO++'s qwZ, hpZ and qgZ at the sharded stages.
     engine = build_engine(model, dims, config)   # as a megadomino.config.Config describes it
 
 The engine works over `dims.dp_group`; tensor parallelism is orthogonal (each TP rank shards its
-own TP shards alike). It takes over the model's parameters (each unit's become views of one flat
-buffer): at stage 3 they are empty outside a forward or backward, so read weights through
-`full_state_dict()`.
+own TP shards alike). With DiLoCo (--diloco-inner-steps) `build_engine` builds it on a site's view
+of the grid (its DP group the site's) and gives it the outer optimizer (`outer`, zero/diloco.py),
+which every H-th `step` runs across the sites. It takes over the model's parameters (each unit's
+become views of one flat buffer): at stage 3 they are empty outside a forward or backward, so read
+weights through `full_state_dict()`.
 
 Stage 0 is Megatron's DDP: every rank holds the whole model, fp32 masters and optimizer state;
 gradients accumulate in fp32 buckets (`partition.find_buckets`, --ddp-bucket-size) that are
@@ -48,6 +50,7 @@ from megadomino.config import Config, ConfigError, OptimizerConfig, ZeroConfig
 from megadomino.config.batches import BatchSchedule
 from megadomino.distributed import comm as dist_comm
 from megadomino.zero.collectives import CommCounter
+from megadomino.zero.diloco import DiLoCo
 from megadomino.zero.fp8_gather import adopt_fp8_weights
 from megadomino.zero.grads import GradReducer
 from megadomino.zero.loss_scaler import DynamicLossScaler, StepResult
@@ -58,8 +61,9 @@ from megadomino.zero.sharded import OptimizerFactory, ShardedOptimizer
 
 class ZeroPlusPlus:
     """The engine. `__call__` (stage 3), `backward`, `step`, `load_state_dict` and
-    `full_state_dict` are collective (over the DP group; `step` over the world,
-    `full_state_dict` over TP too): every rank calls them in the same order."""
+    `full_state_dict` are collective (over the DP group; `step` over the ranks of one model
+    replica, with DiLoCo's outer step over the world, `full_state_dict` over TP too): every rank
+    calls them in the same order."""
 
     def __init__(self, model: nn.Module, dims, optimizer_factory: OptimizerFactory,
                  config: ZeroConfig, *, clip_grad: float = 0.0,
@@ -81,13 +85,14 @@ class ZeroPlusPlus:
                               "which the Domino schedule bypasses: use --zero-stage 1 with Domino")
         self.model, self.dims, self.config = model, dims, config
         self.loss_scaler = loss_scaler
+        self.outer: DiLoCo | None = None
+        """DiLoCo's outer optimizer across sites (`build_engine` sets it), run by `step` after
+        every H-th inner step; None: none."""
         self.comm = CommCounter(dims.gpus_per_node)
         self.meter = MemoryMeter()
-        # --fp8-param-gather: the FP8 linears' weights (their scaling switched to current).
+        # --fp8-param-gather: the FP8 linears' weights (their scaling switched to current); a
+        # model or stage with none (--fp8-linears, --first-last-layers-bf16) gathers as usual
         fp8 = adopt_fp8_weights(model) if config.fp8_param_gather else None
-        if config.fp8_param_gather and not fp8:
-            raise ConfigError("--fp8-param-gather gathers the weights of FP8 linears, and this "
-                              "model has none: add --fp8-format")
         if config.stage == 0:
             self.units = [FlatUnit(name, params, 1, 0)
                           for name, params in find_buckets(model, config.bucket_numel)]
@@ -151,12 +156,14 @@ class ZeroPlusPlus:
         return self.grads.accumulated(param)
 
     def step(self) -> StepResult:
-        """Clip, step the sharded optimizer and make the model see the new weights (stage 1:
-        all-gather; stage 3: next gathers, hpZ copies dropped); then zero the gradients. A step
-        with inf/NaN gradients is skipped (see ZeroConfig.on_nonfinite)."""
+        """Clip, step the sharded optimizer, with DiLoCo count the inner step (and run the outer
+        step at the H-th), and make the model see the new weights (stage 1: all-gather; stage 3:
+        next gathers, hpZ copies dropped); then zero the gradients. A step with inf/NaN
+        gradients is skipped (see ZeroConfig.on_nonfinite)."""
         self.params.release_all()
         result = self.optimizer.step(self.grads.found_nonfinite)
-        if not result.settled or not result.skipped:  # pending: unchanged weights if skipped
+        outer = self.outer is not None and self.outer.after_inner_step()
+        if outer or not result.settled or not result.skipped:  # pending: unchanged if skipped
             self.params.refresh()
         self.grads.zero_grad()
         return result
@@ -334,8 +341,10 @@ def optimizer_factory(config: OptimizerConfig, lr: float) -> OptimizerFactory:
 
 def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
     """The engine a run's config describes: its ZeRO stage and options, the optimizer
-    --optimizer names, clipping to --clip-grad, a dynamic loss scaler exactly when --fp16, and
-    with --decoupled-lr the model's embedding and output weights in their own groups."""
+    --optimizer names, clipping to --clip-grad, a dynamic loss scaler exactly when --fp16, with
+    --decoupled-lr the model's embedding and output weights in their own groups, and with
+    --diloco-inner-steps the engine inside this rank's site (`dims.site_view()`) and DiLoCo's
+    outer optimizer across the sites."""
     train = config.train
     precision, scaler = train.precision, None
     if precision.fp16:
@@ -347,6 +356,9 @@ def build_engine(model: nn.Module, dims, config: Config) -> ZeroPlusPlus:
         decoupled = tuple(model.embedding_and_output_weights())
     one_backward = (config.parallel.pipeline_model_parallel_size == 1
                     and BatchSchedule.from_config(train.schedule, dims.dp).one_micro_batch)
-    return ZeroPlusPlus(model, dims, factory, config.parallel.zero,
-                        clip_grad=train.optimizer.clip_grad, loss_scaler=scaler,
-                        decoupled=decoupled, one_backward_per_step=one_backward)
+    engine = ZeroPlusPlus(model, dims.site_view(), factory, config.parallel.zero,
+                          clip_grad=train.optimizer.clip_grad, loss_scaler=scaler,
+                          decoupled=decoupled, one_backward_per_step=one_backward)
+    if config.parallel.diloco.enabled:
+        engine.outer = DiLoCo(engine, dims, config.parallel.diloco)
+    return engine

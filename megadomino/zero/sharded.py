@@ -11,7 +11,7 @@ distributed optimizer does the same). Parameters of 2 or more dims get weight de
 embedding and output layer under --decoupled-lr) make two more such groups, marked
 `"decoupled": True`, which `set_lr` gives their own rate (Megatron's param groups).
 
-The step, collective over the whole world (every rank must call it):
+The step, collective over the ranks of one model replica (every rank must call it):
   1. gradients of `sequence_parallel` parameters are summed over the TP group (their reduced
      shards line up across TP ranks: the layouts are identical);
   2. fp16: gradients are unscaled by the loss scale;
@@ -20,7 +20,8 @@ The step, collective over the whole world (every rank must call it):
      shards counted on every TP rank, replicated parameters on TP rank 0 only) and a decision all
      ranks share: a non-finite step is skipped (always with a loss scaler, whose scale backs off;
      else per `on_nonfinite`, 'error' raising FloatingPointError everywhere). Stages 1 and 3:
-     DP ranks hold disjoint chunks, the all-reduce is over the world. Stage 0: DP ranks hold
+     DP ranks hold disjoint chunks, the all-reduce is over the ranks of one model replica
+     (`dims.replica_group`: the world, or a DiLoCo site's ranks). Stage 0: DP ranks hold
      the same (all-reduced) gradients, so it is over the TP group, then the pipeline group
      (pipeline stages hold different parameters; the last stage's copy of a tied embedding,
      marked `pipeline_duplicate`, is counted on the first stage only), and the
@@ -56,7 +57,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from megadomino.kernels.adamw_flat import adamw_flat
 from megadomino.zero.collectives import CommCounter
@@ -243,7 +243,7 @@ class ShardedOptimizer:
             square += torch.nn.utils.get_total_norm(self._counted, norm_type=2.0).float() ** 2
         if not self.whole:
             stats = torch.cat([square, found])
-            self.comm.all_reduce(stats, dist.group.WORLD, "scalars")
+            self.comm.all_reduce(stats, self.dims.replica_group, "scalars")
             return stats[0], stats[1]
         stats = square if self.loss_scaler is None else torch.cat([square, found])
         if self.dims.tp > 1:

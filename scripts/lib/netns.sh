@@ -5,7 +5,10 @@
 #   to a bridge in a switch namespace (a star: every host has its own uplink and downlink); sets
 #   the arrays NS_HOSTS VETH_HOSTS (the host's end) VETH_SWITCH (the switch's end, same index)
 #   ADDR_HOSTS (SUBNET.1, SUBNET.2, ...) and NS_SWITCH. `limit_host INDEX RATE` limits host
-#   INDEX's uplink and downlink to RATE each.
+#   INDEX's uplink and downlink to RATE each; or
+# - `netns_sites_up TAG SUBNET RATE...`: one host a RATE (sites, e.g. 100mbit 10mbit 100mbit),
+#   each limited to its rate both ways: between two sites the slower one's (a star), so uneven
+#   links from one rate per site; sets SITE_RATES as well.
 # Names are unique per invocation (other runs may hold their own namespaces); an EXIT trap kills
 # every process in the namespaces and deletes them. `limit_link NAMESPACE VETH RATE` rate-limits
 # one direction ("none": no limit). Traffic only reaches the namespaces' own addresses and
@@ -85,6 +88,16 @@ netns_hosts_up() {
     ip -n "${NS_HOSTS[i]}" link set lo up
     ip -n "${NS_HOSTS[i]}" link set "${VETH_HOSTS[i]}" up
   done
+}
+
+# netns_sites_up TAG SUBNET RATE...: netns_hosts_up with one host per RATE, each limited to it.
+SITE_RATES=()
+netns_sites_up() {
+  local tag=$1 subnet=$2 i
+  shift 2
+  SITE_RATES=("$@")
+  netns_hosts_up "$tag" "$subnet" "$#"
+  for ((i = 0; i < $#; i++)); do limit_host "$i" "${SITE_RATES[i]}"; done
 }
 
 # limit_host INDEX RATE: host INDEX's uplink (its end's egress) and downlink (the switch end's

@@ -9,6 +9,9 @@ speed during start-up (clocks, a neighbour's work) falls on every candidate alik
 time is the median of its passes, then the MAX over the world (the slowest rank is the step
 time). Rank 0 picks and broadcasts its choice, so ranks cannot disagree, and prints the start-up
 line (PlanTimes.line): the plan chosen and every candidate with its time.
+
+The timing loop (`time_step`, `interleaved_medians`) is the package's one start-up timer:
+--fp8-linears auto (train/fp8_linears.py) times its linears with it too.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -76,7 +80,9 @@ class PlanTimes:
                 f"{self.passes} passes, slowest rank: {rows}")
 
 
-def _time(block, x, grad, rotary, warmup: int, iters: int) -> float:
+def time_step(block, x, grad, rotary, warmup: int, iters: int) -> float:
+    """ms per call of `block(x, rotary)` and its backward from `grad` (x.grad reset each call):
+    the mean of `iters` calls after `warmup`, the device synchronized around them."""
     def step():
         x.grad = None
         out = block(x, rotary)
@@ -91,6 +97,23 @@ def _time(block, x, grad, rotary, warmup: int, iters: int) -> float:
     if x.is_cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - begin) / iters * 1e3
+
+
+def interleaved_medians(timers: Sequence[Callable[[], float]], rounds: int,
+                        device: torch.device, world_size: int) -> torch.Tensor:
+    """fp32 [len(timers)] on `device`: each timer's ms (one call of it times one pass), timed
+    in `rounds` interleaved passes (every timer once a pass, in order, so a drift of the
+    device's speed falls on all alike), the median of its passes, then the MAX over the world
+    (the slowest rank is the step time). A collective when world_size > 1: every rank calls
+    it with as many timers."""
+    passes: list[list[float]] = [[] for _ in timers]
+    for _ in range(rounds):
+        for times, timer in zip(passes, timers):
+            times.append(timer())
+    measured = torch.tensor([statistics.median(times) for times in passes], device=device)
+    if world_size > 1:
+        comm.all_reduce(measured, op=comm.ReduceOp.MAX)
+    return measured
 
 
 def time_plans(model, micro_batch_size: int, warmup: int = 1, iters: int = 2,
@@ -108,17 +131,17 @@ def time_plans(model, micro_batch_size: int, warmup: int = 1, iters: int = 2,
     grad = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
     rotary = model.rotary(config.seq_length, None, device)
     plans = candidates(config, dims.tp, micro_batch_size)
-    passes: list[list[float]] = [[] for _ in plans]
-    for _ in range(rounds):
-        for times, (n, k, runner) in zip(passes, plans):
-            overlap.apply(model, dataclasses.replace(model.parallel,
-                                                     domino=DominoPlan(n, k, runner)))
-            times.append(_time(block, x, grad, rotary, warmup, iters))
+
+    def timer(plan: tuple[int, int, bool]) -> Callable[[], float]:
+        def one_pass() -> float:
+            overlap.apply(model, dataclasses.replace(model.parallel, domino=DominoPlan(*plan)))
+            return time_step(block, x, grad, rotary, warmup, iters)
+        return one_pass
+
+    measured = interleaved_medians([timer(plan) for plan in plans], rounds, device,
+                                   dims.world_size)
     overlap.apply(model, model.parallel)
     model.zero_grad(set_to_none=True)
-    measured = torch.tensor([statistics.median(times) for times in passes], device=device)
-    if dims.world_size > 1:
-        comm.all_reduce(measured, op=comm.ReduceOp.MAX)
     choice = torch.tensor([int(measured.argmin())], device=device)
     if dims.world_size > 1:
         comm.broadcast(choice, src=0)

@@ -1,7 +1,8 @@
 """Checkpoints in Megatron-LM's layout: `shards` saves and loads each rank's shards (the layout,
 resume, loading at another TP degree), `files` writes them atomically and verifies them against
 the manifest, `rng` captures and restores every random generator of a rank, `async_save` writes
-them from a background thread (--async-save)."""
+them from a background thread (--async-save), `diloco` adds DiLoCo's outer state and each site's
+own inner state."""
 
 from megadomino.train.checkpoint.async_save import AsyncCheckpointer
 from megadomino.train.checkpoint.files import TRACKER, CheckpointError, Manifest

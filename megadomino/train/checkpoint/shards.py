@@ -7,6 +7,7 @@ Layout of `--save DIR`:
     DIR/iter_0000010/mp_rank_00/model_optim_rng.pt        TP rank 0 (mp_rank_00_001 when PP > 1)
     DIR/iter_0000010/mp_rank_01/model_optim_rng.pt        TP rank 1
     DIR/iter_0000010/mp_rank_01/optim_dp_rank_001.pt      with ZeRO: TP rank 1, DP rank 1
+    DIR/iter_0000010/mp_rank_01/diloco_dp_rank_001.pt     with DiLoCo: its state (diloco.py)
     DIR/iter_0000010/manifest.json                        size and CRC-32 of each file above
     DIR/release/mp_rank_00/model_optim_rng.pt             weights only (converters), iteration 0
 
@@ -68,6 +69,7 @@ from megadomino.interop.megatron_dist import write_megatron_dist
 from megadomino.models.gpt import shard_full
 from megadomino.tp.fp8 import fp8_states
 from megadomino.tp.layers import unshard_rows
+from megadomino.train.checkpoint.diloco import diloco_files, load_diloco_state
 from megadomino.train.checkpoint.files import (
     FORMAT_VERSION,
     MANIFEST,
@@ -228,6 +230,9 @@ def checkpoint_files(directory: str | os.PathLike, state: TrainingState, model: 
     if zero is not None:
         files[zero_shard_path(target, dims)] = {"format": FORMAT_VERSION,
                                                 "zero": compact_all(engine.state_dict())}
+    if save_optim and not release:  # DiLoCo's outer state and the other sites' inner state
+        files.update(diloco_files(shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp),
+                                  engine, dims))
     return target, files, error
 
 
@@ -428,6 +433,7 @@ def load_optimizer_state(directory: str | os.PathLike, iteration: int, engine: Z
         zeroed = []
         engine.load_state_by_parameter(*state)
     _notice_zeroed_pad_rows(zeroed, source, log)
+    load_diloco_state(shard_path(source, dims.tp_rank, dims.pp_rank, dims.pp), engine, dims, log)
 
 
 def _read_sharded_state(source: Path, head_path: Path, saved: dict, engine: ZeroPlusPlus,
