@@ -43,12 +43,9 @@ SUBNET=10.235.43
 mkdir -p "$OUT_DIR"
 source scripts/lib/netns.sh
 
-if [ ! -f "$CORPUS_DIR/tok.model" ]; then
-  "$PYTHON" benchmarks/text_corpus.py --out "$CORPUS_DIR"
-fi
+text_corpus_flags "$CORPUS_DIR" "$PYTHON"
 read -r -a MODEL <<<"$MODEL_FLAGS"
-FLAGS=("${MODEL[@]}" --data-path "$CORPUS_DIR/corpus_text_document"
-       --tokenizer-type SentencePieceTokenizer --tokenizer-model "$CORPUS_DIR/tok.model"
+FLAGS=("${MODEL[@]}" "${TEXT_FLAGS[@]}"
        --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-fraction 0.02 --log-interval 10
        --gpus-per-node 1 --seed 1234)
 

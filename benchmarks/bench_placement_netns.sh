@@ -48,12 +48,9 @@ HOST_OF=(0 0 1 2)               # rank -> site
 mkdir -p "$OUT_DIR"
 source scripts/lib/netns.sh
 
-if [ ! -f "$CORPUS_DIR/tok.model" ]; then
-  "$PYTHON" benchmarks/text_corpus.py --out "$CORPUS_DIR"
-fi
+text_corpus_flags "$CORPUS_DIR" "$PYTHON"
 read -r -a MODEL <<<"$MODEL_FLAGS"
-FLAGS=("${MODEL[@]}" --data-path "$CORPUS_DIR/corpus_text_document"
-       --tokenizer-type SentencePieceTokenizer --tokenizer-model "$CORPUS_DIR/tok.model"
+FLAGS=("${MODEL[@]}" "${TEXT_FLAGS[@]}"
        --lr 1e-4 --log-interval 1 --eval-iters 0 --eval-interval 100000
        --emulate-slow-rank "$SLOW_RANK:2")
 ITERS=$((WARMUP + STEPS))

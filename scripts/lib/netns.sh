@@ -119,3 +119,15 @@ wait_ranks() {
     exit "$status"
   fi
 }
+
+# text_corpus_flags DIR PYTHON: make benchmarks/text_corpus.py's corpus in DIR if it is not
+# there, and set TEXT_FLAGS to the data and tokenizer flags that read it (the netns benchmarks'
+# real text).
+text_corpus_flags() {
+  local dir=$1 python=$2
+  if [ ! -f "$dir/tok.model" ]; then
+    "$python" benchmarks/text_corpus.py --out "$dir"
+  fi
+  TEXT_FLAGS=(--data-path "$dir/corpus_text_document" --tokenizer-type SentencePieceTokenizer
+              --tokenizer-model "$dir/tok.model")
+}
