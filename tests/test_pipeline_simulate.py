@@ -135,3 +135,17 @@ def test_eager_zb_keeps_both_gains(stages, sends):
             assert step["eager-zb"] <= min(step["zb-h1"], step["eager-1f1b"]) + 1e-9, step
             faster |= step["eager-zb"] < min(step["zb-h1"], step["eager-1f1b"]) - 1e-9
     assert faster
+
+
+def test_links_of_different_speeds():
+    """`link` per (from stage, to stage): every lane at one time is the single time; one slow
+    boundary costs less than every boundary slow, and more than none."""
+    stages, micro, f, b = 4, 8, [1.0] * 4, [2.0] * 4
+    lanes = [(s, s + 1) for s in range(stages - 1)] + [(s + 1, s) for s in range(stages - 1)]
+    for name in ("1f1b", "eager-1f1b"):
+        single = simulate(name, stages, micro, f, b, 0.5).step
+        assert simulate(name, stages, micro, f, b, dict.fromkeys(lanes, 0.5)).step == single
+        one_slow = dict.fromkeys(lanes, 0.1) | {(1, 2): 3.0, (2, 1): 3.0}
+        step = simulate(name, stages, micro, f, b, one_slow).step
+        assert simulate(name, stages, micro, f, b, 0.1).step < step
+        assert step < simulate(name, stages, micro, f, b, 3.0).step

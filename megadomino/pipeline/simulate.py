@@ -15,7 +15,8 @@ The model, the same rules the executor and the transports follow:
   keys it.
 - A message moves once both its send and its receive are posted (a rendezvous: gloo and NCCL
   move a message only into a posted receive; `run` also models a send buffered at once), and
-  then takes `link` seconds on the link from its sender's stage to its receiver's, one message
+  then takes `link` seconds (or, with `link` a mapping, `link[(from stage, to stage)]`: links
+  of different speeds) on the link from its sender's stage to its receiver's, one message
   at a time a direction, whatever its pass or boundary (messages queue in the order they become
   ready).
 - `wait` blocks the stage until its message has arrived (a receive) or, for a send, arrived
@@ -40,7 +41,7 @@ the prediction beside the measurement).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from megadomino.pipeline.schedules import Action, schedule
@@ -74,14 +75,15 @@ def message(stages: int, stage: int, action: Action) -> tuple[str, int, int]:
 
 
 def simulate(name: str, stages: int, micro: int, forward: Sequence[float],
-             backward: Sequence[float], link: float, chunks: int = 1,
+             backward: Sequence[float], link: float | Mapping[tuple[int, int], float],
+             chunks: int = 1,
              prefetch: bool = True, weight: Sequence[float] | None = None,
              collectives: Collection[tuple[str, int]] = ()) -> Prediction:
     """Run schedule `name` of `stages` stages over `micro` micro-batches (`chunks` virtual
     stages each, receives prefetched or not as schedules.schedule says): `forward[s]` /
     `backward[s]` (and `weight[s]`) one micro-batch's seconds on stage s, `link` one message's
-    seconds over a link, `collectives` the (pass, boundary) whose messages are collectives
-    (module docstring)."""
+    seconds over a link (or per link: (from stage, to stage) -> seconds), `collectives` the
+    (pass, boundary) whose messages are collectives (module docstring)."""
     lists = [schedule(name, stages, s, micro, chunks, prefetch) for s in range(stages)]
     return run(lists, stages, [f / chunks for f in forward], [b / chunks for b in backward],
                link, weight=None if weight is None else [w / chunks for w in weight],
@@ -95,7 +97,8 @@ def _seconds(times: Sequence[float | Sequence[float]] | None, stage: int, chunk:
 
 
 def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float | Sequence[float]],
-        backward: Sequence[float | Sequence[float]], link: float, *, sends: str = "rendezvous",
+        backward: Sequence[float | Sequence[float]],
+        link: float | Mapping[tuple[int, int], float], *, sends: str = "rendezvous",
         weight: Sequence[float | Sequence[float]] | None = None,
         collectives: Collection[tuple[str, int]] = ()) -> Prediction:
     """Every stage's `lists[s]` against a clock: `forward[s]` / `backward[s]` / `weight[s]`
@@ -161,9 +164,9 @@ class _Messages:
     """`run`'s messages: when each is posted, moves over its link and may be waited (the
     module docstring's rules). `wake(stage, when)` resumes a stage blocked on a message."""
 
-    def __init__(self, stages: int, link: float, sends: str,
+    def __init__(self, stages: int, link: float | Mapping[tuple[int, int], float], sends: str,
                  collectives: frozenset[tuple[str, int]], wake: Callable[[int, float], None]):
-        self.stages, self.link, self.sends, self.collectives = stages, link, sends, collectives
+        self.stages, self.links, self.sends, self.collectives = stages, link, sends, collectives
         self.wake = wake
         self.posted: dict[tuple, list[float | None]] = {}  # message -> [send, receive] posted
         self.done: dict[tuple, float] = {}              # (side, message) -> its wait may end
@@ -182,6 +185,10 @@ class _Messages:
         low, high = key[1] % self.stages, (key[1] + 1) % self.stages
         return (low, high) if key[0] == "F" else (high, low)
 
+    def seconds(self, lane: tuple[int, int]) -> float:
+        """One message's time over `lane`: `link`, or its entry when `link` is per lane."""
+        return self.links if isinstance(self.links, (int, float)) else self.links[lane]
+
     def post(self, key: tuple, side: int, when: float) -> None:
         """Side 0 (the send) or 1 (the receive) of message `key` posted at `when`."""
         times = self.posted.setdefault(key, [None, None])
@@ -197,18 +204,20 @@ class _Messages:
             return
         lane = self.lane(key)
         start = max(send if buffered else max(send, receive), self.link_free.get(lane, 0.0))
-        self.link_free[lane] = start + self.link
-        self.finish(("recv", key), start + self.link)
-        self.finish(("send", key), {"buffered": send, "handed": start}.get(self.sends,
-                                                                          start + self.link))
+        end = start + self.seconds(lane)
+        self.link_free[lane] = end
+        self.finish(("recv", key), end)
+        self.finish(("send", key), {"buffered": send, "handed": start}.get(self.sends, end))
 
     def _collectives(self, channel: tuple) -> None:
         """Move the channel's collectives in posting order while the first has both ends."""
         line = self.queued.get(channel, [])
         while line and None not in self.posted[line[0]]:
             key = line.pop(0)
-            start = max(*self.posted[key], self.link_free.get(self.lane(key), 0.0),
+            lane = self.lane(key)
+            start = max(*self.posted[key], self.link_free.get(lane, 0.0),
                         self.channel_free.get(channel, 0.0))
-            self.link_free[self.lane(key)] = self.channel_free[channel] = start + self.link
-            self.finish(("recv", key), start + self.link)
-            self.finish(("send", key), start + self.link)
+            end = start + self.seconds(lane)
+            self.link_free[lane] = self.channel_free[channel] = end
+            self.finish(("recv", key), end)
+            self.finish(("send", key), end)

@@ -28,9 +28,9 @@ Per step:
 
 `predict` runs the schedule's action lists through pipeline/simulate.py with these forward and
 backward times and adds the largest DP reduce and the tied sum (the runtime reduces after the
-last backward). The simulator takes one time for every message (its `link`): the slowest
-boundary's, an upper bound on the faster boundaries' messages (their transfers are mostly hidden
-behind computes; the slowest boundary sets the pace).
+last backward). Each boundary's messages take that boundary's time in their direction (the
+simulator's per-link `link`), so a chain with one slow boundary is not priced as if every
+boundary were slow.
 
 The OP-Fence objective (`stage_costs`, `boundary_cost`) is per micro-batch: a stage's forward
 plus backward plus its DP reduce spread over the step's micro-batches, a boundary's slower
@@ -286,7 +286,9 @@ def predict(plan: PipelinePlan, work: Workload, machine: Machine) -> Estimate:
     backward = [2 * f for f in forward]
     boundaries = [boundary_times(work, machine, a.ranks, b.ranks)
                   for a, b in zip(plan.stages, plan.stages[1:])]
-    link = max(max(pair) for pair in boundaries)
+    link = {}  # per direction of each boundary: (from stage, to stage) -> seconds
+    for index, (forward_s, backward_s) in enumerate(boundaries):
+        link[(index, index + 1)], link[(index + 1, index)] = forward_s, backward_s
     weight = None
     if work.schedule in SPLIT_BACKWARD:  # B and W each one forward's worth
         backward, weight = list(forward), list(forward)
