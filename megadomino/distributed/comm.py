@@ -220,6 +220,44 @@ def batch_p2p(ops: list[dist.P2POp]) -> P2PBatch:
     return P2PBatch(dist.batch_isend_irecv(ops))
 
 
+def open_links(links: Sequence[tuple]) -> None:
+    """Open NCCL's connections of `links` now, one after the other, in the order given, which
+    must be the same on every rank (each rank passes every link, member or not). A link is
+    ("p2p", group, sender, receiver): the connection from global rank `sender` to `receiver`;
+    ("broadcast", group, root); or ("all_gather", group). A rank takes part in the links whose
+    group holds it (one one-element message or collective each) and skips the others.
+
+    Why: NCCL connects a pair of ranks on a communicator at the pair's first send / receive
+    there (a collective's at its first call), inside the host call that starts it, which
+    returns only once the peer starts its own. A pipeline rank first uses its channels in the
+    order its schedule reaches them; when the peer's host is held (its GPU queue full behind a
+    receive whose send waits on this rank's connection) both block for good: the interleaved
+    schedule hung on 2 GPUs so. Opened in one global order, the earliest link not yet open
+    always has every member at it, so all open; later first uses find them open."""
+    rank = dist.get_rank()
+    waits = []
+    for kind, group, *ends in links:
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        one = torch.zeros(1, device=group_device(group))
+        if kind == "p2p":
+            sender, receiver = ends
+            if rank not in (sender, receiver):
+                continue
+            op = (send_op(one, receiver, group=group) if rank == sender
+                  else recv_op(one, sender, group=group))
+            waits.append(batch_p2p([op]))
+        elif kind == "broadcast":
+            waits.append(dist.broadcast(one, src=ends[0], group=group, async_op=True))
+        elif kind == "all_gather":
+            out = torch.zeros(dist.get_world_size(group), device=one.device)
+            waits.append(dist.all_gather_into_tensor(out, one, group=group, async_op=True))
+        else:
+            raise ValueError(f"unknown link kind {kind!r}: p2p, broadcast or all_gather")
+    for work in waits:
+        work.wait()
+
+
 def isend(tensor: torch.Tensor, peer: int, group=None, tag: int = 0):
     """Send to global rank `peer`; returns the work."""
     _refuse("isend", tensor, group)

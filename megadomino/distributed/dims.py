@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megadomino.config.parallel import check_degrees, check_gpus_per_node
 from megadomino.config.pipeline_plan import PipelinePlan
+from megadomino.distributed import comm
 
 
 class ParallelDims:
@@ -195,21 +196,25 @@ class ParallelDims:
         sends first (1F1B, interleaved and ZB-H1 hung on 2 and 4 GPUs that way). On its own
         channel a prefetched receive waits only behind receives of its own pass from the same
         stage. Made once (every rank calls this alike, the groups collectively over the world
-        on the world's backend, as stage_writers_group's reason says), and kept."""
+        on the world's backend, as stage_writers_group's reason says), each channel's connection
+        opened at once in one order on every rank (comm.open_links says why), and kept."""
         if not self.uniform:
             raise ValueError("pipeline channels join same-layout stages (Megatron's grid)")
         if chunks not in self._channels:
             stages = [ranks for ranks, _ in self.stages]
             count = len(stages)
             boundaries = count if chunks > 1 else count - 1
-            mine = {}
+            mine, links = {}, []
             for b in range(boundaries):
                 for pass_ in ("F", "B"):
-                    pairs = [torch.tensor([low, high])
-                             for low, high in zip(stages[b], stages[(b + 1) % count])]
-                    group = _groups_containing(self.rank, pairs, timeout=self.timeout)
+                    pairs = list(zip(stages[b], stages[(b + 1) % count]))
+                    group = _groups_containing(self.rank, [torch.tensor(pair) for pair in pairs],
+                                               timeout=self.timeout)
                     if group is not None:
                         mine[(pass_, b)] = group
+                    links += [("p2p", group if self.rank in pair else None,
+                               *(pair if pass_ == "F" else pair[::-1])) for pair in pairs]
+            comm.open_links(links)
             self._channels[chunks] = mine
         return self._channels[chunks]
 

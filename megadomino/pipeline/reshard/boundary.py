@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megadomino.config.pipeline_plan import Stage
+from megadomino.distributed import comm
 
 from .layout import Box, Layout, Mesh, box_numel, part_range
 from .network import Network
@@ -167,13 +168,20 @@ def route_groups(route: Route, timeout: datetime.timedelta | None = None
     """The route's groups by member ranks (ascending): one per pair of a message's ends, per
     broadcast and per set of replicas that gather. Collective over the world (module
     docstring): every rank calls it for every route, in the same order; a rank outside a group
-    gets torch's non-member value for it."""
+    gets torch's non-member value for it. Each group's connections are opened here, in that
+    order on every rank (comm.open_links says why)."""
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     members = ([tuple(sorted((m.sender, m.receiver))) for m in route.messages]
                + [b.ranks for b in route.broadcasts] + [g.replicas for g in route.gathers])
     for ranks in members:
         if ranks not in groups:
             groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
+    links = list(dict.fromkeys(
+        [("p2p", groups[tuple(sorted((m.sender, m.receiver)))], m.sender, m.receiver)
+         for m in route.messages]
+        + [("broadcast", groups[b.ranks], b.sender) for b in route.broadcasts]
+        + [("all_gather", groups[g.replicas]) for g in route.gathers]))
+    comm.open_links(links)
     return groups
 
 
