@@ -29,7 +29,10 @@ action list is generated for each count when first needed, and kept.
 `--pipeline-schedule auto`: the runtime, as it is built (before the data-parallel engine hooks
 the parameters), times its chunks and its transport and takes the schedule the simulator
 predicts fastest for the configured micro-batch count (schedule_auto.py); `schedule_name` is
-the choice, the same on every rank, and `start_lines()` names it with every prediction.
+the choice, the same on every rank, and `start_lines()` names it with every prediction. Any
+other schedule at PP > 1 gets one pass of the same kind, untimed (schedule_auto.load_kernels):
+each kernel a step launches while a message is in flight is launched once before, since CUDA's
+first launch of a kernel waits for the queued work, a prefetched receive included.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from megadomino.pipeline.schedule_auto import (
     AUTO,
     Choice,
     candidates,
+    load_kernels,
     profile_and_pick,
     random_batch,
 )
@@ -99,6 +103,10 @@ class PipelineRuntime:
         if self.schedule_name == AUTO:  # before the executor, which the choice configures
             self.schedule_name, self.auto = self._pick_schedule(model, parallel,
                                                                 micro_batch_size)
+        elif plan.size > 1:  # CUDA's lazy loading (load_kernels says why); gloo alike
+            load_kernels(chunks, self.transport, dims, stage.index, plan.size,
+                         *self._probe(model, parallel, micro_batch_size),
+                         DTYPES[model.params_dtype], self.schedule_name in SPLIT_BACKWARD)
         self.executor = Executor(chunks, self.transport, stage.index, plan.size,
                                  split_backward=self.schedule_name in SPLIT_BACKWARD,
                                  slowdown=parallel.slowdown(dims.rank))
@@ -129,18 +137,26 @@ class PipelineRuntime:
         chunks and transport, with a random micro-batch of this rank's part (its rows of a
         batch-split plan's micro-batch) and an activation of the transport's layout; the
         choice (the same on every rank) and, on rank 0, what it was chosen from."""
-        dims, plan = self.dims, self.plan
+        names = candidates(parallel, self.plan.chunks, max(s.tp for s in self.plan.stages))
+        return profile_and_pick(self.chunks, self.transport, self.dims, self.stage.index,
+                                self.plan.size, names,
+                                *self._probe(model, parallel, micro_batch_size),
+                                DTYPES[model.params_dtype], self.num_micro, self.prefetch)
+
+    def _probe(self, model: ModelConfig, parallel: ParallelConfig, micro_batch_size: int
+               ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        """A random micro-batch of this rank's rows (a batch-split plan's part of the
+        micro-batch) and the shape of an activation of the transport's layout, for the
+        start-up passes over the chunks (schedule_auto.py)."""
         rows = micro_batch_size
-        if plan.batch_split:
-            start, stop = part_range(micro_batch_size, dims.dp, dims.dp_rank)
+        if self.plan.batch_split:
+            start, stop = part_range(micro_batch_size, self.dims.dp, self.dims.dp_rank)
             rows = stop - start
         seq = model.seq_length
-        local_seq = seq // dims.tp if parallel.sequence_parallel and dims.tp > 1 else seq
-        names = candidates(parallel, plan.chunks, max(s.tp for s in plan.stages))
-        return profile_and_pick(self.chunks, self.transport, dims, self.stage.index, plan.size,
-                                names, random_batch(rows, seq, model.vocab_size, self.device),
-                                (local_seq, rows, model.hidden_size), DTYPES[model.params_dtype],
-                                self.num_micro, self.prefetch)
+        tp = self.dims.tp
+        local_seq = seq // tp if parallel.sequence_parallel and tp > 1 else seq
+        return (random_batch(rows, seq, model.vocab_size, self.device),
+                (local_seq, rows, model.hidden_size))
 
     def actions(self, num_micro: int) -> list:
         """This stage's action list for a step of `num_micro` micro-batches (at most the
