@@ -1,8 +1,8 @@
 """Every pipeline communicator is connected at set-up, in one order on every rank
 (comm.open_links): NCCL connects a pair of ranks at their first send / receive on a
 communicator, inside the host call that starts it, which returns only once the peer starts
-its own; reached first in a schedule's order, the interleaved schedule's four channels between
-two GPUs hung there (its CLI run on 2 GPUs). Here, on gloo: the links each rank hands to
+its own; left to a step, two ranks could each wait in a different channel's connection. Here,
+on gloo: the links each rank hands to
 open_links are the same list on every rank (so the earliest unopened link always has all its
 members at it), every channel and route group of the rank is among them with the direction
 its pass moves, the channels and routes work after it (a message each way, in an order no

@@ -120,9 +120,10 @@ def test_refusals_and_acceptance():
         validate(make_config(model, global_batch_size=3, **virtual), 2)
 
 
-def resolves_alike(family: str, dims, dims_ref, micro: int) -> None:
+def resolves_alike(family: str, dims, dims_ref, micro: int, schedule: str = "auto") -> None:
     """Every rank resolves the same schedule, and the pass leaves the stage as it found it
-    (weights, RNG streams, no gradients); then the pipeline equals the model without PP."""
+    (weights, RNG streams, no gradients); then the pipeline equals the model without PP.
+    Another `schedule`: the start-up's kernel pass (load_kernels) leaves it alike."""
     config = tiny_config(family, num_layers=5, vocab_size=331)
     first = {2: 3, 4: 2}[dims.pp]  # 5 layers
     plan = uniform_plan(5, dims.world_size, dims.tp, dims.pp, first=first)
@@ -132,17 +133,17 @@ def resolves_alike(family: str, dims, dims_ref, micro: int) -> None:
     weights = [p.detach().clone() for p in stage.parameters()]
     rng, tracker = torch.get_rng_state(), dims.rng.get_states()
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    runtime = PipelineRuntime(stage, plan, dims, config, parallel, "auto", 3, micro)
+    runtime = PipelineRuntime(stage, plan, dims, config, parallel, schedule, 3, micro)
     names = [None] * dims.world_size
     dist.all_gather_object(names, runtime.schedule_name)
     assert len(set(names)) == 1 and names[0] in ALL, names
-    assert (runtime.auto is not None) == (dims.rank == 0)
+    assert (runtime.auto is not None) == (dims.rank == 0 and schedule == "auto")
     assert all(torch.equal(a, b) for a, b in zip(weights, stage.parameters(), strict=True))
     assert all(p.grad is None for p in stage.parameters())
     assert torch.equal(rng, torch.get_rng_state())
     assert cuda_rng is None or torch.equal(cuda_rng, torch.cuda.get_rng_state())
     assert all(torch.equal(state, dims.rng.get_states()[name]) for name, state in tracker.items())
-    check_pipeline(family, dims, dims_ref, "auto", 5, micro, first=first)
+    check_pipeline(family, dims, dims_ref, schedule, 5, micro, first=first)
 
 
 def trains_as_its_choice(family: str, dims) -> None:
@@ -178,6 +179,8 @@ def _setup(world: int) -> dict:
 SUITE.case("gpt-pp2dp2-resolves-alike", resolves_alike, "gpt", C.pp2dp2, C.ref, 4,
            worlds=(4,))
 SUITE.case("llama-pp4-resolves-alike", resolves_alike, "llama", C.pp4, C.ref, 6, worlds=(4,))
+SUITE.case("gpt-pp2-zb-h1-start-up-leaves-the-stage", resolves_alike, "gpt", C.pp2, C.ref, 4,
+           "zb-h1", worlds=(2,))
 SUITE.case("gpt-pp2-trains-as-its-choice", trains_as_its_choice, "gpt", C.pp2, worlds=(2,))
 
 test_auto_resolves_alike_and_trains_as_its_choice = SUITE.test()

@@ -229,11 +229,11 @@ def open_links(links: Sequence[tuple]) -> None:
 
     Why: NCCL connects a pair of ranks on a communicator at the pair's first send / receive
     there (a collective's at its first call), inside the host call that starts it, which
-    returns only once the peer starts its own. A pipeline rank first uses its channels in the
-    order its schedule reaches them; when the peer's host is held (its GPU queue full behind a
-    receive whose send waits on this rank's connection) both block for good: the interleaved
-    schedule hung on 2 GPUs so. Opened in one global order, the earliest link not yet open
-    always has every member at it, so all open; later first uses find them open."""
+    returns only once the peer starts its own (NVIDIA/nccl#783). Left to a step, each rank
+    would first use its channels in the order its schedule reaches them, and a rank whose host
+    waits in one connection cannot post what its peer, waiting in another, needs. Opened in one
+    global order, the earliest link not yet open always has every member at it, so all open;
+    a step's first uses then find them open and never wait on the host."""
     rank = dist.get_rank()
     waits = []
     for kind, group, *ends in links:
