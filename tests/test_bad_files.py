@@ -364,7 +364,8 @@ NOT_PATHS = {"--ckpt-format", "--dataloader-type", "--fp8-amax-compute-algo", "-
              "--normalization", "--optimizer", "--pipeline-schedule", "--position-embedding-type",
              "--prompt-template", "--recompute-granularity", "--recompute-method", "--split",
              "--step-batch-size-schedule", "--tokenizer-type", "--emulate-slow-rank",
-             "--diloco-pseudo-grad-dtype", "--pipeline-planner", "--pipeline-reshard"}
+             "--diloco-pseudo-grad-dtype", "--pipeline-planner", "--pipeline-reshard",
+             "--cuda-module-loading"}
 """The flags taking a string that is not a path: a name, a choice, a template or a schedule."""
 
 

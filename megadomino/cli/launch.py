@@ -82,6 +82,10 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     from megadomino.zero.diloco import ReplicaMismatchError
 
     parallel, timeout = config.parallel, config.train.runtime.distributed_timeout_minutes
+    pipelined = parallel.pipeline_plan == AUTO or (plan.size if plan is not None else
+                                                   parallel.pipeline_model_parallel_size) > 1
+    if config.train.runtime.eager_kernels(pipelined):  # before CUDA starts (RuntimeConfig)
+        os.environ["CUDA_MODULE_LOADING"] = "EAGER"
     _init_process_group(timeout)
     heartbeat = None
     try:
