@@ -29,11 +29,11 @@ class _Started(Exception):
 def test_launch_loads_kernels_eagerly_with_pipeline_stages(monkeypatch, flags, expected):
     seen = []
 
-    def init(timeout_minutes: float) -> None:
+    def init(*args, **kwargs) -> None:
         seen.append(os.environ["CUDA_MODULE_LOADING"])
         raise _Started
 
-    monkeypatch.setattr(launch, "_init_process_group", init)
+    monkeypatch.setattr(launch.dist, "init_process_group", init)
     monkeypatch.setenv("CUDA_MODULE_LOADING", "untouched")
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"),
                         ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
