@@ -1,4 +1,8 @@
-"""Running a resharding plan: every rank of the source and destination meshes calls `run`.
+"""Running a resharding plan, blocking, for the resharding benchmark (bench_reshard.py) and the
+library's multi-rank tests: every rank of the source and destination meshes calls `run`.
+Training does not use it: its transport (megadomino/pipeline/transport_reshard.py) posts a
+boundary's plan asynchronously where the schedule posts and waits; this form also runs the
+chained broadcast, which training leaves to NCCL's ring.
 
 A source rank passes its tile (the shape `plan.src.tile` gives) and gets None back; a
 destination rank passes None and gets its tile, bit-identical to slicing the full tensor.
@@ -21,9 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megadomino.distributed import comm
-
-from .layout import box_numel, box_shape, box_slices
-from .resharding import ReshardPlan, Step, tile_of
+from megadomino.pipeline.reshard.layout import box_numel, box_shape, box_slices
+from megadomino.pipeline.reshard.resharding import ReshardPlan, Step, tile_of
 
 
 class GroupCache:

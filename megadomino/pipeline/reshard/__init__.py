@@ -6,8 +6,6 @@ sender choice.
     src = Layout.sharded(Mesh((0, 1), ("a", "a")), ndim=3, dim=0)      # sequence-parallel
     dst = Layout.replicated(Mesh((2, 3, 4), ("b", "b", "c")), ndim=3)
     plan = make_plan((s, b, h), torch.float32, src, dst, "chained_broadcast", "least_bytes")
-    forward, backward = Reshard(plan, groups), Reshard(plan.backward(), groups)
-    tile = forward.run(my_tile_or_None)        # every rank of both meshes
 
     # on GPUs: NCCL's ring broadcast, one NIC per GPU, the strategy chosen by predicted time
     net = Network("nccl", latency=10e-6, gpus_per_host=8, nics_per_host=8)
@@ -16,9 +14,9 @@ sender choice.
 
 Modules: `layout` (meshes, layouts, tiles), `network` (links per host or per device, the
 backend), `plan` (tile-to-slice planning, strategies, link bytes), `solvers` (sender choice),
-`cost` (predicted time per backend), `resharding` (the plan), `transport` (running it, blocking),
-`boundary` (a pipeline boundary's routes and groups, as the training transport runs them).
-See docs/reshard.md.
+`cost` (predicted time per backend), `resharding` (the plan), `boundary` (a pipeline boundary's
+routes and groups, as the training transport runs them). A blocking runner of any plan, the
+chained broadcast's too, is the benchmark's (benchmarks/reshard_runner.py). See docs/reshard.md.
 """
 
 from .layout import Layout, Mesh
@@ -26,7 +24,6 @@ from .network import BACKENDS, Network
 from .plan import STRATEGIES
 from .resharding import ReshardPlan, make_plan
 from .solvers import SOLVERS
-from .transport import GroupCache, Reshard
 
-__all__ = ["BACKENDS", "SOLVERS", "STRATEGIES", "GroupCache", "Layout", "Mesh", "Network",
-           "Reshard", "ReshardPlan", "make_plan"]
+__all__ = ["BACKENDS", "SOLVERS", "STRATEGIES", "Layout", "Mesh", "Network", "ReshardPlan",
+           "make_plan"]
