@@ -57,6 +57,8 @@ setup(
             # --tensorboard-dir, which real launch scripts pass
             # (tests/test_vendored_launch_scripts.py)
             "tensorboard",
+            # benchmarks/scale_model.py's plot (tests/test_scale_model.py runs it)
+            "matplotlib",
         ],
         "tb": ["tensorboard"],
         # --tokenizer-type HuggingFaceTokenizer (transformers.AutoTokenizer)

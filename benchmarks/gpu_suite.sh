@@ -70,6 +70,9 @@
 #   smoke-bf16   torchrun on all GPUs, 10 iterations, each run's losses against the DP run's
 #                ($OUT/smoke_<dtype>.json). A launch takes 30-60 s (start-up, not training):
 #                4 at once on 4 GPUs, 8 at once on 2 (10 at once beside other work overran)
+#   scale-inputs the scale model's inputs (benchmarks/bench_scale_inputs.py): each preset's layer
+#                at TP shards 1-8, micro-batch 1-4, on GPU 0; NCCL bus bandwidth 1 MiB-1 GiB on
+#                2 GPUs and, with 4, on 4 ($OUT/scale_layers.json, scale_busbw_N.json)
 #   graph-dp     scripts/debug/cuda_graph_dp_drift.py (--enable-cuda-graph at TP 2 x DP 2: eager,
 #                graphed, graphed without the gradient hooks' stream join)
 set -uo pipefail
@@ -204,6 +207,15 @@ for name in "$@"; do
     smoke-fp32|smoke-bf16)
       step "$name" 450 python3 benchmarks/gpu_smoke.py --nproc "$GPUS" --dtype "${name#smoke-}" \
         --jobs $((16 / GPUS)) --budget 150 --out "$OUT/$name.json" ;;
+    scale-inputs)
+      step scale-layers 400 env CUDA_VISIBLE_DEVICES=0 torchrun --standalone --nproc_per_node 1 \
+        benchmarks/bench_scale_inputs.py layers --out "$OUT/scale_layers.json"
+      for n in 2 4; do
+        if [ "$GPUS" -ge "$n" ]; then
+          step "scale-busbw-$n" 120 torchrun --standalone --nproc_per_node "$n" \
+            benchmarks/bench_scale_inputs.py busbw --out "$OUT/scale_busbw_$n.json"
+        fi
+      done ;;
     graph-dp) step graph-dp 200 torchrun --standalone \
                 --nproc_per_node 4 scripts/debug/cuda_graph_dp_drift.py ;;
     *) echo "unknown step $name" >&2; exit 2 ;;

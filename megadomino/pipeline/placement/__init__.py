@@ -11,6 +11,9 @@ measure the machine, price a plan, place the stages.
     dtfm       DT-FM's objective and search
     planners   op-fence, dt-fm, brute-force
     resolve    the launcher's resolver: measure, plan, check, print, write
+    scale      the scale model: a TP x PP x DP run of any size priced by `cost` and the
+               simulator from measured rates (benchmarks/scale_model.py; docs/scale_model.md)
 
-Only `resolve` (the launcher's `resolve_auto`) is used outside pipeline/.
+Only `resolve` (the launcher's `resolve_auto`) is used outside pipeline/, and `scale` by the
+scale model's command.
 """
