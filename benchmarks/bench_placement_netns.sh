@@ -23,7 +23,8 @@
 # 4 s), so the defaults take about 80 minutes; ROUNDS, STEPS and MODEL_FLAGS trade that against
 # the spread (the 2026-11-28 report ran one round of 4 steps).
 #
-# Environment: ROUNDS (3), WARMUP (5), STEPS (20), SLOW_RANK (3), RUN_TIMEOUT (600), PYTHON
+# Environment: ROUNDS (3), WARMUP (5), STEPS (20), SLOW_RANK (3), RUN_TIMEOUT (600), HOST_OF
+# ("0 0 1 2": each rank's site, 0 = A, 1 = C, 2 = B), PYTHON
 # (python3, one that imports megadomino), OUT_DIR (a temporary directory), CORPUS_DIR (where
 # text_corpus.py's files are, made there when missing; default OUT_DIR/corpus), MODEL_FLAGS
 # (the model and batch: default below, sized so that the planned run's step is at least 4.5x
@@ -46,7 +47,7 @@ MODEL_FLAGS=${MODEL_FLAGS:-"--num-layers 8 --hidden-size 256 --num-attention-hea
 --untie-embeddings-and-output-weights"}
 SUBNET=10.234.71
 SITES=(100mbit 10mbit 100mbit)  # A, C, B
-HOST_OF=(0 0 1 2)               # rank -> site
+read -r -a HOST_OF <<<"${HOST_OF:-0 0 1 2}"  # rank -> site (bench_codec_netns.sh sets its own)
 mkdir -p "$OUT_DIR"
 source scripts/lib/netns.sh
 
@@ -117,6 +118,8 @@ json.dump(d, open(p, 'w'))" "$OUT_DIR/load.json" "${name#round*-}"
   wait_ranks "$name" "$OUT_DIR/$name.log" "${pids[@]}"
 }
 
+# Sourced (benchmarks/bench_codec_netns.sh): the sites, the corpus and the functions above only.
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 set_limits on
 verify_links
 train measure 1 --pipeline-plan auto --pipeline-placement-dir "$OUT_DIR/measure"

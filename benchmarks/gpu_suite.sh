@@ -25,6 +25,8 @@
 #   tests-cpu    the default tier on this machine's torch (2.11, the oldest declared) and CPUs
 #   kernels      tests/gpu/test_gpu_kernels.py only (1 GPU)
 #   quant        benchmarks/bench_quant.py: our kernels vs DeepSpeed's quantizer, one GPU
+#   codec        benchmarks/bench_codec.py: the pipeline codecs on a gpt3-1.3b boundary
+#                (micro-batch 4, bf16) against the copy bandwidth; top-k against int8, one GPU
 #   zero         benchmarks/bench_zero.py: ZeRO-3 vs ZeRO++ (and its parts) on 4 GPUs as 2 x 2
 #                (2 GPUs: 2 x 1),
 #                GPT-3 1.3B at micro-batch 4 (GPU-bound), with the one-deep reducer beside
@@ -130,6 +132,8 @@ for name in "$@"; do
     kernels) step kernels 200 python3 -m pytest tests/gpu/test_gpu_kernels.py --tier gpu -q -x ;;
     quant) step quant 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_quant.py \
              --out "$OUT/quant.json" ;;
+    codec) step codec 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_codec.py \
+             --out "$OUT/codec.json" ;;
     zero) step zero 200 torchrun --standalone --nproc_per_node "$GPUS" benchmarks/bench_zero.py \
             --steps 8 --warmup 3 --micro-batch-size 4 --configs "plain dp" zero3 qwz qwz+hpz \
             zero++ "zero++ depth1" "zero3 x1" "zero++ x1" --out "$OUT/zero.json" ;;

@@ -50,3 +50,16 @@ def test_layer_tp1_table_has_the_graphed_domino_column():
     assert cells[names.index("Domino 2x1 eager / compiled / graphed, host ms")] == \
         "3.61 / 4.50 / 0.12"
     assert cells[names.index("Domino 2x1 graphed")] == "19.25"
+
+
+def test_codec_bench_times_every_codec(tmp_path):
+    out = run("benchmarks/bench_codec.py", "--seq", "16", "--micro-batch", "2", "--hidden",
+              "128", "--iters", "2", "--densities", "0.05", "--out", str(tmp_path / "c.json"))
+    for op in ("copy", "int8 encode", "int8 decode", "int4 encode", "int4 decode",
+               "adatopk select d=0.05", "adatopk encode d=0.05"):
+        assert f"| {op} |" in out, out
+    assert (tmp_path / "c.json").exists()
+
+
+def test_codec_netns_script_parses():
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "bench_codec_netns.sh")], check=True)

@@ -33,6 +33,7 @@ from megadomino.cli.flags_megatron import MEGATRON_ROWS, MOE
 from megadomino.cli.flags_megatron_config import MEGATRON_CONFIG_ROWS
 from megadomino.config.diloco import PSEUDO_GRAD_DTYPES
 from megadomino.config.parallel import PIPELINE_PLANNERS
+from megadomino.config.pipeline_codec import CODEC_VALUES, PIPELINE_CODECS
 
 __all__ = ["ALIAS", "FINETUNE_FLAGS", "FLAGS", "IMPLEMENTED", "NOTICE", "OURS", "RANGES",
            "REFUSED", "Flag"]
@@ -161,6 +162,32 @@ FLAGS: tuple[Flag, ...] = (
           "direction the strategy the cost model predicts fastest; each choice is printed at "
           "start-up with its predicted time). Only with --pipeline-plan.",
           choices=("auto", "send-recv", "broadcast", "scatter-gather")),
+    _ours("--pipeline-codec", "parallel.pipeline_codec", str,
+          "How each pipeline boundary encodes activations and their gradients "
+          "(docs/pipeline_codec.md): none (default), int8 or int4 (per-token scales, the ZeRO++ "
+          "quantizer), adatopk (the top-k entries of each token row, the gradient sent at the "
+          "kept indices: the exact gradient of the masked activation) or auto (per link the "
+          "least of none, int8, int4, adatopk whose transfer fits under the slowest stage's "
+          "compute). With --pipeline-model-parallel-size, not --pipeline-plan.",
+          choices=PIPELINE_CODECS),
+    _ours("--pipeline-codec-density", "parallel.pipeline_codec_density", float,
+          "adatopk's kept share of each token row, k = ceil(density x hidden): the fixed k with "
+          "--pipeline-codec-interval 0, else the least k adaptation may choose. Default 0.1."),
+    _ours("--pipeline-codec-interval", "parallel.pipeline_codec_interval", int,
+          "Steps between re-estimates of each link's codec from its transfers' own timings "
+          "(rank 0 decides, every rank applies it from the next step; each link gets the least "
+          "compression of --pipeline-codec that fits; the first steps run the most). 0: every "
+          "link at the codec's fixed setting. Default 10."),
+    _ours("--pipeline-codec-values", "parallel.pipeline_codec_values", str,
+          "adatopk's kept values: native (default: the activation's dtype) or int8 (a scale "
+          "per token row); indices are int16, relative to their row.",
+          choices=CODEC_VALUES),
+    _ours("--pipeline-codec-grad-topk", "parallel.pipeline_codec_grad_topk", None,
+          "adatopk's gradient as its own top-k instead of at the forward's kept indices (an "
+          "approximation of the masked activation's gradient)."),
+    _ours("--pipeline-codec-error-feedback", "parallel.pipeline_codec_error_feedback", None,
+          "Each boundary message adds the encoding error the previous message of its "
+          "micro-batch slot left; approximate, as consecutive steps carry other samples."),
     _ours("--nics-per-node", "parallel.nics_per_node", int,
           "Network interfaces per node, the GPUs spread evenly over them: the resharding cost "
           "model of --pipeline-plan's boundaries balances senders per NIC (1, the default: per "
@@ -672,6 +699,8 @@ RANGES: dict[str, Range] = {
     "--eval-iters": Range(-1),
     "--diloco-inner-steps": _POSITIVE_COUNT,
     "--diloco-sites": Range(2),
+    "--pipeline-codec-density": Range(0, 1, low_inclusive=False),
+    "--pipeline-codec-interval": Range(0),
     "--diloco-outer-lr": _POSITIVE,
     "--diloco-outer-momentum": _PROBABILITY,
     **dict.fromkeys(("--lr-warmup-iters", "--seed", "--num-workers",

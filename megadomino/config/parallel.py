@@ -98,6 +98,28 @@ class ParallelConfig:
     (one message per overlapping tile), 'broadcast' (a collective from one holder to every
     replica), 'scatter-gather' (each replica receives a part, then an all-gather among the
     replicas), or 'auto': per boundary and direction the one the cost model predicts fastest."""
+    pipeline_codec: str = "none"
+    """--pipeline-codec: how each pipeline boundary encodes its activations and gradients
+    (pipeline/codec.py): 'none', 'int8' / 'int4' (per-token scales), 'adatopk' (the top-k
+    entries of each token row; the gradient at the kept indices) or 'auto' (per link the least
+    of none, int8, int4, adatopk that keeps its transfer under the slowest stage's compute);
+    config/pipeline_codec.py has the rules."""
+    pipeline_codec_density: float = 0.1
+    """--pipeline-codec-density: adatopk's kept share of each row, k = ceil(density h): the
+    fixed k without adaptation, the least k (the most compression) with it."""
+    pipeline_codec_interval: int = 10
+    """--pipeline-codec-interval: steps between re-estimates of each link's codec from its
+    transfers' own timings (pipeline/codec_rate.py); 0: fixed, every link at the codec's
+    setting (auto needs > 0)."""
+    pipeline_codec_values: str = "native"
+    """--pipeline-codec-values: adatopk's kept values as the activation's dtype ('native') or
+    'int8' with a scale per row."""
+    pipeline_codec_grad_topk: bool = False
+    """--pipeline-codec-grad-topk: adatopk's gradient as its own top-k instead of at the
+    forward's kept indices (an approximation of the masked function's gradient)."""
+    pipeline_codec_error_feedback: bool = False
+    """--pipeline-codec-error-feedback: each message adds the error the previous message of its
+    (micro-batch, chunk) slot left (approximate for samples that do not repeat)."""
     nics_per_node: int | None = None
     """--nics-per-node: network interfaces per node, the GPUs spread evenly over them; the
     resharding cost model balances a boundary's senders per NIC (1: per host; --gpus-per-node:

@@ -24,6 +24,7 @@ from megadomino.config.diloco import check_diloco
 from megadomino.config.model import ModelConfig
 from megadomino.config.parallel import ParallelConfig, check_degrees, check_gpus_per_node
 from megadomino.config.pipeline_auto import check_auto
+from megadomino.config.pipeline_codec import check_codec
 from megadomino.config.pipeline_plan import AUTO, PipelinePlan, plan_rules
 from megadomino.config.pipeline_split import layer_split
 from megadomino.config.train import (
@@ -52,6 +53,7 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
     for tp in plan_rules(config, world_size, plan, gpus_per_node):  # each plan stage's TP
         validate_layers(config.model, config.parallel, tp, config.train.precision.fp8)
     check_auto(config, world_size if plan is None else None)  # a planned plan: plan_rules'
+    check_codec(config.parallel, config.model, config.train.checkpoint.save)
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)
     check_diloco(config, world_size, gpus_per_node)

@@ -204,11 +204,17 @@ class P2PBatch:
 
     def __init__(self, works: Sequence):
         self._works = list(works)
+        self._started = tuple(self._works)
 
     def wait(self) -> None:
         works, self._works = self._works, []
         for work in works:
             work.wait()
+
+    def done(self) -> bool:
+        """Whether every operation completed, without waiting: NCCL's works say so once their
+        CUDA work finished (waited or not); gloo's point-to-point works only once waited."""
+        return all(work.is_completed() for work in self._started)
 
 
 def batch_p2p(ops: list[dist.P2POp]) -> P2PBatch:

@@ -47,7 +47,8 @@ from megadomino.config.pipeline_plan import PipelinePlan, resolve_plan
 from megadomino.distributed import comm
 from megadomino.models import StageChunks
 from megadomino.models.blocks import DTYPES
-from megadomino.pipeline.executor import Executor, MicroBatch, PhaseTimers
+from megadomino.pipeline.codec_rate import with_codec
+from megadomino.pipeline.executor import COMPUTE, Executor, MicroBatch, PhaseTimers
 from megadomino.pipeline.reshard.layout import part_range
 from megadomino.pipeline.schedule_auto import (
     AUTO,
@@ -89,10 +90,15 @@ class PipelineRuntime:
         self.stage = stage = chunks.stage
         self.plan, self.dims, self.chunks, self.num_micro = plan, dims, chunks, num_micro
         self.device = next(chunks.parameters()).device
-        self.transport = None
+        self.transport, self.codec = None, None
         if plan.size > 1:
             self.transport = _transport(plan, stage, dims, model, parallel, micro_batch_size,
                                         num_micro, self.device)
+            if parallel.pipeline_codec != "none":  # the boundary codecs (codec_rate.py)
+                if not isinstance(self.transport, P2PTransport):  # the validator refuses it
+                    raise ValueError("the pipeline codecs ride the P2P transport")
+                self.codec = with_codec(self.transport, stage.index, plan.size, parallel)
+                self.transport = self.codec.transport
             if parallel.pipeline_link_delay > 0:  # an emulated latency (transport_delay.py)
                 self.transport = DelayedTransport(self.transport, parallel.pipeline_link_delay)
             comm.barrier(group=dims.pp_group)  # NCCL: a group's first operation is a collective
@@ -129,6 +135,8 @@ class PipelineRuntime:
             lines += [f"pipeline {line}" for line in transport.describe()]
         if self.auto is not None:
             lines.append(self.auto.line())
+        if self.codec is not None:
+            lines.append(self.codec.describe())
         return lines
 
     def _pick_schedule(self, model: ModelConfig, parallel: ParallelConfig,
@@ -185,9 +193,12 @@ class PipelineRuntime:
                                        backward=_engine_backward(engine, len(batches)))
             return self.step_loss(losses, mean=token_scale is None)
         scale = engine.loss_scaler.scale if engine.loss_scaler is not None else 1.0
+        timeline = self._codec_step()
         with engine.no_sync():
             losses = self.executor.run(actions, batches, scale, token_scale=token_scale,
-                                       loss_weights=shard_weights, timers=timers)
+                                       loss_weights=shard_weights, timers=timers,
+                                       timeline=timeline)
+        self._codec_step_end(timeline)
         with timers("wait") if timers is not None else contextlib.nullcontext():
             if self.tied is not None:
                 comm.all_reduce(engine.accumulated_grad(self.tied), group=self.embedding_group)
@@ -198,11 +209,26 @@ class PipelineRuntime:
         """Without an engine: gradients accumulate in `.grad` (the tied embedding's summed over
         the embedding group); what tests compare with a model without PP."""
         batches, shard_weights = self.shards(batches)
+        timeline = self._codec_step()
         losses = self.executor.run(self.actions(len(batches)), batches,
-                                   loss_weights=shard_weights)
+                                   loss_weights=shard_weights, timeline=timeline)
+        self._codec_step_end(timeline)
         if self.tied is not None and self.tied.grad is not None:
             comm.all_reduce(self.tied.grad, group=self.embedding_group)
         return self.step_loss(losses)
+
+    def _codec_step(self) -> list | None:
+        """At a training step's start: the codecs' decision when due (codec_rate.py, collective
+        over the world) and, when they adapt, a timeline to time this step's computes in."""
+        if self.codec is None:
+            return None
+        self.codec.begin_step()
+        return [] if self.codec.interval else None
+
+    def _codec_step_end(self, timeline: list | None) -> None:
+        if self.codec is not None:
+            self.codec.end_step(sum(end - start for action, start, end in timeline or ()
+                                    if action.op in COMPUTE))
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[MicroBatch], per_token: bool = False) -> torch.Tensor:

@@ -33,6 +33,10 @@ class _Posted:
             self.transport.flush()
         self.work.wait()
 
+    def done(self) -> bool:
+        """Started and completed (comm.P2PBatch.done), without waiting."""
+        return self.work is not None and self.work.done()
+
 
 class P2PTransport:
     """isend / irecv between the same position (dp, tp) of neighbouring stages of a plan whose
@@ -82,8 +86,12 @@ class P2PTransport:
         tag = self._tag(True, micro, chunk * self.stages + self.stage)
         return self._post(comm.send_op, tensor.contiguous(), "F", self.next_rank, tag)
 
-    def recv_activation(self, micro: int, chunk: int) -> tuple[Handle, torch.Tensor]:
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def recv_activation(self, micro: int, chunk: int, buffer: torch.Tensor | None = None
+                        ) -> tuple[Handle, torch.Tensor]:
+        """`buffer`: receive into it (a codec's message, transport_codec.py) instead of a new
+        activation; so for recv_grad."""
+        if buffer is None:
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         tag = self._tag(True, micro, chunk * self.stages + self.stage - 1)
         return self._post(comm.recv_op, buffer, "F", self.prev_rank, tag), buffer
 
@@ -91,7 +99,9 @@ class P2PTransport:
         tag = self._tag(False, micro, chunk * self.stages + self.stage - 1)
         return self._post(comm.send_op, tensor.contiguous(), "B", self.prev_rank, tag)
 
-    def recv_grad(self, micro: int, chunk: int) -> tuple[Handle, torch.Tensor]:
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def recv_grad(self, micro: int, chunk: int, buffer: torch.Tensor | None = None
+                  ) -> tuple[Handle, torch.Tensor]:
+        if buffer is None:
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         tag = self._tag(False, micro, chunk * self.stages + self.stage)
         return self._post(comm.recv_op, buffer, "B", self.next_rank, tag), buffer

@@ -1,0 +1,186 @@
+"""The pipeline boundary codecs (--pipeline-codec): how an activation (s, b, h) and its gradient
+are encoded into one flat uint8 message and decoded back. The wire formats, their byte counts and
+the top-k rule live here; transport_codec.py applies them on the pipeline transport.
+
+A message holds R = numel / h token rows of h values. The formats (every section a flat array,
+sections ordered by item size, largest first, so that each starts aligned without padding):
+
+    none      the tensor itself, R h x itemsize bytes (sent as is, not through a message)
+    int8      R fp32 scales | R h int8                            4 R + R h bytes
+    int4      R fp32 scales | R h / 2 bytes (two values a byte)   4 R + R h / 2 bytes
+    adatopk   per row the k entries of largest magnitude:
+              values (native: the activation's dtype) | R k int16 indices   R k (itemsize + 2)
+              with --pipeline-codec-values int8:
+              R fp32 scales | R k int16 indices | R k int8 values         4 R + 3 R k
+
+int8 and int4 are the ZeRO++ quantizer of megadomino.kernels (block_quantize / block_dequantize:
+the Triton kernels on GPU, their torch references on CPU, bit-identical) with one block per token
+row (block_size = h): per-token scales absmax / qmax, round half to even; |decoded - x| <=
+scale / 2 per element. The gradient of a quantized boundary is sent quantized the same way (the
+rounding's gradient taken as the identity: a straight-through estimate).
+
+adatopk keeps a fixed k per token row (not per tensor): every message of a link has the same
+size, known on both ends (NCCL matches messages by order and hangs on a size mismatch), the
+indices fit int16 relative to their row (h <= 16384), and every token keeps the same share. Its
+backward sends the gradient only at the forward's kept indices (R k values, plus 4 R scales with
+int8 values): the exact gradient of the masked function x -> mask(x) * x, the mask held as a
+constant, as both ends hold the indices from the forward until that backward. With
+--pipeline-codec-grad-topk the gradient instead goes as its own top-k (the forward's format):
+an approximation. At k = h the decoded tensor is the input exactly (native values).
+
+Bytes: top-k costs (itemsize + 2) bytes a kept entry: with bf16 values 4 (6 with int32 indices,
+which is why the indices are row-relative int16), so it sends fewer bytes than int8 (1 byte an
+entry plus 4 a row) only below density 1/4 (1/6 with int32 indices); with int8 values 3 bytes an
+entry, below 1/3 of int8's bytes, 1/6 of int4's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megadomino.config.pipeline_codec import MAX_HIDDEN
+from megadomino.kernels.block_dequantize import dequantize
+from megadomino.kernels.block_quantize import quantize
+
+CODECS = ("none", "int8", "int4", "adatopk")
+BITS = {"int8": 8, "int4": 4}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One link's codec: `codec` one of CODECS; `k`: adatopk's kept entries per row."""
+
+    codec: str = "none"
+    k: int = 0
+
+    def describe(self, hidden: int) -> str:
+        return f"adatopk k={self.k} ({self.k / hidden:.3g})" if self.codec == "adatopk" \
+            else self.codec
+
+
+@dataclass(frozen=True)
+class Format:
+    """What both ends of every link know: the activation's rows (R) and width h (at most
+    MAX_HIDDEN), its dtype, adatopk's value format ('native' or 'int8') and whether its
+    gradient goes as its own top-k."""
+
+    rows: int
+    hidden: int
+    dtype: torch.dtype
+    values: str = "native"
+    grad_topk: bool = False
+
+    def __post_init__(self):
+        if self.hidden > MAX_HIDDEN:
+            raise ValueError(f"rows of {self.hidden} values: a codec encodes at most "
+                             f"{MAX_HIDDEN}")
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def k_of(self, density: float) -> int:
+        """adatopk's entries per row at `density` (at least 1, at most h)."""
+        return min(self.hidden, max(1, math.ceil(density * self.hidden)))
+
+
+def sections(setting: Setting, fmt: Format, pass_: str) -> list[tuple[str, torch.dtype, int]]:
+    """The message's sections (name, dtype, elements), in wire order (module docstring); pass_
+    'F' (activation) or 'B' (gradient)."""
+    rows, hidden = fmt.rows, fmt.hidden
+    if setting.codec in BITS:
+        quantized = rows * hidden if setting.codec == "int8" else rows * hidden // 2
+        return [("scales", torch.float32, rows),
+                ("q", torch.int8 if setting.codec == "int8" else torch.uint8, quantized)]
+    if setting.codec != "adatopk":
+        raise ValueError(f"codec {setting.codec!r} has no message format")
+    entries = rows * setting.k
+    parts = [("indices", torch.int16, entries)] if pass_ == "F" or fmt.grad_topk else []
+    if fmt.values == "int8":
+        return [("scales", torch.float32, rows)] + parts + [("values", torch.int8, entries)]
+    return sorted([("values", fmt.dtype, entries)] + parts,
+                  key=lambda part: -torch.empty((), dtype=part[1]).element_size())
+
+
+def message_bytes(setting: Setting, fmt: Format, pass_: str) -> int:
+    """Bytes of one message of `pass_` ('F' or 'B') at `setting`: the module docstring's
+    formulas (none: the tensor's own)."""
+    if setting.codec == "none":
+        return fmt.rows * fmt.hidden * fmt.itemsize
+    return sum(count * torch.empty((), dtype=dtype).element_size()
+               for _, dtype, count in sections(setting, fmt, pass_))
+
+
+def _views(wire: torch.Tensor, parts: list[tuple[str, torch.dtype, int]]) -> dict:
+    """Typed flat views of the sections of the uint8 `wire` (aligned by the sections' order)."""
+    views, offset = {}, 0
+    for name, dtype, count in parts:
+        size = count * torch.empty((), dtype=dtype).element_size()
+        views[name] = wire[offset:offset + size].view(dtype)
+        offset += size
+    return views
+
+
+def top_k(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices (R, k), int64, of the k entries of largest magnitude of each row of x (R, h)
+    (torch.topk per row; at k = h every index)."""
+    if k == x.shape[1]:
+        return torch.arange(k, device=x.device).expand(x.shape[0], k)
+    return torch.topk(x.abs(), k, dim=1, sorted=False).indices
+
+
+def _put_values(views: dict, values: torch.Tensor, fmt: Format) -> None:
+    """Write the (R, k) kept values into their section (int8: per-row scales)."""
+    if fmt.values == "int8":
+        quantize(values, 8, values.shape[1], out=(views["values"], views["scales"]))
+    else:
+        views["values"].view(values.shape).copy_(values)
+
+
+def _get_values(views: dict, shape: tuple[int, int], fmt: Format) -> torch.Tensor:
+    if fmt.values == "int8":
+        return dequantize(views["values"], views["scales"], shape[0] * shape[1], 8, shape[1],
+                          fmt.dtype).view(shape)
+    return views["values"].view(shape)
+
+
+def encode(x: torch.Tensor, setting: Setting, fmt: Format, pass_: str,
+           kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the message, uint8 flat; the kept indices (R, k) of an adatopk activation, else None).
+    x: the tensor, R x h values. A gradient ('B') of adatopk is taken at the forward's `kept`
+    indices (unless fmt.grad_topk)."""
+    parts = sections(setting, fmt, pass_)
+    wire = torch.empty(message_bytes(setting, fmt, pass_), dtype=torch.uint8, device=x.device)
+    views = _views(wire, parts)
+    rows = x.reshape(fmt.rows, fmt.hidden)
+    if setting.codec in BITS:
+        quantize(rows, BITS[setting.codec], fmt.hidden, out=(views["q"], views["scales"]))
+        return wire, None
+    if "indices" in views:
+        kept = top_k(rows, setting.k)
+        views["indices"].view(kept.shape).copy_(kept)
+    _put_values(views, rows.gather(1, kept), fmt)
+    return wire, (kept if pass_ == "F" else None)
+
+
+def decode(wire: torch.Tensor, setting: Setting, fmt: Format, pass_: str, out: torch.Tensor,
+           kept: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Decode `wire` into `out` (contiguous, R x h of fmt.dtype); returns an adatopk
+    activation's kept indices (R, k) (what its receiver sends the gradient at), else None. A
+    gradient of adatopk is scattered at the forward's `kept` indices (unless fmt.grad_topk):
+    zero elsewhere."""
+    views = _views(wire, sections(setting, fmt, pass_))
+    flat = out.view(-1)
+    if setting.codec in BITS:
+        dequantize(views["q"], views["scales"], flat.numel(), BITS[setting.codec], fmt.hidden,
+                   fmt.dtype, out=flat)
+        return None
+    if "indices" in views:
+        kept = views["indices"].view(fmt.rows, setting.k).long()
+    rows = out.view(fmt.rows, fmt.hidden)
+    rows.zero_()
+    rows.scatter_(1, kept, _get_values(views, (fmt.rows, setting.k), fmt))
+    return kept if pass_ == "F" else None
