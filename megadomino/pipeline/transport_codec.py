@@ -117,10 +117,7 @@ class CodecTransport:
         setting = self.settings[self._down()]
         if setting.codec == "none":
             return self.inner.recv_activation(micro, chunk)
-        wire = torch.empty(message_bytes(setting, self.fmt, "F"), dtype=torch.uint8,
-                           device=self.inner.device)
-        handle, _ = self.inner.recv_activation(micro, chunk, buffer=wire)
-        out = torch.empty(self.shape, dtype=self.fmt.dtype, device=self.inner.device)
+        handle, wire, out = self._receive(self.inner.recv_activation, setting, "F", micro, chunk)
 
         def finish() -> None:
             kept = decode(wire, setting, self.fmt, "F", out)
@@ -143,10 +140,7 @@ class CodecTransport:
         setting = self.settings[self._up()]
         if setting.codec == "none":
             return self.inner.recv_grad(micro, chunk)
-        wire = torch.empty(message_bytes(setting, self.fmt, "B"), dtype=torch.uint8,
-                           device=self.inner.device)
-        handle, _ = self.inner.recv_grad(micro, chunk, buffer=wire)
-        out = torch.empty(self.shape, dtype=self.fmt.dtype, device=self.inner.device)
+        handle, wire, out = self._receive(self.inner.recv_grad, setting, "B", micro, chunk)
 
         def finish() -> None:  # at the wait: the forward's indices exist by then
             kept = None
@@ -154,6 +148,15 @@ class CodecTransport:
                 kept = self._sent_kept.pop((micro, chunk))
             decode(wire, setting, self.fmt, "B", out, kept)
         return _Received(handle, finish), out
+
+    def _receive(self, receive, setting: Setting, pass_: str, micro: int, chunk: int):
+        """(handle, message buffer, decoded output) of a receive of pass `pass_` posted through
+        the inner transport's `receive` into a message buffer of the setting's size."""
+        wire = torch.empty(message_bytes(setting, self.fmt, pass_), dtype=torch.uint8,
+                           device=self.inner.device)
+        handle, _ = receive(micro, chunk, buffer=wire)
+        return handle, wire, torch.empty(self.shape, dtype=self.fmt.dtype,
+                                         device=self.inner.device)
 
     def _encode(self, tensor: torch.Tensor, setting: Setting, pass_: str, micro: int,
                 chunk: int, kept: torch.Tensor | None = None):
