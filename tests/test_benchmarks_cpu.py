@@ -62,4 +62,5 @@ def test_codec_bench_times_every_codec(tmp_path):
 
 
 def test_codec_netns_script_parses():
-    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "bench_codec_netns.sh")], check=True)
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "bench_codec_netns.sh")], check=True,
+                   timeout=60)
