@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megadomino.distributed import comm
+from megadomino.pipeline.placement.scale import BUS_FACTOR
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,7 @@ def link_environment(name: str, environ: Mapping[str, str]) -> dict[str, str]:
 
 def bus_bandwidth(collective: str, nbytes: int, seconds: float, world: int) -> float:
     """Bus bandwidth in GB/s (1e9 bytes) of one collective over `nbytes` (module docstring)."""
-    factor = {"all_reduce": 2 * (world - 1) / world, "reduce_scatter": (world - 1) / world,
-              "all_gather": (world - 1) / world}[collective]
-    return nbytes * factor / seconds / 1e9
+    return nbytes * BUS_FACTOR[collective](world) / seconds / 1e9
 
 
 def device_timer(device: torch.device):

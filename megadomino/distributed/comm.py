@@ -254,10 +254,10 @@ def open_links(links: Sequence[tuple]) -> None:
                   else recv_op(one, sender, group=group))
             waits.append(batch_p2p([op]))
         elif kind == "broadcast":
-            waits.append(dist.broadcast(one, src=ends[0], group=group, async_op=True))
+            waits.append(broadcast(one, ends[0], group=group, async_op=True))
         elif kind == "all_gather":
             out = torch.zeros(dist.get_world_size(group), device=one.device)
-            waits.append(dist.all_gather_into_tensor(out, one, group=group, async_op=True))
+            waits.append(all_gather_single(out, one, group=group, async_op=True))
         else:
             raise ValueError(f"unknown link kind {kind!r}: p2p, broadcast or all_gather")
     for work in waits:

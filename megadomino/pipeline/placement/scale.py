@@ -65,6 +65,8 @@ TP_COLLECTIVES = 4
 and MLP forward, f's backward in both (SP: an all-gather and a reduce-scatter each)."""
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
               "all_gather": lambda n: (n - 1) / n}
+"""nccl-tests' bus bandwidth: a collective's bytes times its factor over its seconds, for n
+ranks (benchmarks/domino_links.py measures with it, the scale model prices with it)."""
 
 
 @dataclass(frozen=True)
