@@ -251,7 +251,6 @@ def _rank_main(rank: int, world: int, port: int, suite: DistSuite, args: tuple,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    import torch.distributed as dist
 
     init = {}
     if suite.backend == "nccl":
@@ -275,8 +274,7 @@ def _rank_main(rank: int, world: int, port: int, suite: DistSuite, args: tuple,
 
     context = None
     try:
-        under_budget("<setup>", SPAWN_GRACE, dist.init_process_group, suite.backend,
-                     rank=rank, world_size=world, **init)
+        under_budget("<setup>", SPAWN_GRACE, _join, suite.backend, rank, world, port, init)
         if suite._setup is not None:
             context = under_budget("<setup>", suite.timeout, suite._setup, world, *args)
     except Exception:
@@ -293,6 +291,14 @@ def _rank_main(rank: int, world: int, port: int, suite: DistSuite, args: tuple,
     # A barrier is queued behind any collective a case left in flight (gloo runs them in order),
     # so the group is not torn down under a background thread still using it.
     under_budget("<teardown>", suite.timeout, _teardown, suite.backend)
+
+
+def _join(backend: str, rank: int, world: int, port: int, init: dict) -> None:
+    """Join the world through the store the parent serves on `port` (run_world says why)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **init)
 
 
 def _teardown(backend: str) -> None:
@@ -343,12 +349,19 @@ def run_world(suite: DistSuite, world: int, args: tuple = (), parts: frozenset[s
               only: frozenset[str] | None = None) -> dict[str, str | None]:
     """Start `world` ranks of `suite` running its cases of that world in `parts` and `only` (see
     `DistSuite.names`), wait at most the sum of the budgets, and merge the ranks' results: a case
-    fails if it failed on any rank, or did not finish on one (named, with why)."""
+    fails if it failed on any rank, or did not finish on one (named, with why).
+
+    The parent serves the world's store on a port the OS picks as it listens: a port found free
+    and handed to rank 0 to bind could be taken in the seconds a spawned rank takes to start
+    (another world's store, NCCL's sockets), failing the set-up with EADDRINUSE."""
+    import torch.distributed as dist
+
     names = [name for name in suite.names(world, parts, only) if suite.cases[name].available()]
     deadline = SPAWN_GRACE + suite.timeout + sum(suite.cases[n].timeout for n in names)
     starter = _rank_starter(suite.backend)
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as out_dir:
-        port = free_port()
+        port = store.port
         procs = [starter.Process(target=_rank_main,
                                  args=(rank, world, port, suite, args, names, out_dir))
                  for rank in range(world)]
@@ -358,6 +371,7 @@ def run_world(suite: DistSuite, world: int, args: tuple = (), parts: frozenset[s
         killed = _wait(procs, progress.started + deadline, progress)
         ranks = [_read_rank(out_dir, rank) for rank in range(world)]
         progress.report(ranks, time.monotonic())
+    del store
     errors: dict[str, list[str]] = {name: [] for name in names}
     for rank, (results, log) in enumerate(ranks):
         why_unfinished = _why_unfinished(rank, procs[rank].exitcode, log, killed)

@@ -197,7 +197,6 @@ MAPPED = [
     (("--exit-signal-handler",), "train.runtime.exit_signal_handler", True),
     (("--exit-duration-in-mins", "230"), "train.runtime.exit_duration_in_mins", 230),
     (("--distributed-timeout-minutes", "0.5"), "train.runtime.distributed_timeout_minutes", 0.5),
-    (("--cuda-module-loading", "lazy"), "train.runtime.cuda_module_loading", "lazy"),
     (("--layernorm-epsilon", "1e-6"), "model.norm_epsilon", 1e-6),
     (("--exit-interval", "1000"), "train.runtime.exit_interval", 1000),
     (("--tensorboard-dir", "/tb"), "train.logging.tensorboard_dir", "/tb"),

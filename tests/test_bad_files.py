@@ -365,7 +365,7 @@ NOT_PATHS = {"--ckpt-format", "--dataloader-type", "--fp8-amax-compute-algo", "-
              "--prompt-template", "--recompute-granularity", "--recompute-method", "--split",
              "--step-batch-size-schedule", "--tokenizer-type", "--emulate-slow-rank",
              "--diloco-pseudo-grad-dtype", "--pipeline-planner", "--pipeline-reshard",
-             "--cuda-module-loading", "--pipeline-codec", "--pipeline-codec-values"}
+             "--pipeline-codec", "--pipeline-codec-values"}
 """The flags taking a string that is not a path: a name, a choice, a template or a schedule."""
 
 

@@ -57,7 +57,7 @@ def _run(dims, full, schedule="1f1b", steps=(0,), state=None, settings=None, **c
     """Build a stage and a runtime (with `codec`'s flags; `state`: the codec's state loaded,
     `settings`: every boundary's set), run forward_backward on the batches of each step in
     `steps`; (losses, the last step's gradients, the runtime). The bytes counted are the
-    steps' (not the start-up pass's, schedule_auto.load_kernels)."""
+    steps'; `runtime.loading`: whether each step ran its loading action list."""
     config = _config(dims.pp)
     plan = uniform_plan(config.num_layers, dims.world_size, 1, dims.pp)
     parallel = parallel_config(pipeline_model_parallel_size=dims.pp, **codec)
@@ -70,6 +70,10 @@ def _run(dims, full, schedule="1f1b", steps=(0,), state=None, settings=None, **c
         runtime.codec.transport.apply(settings)
     if runtime.codec is not None:
         runtime.codec.transport.sent_bytes.clear()
+    runtime.first_settings = runtime.codec.settings if runtime.codec is not None else None
+    runtime.loading, actions = [], runtime.actions
+    runtime.actions = lambda num, loading=False: runtime.loading.append(loading) or actions(
+        num, loading)
     losses = []
     for step in steps:
         stage.zero_grad(set_to_none=True)
@@ -164,6 +168,9 @@ def check_adaptive(dims, dims_ref):
     _, _, runtime = _run(dims, full, steps=(0, 1, 2), **parallel)
     history = runtime.codec.history
     assert [step for step, _ in history] == [2]
+    # the first step and the first after a change of setting launch kernels for the first time
+    changed = tuple(history[0][1]) != runtime.first_settings
+    assert runtime.loading == [True, False, changed], (runtime.loading, history)
     everyone = [None] * dims.world_size
     dist.all_gather_object(everyone, history)
     assert all(h == history for h in everyone), everyone

@@ -63,22 +63,25 @@ def check_pipeline(family: str, dims, dims_ref, schedule: str, num_layers: int, 
     load_stage_full_state(stage, full)
     runtime = PipelineRuntime(stage, plan, dims, config, parallel_cfg, schedule, MBS, micro)
     mine = [every[m * dims.dp + dims.dp_rank] for m in range(micro)]
-    loss = runtime.forward_backward(mine)
-    for model in stage:
-        mappings.allreduce_sequence_parallel_grads(model, dims.tp_group)
-        for param in model.parameters():
-            if dims.dp > 1 and param.grad is not None:
-                dist.all_reduce(param.grad, group=dims.dp_group)
-                param.grad /= dims.dp
-    if dims.dp > 1:
-        dist.all_reduce(loss, group=dims.dp_group)
-        loss /= dims.dp
-    assert_close(loss, ref_loss, REL, "mean loss")
-    grads = stage_full_state(stage, grads=True)
-    params = stage_full_state(stage)
-    assert grads.keys() == params.keys(), sorted(set(params) - set(grads))
-    for name, grad in grads.items():
-        assert_close(grad, ref_grads[name], REL, f"grad {name}")
+    # the first step runs the loading list, the second the schedule's (PipelineRuntime)
+    for step in ("first", "second"):
+        stage.zero_grad(set_to_none=True)
+        loss = runtime.forward_backward(mine)
+        for model in stage:
+            mappings.allreduce_sequence_parallel_grads(model, dims.tp_group)
+            for param in model.parameters():
+                if dims.dp > 1 and param.grad is not None:
+                    dist.all_reduce(param.grad, group=dims.dp_group)
+                    param.grad /= dims.dp
+        if dims.dp > 1:
+            dist.all_reduce(loss, group=dims.dp_group)
+            loss /= dims.dp
+        assert_close(loss, ref_loss, REL, f"{step} step's mean loss")
+        grads = stage_full_state(stage, grads=True)
+        params = stage_full_state(stage)
+        assert grads.keys() == params.keys(), sorted(set(params) - set(grads))
+        for name, grad in grads.items():
+            assert_close(grad, ref_grads[name], REL, f"{step} step's grad {name}")
     # Every parameter of the whole model is on some stage (gathered over the pipeline).
     names = [None] * dims.pp
     dist.all_gather_object(names, sorted(params), group=dims.pp_group)

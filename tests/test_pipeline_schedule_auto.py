@@ -123,7 +123,7 @@ def test_refusals_and_acceptance():
 def resolves_alike(family: str, dims, dims_ref, micro: int, schedule: str = "auto") -> None:
     """Every rank resolves the same schedule, and the pass leaves the stage as it found it
     (weights, RNG streams, no gradients); then the pipeline equals the model without PP.
-    Another `schedule`: the start-up's kernel pass (load_kernels) leaves it alike."""
+    Another `schedule`: building the runtime leaves it alike."""
     config = tiny_config(family, num_layers=5, vocab_size=331)
     first = {2: 3, 4: 2}[dims.pp]  # 5 layers
     plan = uniform_plan(5, dims.world_size, dims.tp, dims.pp, first=first)

@@ -32,6 +32,7 @@ from megadomino.pipeline.schedules import (
     table,
 )
 from megadomino.pipeline.simulate import message, simulate
+from megadomino.pipeline.simulate import run as run_lists
 
 GOLDEN_1F1B = """\
   0 F M0    forward
@@ -406,3 +407,30 @@ def test_validator_accepts_uneven_and_interleaved():
         validate(make_config(model, micro_batch_size=1, mock_data=True,
                              pipeline_model_parallel_size=2, **{"train_iters": 1, **leaves}),
                  world)
+
+
+@pytest.mark.parametrize("name,stages,micro,chunks", CASES)
+def test_loading_lists_compute_alike_with_nothing_in_flight(name, stages, micro, chunks):
+    """A step that may launch a kernel for the first time (`loading`): the schedule's computes
+    in its order, no message posted and not yet waited on the rank at any compute (CUDA's
+    first launch waits for the rank's queued work, a posted message included), every message
+    posted once and waited, and the lists run to the end with rendezvous sends and with
+    collective boundaries."""
+    lists = [schedule(name, stages, s, micro, chunks, loading=True) for s in range(stages)]
+    for s, actions in enumerate(lists):
+        def computes(acts):
+            return [(a.pass_, a.op, a.micro, a.chunk) for a in acts
+                    if a.op in ("forward", "backward", "weight")]
+        assert computes(actions) == computes(schedule(name, stages, s, micro, chunks))
+        in_flight: set = set()
+        for a in actions:
+            if a.op in ("send", "recv"):
+                in_flight.add((a.pass_, a.op, a.micro, a.chunk))
+            elif a.op == "wait":
+                in_flight.remove((a.pass_, a.waits, a.micro, a.chunk))
+            else:
+                assert not in_flight, (s, str(a), in_flight)
+        assert not in_flight
+    run_lists(lists, stages, [1.0] * stages, [2.0] * stages, 0.5)
+    boundaries = {(p, b) for p in "FB" for b in range(stages * chunks)}
+    run_lists(lists, stages, [1.0] * stages, [2.0] * stages, 0.5, collectives=boundaries)

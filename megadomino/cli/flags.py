@@ -412,13 +412,6 @@ FLAGS: tuple[Flag, ...] = (
           "On SIGTERM (SLURM pre-emption): finish the iteration, save (with --save) and exit 0."),
     _impl("--exit-duration-in-mins", "train.runtime.exit_duration_in_mins", int,
           "Save (with --save) and exit 0 once the run has trained this long."),
-    _ours("--cuda-module-loading", "train.runtime.cuda_module_loading", str,
-          "When CUDA loads its kernels: eager (all at start-up: seconds of start-up, some "
-          "device memory), lazy (CUDA's default: each at its first launch, which waits for the "
-          "device's queued work) or auto (default: eager with pipeline stages, whose "
-          "prefetched receives a first launch would wait on while the peer waits on this "
-          "rank; lazy otherwise).",
-          choices=("auto", "eager", "lazy")),
     _impl("--distributed-timeout-minutes", "train.runtime.distributed_timeout_minutes", float,
           "How long a collective waits for a rank that stopped answering (default 10): each "
           "rank's heartbeat (gloo and NCCL) ends every live rank with one line naming the "

@@ -82,7 +82,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
     from megadomino.zero.diloco import ReplicaMismatchError
 
     parallel, timeout = config.parallel, config.train.runtime.distributed_timeout_minutes
-    _init_process_group(timeout, config, plan)
+    _init_process_group(timeout)
     heartbeat = None
     try:
         if world_size > 1:
@@ -176,22 +176,9 @@ def _default_to_single_process() -> None:
             os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
 
 
-def _choose_module_loading(config, plan) -> None:
-    """--cuda-module-loading: CUDA_MODULE_LOADING=EAGER for CUDA, which reads it as it starts
-    (nothing before the process group touches CUDA), when the run loads every kernel at
-    start-up (RuntimeConfig.cuda_module_loading says why); CUDA's own choice otherwise."""
-    parallel = config.parallel
-    pipelined = parallel.pipeline_plan == AUTO or (plan.size if plan is not None else
-                                                   parallel.pipeline_model_parallel_size) > 1
-    if config.train.runtime.eager_kernels(pipelined):
-        os.environ["CUDA_MODULE_LOADING"] = "EAGER"
-
-
-def _init_process_group(timeout_minutes: float, config, plan) -> None:
+def _init_process_group(timeout_minutes: float) -> None:
     """NCCL on this rank's GPU (LOCAL_RANK) when CUDA is available, else gloo on the CPU; every
-    collective waits at most `timeout_minutes` (--distributed-timeout-minutes). CUDA's module
-    loading is chosen first (`config`, `plan`: _choose_module_loading)."""
-    _choose_module_loading(config, plan)
+    collective waits at most `timeout_minutes` (--distributed-timeout-minutes)."""
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

@@ -240,22 +240,6 @@ class RuntimeConfig:
     distributed_timeout_minutes: float = 10.0
     """How long a collective waits for a rank that stopped answering before the run ends (exit
     1, naming the silent ranks where the rendezvous store can tell); Megatron-LM's default."""
-    cuda_module_loading: str = "auto"
-    """--cuda-module-loading: when CUDA loads the kernels of torch and its libraries. 'eager':
-    all at start-up (launch sets CUDA_MODULE_LOADING=EAGER before CUDA starts: seconds of
-    start-up and some device memory); 'lazy': CUDA's default, each at its first launch, which
-    waits for the device's queued work to drain; 'auto' (default): eager when the run has
-    pipeline stages, whose prefetched receives stay queued until the peer sends (a first
-    launch behind one waits on a peer that may wait on this rank: a pipeline's first step hung
-    so on 2 and 4 GPUs), CUDA's default otherwise. Triton's kernels load at their first call
-    whatever this says; pipeline start-up launches those of the chunks once
-    (schedule_auto.load_kernels)."""
-
-    def eager_kernels(self, pipelined: bool) -> bool:
-        """Whether launch loads every kernel at start-up (`pipelined`: the run has pipeline
-        stages)."""
-        return self.cuda_module_loading == "eager" or (self.cuda_module_loading == "auto"
-                                                       and pipelined)
 
 
 @dataclass

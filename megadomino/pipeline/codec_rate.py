@@ -144,21 +144,25 @@ class CodecRate:
     def settings(self) -> tuple[Setting, ...]:
         return self.transport.settings
 
-    def begin_step(self) -> None:
+    def begin_step(self) -> bool:
         """At every step's start, on every rank: every `interval` steps, the decision (a
-        collective over the world), applied from this step on."""
-        if self.interval and self.steps >= self.interval:
-            report = {"steps": self.steps, "compute": self.compute,
-                      "sends": self.transport.timings()}
-            reports = comm.all_gather_object(report)
-            chosen = None
-            if dist.get_rank() == 0:
-                chosen = decide(self.codec, self.fmt, self.density, self.boundaries, reports,
-                                self.settings)
-            chosen = comm.broadcast_object(chosen, src=0)
-            self.transport.apply(chosen)
-            self.history.append((self.step_count, chosen))
-            self.steps, self.compute = 0, 0.0
+        collective over the world), applied from this step on. Whether the settings changed
+        (the same on every rank)."""
+        if not (self.interval and self.steps >= self.interval):
+            return False
+        before = self.settings
+        report = {"steps": self.steps, "compute": self.compute,
+                  "sends": self.transport.timings()}
+        reports = comm.all_gather_object(report)
+        chosen = None
+        if dist.get_rank() == 0:
+            chosen = decide(self.codec, self.fmt, self.density, self.boundaries, reports,
+                            self.settings)
+        chosen = comm.broadcast_object(chosen, src=0)
+        self.transport.apply(chosen)
+        self.history.append((self.step_count, chosen))
+        self.steps, self.compute = 0, 0.0
+        return self.settings != before
 
     def end_step(self, compute_seconds: float) -> None:
         """After every step: this rank's compute seconds in it."""

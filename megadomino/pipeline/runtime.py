@@ -29,10 +29,15 @@ action list is generated for each count when first needed, and kept.
 `--pipeline-schedule auto`: the runtime, as it is built (before the data-parallel engine hooks
 the parameters), times its chunks and its transport and takes the schedule the simulator
 predicts fastest for the configured micro-batch count (schedule_auto.py); `schedule_name` is
-the choice, the same on every rank, and `start_lines()` names it with every prediction. Any
-other schedule at PP > 1 gets one pass of the same kind, untimed (schedule_auto.load_kernels):
-each kernel a step launches while a message is in flight is launched once before, since CUDA's
-first launch of a kernel waits for the queued work, a prefetched receive included.
+the choice, the same on every rank, and `start_lines()` names it with every prediction.
+
+A step that may launch a kernel for the first time (the first of each micro-batch count, the
+first after the codecs change) runs its schedule's computes with no message in flight on the
+rank as it computes (schedules.schedule's `loading`): CUDA loads a kernel at its first launch
+(lazily, its default) and the load waits for the device's queued work, which a prefetched
+receive keeps queued until its peer sends, while the peer may wait on this rank. The kernels are
+those of the step itself (the engine's fused gradient accumulation, the codecs), which no pass
+at start-up sees alike. The computes and their order are the same, and so are the numbers.
 """
 
 from __future__ import annotations
@@ -54,7 +59,6 @@ from megadomino.pipeline.schedule_auto import (
     AUTO,
     Choice,
     candidates,
-    load_kernels,
     profile_and_pick,
     random_batch,
 )
@@ -109,14 +113,11 @@ class PipelineRuntime:
         if self.schedule_name == AUTO:  # before the executor, which the choice configures
             self.schedule_name, self.auto = self._pick_schedule(model, parallel,
                                                                 micro_batch_size)
-        elif plan.size > 1:  # CUDA's lazy loading (load_kernels says why); gloo alike
-            load_kernels(chunks, self.transport, dims, stage.index, plan.size,
-                         *self._probe(model, parallel, micro_batch_size),
-                         DTYPES[model.params_dtype], self.schedule_name in SPLIT_BACKWARD)
         self.executor = Executor(chunks, self.transport, stage.index, plan.size,
                                  split_backward=self.schedule_name in SPLIT_BACKWARD,
                                  slowdown=parallel.slowdown(dims.rank))
-        self._actions: dict[int, list] = {}
+        self._actions: dict[tuple[int, bool], list] = {}
+        self._counts_run: set[int] = set()  # the micro-batch counts a step has run with
         tied = plan.size > 1 and not model.untie_embeddings_and_output_weights
         self.embedding_group = embedding_group(plan, dims) if tied else None
         self.tied = tied_embedding(chunks, plan)
@@ -166,14 +167,23 @@ class PipelineRuntime:
         return (random_batch(rows, seq, model.vocab_size, self.device),
                 (local_seq, rows, model.hidden_size))
 
-    def actions(self, num_micro: int) -> list:
+    def actions(self, num_micro: int, loading: bool = False) -> list:
         """This stage's action list for a step of `num_micro` micro-batches (at most the
-        transport's count, whose tags it sizes)."""
-        if num_micro not in self._actions:
-            self._actions[num_micro] = schedule(self.schedule_name, self.plan.size,
-                                                self.stage.index, num_micro, self.plan.chunks,
-                                                prefetch=self.prefetch)
-        return self._actions[num_micro]
+        transport's count, whose tags it sizes); `loading`: the list of a step that may launch
+        a kernel for the first time (module docstring)."""
+        key = (num_micro, loading)
+        if key not in self._actions:
+            self._actions[key] = schedule(self.schedule_name, self.plan.size, self.stage.index,
+                                          num_micro, self.plan.chunks, prefetch=self.prefetch,
+                                          loading=loading)
+        return self._actions[key]
+
+    def _step_actions(self, num_micro: int, codecs_changed: bool) -> list:
+        """The step's action list: the loading one for the first step of `num_micro`
+        micro-batches and the first after the codecs changed (module docstring)."""
+        loading = codecs_changed or num_micro not in self._counts_run
+        self._counts_run.add(num_micro)
+        return self.actions(num_micro, loading)
 
     def train_step(self, batches: Sequence[MicroBatch], engine,
                    token_scale: torch.Tensor | None = None,
@@ -186,14 +196,15 @@ class PipelineRuntime:
         `wait` (the stage's time in communication). At PP 1 the engine's last backward reduces
         (module docstring)."""
         batches, shard_weights = self.shards(batches, token_scale is not None)
-        actions = self.actions(len(batches))
         if self.plan.size == 1:
-            losses = self.executor.run(actions, batches, token_scale=token_scale,
-                                       loss_weights=shard_weights, timers=timers,
+            losses = self.executor.run(self.actions(len(batches)), batches,
+                                       token_scale=token_scale, loss_weights=shard_weights,
+                                       timers=timers,
                                        backward=_engine_backward(engine, len(batches)))
             return self.step_loss(losses, mean=token_scale is None)
         scale = engine.loss_scaler.scale if engine.loss_scaler is not None else 1.0
-        timeline = self._codec_step()
+        timeline, changed = self._codec_step()
+        actions = self._step_actions(len(batches), changed)
         with engine.no_sync():
             losses = self.executor.run(actions, batches, scale, token_scale=token_scale,
                                        loss_weights=shard_weights, timers=timers,
@@ -209,21 +220,22 @@ class PipelineRuntime:
         """Without an engine: gradients accumulate in `.grad` (the tied embedding's summed over
         the embedding group); what tests compare with a model without PP."""
         batches, shard_weights = self.shards(batches)
-        timeline = self._codec_step()
-        losses = self.executor.run(self.actions(len(batches)), batches,
+        timeline, changed = self._codec_step()
+        losses = self.executor.run(self._step_actions(len(batches), changed), batches,
                                    loss_weights=shard_weights, timeline=timeline)
         self._codec_step_end(timeline)
         if self.tied is not None and self.tied.grad is not None:
             comm.all_reduce(self.tied.grad, group=self.embedding_group)
         return self.step_loss(losses)
 
-    def _codec_step(self) -> list | None:
+    def _codec_step(self) -> tuple[list | None, bool]:
         """At a training step's start: the codecs' decision when due (codec_rate.py, collective
-        over the world) and, when they adapt, a timeline to time this step's computes in."""
+        over the world); when they adapt, a timeline to time this step's computes in; whether
+        the settings changed (the same on every rank)."""
         if self.codec is None:
-            return None
-        self.codec.begin_step()
-        return [] if self.codec.interval else None
+            return None, False
+        changed = self.codec.begin_step()
+        return ([] if self.codec.interval else None), changed
 
     def _codec_step_end(self, timeline: list | None) -> None:
         if self.codec is not None:

@@ -281,25 +281,6 @@ def profile_and_pick(chunks: nn.ModuleList, transport: Transport | None, dims, s
     return SCHEDULES[int(index[0])], choice
 
 
-def load_kernels(chunks: nn.ModuleList, transport: Transport | None, dims, stage: int,
-                 stages: int, batch: tuple[torch.Tensor, ...], shape: tuple[int, ...],
-                 dtype: torch.dtype, split: bool) -> None:
-    """Launch every kernel a step launches between its messages once, before any message is in
-    flight: each chunk's forward and backward (`split`: its B and W too) and one message each
-    way over the transport (time_chunks' and time_link's single pass), leaving what the
-    profiling pass leaves (module docstring). A collective over the pipeline group.
-
-    Why: CUDA loads a kernel at its first launch (lazy loading, its default), and the load
-    waits for the device's queued work to drain. Inside a step a prefetched receive is queued
-    and drains only once the peer sends, which may wait on this rank: the first step of the
-    interleaved schedule hung on 2 GPUs so, each rank's host held in a first launch. `auto`'s
-    profiling pass does the same, so it needs no second one."""
-    with _rng_untouched(dims, batch[0].device):
-        time_chunks(chunks, batch, shape, dtype, split, warmup=0, runs=1)
-    time_link(transport, stage, stages, shape, dtype, batch[0].device, dims.pp_group,
-              warmup=0, runs=1)
-
-
 @contextlib.contextmanager
 def _rng_untouched(dims, device: torch.device) -> Iterator[None]:
     """Inside, the default generators (the CPU's, this CUDA device's) and the TP tracker's

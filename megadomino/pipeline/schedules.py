@@ -184,7 +184,8 @@ def _sends(pass_: str, stage: int, chunk: int, stages: int, chunks: int) -> bool
 
 
 def with_transfers(steps: list[list[Compute]], stages: int, stage: int, chunks: int,
-                   eager: bool = False, prefetch: bool = False) -> list[Action]:
+                   eager: bool = False, prefetch: bool = False,
+                   loading: bool = False) -> list[Action]:
     """The computes, in steps, with their sends, receives and waits (module docstring's rule,
     applied per step: a step is one compute, or the interleaved schedule's steady-state
     forward + backward pair, with the weight-gradient passes that follow it, which run after
@@ -193,7 +194,10 @@ def with_transfers(steps: list[list[Compute]], stages: int, stage: int, chunks: 
     receive of its pass (F or B) was waited, one compute of that pass ahead, instead of after
     the compute before it: gloo and NCCL move a message only once its receive is posted, so
     without it a transfer cannot overlap the receiver's computes, and a send waited at once
-    blocks until the receiver gets to its post. Receives keep their order either way."""
+    blocks until the receiver gets to its post. Receives keep their order either way.
+    `loading`: no message in flight on the rank at any compute (schedule's `loading`): no
+    prefetch, no late send waits, and a step's weight-gradient passes after its waits."""
+    eager, prefetch = eager and not loading, prefetch and not loading
     def action(pass_: str, op: str, micro: int, chunk: int, waits: str | None = None):
         return Action(pass_, op, micro, chunk if chunks > 1 else None, waits)
 
@@ -231,18 +235,23 @@ def with_transfers(steps: list[list[Compute]], stages: int, stage: int, chunks: 
                 sent = action(pass_, "wait", micro, chunk, "send")
                 (deferred if eager and pass_ == "F" else waits).append(sent)
         posts, receive = receives(steps[index + 1]) if index + 1 < len(steps) else ([], [])
-        out += posts + fill + waits + receive
+        out += posts + waits + receive + fill if loading else posts + fill + waits + receive
     return out + deferred
 
 
 def schedule(name: str, stages: int, stage: int, micro: int, chunks: int = 1,
-             prefetch: bool = True) -> list[Action]:
+             prefetch: bool = True, loading: bool = False) -> list[Action]:
     """The action list of `stage` (0-based) of `stages` for `micro` micro-batches; `prefetch`:
     receives posted one compute ahead (with_transfers; --no-overlap-p2p-communication turns it
-    off), which the EAGER schedules always do."""
+    off), which the EAGER schedules always do. `loading`: the same computes in the same order
+    with no message in flight on the rank while it computes (with_transfers' `loading`), for a
+    step that may launch a kernel for the first time:
+    CUDA loads a kernel at its first launch and the load waits for the device's queued work,
+    which a receive posted ahead keeps queued until the peer sends, and the peer may be waiting
+    on this rank (PipelineRuntime.actions)."""
     eager = name in EAGER
     return with_transfers(compute_steps(name, stages, stage, micro, chunks), stages, stage,
-                          chunks, eager=eager, prefetch=prefetch or eager)
+                          chunks, eager=eager, prefetch=prefetch or eager, loading=loading)
 
 
 def check_schedule(parallel: ParallelConfig) -> None:

@@ -121,8 +121,6 @@ def startup_lines(family: str, config: Config, parameters: int, *, world: int, t
         chunks = parallel.virtual_chunks(model.num_layers)
         overlap += f"; pipeline schedule {parallel.pipeline_schedule}" + (
             f", {chunks} model chunks a stage" if chunks > 1 else "")
-        if train.runtime.eager_kernels(pp > 1) and backend == "nccl":
-            overlap += ", CUDA kernels loaded at start-up (--cuda-module-loading)"
     split = plan is not None and plan.batch_split  # the micro-batch is the whole pipeline's
     threads_line = f" ({_plural(threads, 'intra-op thread')} a rank)" if threads else ""
     lines = [

@@ -73,12 +73,14 @@ def built_on(fn: Callable, device: torch.device) -> Callable:
 
 
 def drawn_then_moved(fn: Callable, device: torch.device) -> Callable:
-    """fn run as the twin runs it (its CPU generator, its values), its tensor or tuple of tensors
-    moved to `device`."""
+    """fn run as the twin runs it (its CPU generator, its values, on the CPU even inside a
+    reference run under another default device), its tensor or tuple of tensors moved to
+    `device`."""
 
     @functools.wraps(fn)
     def draw(*args, **kwargs):
-        out = fn(*args, **kwargs)
+        with torch.device("cpu"):
+            out = fn(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             return out.to(device)
         return tuple(t.to(device) for t in out)
