@@ -99,6 +99,7 @@ def good(tmp_path_factory) -> dict[str, Path]:
     (root / "plan.json").write_text(json.dumps(
         {"stages": [{"ranks": [0], "tp": 1, "layers": [0, 1]}]}))
     (root / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    (root / "nccl.yaml").write_text("pp:\n  max_ctas: 2\n")
     write_hf_checkpoint(root / "hf", HF_MODEL)
     write_hf_checkpoint(root / "hf_sharded", HF_MODEL, shards=2)
     hf_tokenizer = root / "hf_tokenizer"
@@ -116,6 +117,7 @@ def good(tmp_path_factory) -> dict[str, Path]:
     files = {"sp": Path(model), "vocab": root / "vocab.json", "merges": root / "merges.txt",
              "prefix": Path(prefix), "corpus": corpus, "sft": root / "sft.jsonl",
              "plan": root / "plan.json", "ds": root / "ds.json", "hf": root / "hf",
+             "nccl": root / "nccl.yaml",
              "hf_sharded": root / "hf_sharded", "hf_tokenizer": hf_tokenizer,
              "checkpoint": root / "ckpt"}
     assert run(["--save", str(files["checkpoint"]), *MOCK])[0] == 0
@@ -337,6 +339,8 @@ def _rows() -> list[Row]:
         *five("--deepspeed_config", "ds", flag("--deepspeed_config", [*MOCK, "--deepspeed"]),
               "plan"),
         *five("--pipeline-plan", "plan", flag("--pipeline-plan"), "ds"),
+        *five("--nccl-communicator-config-path", "nccl",
+              flag("--nccl-communicator-config-path"), "plan"),
         Row("--load", "corrupt tracker", edited("checkpoint", lambda d: (d / TRACKER).write_bytes(
             JUNK)), flag("--load")),
         Row("--load", "truncated shard", edited("checkpoint", _cut_shard), flag("--load")),
@@ -365,7 +369,7 @@ NOT_PATHS = {"--ckpt-format", "--dataloader-type", "--fp8-amax-compute-algo", "-
              "--prompt-template", "--recompute-granularity", "--recompute-method", "--split",
              "--step-batch-size-schedule", "--tokenizer-type", "--emulate-slow-rank",
              "--diloco-pseudo-grad-dtype", "--pipeline-planner", "--pipeline-reshard",
-             "--pipeline-codec", "--pipeline-codec-values"}
+             "--pipeline-codec", "--pipeline-codec-values", "--high-priority-stream-groups"}
 """The flags taking a string that is not a path: a name, a choice, a template or a schedule."""
 
 

@@ -52,8 +52,14 @@ def _same_everywhere(seen: list) -> None:
     assert seen and all(other == seen for other in everyone), everyone
 
 
-def check_channels(pp: int, chunks: int) -> None:
-    dims = ParallelDims(tp=1, pp=pp)
+def check_channels(pp: int, chunks: int, nccl: dict | None = None) -> None:
+    """`nccl`: the groups made with those NCCL settings (--nccl-communicator-config-path;
+    on gloo they do not apply)."""
+    dims = ParallelDims(tp=1, pp=pp, nccl=nccl)
+    if nccl is not None and dist.get_backend() == "nccl":
+        assert dims.options("pp").config.max_ctas == nccl["pp"]["max_ctas"]
+    else:
+        assert dims.options("pp") is None
     channels, seen, mine = _recorded(lambda: dims.pipeline_channels(chunks))
     _same_everywhere(seen)
     stage, position = dims.pp_rank, dims.stages[dims.pp_rank][0].index(dims.rank)
@@ -98,6 +104,10 @@ SUITE.case("channels-pp2-interleaved", check_channels, 2, 2)
 SUITE.case("channels-pp2", check_channels, 2, 1)
 SUITE.case("channels-pp4-interleaved", check_channels, 4, 2, worlds=(4,))
 SUITE.case("channels-pp2-dp2-interleaved", check_channels, 2, 2, worlds=(4,))
+NCCL_SETTINGS = {"pp": {"max_ctas": 2, "min_ctas": 1}, "dp": {"is_high_priority_stream": True},
+                 "tp": {"cga_cluster_size": 2}}
+SUITE.case("channels-pp2-nccl-settings", check_channels, 2, 1, NCCL_SETTINGS)
+SUITE.case("channels-pp2-dp2-nccl-settings", check_channels, 2, 2, NCCL_SETTINGS, worlds=(4,))
 for strategy in ("send-recv", "broadcast", "scatter-gather"):
     SUITE.case(f"routes-tp2-tp1-{strategy}", check_routes, "tp2_tp1", strategy, worlds=(3,))
 

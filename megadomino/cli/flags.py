@@ -127,6 +127,15 @@ FLAGS: tuple[Flag, ...] = (
           "Post each pipeline receive just before its compute needs it instead of one compute "
           "of its pass ahead (the default, under every schedule: the transfer then overlaps "
           "the computes between; --pipeline-schedule eager-1f1b always does).", const=False),
+    _impl("--nccl-communicator-config-path", "parallel.nccl_communicator_config_path", str,
+          "A YAML file of NCCL settings per process group by Megatron-LM's names (tp, dp, pp: "
+          "the pipeline group and its P2P channels, embd), each of min_ctas, max_ctas, "
+          "cga_cluster_size, net_name (IB or socket) and is_high_priority_stream, e.g. "
+          "'pp: {max_ctas: 2}' (docs/nccl.md); Megatron-LM's other group names are accepted and "
+          "not applied. Default NCCL's settings."),
+    _impl("--high-priority-stream-groups", "parallel.high_priority_stream_groups", str,
+          "Groups (tp, dp, pp, embd) whose NCCL kernels run on a high-priority stream.",
+          nargs="+"),
     _ours("--pipeline-plan", "parallel.pipeline_plan", str,
           "A JSON file of pipeline stages, each with its ranks, TP degree and layer range: "
           "stage meshes of different shapes, joined by cross-mesh resharding (docs/pipeline.md); "

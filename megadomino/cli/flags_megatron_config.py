@@ -123,8 +123,7 @@ MEGATRON_CONFIG_ROWS: tuple[Flag, ...] = (
     notice("--use-sharp", _COMM),
     notice("--disable-gloo-process-groups", "no Gloo process groups are created beside the NCCL "
            "ones"),
-    *notices(("--nccl-communicator-config-path", "--sharp-enabled-group"), _COMM, value),
-    Flag("--high-priority-stream-groups", NOTICE, _COMM, type=value, nargs="+"),
+    notice("--sharp-enabled-group", _COMM, value),
     notice("--use-tp-pp-dp-mapping", "at pipeline size 1 both rank orders are the same: "
            "tensor-parallel ranks adjacent, then data-parallel"),
     notice("--distributed-timeout-seconds-after-init",

@@ -38,6 +38,7 @@ from megadomino.cli.heartbeat import Heartbeat, StalledRankError
 from megadomino.cli.slurm_env import apply_slurm_env
 from megadomino.config import ConfigError
 from megadomino.config.diloco import site_count
+from megadomino.config.nccl import read_nccl_config
 from megadomino.config.pipeline_plan import AUTO, resolve_plan
 from megadomino.config.validate import validate
 from megadomino.distributed import ParallelDims, comm
@@ -60,11 +61,10 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
             from megadomino.interop.hf import check_hf_checkpoint
 
             check_hf_checkpoint(config.train.checkpoint.hf_checkpoint, config.model)
-        apply_slurm_env(os.environ)  # started by srun directly: torchrun's variables from SLURM's
-        _default_to_single_process()
-        world_size = int(os.environ["WORLD_SIZE"])
-        local_size = _local_world_size(world_size)
+        world_size, local_size = _launch_world()
         validate(config, world_size, local_size, finetune=finetune, plan=read)
+        nccl, nccl_notices = read_nccl_config(config.parallel.nccl_communicator_config_path,
+                                              config.parallel.high_priority_stream_groups or ())
         # the run's one plan, before any group (--pipeline-plan auto's once the group exists)
         plan = None if config.parallel.pipeline_plan == AUTO else resolve_plan(config,
                                                                               world_size, read)
@@ -73,7 +73,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
             _print_errors(err)
         return 2
     if int(os.environ["RANK"]) == 0:
-        for notice in notices:
+        for notice in notices + nccl_notices:
             print(f"notice: {notice}", flush=True)
     from megadomino.train.checkpoint import CheckpointError
     from megadomino.train.inputs import build_datasets, hf_model_init
@@ -93,7 +93,7 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
             config, plan = _plan_auto(config)
         dims = ParallelDims(gpus_per_node=parallel.gpus_per_node or local_size,
                             timeout=datetime.timedelta(minutes=timeout), plan=plan,
-                            sites=site_count(parallel, world_size, local_size))
+                            sites=site_count(parallel, world_size, local_size), nccl=nccl)
         train_data, valid_data = build_datasets(config, dims, tokenizer, finetune)
         model_init = None
         if config.train.checkpoint.hf_checkpoint is not None:
@@ -123,6 +123,15 @@ def main(family: str, argv: list[str] | None = None, finetune: bool = False) -> 
             heartbeat.stop()  # before the store's host (rank 0) may go away with its group
         dist.destroy_process_group()
     return 0
+
+
+def _launch_world() -> tuple[int, int]:
+    """(world size, ranks on this node) as torchrun's variables give them: set from SLURM's
+    when srun started the process directly, a single process's when none are set."""
+    apply_slurm_env(os.environ)
+    _default_to_single_process()
+    world_size = int(os.environ["WORLD_SIZE"])
+    return world_size, _local_world_size(world_size)
 
 
 def _plan_auto(config):

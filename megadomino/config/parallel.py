@@ -68,6 +68,11 @@ class ParallelConfig:
     """Layers of the first stage (uneven split; the middle stages share the rest evenly)."""
     decoder_last_pipeline_num_layers: int | None = None
     """Layers of the last stage."""
+    nccl_communicator_config_path: str | None = None
+    """--nccl-communicator-config-path: NCCL settings per process group, a YAML file of
+    Megatron-LM's format (config/nccl.py); None: NCCL's defaults."""
+    high_priority_stream_groups: list[str] | None = None
+    """--high-priority-stream-groups: the groups whose NCCL kernels get a high-priority stream."""
     pipeline_plan: str | None = None
     """--pipeline-plan: a JSON file of stages (ranks, TP degree, layer range) for stage meshes
     of different shapes, or 'auto': planned at start-up from measured links and device speeds

@@ -25,6 +25,7 @@ same position of every site of the column, which hold the same parameters of the
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,8 @@ class ParallelDims:
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int | None = None,
                  gpus_per_node: int | None = None, timeout: datetime.timedelta | None = None,
-                 plan: PipelinePlan | None = None, sites: int = 1):
+                 plan: PipelinePlan | None = None, sites: int = 1,
+                 nccl: Mapping[str, dict] | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ParallelDims needs torch.distributed.init_process_group() first")
         world = dist.get_world_size()
@@ -85,6 +87,10 @@ class ParallelDims:
         """Each stage's (ranks, TP degree): what a checkpoint records of the plan."""
         self._writers_group, self._writers_made = None, False
         self._channels: dict[int, dict] = {}
+        self.nccl = dict(nccl or {})
+        """NCCL settings per group name (--nccl-communicator-config-path, config/nccl.py):
+        the tp, dp, pp (the pipeline group and its channels) and embd groups are made with
+        them (`options`)."""
         self.replica_group = dist.group.WORLD
         """The ranks that hold one replica of the model between them (ZeRO's global reductions
         run over it): the world, or in a site view the site's ranks."""
@@ -93,10 +99,10 @@ class ParallelDims:
 
         # new_group is collective over the whole world: every rank creates every group, in order.
         self.tp_group = _groups_containing(rank, [row for block in blocks for row in block],
-                                           timeout=timeout)
+                                           self.options("tp"), timeout=timeout)
         self.dp_group = _groups_containing(rank, [block[:, t] for block in blocks
                                                   for t in range(block.shape[1])],
-                                           timeout=timeout)
+                                           self.options("dp"), timeout=timeout)
         self._pipeline_groups(rank, blocks, timeout)
         self._node_groups(rank, blocks, gpus_per_node, timeout)
         if sites != 1:
@@ -112,7 +118,7 @@ class ParallelDims:
             self.pp_group = _groups_containing(rank, [grid[:, d, t]
                                                       for d in range(grid.shape[1])
                                                       for t in range(grid.shape[2])],
-                                               timeout=timeout)
+                                               self.options("pp"), timeout=timeout)
             self.pp_replicas = 1
         else:
             self.pp_group = dist.group.WORLD
@@ -209,7 +215,7 @@ class ParallelDims:
                 for pass_ in ("F", "B"):
                     pairs = list(zip(stages[b], stages[(b + 1) % count]))
                     group = _groups_containing(self.rank, [torch.tensor(pair) for pair in pairs],
-                                               timeout=self.timeout)
+                                               self.options("pp"), timeout=self.timeout)
                     if group is not None:
                         mine[(pass_, b)] = group
                     links += [("p2p", group if self.rank in pair else None,
@@ -217,6 +223,19 @@ class ParallelDims:
             comm.open_links(links)
             self._channels[chunks] = mine
         return self._channels[chunks]
+
+    def options(self, name: str):
+        """`ProcessGroupNCCL.Options` for new groups of Megatron-LM's name `name` from the
+        run's NCCL settings (`nccl`), or None: no settings for it, or not NCCL."""
+        entry = self.nccl.get(name)
+        if not entry or dist.get_backend() != "nccl":
+            return None
+        options = dist.ProcessGroupNCCL.Options(
+            is_high_priority_stream=bool(entry.get("is_high_priority_stream", False)))
+        for key, value in entry.items():
+            if key != "is_high_priority_stream":
+                setattr(options.config, key, value)
+        return options
 
     @property
     def is_first_rank(self) -> bool:

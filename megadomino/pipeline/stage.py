@@ -28,7 +28,7 @@ def embedding_group(plan: PipelinePlan, dims):
     mine = None
     for position in range(len(first.ranks)):
         ranks = [first.ranks[position], last.ranks[position]]
-        group = dist.new_group(ranks, timeout=dims.timeout)
+        group = dist.new_group(ranks, pg_options=dims.options("embd"), timeout=dims.timeout)
         if dims.rank in ranks:
             mine = group
     return mine
