@@ -6,12 +6,13 @@
 
 The model is megadomino/pipeline/placement/scale.py (the placement cost model's counts, the one
 pipeline simulator). Its rates come from benchmarks/scale_calibration.json, each entry naming the
-raw file it was copied from: the layer-rate curve (1-GPU layer timings; TP-shard shapes from
-layers timed with their collectives skipped), the bus bandwidth at 2 and 4 GPUs (plain TP's
-layer minus the same layer without its collectives: one message size each), and the rest of a
-1-GPU step (optimizer, host) from the 1-GPU run of each held-out row's model and variant. The
-inter-node bandwidth is an assumption (--inter-node-gbit, default 400 Gbit/s a GPU: InfiniBand
-NDR, one NIC a GPU). Held-out rows (2 and 4 GPUs) are predicted, never fitted.
+raw file it was copied from: 1-GPU layer timings of each measured preset at each TP shard's
+shapes and micro-batch ("layer", from bench_scale_inputs.py layers), NCCL bus bandwidth of
+all-reduce, reduce-scatter and all-gather over message sizes at 2 and 4 GPUs ("busbw", from
+bench_scale_inputs.py busbw), and the rest of a 1-GPU step (optimizer, host) from the 1-GPU run
+of each held-out row's model and variant ("one_gpu"). The inter-node bandwidth is an assumption
+(--inter-node-gbit, default 400 Gbit/s a GPU: InfiniBand NDR, one NIC a GPU). Held-out rows (2
+and 4 GPUs) are predicted, never fitted.
 
 The netns CPU rows use the same model with the testbed's rates: the pipeline rows through the
 simulator from each run's own profiling pass and its link rate (bench_pipeline.predicted_step),
@@ -34,10 +35,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from megadomino.config import ConfigError  # noqa: E402
-from megadomino.config.flops import layer_macs  # noqa: E402
-from megadomino.config.model import ModelConfig  # noqa: E402
+from megadomino.config.model import PRESETS, ModelConfig  # noqa: E402
 from megadomino.pipeline.placement.scale import (  # noqa: E402
+    BUS_FACTOR,
     Curve,
+    LayerTimes,
     Layout,
     Rates,
     exposed,
@@ -49,6 +51,17 @@ REPO = Path(__file__).resolve().parent.parent
 CALIBRATION = REPO / "benchmarks" / "scale_calibration.json"
 FORMAT = "megadomino scale calibration 1"
 KEYS = ("peak_tflops", "gpus_per_node", "layer", "busbw", "one_gpu", "held_out", "netns")
+ENTRIES = {
+    "layer": (("preset",), ("tp_shape", "micro_batch", "seq", "ms"),
+              ("tp_shape", "micro_batch", "seq")),
+    "busbw": (("collective",), ("gpus", "bytes", "bus_gbps"), ("gpus", "bytes")),
+    "one_gpu": (("name", "preset"), ("micro_batch", "global_batch", "step_s"), ()),
+    "held_out": (("name", "preset", "calibration"), ("tp", "dp", "micro_batch", "global_batch",
+                                                     "step_s"), ()),
+}
+"""Each entry list's (text keys, positive-number keys, keys that with the text ones name an
+entry once)."""
+CHOICES = {"preset": PRESETS, "collective": BUS_FACTOR}
 SWEEP_PRESETS = ("gpt3-1.3b", "gpt3-6.7b", "llama2-7b", "gpt3-13b", "llama2-70b")
 GPU_COUNTS = tuple(2 ** k for k in range(3, 13))  # 8 .. 4096
 
@@ -65,16 +78,42 @@ def load_calibration(path: str | Path) -> dict:
     missing = [key for key in KEYS if key not in data]
     if missing:
         raise ConfigError(f"{name}: missing {', '.join(missing)}")
-    for entry in data["layer"] + data["busbw"] + data["one_gpu"] + data["held_out"]:
-        numbers = [entry.get(k) for k in ("ms", "with_ms", "without_ms", "step_s", "bus_gbps")
-                   if k in entry]
-        if not numbers or not all(isinstance(v, (int, float)) and v > 0 for v in numbers):
-            raise ConfigError(f"{name}: entry {entry.get('name', entry.get('preset'))!r} needs "
-                              f"positive times, not {numbers}")
-        if not (REPO / entry.get("source", "")).is_file():
-            raise ConfigError(f"{name}: source {entry.get('source')!r} is not a file of the "
-                              f"repository")
+    for part in ENTRIES:
+        check_entries(name, part, data[part])
+    absent = [k for k in BUS_FACTOR if not any(e["collective"] == k for e in data["busbw"])]
+    if absent or not data["layer"]:
+        raise ConfigError(f"{name}: needs \"layer\" entries and \"busbw\" entries of "
+                          f"{', '.join(BUS_FACTOR)} (none of {', '.join(absent) or 'layer'})")
+    names = {row["name"] for row in data["one_gpu"]}
+    orphans = [row["name"] for row in data["held_out"] if row["calibration"] not in names]
+    if orphans:
+        raise ConfigError(f"{name}: held_out {orphans} name no one_gpu row as \"calibration\"")
     return data
+
+
+def check_entries(name: str, part: str, entries: list) -> None:
+    """`entries` of `part` (ENTRIES) well formed, each once, each naming a repository file."""
+    texts, numbers, identity = ENTRIES[part]
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(f"{name}: \"{part}\" must be a list of objects")
+    seen = set()
+    for entry in entries:
+        what = f"{name}: {part} entry {[entry.get(k) for k in texts + identity]}"
+        values = [entry.get(k) for k in numbers]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                   for v in values):
+            raise ConfigError(f"{what} needs positive {', '.join(numbers)}, not {values}")
+        bad = [k for k in texts if not isinstance(entry.get(k), str)
+               or (k in CHOICES and entry[k] not in CHOICES[k])]
+        if bad:
+            raise ConfigError(f"{what}: {', '.join(bad)} missing or unknown")
+        key = tuple(entry[k] for k in texts + identity)
+        if key in seen:
+            raise ConfigError(f"{what} appears twice")
+        seen.add(key)
+        if not (REPO / entry.get("source", "")).is_file():
+            raise ConfigError(f"{what}: source {entry.get('source')!r} is not a file of the "
+                              f"repository")
 
 
 def model_of(entry: dict) -> ModelConfig:
@@ -82,39 +121,27 @@ def model_of(entry: dict) -> ModelConfig:
     return ModelConfig.preset(entry["preset"], **layers)
 
 
-def layer_curve(data: dict) -> Curve:
-    """FLOP/s vs forward + backward FLOPs of one layer shard (scale.Curve's points)."""
-    points = []
-    for entry in data["layer"]:
-        model = model_of(entry)
-        work = 6 * model.seq_length * entry["micro_batch"] * layer_macs(model) / entry["tp_shape"]
-        points.append((work, work / (entry["ms"] / 1e3)))
-    return Curve(tuple(points))
+def layer_times(data: dict) -> LayerTimes:
+    """The "layer" entries (bench_scale_inputs.py layers: ms a layer's forward + backward on
+    one GPU at a TP shard's shapes, at the entry's sequence length)."""
+    return LayerTimes.from_rows(
+        (ModelConfig.preset(e["preset"], seq_length=e["seq"], max_position_embeddings=e["seq"]),
+         e["tp_shape"], e["micro_batch"], e["ms"] / 1e3) for e in data["layer"])
 
 
-def busbw_curves(data: dict) -> dict[int, Curve]:
-    """Bus bandwidth (bytes/s) by group size: an all-reduce entry of bench_scale_inputs.py's
-    `busbw` as measured, or a stand-in's 4 all-reduces of an (s, b, h) bf16 activation in
-    `with_ms - without_ms`; entries of one size and message averaged."""
-    found: dict[int, dict[float, list[float]]] = {}
+def busbw_curves(data: dict) -> dict[tuple[str, int], Curve]:
+    """Bus bandwidth (bytes/s) against message bytes by (collective, GPUs): the "busbw"
+    entries (bench_scale_inputs.py busbw, nccl-tests' bus bandwidth)."""
+    found: dict[tuple[str, int], list] = {}
     for entry in data["busbw"]:
-        n = entry["gpus"]
-        if "bus_gbps" in entry:
-            if entry["collective"] == "all_reduce":
-                found.setdefault(n, {}).setdefault(entry["bytes"], []).append(
-                    entry["bus_gbps"] * 1e9)
-            continue
-        model = model_of(entry)
-        nbytes = model.seq_length * entry["micro_batch"] * model.hidden_size * 2
-        seconds = (entry["with_ms"] - entry["without_ms"]) / 1e3 / 4
-        found.setdefault(n, {}).setdefault(nbytes, []).append(2 * (n - 1) / n * nbytes / seconds)
-    return {n: Curve(tuple((b, statistics.mean(v)) for b, v in sizes.items()))
-            for n, sizes in found.items()}
+        found.setdefault((entry["collective"], entry["gpus"]), []).append(
+            (entry["bytes"], entry["bus_gbps"] * 1e9))
+    return {key: Curve(tuple(points)) for key, points in found.items()}
 
 
 def rates_for(data: dict, inter_gbit: float, one_gpu: str | None) -> Rates:
     """The rates, their rest calibrated on the named 1-GPU row (the first when None)."""
-    rates = Rates(layer_curve(data), busbw_curves(data), inter_gbit * 1e9 / 8, 0.0,
+    rates = Rates(layer_times(data), busbw_curves(data), inter_gbit * 1e9 / 8, 0.0,
                   data["peak_tflops"] * 1e12, data["gpus_per_node"])
     rows = {row["name"]: row for row in data["one_gpu"]}
     row = rows[one_gpu] if one_gpu else data["one_gpu"][0]

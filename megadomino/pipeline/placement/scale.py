@@ -10,16 +10,18 @@ when tp <= gpus_per_node, the DP group when dp * tp <= gpus_per_node, a pipeline
 both stages' first ranks sit on one node; otherwise it runs at the inter-node rate.
 
 Per micro-batch on one GPU (W the FLOPs of a layer's forward + backward on its shard):
-  layer      W / rate(W): the rate a 1-GPU layer timing reaches at that much work per GPU
-             (`Rates.layer`, interpolated log-log between measured points, flat beyond them:
-             smaller TP shards and micro-batches run smaller, less efficient GEMMs)
-  logits     the same rule for the output layer, on the last stage
+  layer      W / rate(W) at the layer's TP shard, never below the layer's launch floor
+             (`LayerTimes`: 1-GPU timings of each measured layer at each TP shard's shapes and
+             micro-batch; smaller shards and micro-batches run smaller, less efficient GEMMs)
+  logits     the same rate rule for the output layer (no floor), on the last stage
   TP         4 collectives of the (s, b, h) activation a layer, forward and backward (plain TP:
              all-reduces; SP: all-gathers and reduce-scatters, the same bus bytes), each
-             factor * bytes / busbw(tp, bytes) (nccl-tests' bus bandwidth: all-reduce factor
-             2 (n - 1) / n, reduce-scatter and all-gather (n - 1) / n) plus a latency a ring
-             step; exposed in full, or with `overlap_tp` (--tp-comm-overlap, Domino) only what
-             exceeds the layer's compute (ideal overlap: an upper bound on its benefit)
+             factor * bytes / busbw(kind, tp, bytes) (nccl-tests' bus bandwidth: all-reduce
+             factor 2 (n - 1) / n, reduce-scatter and all-gather (n - 1) / n; the measured curve
+             of that collective, whose times include each ring step's latency; across nodes the
+             assumed rate plus a latency a ring step); exposed in full, or with `overlap_tp`
+             (--tp-comm-overlap, Domino) only what exceeds the layer's compute (ideal overlap:
+             an upper bound on its benefit)
   forward : backward = 1 : 2 (cost.py's rule); the pipeline is `simulate` of the schedule with
   these per-stage times and one activation message per boundary (bf16; / tp under SP).
 Per step:
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from megadomino.config.flops import (
@@ -72,13 +75,16 @@ ranks (benchmarks/domino_links.py measures with it, the scale model prices with 
 @dataclass(frozen=True)
 class Curve:
     """y(x) through measured points, linear in log x and log y between them and flat beyond
-    the first and last (a point's rate is never extrapolated to unmeasured work)."""
+    the first and last (a point's rate is never extrapolated to unmeasured work). The points'
+    x are distinct."""
 
     points: tuple[tuple[float, float], ...]
 
     def __post_init__(self):
         if not self.points or any(x <= 0 or y <= 0 for x, y in self.points):
             raise ValueError(f"a curve needs positive points, not {self.points}")
+        if len({x for x, _ in self.points}) < len(self.points):
+            raise ValueError(f"a curve needs distinct x, not {self.points}")
         object.__setattr__(self, "points", tuple(sorted(self.points)))
 
     def __call__(self, x: float) -> float:
@@ -93,37 +99,107 @@ class Curve:
         return math.exp(math.log(y0) + t * math.log(y1 / y0))
 
 
+def layer_work(model: ModelConfig, tp: int, micro_batch: int) -> float:
+    """FLOPs of one layer's forward + backward on one GPU of TP `tp` (3 x the forward's)."""
+    return 6 * model.seq_length * micro_batch * layer_macs(model) / tp
+
+
+def layer_shape(model: ModelConfig) -> tuple:
+    """What tells layers apart in `LayerTimes`: (SwiGLU, hidden, FFN, heads, query groups, head
+    dim). The sequence length is not part of it: it enters through a layer's FLOPs."""
+    return (model.swiglu, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
+            model.num_query_groups, model.kv_channels)
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """One layer's forward + backward on one GPU, from 1-GPU timings of layers at TP-shard
+    shapes (one GPU computing what one rank of TP t computes, its collectives absent).
+
+    `rates[shape][t]`: FLOP/s against FLOPs of the layer `shape` (`layer_shape`) at TP shard
+    shape t, one point a measured micro-batch; a measured (layer, t, micro-batch) is priced at
+    its measured time. Between measured micro-batches the rate is log-log interpolated; beyond
+    the largest its rate holds (a saturated GEMM's time grows with its work). A TP degree
+    between measured shapes interpolates their rates at the same FLOPs (log-log in t), beyond
+    them the nearest shape's rate holds.
+    `floors[shape]`: the least time measured for that layer. Small shards are launch-bound: an
+    eager layer takes about 2 ms whatever its micro-batch once its GEMMs are small (GPT-3 1.3B
+    at TP 8), so no layer is predicted faster than its floor (below the measured FLOPs, where
+    the rate holds and the time would shrink with the work, the floor decides).
+    A layer not measured is priced by the measured layer of its kind (SwiGLU or not) nearest
+    in hidden size, at its own FLOPs."""
+
+    rates: dict[tuple, dict[int, Curve]]
+    floors: dict[tuple, float]
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[tuple[ModelConfig, int, int, float]]) -> LayerTimes:
+        """From (model, TP shape, micro-batch, seconds) rows, the model at the timed sequence
+        length."""
+        points: dict[tuple, dict[int, list]] = {}
+        floors: dict[tuple, float] = {}
+        for model, tp_shape, micro_batch, seconds in rows:
+            shape, work = layer_shape(model), layer_work(model, tp_shape, micro_batch)
+            points.setdefault(shape, {}).setdefault(tp_shape, []).append((work, work / seconds))
+            floors[shape] = min(seconds, floors.get(shape, seconds))
+        rates = {shape: {t: Curve(tuple(p)) for t, p in by_tp.items()}
+                 for shape, by_tp in points.items()}
+        return cls(rates, floors)
+
+    def measured(self, model: ModelConfig) -> tuple:
+        """The measured layer that prices `model`'s (itself when measured)."""
+        shape = layer_shape(model)
+        if shape in self.rates:
+            return shape
+        kind = [s for s in self.rates if s[0] == model.swiglu] or list(self.rates)
+        return min(kind, key=lambda s: abs(math.log(s[1] / model.hidden_size)))
+
+    def rate(self, model: ModelConfig, tp: int, work: float) -> float:
+        """FLOP/s of `work` FLOPs of `model`'s layer on one GPU of TP `tp`."""
+        by_tp = self.rates[self.measured(model)]
+        return Curve(tuple((t, curve(work)) for t, curve in by_tp.items()))(tp)
+
+    def seconds(self, model: ModelConfig, tp: int, micro_batch: int) -> float:
+        """One layer's forward + backward on one GPU of TP `tp`, never below the floor."""
+        work = layer_work(model, tp, micro_batch)
+        return max(self.floors[self.measured(model)], work / self.rate(model, tp, work))
+
+
 @dataclass(frozen=True)
 class Rates:
-    """What the model prices work with. `layer`: FLOP/s of one GPU on a layer's forward +
-    backward vs its FLOPs; `busbw`: bytes/s of a collective inside a node vs its message bytes,
-    by group size (a larger group uses the largest measured); `inter_node`: bytes/s a GPU
-    sends across nodes (also the bus bandwidth of a group spanning nodes); latencies in s."""
+    """What the model prices work with. `layer`: a layer's seconds on one GPU; `busbw`:
+    bytes/s of a collective inside a node vs its message bytes, by (collective, group size): a
+    larger group uses the largest measured size's curve, a smaller the smallest's;
+    `inter_node`: bytes/s a GPU sends across nodes (also the bus bandwidth of a group spanning
+    nodes), `inter_latency` seconds a ring step across nodes."""
 
-    layer: Curve
-    busbw: dict[int, Curve]
+    layer: LayerTimes
+    busbw: dict[tuple[str, int], Curve]
     inter_node: float
     rest_per_param: float
     peak_flops: float
     gpus_per_node: int = 8
-    intra_latency: float = 5e-6
     inter_latency: float = 10e-6
 
-    def bandwidth(self, group: int, nbytes: float, inside: bool) -> float:
-        if not inside:
-            return self.inter_node
-        sizes = sorted(self.busbw)
+    def bandwidth(self, kind: str, group: int, nbytes: float) -> float:
+        """The measured bus bandwidth of `kind` inside a node (class docstring)."""
+        sizes = sorted(n for k, n in self.busbw if k == kind)
+        if not sizes:
+            raise ValueError(f"no bus bandwidth measured for {kind}")
         measured = max([n for n in sizes if n <= group] or sizes[:1])
-        return self.busbw[measured](nbytes)
+        return self.busbw[(kind, measured)](nbytes)
 
     def collective(self, kind: str, nbytes: float, group: int, inside: bool) -> float:
-        """Seconds of one collective of `nbytes` (module docstring); 0 for a group of one."""
+        """Seconds of one collective of `nbytes` (module docstring); 0 for a group of one.
+        Inside a node the measured times include the ring steps' latency; across nodes it is
+        added to the assumed bandwidth's time."""
         if group <= 1 or nbytes <= 0:
             return 0.0
-        latency = self.intra_latency if inside else self.inter_latency
+        bus_bytes = BUS_FACTOR[kind](group) * nbytes
+        if inside:
+            return bus_bytes / self.bandwidth(kind, group, nbytes)
         steps = 2 * (group - 1) if kind == "all_reduce" else group - 1
-        return (steps * latency
-                + BUS_FACTOR[kind](group) * nbytes / self.bandwidth(group, nbytes, inside))
+        return steps * self.inter_latency + bus_bytes / self.inter_node
 
 
 @dataclass(frozen=True)
@@ -198,12 +274,6 @@ def first_stage_params(work: Workload, layout: Layout) -> int:
     return params - (work.tied_params if layout.pp == 1 else 0)
 
 
-def compute_seconds(rates: Rates, forward_flops: float) -> float:
-    """Forward + backward seconds of work whose forward is `forward_flops` on one GPU."""
-    work = 3 * forward_flops
-    return work / rates.layer(work) if work > 0 else 0.0
-
-
 def tp_seconds(rates: Rates, work: Workload, layout: Layout) -> float:
     """One layer's TP collectives for one micro-batch, forward and backward (module docstring)."""
     nbytes = work.activation_bytes * layout.micro_batch
@@ -222,11 +292,12 @@ def exposed(communication: float, compute: float, overlapped: bool) -> float:
     return max(0.0, communication - compute) if overlapped else communication
 
 
-def stage_times(rates: Rates, work: Workload, layout: Layout) -> tuple[list[float], list[float],
-                                                                         float, float]:
+def stage_times(rates: Rates, model: ModelConfig, work: Workload,
+                layout: Layout) -> tuple[list[float], list[float], float, float]:
     """(forward, backward per stage per micro-batch, one layer's compute, its exposed TP)."""
-    layer = compute_seconds(rates, work.layer_flops * layout.micro_batch / layout.tp)
-    head = compute_seconds(rates, work.head_flops * layout.micro_batch / layout.tp)
+    layer = rates.layer.seconds(model, layout.tp, layout.micro_batch)
+    head_work = 3 * work.head_flops * layout.micro_batch / layout.tp
+    head = head_work / rates.layer.rate(model, layout.tp, head_work)
     tp = exposed(tp_seconds(rates, work, layout), layer, layout.overlap_tp)
     totals = []
     for stage in range(layout.pp):
@@ -276,7 +347,7 @@ def model_flops(work: Workload, layout: Layout) -> float:
 def predict(model: ModelConfig, layout: Layout, rates: Rates) -> ScaleEstimate:
     """`layout`'s step of `model` on `rates`' machine (module docstring)."""
     work = workload(model, layout)
-    forward, backward, layer, tp = stage_times(rates, work, layout)
+    forward, backward, layer, tp = stage_times(rates, model, work, layout)
     weight = None
     if layout.schedule in SPLIT_BACKWARD:  # B and W each a forward's worth, as cost.predict
         backward, weight = list(forward), list(forward)
@@ -300,6 +371,6 @@ def rest_per_param(model: ModelConfig, layout: Layout, rates: Rates, step: float
     if layout.gpus != 1:
         raise ValueError(f"the rest is calibrated on a 1-GPU step, not {layout}")
     work = workload(model, layout)
-    forward, backward, _, _ = stage_times(rates, work, layout)
+    forward, backward, _, _ = stage_times(rates, model, work, layout)
     layers = layout.micro_batches * (forward[0] + backward[0])
     return max(0.0, step - layers) / first_stage_params(work, layout)
