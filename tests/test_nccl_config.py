@@ -6,6 +6,7 @@ The groups made with the settings are tested on gloo and NCCL in tests/test_open
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -90,3 +91,9 @@ def test_options_are_nccl_options_of_the_named_group(monkeypatch):
     tp = dims.options("tp")
     assert tp.is_high_priority_stream and vars(tp.config) == {}
     assert dims.options("dp") is None
+
+
+def test_the_benchmark_file_reads():
+    """benchmarks/nccl_pp_max_ctas2.yaml (gpu_suite.sh pp-prefetch) is a file the CLI takes."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "nccl_pp_max_ctas2.yaml"
+    assert read_nccl_config(str(path)) == ({"pp": {"max_ctas": 2}}, [])
