@@ -28,11 +28,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megadomino.pipeline.reshard import SOLVERS, STRATEGIES, Layout, Mesh, make_plan
+from megadomino.pipeline.reshard import STRATEGIES, Layout, Mesh, make_plan
 from megadomino.pipeline.reshard.layout import box_shape
+from megadomino.pipeline.reshard.solvers import solver_name
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reshard_runner import GroupCache, Reshard  # noqa: E402
+from reshard_solvers import solvers  # noqa: E402
 
 MIB = 1 << 20
 
@@ -88,16 +90,17 @@ def configs(case: Case, rate: float) -> dict[tuple[str, ...], object]:
     src, dst = case.layouts()
     found: dict = {}
     for strategy in STRATEGIES:
-        for solver in SOLVERS:
+        for solver in solvers():
             plan = make_plan(case.shape, torch.float32, src, dst, strategy, solver, chunks=32,
                              rates={host: rate for host in case.src_hosts + case.dst_hosts})
+            name = solver_name(solver)
             for key, other in found.items():
                 if key[0] == strategy and other.steps == plan.steps:
                     del found[key]
-                    found[key + (solver,)] = other
+                    found[key + (name,)] = other
                     break
             else:
-                found[(strategy, solver)] = plan
+                found[(strategy, name)] = plan
     return found
 
 

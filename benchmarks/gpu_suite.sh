@@ -27,6 +27,13 @@
 #   quant        benchmarks/bench_quant.py: our kernels vs DeepSpeed's quantizer, one GPU
 #   codec        benchmarks/bench_codec.py: the pipeline codecs on a gpt3-1.3b boundary
 #                (micro-batch 4, bf16) against the copy bandwidth; top-k against int8, one GPU
+#   reshard-train
+#                benchmarks/bench_reshard_train.py: each boundary of the heterogeneous plans
+#                (TP2 -> TP1, DP2 -> DP1, TP1 -> TP2 on 3 GPUs; with 4 GPUs also the 4-rank
+#                chains) through the training transport under every --pipeline-reshard
+#                strategy, gpt3-1.3b's activation (seq 2048, micro-batch 4, bf16), 3 rounds,
+#                against the busiest link's bytes at the P2P bandwidth measured in the same run
+#                -> $OUT/reshard_train_3.json (and _4.json)
 #   zero         benchmarks/bench_zero.py: ZeRO-3 vs ZeRO++ (and its parts) on 4 GPUs as 2 x 2
 #                (2 GPUs: 2 x 1),
 #                GPT-3 1.3B at micro-batch 4 (GPU-bound), with the one-deep reducer beside
@@ -138,6 +145,13 @@ for name in "$@"; do
              --out "$OUT/quant.json" ;;
     codec) step codec 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_codec.py \
              --out "$OUT/codec.json" ;;
+    reshard-train)
+      for n in 3 4; do
+        if [ "$GPUS" -ge "$n" ]; then
+          step "reshard-train-$n" 280 torchrun --standalone --nproc_per_node "$n" \
+            benchmarks/bench_reshard_train.py --out "$OUT/reshard_train_$n.json"
+        fi
+      done ;;
     zero) step zero 200 torchrun --standalone --nproc_per_node "$GPUS" benchmarks/bench_zero.py \
             --steps 8 --warmup 3 --micro-batch-size 4 --configs "plain dp" zero3 qwz qwz+hpz \
             zero++ "zero++ depth1" "zero3 x1" "zero++ x1" --out "$OUT/zero.json" ;;

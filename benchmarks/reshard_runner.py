@@ -25,8 +25,13 @@ import torch
 import torch.distributed as dist
 
 from megadomino.distributed import comm
-from megadomino.pipeline.reshard.layout import box_numel, box_shape, box_slices
-from megadomino.pipeline.reshard.resharding import ReshardPlan, Step, tile_of
+from megadomino.pipeline.reshard.layout import Box, Layout, box_numel, box_shape, box_slices
+from megadomino.pipeline.reshard.resharding import ReshardPlan, Step
+
+
+def tile_of(layout: Layout, shape: tuple[int, ...], rank: int) -> Box | None:
+    """The rank's tile under `layout`, None when the rank is not in its mesh."""
+    return layout.tile(shape, rank) if rank in layout.mesh.ranks else None
 
 
 class GroupCache:

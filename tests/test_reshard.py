@@ -1,21 +1,34 @@
 """Cross-mesh resharding without processes: tiles cover the tensor, the planner's slices cover
 every destination tile exactly once, the bytes on each link equal the closed-form counts of each
 strategy, the bounded search equals brute force on up to 6 works, the greedy solvers are never
-worse than no balancing and are deterministic for a fixed seed, and bad input is refused."""
+worse than no balancing and are deterministic for a fixed seed, and bad input is refused. The
+randomized greedy and the search are the benchmark's (benchmarks/reshard_solvers.py), passed to
+make_plan as Solvers."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import os
 import random
+import sys
 
 import pytest
 import torch
 
-from megadomino.pipeline.reshard import SOLVERS, STRATEGIES, Layout, Mesh, make_plan
+from megadomino.pipeline.reshard import STRATEGIES, Layout, Mesh, make_plan
 from megadomino.pipeline.reshard.layout import box_numel, box_slices, part_range
 from megadomino.pipeline.reshard.plan import binomial_edges, make_works, plan_transfers
 from megadomino.pipeline.reshard.resharding import work_options
-from megadomino.pipeline.reshard.solvers import choice_loads, makespan, solve
+from megadomino.pipeline.reshard.solvers import choice_loads, makespan, solve, solver_name
+
+_SPEC = importlib.util.spec_from_file_location(  # the benchmark's solvers
+    "reshard_solvers", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "benchmarks", "reshard_solvers.py"))
+_SOLVERS = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = _SOLVERS  # its dataclasses look their module up there
+_SPEC.loader.exec_module(_SOLVERS)
+RandomGreedy, Search, every_solver = _SOLVERS.RandomGreedy, _SOLVERS.Search, _SOLVERS.solvers
 
 SHAPE = (5, 7, 3)
 MB = 4  # bytes per fp32 element
@@ -178,7 +191,7 @@ def brute_force(options, fixed, rates) -> float:
 def test_search_equals_brute_force(seed):
     rng = random.Random(seed)
     options, fixed, rates = random_problem(rng, rng.randint(1, 6))
-    found = solve(options, fixed, rates, "search")
+    found = solve(options, fixed, rates, Search())
     assert found.exact
     assert found.makespan == pytest.approx(brute_force(options, fixed, rates), rel=1e-12)
     assert found.makespan == makespan(choice_loads(options, fixed, found.choice), rates)
@@ -188,8 +201,8 @@ def test_search_equals_brute_force(seed):
 def test_greedy_solvers_never_worse_than_none(seed):
     options, fixed, rates = random_problem(random.Random(seed), 12)
     plain = solve(options, fixed, rates, "none").makespan
-    for solver in SOLVERS:
-        found = solve(options, fixed, rates, solver, seed=seed)
+    for solver in every_solver(seed):
+        found = solve(options, fixed, rates, solver)
         assert found.makespan <= plain
         assert sorted(found.order) == list(range(len(options)))
         assert found.makespan == makespan(choice_loads(options, fixed, found.choice), rates)
@@ -202,8 +215,9 @@ def test_solvers_on_plans(src, dst):
     host_of = {**dict(zip(src.mesh.ranks, src.mesh.hosts)),
                **dict(zip(dst.mesh.ranks, dst.mesh.hosts))}
     for strategy in STRATEGIES:
-        spans = {solver: make_plan(SHAPE, torch.float32, src, dst, strategy, solver).makespan()
-                 for solver in SOLVERS}
+        spans = {solver_name(solver): make_plan(SHAPE, torch.float32, src, dst, strategy,
+                                                solver).makespan()
+                 for solver in every_solver()}
         assert all(span <= spans["none"] for span in spans.values()), spans
         works = make_works(strategy, plan_transfers(SHAPE, src, dst))
         if len(works) <= 6:
@@ -214,12 +228,12 @@ def test_solvers_on_plans(src, dst):
 
 def test_random_greedy_is_deterministic_for_a_seed():
     options, fixed, rates = random_problem(random.Random(5), 20)
-    runs = [solve(options, fixed, rates, "random_greedy", seed=11) for _ in range(3)]
+    runs = [solve(options, fixed, rates, RandomGreedy(11)) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
-    others = {solve(options, fixed, rates, "random_greedy", seed=s).choice for s in range(8)}
+    others = {solve(options, fixed, rates, RandomGreedy(s)).choice for s in range(8)}
     assert len(others) > 1  # the seed does steer it
     src, dst = Layout.replicated(mesh(0, "AB"), 3), Layout.sharded(mesh(2, "CCDD"), 3, 0)
-    plans = [make_plan(SHAPE, torch.float32, src, dst, "send_recv", "random_greedy", seed=3)
+    plans = [make_plan(SHAPE, torch.float32, src, dst, "send_recv", RandomGreedy(3))
              for _ in range(2)]
     assert plans[0] == plans[1]
 
@@ -228,7 +242,7 @@ def test_balancing_spreads_senders_over_hosts():
     src = Layout.replicated(mesh(0, "AB"), 3)
     dst = Layout.sharded(mesh(2, "CCDD"), 3, 0)
     none = make_plan(SHAPE, torch.float32, src, dst, "send_recv", "none")
-    best = make_plan(SHAPE, torch.float32, src, dst, "send_recv", "search")
+    best = make_plan(SHAPE, torch.float32, src, dst, "send_recv", Search())
     assert {step.sender for step in none.steps} == {0}
     assert {step.sender for step in best.steps} == {0, 1}
     assert best.makespan() < none.makespan()

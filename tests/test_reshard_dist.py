@@ -16,22 +16,34 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from dist_utils import C, DistSuite
-from megadomino.pipeline.reshard import SOLVERS, STRATEGIES, Layout, Mesh, make_plan
+from megadomino.pipeline.reshard import STRATEGIES, Layout, Mesh, make_plan
 from megadomino.pipeline.reshard.layout import box_slices
 from megadomino.pipeline.reshard.network import Network
+from megadomino.pipeline.reshard.solvers import solver_name
 
-_SPEC = importlib.util.spec_from_file_location(  # the benchmark's blocking runner of a plan
-    "reshard_runner", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                   "benchmarks", "reshard_runner.py"))
-_RUNNER = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(_RUNNER)
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks")
+
+
+def _benchmark(name: str):
+    """benchmarks/NAME.py: the blocking runner of a plan, and the solvers beyond training's."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCHMARKS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+_RUNNER = _benchmark("reshard_runner")
 GroupCache, Reshard = _RUNNER.GroupCache, _RUNNER.Reshard
+SOLVERS = _benchmark("reshard_solvers").solvers(seed=7)
 
 SHAPE = (5, 7, 3)
 
@@ -83,9 +95,10 @@ def check_strategy(strategy: str, groups: GroupCache, world: int, two_d: bool,
     gradient = torch.randn(SHAPE, generator=generator)
     failures = []
     for (src, dst), solver in itertools.product(layout_pairs(world, two_d), SOLVERS):
-        plan = make_plan(SHAPE, torch.float32, src, dst, strategy, solver, seed=7, chunks=3,
+        plan = make_plan(SHAPE, torch.float32, src, dst, strategy, solver, chunks=3,
                          network=network)
-        where = (f"{strategy}/{solver} {src.mesh.shape}{src.dims} -> {dst.mesh.shape}{dst.dims}"
+        where = (f"{strategy}/{solver_name(solver)} {src.mesh.shape}{src.dims} -> "
+                 f"{dst.mesh.shape}{dst.dims}"
                  f"{'' if network is None else ' ' + network.describe()}")
         for direction, current, full in ((" forward", plan, activation),
                                          (" backward", plan.backward(), gradient)):

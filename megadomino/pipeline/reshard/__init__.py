@@ -13,7 +13,9 @@ sender choice.
     print(plan.describe())                     # the choice, its predicted time, the others
 
 Modules: `layout` (meshes, layouts, tiles), `network` (links per host or per device, the
-backend), `plan` (tile-to-slice planning, strategies, link bytes), `solvers` (sender choice),
+backend), `plan` (tile-to-slice planning, strategies, link bytes), `solvers` (sender choice:
+training's least_bytes; the paper's randomized greedy and an exact search are the benchmark's,
+benchmarks/reshard_solvers.py, passed to make_plan as a Solver),
 `cost` (predicted time per backend), `resharding` (the plan), `boundary` (a pipeline boundary's
 routes and groups, as the training transport runs them). A blocking runner of any plan, the
 chained broadcast's too, is the benchmark's (benchmarks/reshard_runner.py). See docs/reshard.md.

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from .network import Link
 from .plan import add_edge_bytes
-from .solvers import makespan
+from .solvers import makespan, solver_name
 
 if TYPE_CHECKING:
     from .resharding import ReshardPlan, Step
@@ -133,7 +133,7 @@ def describe(plan: ReshardPlan) -> str:
                if plan.considered else "")
     return (f"ranks {_span(plan.src.mesh.ranks)} -> {_span(plan.dst.mesh.ranks)} "
             f"{tuple(plan.shape)} {str(plan.dtype).removeprefix('torch.')}: {plan.strategy} "
-            f"({plan.solver}; {plan.network.describe()}) predicted "
+            f"({solver_name(plan.solver)}; {plan.network.describe()}) predicted "
             f"{_seconds(plan.predicted_time())}, link bound {_seconds(plan.makespan())}"
             f"{busiest}{weighed}")
 

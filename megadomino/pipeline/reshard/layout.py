@@ -79,9 +79,6 @@ class Mesh:
             coords.append(index)
         return tuple(reversed(coords))
 
-    def host_of(self, rank: int) -> str:
-        return self.hosts[self.ranks.index(rank)]
-
 
 @dataclass(frozen=True)
 class Layout:

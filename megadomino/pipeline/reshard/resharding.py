@@ -1,6 +1,6 @@
 """The plan of one resharding: what every rank sends, receives and forwards, in which order.
 
-`make_plan` is a pure function of its arguments (the solvers are seeded), so every rank that
+`make_plan` is a pure function of its arguments (a solver is one too), so every rank that
 calls it with the same arguments holds the same plan without any communication; the executor of
 a pipeline builds the plans of every stage boundary on every rank. `plan.backward()` is the plan
 of the gradient going back (destination layout -> source layout, same strategy and solver): the
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import cost
-from .layout import Box, Layout
+from .layout import Layout
 from .network import DEFAULT_NETWORK, Network
 from .plan import (
     STRATEGIES,
@@ -33,7 +33,7 @@ from .plan import (
     plan_transfers,
     work_edges,
 )
-from .solvers import Solution, makespan, solve
+from .solvers import Solution, Solver, makespan, solve
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ class ReshardPlan:
     steps: the works in the order they run, with their senders; exchanges: the all-gather phase
     of `send_recv_allgather` (empty otherwise); rates: bytes/s of each host's uplink and downlink
     (of each of its NICs; 1.0 each when not given: times are then in bytes); chunks: how many
-    pieces a chained broadcast streams per work; exact: whether the search solver proved its
-    choice optimal; network: the links and backend planned for; considered: (strategy,
+    pieces a chained broadcast streams per work; exact: whether the solver proved its choice
+    optimal; network: the links and backend planned for; considered: (strategy,
     predicted seconds) of each candidate when `auto` chose this plan, else empty."""
 
     shape: tuple[int, ...]
@@ -62,8 +62,7 @@ class ReshardPlan:
     src: Layout
     dst: Layout
     strategy: str
-    solver: str
-    seed: int
+    solver: str | Solver
     chunks: int
     rates: tuple[tuple[str, float], ...]
     steps: tuple[Step, ...]
@@ -118,18 +117,19 @@ class ReshardPlan:
         strategy, candidates = ("auto", tuple(name for name, _ in self.considered)) \
             if self.considered else (self.strategy, STRATEGIES)
         return make_plan(self.shape, self.dtype, self.dst, self.src, strategy, self.solver,
-                         seed=self.seed, chunks=self.chunks, rates=dict(self.rates),
+                         chunks=self.chunks, rates=dict(self.rates),
                          network=self.network, candidates=candidates)
 
 
 def make_plan(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layout,
-              strategy: str = "auto", solver: str = "least_bytes", *,
-              seed: int = 0, chunks: int = 16, rates: dict[str, float] | None = None,
+              strategy: str = "auto", solver: str | Solver = "least_bytes", *,
+              chunks: int = 16, rates: dict[str, float] | None = None,
               network: Network | None = None, candidates: tuple[str, ...] = STRATEGIES
               ) -> ReshardPlan:
     """Plan moving a `shape` tensor from `src` to `dst` (see plan.py for the strategies and
-    solvers.py for the solvers). rates: bytes/s of each host's links (each NIC's), default 1.0
-    each; network: the links and backend (network.py), default gloo with one NIC per host.
+    solvers.py for the solvers: a name, or a Solver). rates: bytes/s of each host's links
+    (each NIC's), default 1.0 each; network: the links and backend (network.py), default gloo
+    with one NIC per host.
 
     strategy "auto": of `candidates` (the strategies the caller can run), the one whose plan
     has the lowest predicted time (cost.py), the first of them on a tie (within 1e-9), so a
@@ -140,8 +140,8 @@ def make_plan(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layo
         if unknown or not candidates:
             raise ValueError(f"candidates {tuple(candidates)}: choose one or more of "
                              f"{', '.join(STRATEGIES)}")
-        plans = [make_plan(shape, dtype, src, dst, name, solver, seed=seed, chunks=chunks,
-                           rates=rates, network=network) for name in candidates]
+        plans = [make_plan(shape, dtype, src, dst, name, solver, chunks=chunks, rates=rates,
+                           network=network) for name in candidates]
         times = [plan.predicted_time() for plan in plans]
         chosen = next(plan for plan, seconds in zip(plans, times)
                       if seconds <= min(times) * (1 + 1e-9))
@@ -159,14 +159,14 @@ def make_plan(shape: tuple[int, ...], dtype: torch.dtype, src: Layout, dst: Layo
     exchanges = tuple(Step(work, work.receivers[0],
                            tuple(exchange_edges(work, host_of, network)))
                       for work in works if strategy == "send_recv_allgather")
-    solution: Solution = solve(options, fixed, link_rates, solver, seed=seed)
+    solution: Solution = solve(options, fixed, link_rates, solver)
     steps = []
     for index in solution.order:
         work = works[index]
         sender = work.transfer.senders[solution.choice[index]]
         steps.append(Step(work, sender,
                           tuple(work_edges(strategy, work, sender, host_of, network))))
-    return ReshardPlan(shape, dtype, src, dst, strategy, solver, seed, chunks,
+    return ReshardPlan(shape, dtype, src, dst, strategy, solver, chunks,
                        tuple(sorted(host_rates.items())), tuple(steps), exchanges,
                        solution.exact, network)
 
@@ -184,9 +184,3 @@ def work_options(strategy: str, works: list[Work], host_of: dict[int, str], item
         for edge in exchange_edges(work, host_of, network):
             add_edge_bytes(fixed, edge, work.numel * itemsize, host_of, network)
     return options, fixed
-
-
-def tile_of(layout: Layout, shape: tuple[int, ...], rank: int) -> Box | None:
-    """The rank's tile under `layout`, None when the rank is not in its mesh."""
-    return layout.tile(shape, rank) if rank in layout.mesh.ranks else None
-
