@@ -7,11 +7,14 @@ adatopk's top-k selection and packing against the int8 codec's time.
 
 The default shape is gpt3-1.3b's boundary at micro-batch 4: (2048, 4, 2048) bf16. Bandwidth
 counts the bytes an op reads and writes: encode reads the activation and writes the message,
-decode the reverse; copy is x.clone() (read + write of the activation). Top-k: `select` is
-per-row torch.topk of |x| (the codec's algorithm, and the baseline the issue names; no sampled
-threshold is implemented), `encode` the whole adatopk encode (selection, gather, packing the
-int16 indices and values), at each --densities. On a GPU each time is timeline.queued_ms's
-(calls queued behind a GPU spin: the GPU's time); on a CPU the median of timed loops.
+decode the reverse; copy is x.clone() (read + write of the activation). Top-k, at each
+--densities: `select` selects and packs each row's k entries of largest magnitude into int16
+indices and values, once by per-row torch.topk of |x| and a gather (the baseline,
+`row_topk_reference`) and once by the Triton kernel (`row_topk`: exact radix select per row,
+kernels/row_topk.py; GPU only), each also as a ratio to the int8 encode; `encode` is the codec's
+whole adatopk encode (its select is the kernel on a GPU, torch.topk on a CPU). On a GPU each
+time is timeline.queued_ms's (calls queued behind a GPU spin: the GPU's time); on a CPU the
+median of timed loops.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megadomino.pipeline.codec import Format, Setting, decode, encode, top_k  # noqa: E402
+from megadomino.kernels.row_topk import row_topk, row_topk_reference  # noqa: E402
+from megadomino.pipeline.codec import Format, Setting, decode, encode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timeline import queued_ms  # noqa: E402
@@ -66,16 +70,31 @@ def measure(seq: int, micro_batch: int, hidden: int, dtype: torch.dtype,
             rows.append({"op": f"{codec} {op}", "ms": ms, "bytes": moved,
                          "gbps": moved / ms / 1e6, "of_copy": moved / ms / 1e6 / copy_gbps})
     int8_ms = next(r["ms"] for r in rows if r["op"] == "int8 encode")
-    flat = x.view(-1, hidden)
     for density in densities:
-        setting = Setting("adatopk", fmt.k_of(density))
-        for op, fn in (("select", lambda s=setting: top_k(flat, s.k)),
-                       ("encode", lambda s=setting: encode(x, s, fmt, "F"))):
-            ms = timed_ms(fn, device, iters)
-            rows.append({"op": f"adatopk {op} d={density:g}", "k": setting.k, "ms": ms,
-                         "of_int8_encode": ms / int8_ms})
+        rows += _topk_rows(x, fmt, fmt.k_of(density), density, int8_ms, iters)
     return {"shape": [seq, micro_batch, hidden], "dtype": str(dtype), "device": str(device),
             "rows": rows}
+
+
+def _topk_rows(x: torch.Tensor, fmt: Format, k: int, density: float, int8_ms: float,
+               iters: int) -> list[dict]:
+    """adatopk at k: the select and pack by torch.topk and by the radix kernel (on a GPU) into
+    the same int16 indices and values, then the codec's encode; ms and the ratio to int8's."""
+    flat = x.view(fmt.rows, fmt.hidden)
+    indices = torch.empty((fmt.rows, k), dtype=torch.int16, device=x.device)
+    values = torch.empty((fmt.rows, k), dtype=x.dtype, device=x.device)
+    ops = [("select (torch.topk)",
+            lambda: row_topk_reference(flat, k, indices=indices, values=values))]
+    if x.is_cuda:
+        ops.append(("select (radix kernel)",
+                    lambda: row_topk(flat, k, indices=indices, values=values)))
+    ops.append(("encode", lambda: encode(x, Setting("adatopk", k), fmt, "F")))
+    rows = []
+    for op, fn in ops:
+        ms = timed_ms(fn, x.device, iters)
+        rows.append({"op": f"adatopk {op} d={density:g}", "k": k, "ms": ms,
+                     "of_int8_encode": ms / int8_ms})
+    return rows
 
 
 def table(result: dict) -> str:

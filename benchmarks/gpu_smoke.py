@@ -190,6 +190,8 @@ def mode_matrix(nproc: int, cuda: bool, fp8: bool) -> list[Mode]:
         Mode("pp-eager-1f1b", (*pp_n, "--pipeline-schedule", "eager-1f1b"), 1, pp_skip),
         Mode("pp-zb-h1", (*pp_n, "--pipeline-schedule", "zb-h1"), 1, pp_skip),
         Mode("pp-eager-zb", (*pp_n, "--pipeline-schedule", "eager-zb"), 1, pp_skip),
+        Mode("pp-zbv", (*pp_n, "--pipeline-schedule", "zbv",
+                        "--virtual-pipeline-model-parallel-size", "2"), 1, interleaved_skip),
         Mode("pp-auto", (*pp_n, "--pipeline-schedule", "auto"), 1, pp_skip),
         Mode("pp-no-prefetch", (*pp_n, "--no-overlap-p2p-communication"), 1, pp_skip),
         Mode("pp-uneven", (*pp_n, "--decoder-first-pipeline-num-layers",

@@ -3,7 +3,9 @@ then the launcher, then the functional wrappers), each with a torch reference be
 CPU tensors run: the FP8 cast of a GEMM operand (`fp8_cast`: scale, saturate, convert, the
 transposed copy and the amax in one pass, for the FP8 linears), GELU's backward with its bias
 gradient (`bias_grad`), AdamW's pass over a flat buffer (`adamw_flat`, the engine's optimizer
-step), and block-wise int8 / int4 quantization for ZeRO++ (qwZ weights, qgZ gradients):
+step), each row's top-k by magnitude selected and packed (`row_topk`, the adatopk pipeline
+codec's select: exact radix select per row), and block-wise int8 / int4 quantization for ZeRO++
+(qwZ weights, qgZ gradients):
 
     quant_scheme      the scheme (its docstring is the exact specification) and the math every
                       op shares, as Triton device functions and in torch

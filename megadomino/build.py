@@ -11,8 +11,9 @@ before each), so a pipelined model starts from the weights the PP=1 model of the
 
 Tied embedding (GPT, `untie_embeddings_and_output_weights` off): the first and last stage both
 hold `word_embeddings.weight` (equal at start); the pipeline runtime sums their gradients over
-the embedding group (pipeline/stage.py), as Megatron's embedding group does. The last stage's
-copy is marked `pipeline_duplicate` here so the grad norm counts it once.
+the embedding group (pipeline/stage.py), as Megatron's embedding group does. The output
+layer's copy (the last stage's; under ZBV's V placement stage 0's chunk 1's, summed with its
+chunk 0's on the rank) is marked `pipeline_duplicate` here so the grad norm counts it once.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def build_stage(config: ModelConfig, dims, plan: PipelinePlan, family: str = "gp
         if init_seed is not None:
             torch.manual_seed(init_seed)
         chunks = _draw_chunks(config, dims, plan, stage, family, device, parallel, fp8)
-    if plan.size > 1 and stage.index == plan.size - 1 and chunks[-1].word_embeddings is not None:
+    if plan.size > 1 and stage.index == plan.last_stage and chunks[-1].word_embeddings is not None:
         chunks[-1].word_embeddings.weight.pipeline_duplicate = True
     return StageChunks(chunks, stage)
 
@@ -75,8 +76,8 @@ def _draw_chunks(config: ModelConfig, dims, plan: PipelinePlan, stage: Stage, fa
                 torch.cuda.set_rng_state(start_cuda)
         model = FAMILIES[family](
             config, dims, device, parallel=parallel, fp8=fp8, layer_range=layers,
-            pre_process=stage.index == 0 and v == 0,
-            post_process=stage.index == plan.size - 1 and v == plan.chunks - 1)
+            pre_process=plan.virtual_stage(stage.index, v) == 0,
+            post_process=plan.virtual_stage(stage.index, v) == plan.size * plan.chunks - 1)
         overlap.apply(model, parallel)
         chunks.append(model)
     return chunks

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import pytest
 
+from megadomino.config.pipeline_split import holder, placement_of
 from megadomino.pipeline.schedules import schedule
+from megadomino.pipeline.simulate import message
 from megadomino.pipeline.transport_p2p import channel
 
 CASES = [(name, chunks, stages, micro)
          for name, chunks in (("1f1b", 1), ("eager-1f1b", 1), ("zb-h1", 1), ("eager-zb", 1),
-                              ("interleaved", 2), ("interleaved", 3))
+                              ("interleaved", 2), ("interleaved", 3), ("zbv", 2))
          for stages in (2, 3, 4, 5)
          for micro in (stages, 2 * stages, 3 * stages, 4 * stages + (chunks == 1))]
 
@@ -29,7 +31,8 @@ def _programs(name: str, stages: int, micro: int, chunks: int, prefetch: bool, s
         program = []
         for action in schedule(name, stages, stage, micro, chunks, prefetch=prefetch):
             if action.op in ("send", "recv"):
-                pass_, boundary = channel(action.pass_, action.op == "send", stage, stages)
+                pass_, boundary = channel(action.pass_, action.op == "send", stage, stages,
+                                          action.chunk or 0, placement_of(name))
                 queue = ("pair", boundary) if shared else (pass_, boundary)
                 program.append(("post", queue, action))
             elif action.op == "wait":
@@ -38,21 +41,11 @@ def _programs(name: str, stages: int, micro: int, chunks: int, prefetch: bool, s
     return programs
 
 
-def _peer(action, stage: int, stages: int) -> int:
+def _peer(action, stage: int, stages: int, placement: str) -> int:
+    """The stage at the other end of the boundary the action's message crosses."""
+    _, boundary, _ = message(stages, stage, action, placement)
     up = (action.pass_ == "F") == (action.op == "send")
-    return (stage + 1 if up else stage - 1) % stages
-
-
-def _message(action, stage: int, stages: int, chunks: int) -> tuple:
-    """What moves: the sender's (pass, micro, chunk) (a receiver's chunk named as its sender's:
-    the wrap-around boundary joins chunk v of the last stage with chunk v + 1 of the first)."""
-    chunk = action.chunk
-    if chunk is not None and action.op == "recv":
-        if action.pass_ == "F" and stage == 0:
-            chunk -= 1
-        if action.pass_ == "B" and stage == stages - 1:
-            chunk += 1
-    return action.pass_, action.micro, chunk
+    return holder(boundary + 1 if up else boundary, stages, placement)[0]
 
 
 def run_fifo(name: str, stages: int, micro: int, chunks: int, prefetch: bool,
@@ -60,6 +53,7 @@ def run_fifo(name: str, stages: int, micro: int, chunks: int, prefetch: bool,
     """True when every stage reaches the end of its list; asserts both ends of every match
     name one message."""
     programs = _programs(name, stages, micro, chunks, prefetch, shared)
+    placement = placement_of(name)
     at = [0] * stages
     queues: list[dict] = [{} for _ in range(stages)]
     done: list[set] = [set() for _ in range(stages)]
@@ -79,13 +73,14 @@ def run_fifo(name: str, stages: int, micro: int, chunks: int, prefetch: bool,
             for queue, posted in queues[stage].items():
                 if not posted or posted[0].op != "send":
                     continue
-                peer = _peer(posted[0], stage, stages)
+                peer = _peer(posted[0], stage, stages, placement)
                 other = queues[peer].get(queue, [])
-                if not other or other[0].op != "recv" or _peer(other[0], peer, stages) != stage:
+                if (not other or other[0].op != "recv"
+                        or _peer(other[0], peer, stages, placement) != stage):
                     continue
                 send, receive = posted.pop(0), other.pop(0)
-                assert (_message(send, stage, stages, chunks)
-                        == _message(receive, peer, stages, chunks)), (queue, send, receive)
+                assert (message(stages, stage, send, placement)
+                        == message(stages, peer, receive, placement)), (queue, send, receive)
                 done[stage].add(("send", send.pass_, send.micro, send.chunk))
                 done[peer].add(("recv", receive.pass_, receive.micro, receive.chunk))
                 moved = True
@@ -112,3 +107,9 @@ def test_channels_name_the_boundary_a_message_crosses():
     assert channel("B", False, 1, 4) == ("B", 1)   # stage 2 -> 1
     assert channel("F", True, 3, 4) == ("F", 3)    # wrap-around: last -> first
     assert channel("F", False, 0, 4) == ("F", 3)
+    # ZBV's V over 4 stages: chunk 0 of stage s is virtual stage s, chunk 1 virtual 7 - s; each
+    # virtual boundary between two stages is its own channel, one direction
+    assert channel("F", True, 1, 4, 0, "v") == ("F", 1)   # virtual 1 -> 2: stage 1 -> 2
+    assert channel("F", True, 1, 4, 1, "v") == ("F", 6)   # virtual 6 -> 7: stage 1 -> 0
+    assert channel("F", False, 1, 4, 1, "v") == ("F", 5)  # virtual 5 -> 6: stage 2 -> 1
+    assert channel("B", True, 0, 4, 1, "v") == ("B", 6)   # virtual 7 -> 6: stage 0 -> 1

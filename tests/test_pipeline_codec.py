@@ -12,7 +12,7 @@ codec_rate.py) on gloo, PP2 (2 ranks) and PP3 (3 ranks), GPT fp32, 1F1B, 4 micro
   activation and gradient, 4 R + 3 R k and 4 R + R k with int8 values);
 - resume: int4 with error feedback, the codec's state saved after 2 steps and loaded into a
   fresh runtime gives steps 3 and 4 the uninterrupted run's losses bit for bit (and without it,
-  other losses);
+  other losses); through the training loop's checkpoints: test_pipeline_codec_checkpoint.py;
 - adaptive (--pipeline-codec auto, every 2 steps): every rank holds the same decisions, taken
   at steps 2 and 4, and the step after each sends each boundary's decided setting's bytes.
 Without a process group: int8 / int4 decode to the ZeRO++ torch reference's values, within
@@ -259,11 +259,6 @@ def test_rate_rule_takes_the_least_compression_that_fits():
       "--pipeline-codec-density", "0"), "--pipeline-codec-density=0.0 is invalid"),
     (("--pipeline-plan", "auto", "--pipeline-codec", "int8"),
      "--pipeline-codec int8 runs on Megatron's pipeline"),
-    (("--pipeline-model-parallel-size", "2", "--save", "/tmp"),
-     "--pipeline-codec int8 with --save: checkpoints do not hold"),
-    (("--pipeline-model-parallel-size", "2", "--pipeline-codec", "int4",
-      "--pipeline-codec-interval", "0", "--pipeline-codec-error-feedback", "--save", "/tmp"),
-     "--pipeline-codec int4 with --save: checkpoints do not hold"),
 ])
 def test_bad_codec_flags_are_one_line_naming_the_flag(argv, message):
     base = ["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "10"]
@@ -274,8 +269,12 @@ def test_bad_codec_flags_are_one_line_naming_the_flag(argv, message):
     assert str(error.value).startswith(message) and "\n" not in str(error.value), error.value
 
 
-def test_a_fixed_codec_without_state_may_save():
+@pytest.mark.parametrize("codec", [("auto",), ("int8", "--pipeline-codec-interval", "0"),
+                                   ("int4", "--pipeline-codec-error-feedback")])
+def test_every_codec_may_save(codec):
+    """Checkpoints hold the codecs' state (tests/test_pipeline_codec_checkpoint.py)."""
     config = parse_args(["--model-preset", "gpt-tiny", "--mock-data", "--train-iters", "10",
-                         "--pipeline-model-parallel-size", "2", "--pipeline-codec", "int8",
-                         "--pipeline-codec-interval", "0", "--save", "/tmp"], "gpt")[0]
-    assert config.parallel.pipeline_codec == "int8" and config.train.checkpoint.save == "/tmp"
+                         "--pipeline-model-parallel-size", "2", "--pipeline-codec", *codec,
+                         "--save", "/tmp"], "gpt")[0]
+    assert config.parallel.pipeline_codec == codec[0]
+    assert config.train.checkpoint.save == "/tmp"

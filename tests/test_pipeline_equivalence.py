@@ -1,13 +1,15 @@
 """Pipeline parallelism against the same model without it (fp32, dropout 0, vocabulary 331 that
 pads): the mean loss over the micro-batches and every full gradient within 1e-5 relative, for
-GPT (tied embedding shared by the first and last stage) and Llama, every schedule (1F1B,
-eager-1F1B, interleaved with 2 chunks a stage, ZB-H1 and eager-zb with their split backward,
-and auto's choice after its profiling pass), at PP2, PP4,
+GPT (tied embedding shared by the first and last stage; under ZBV's V both copies on stage 0)
+and Llama, every schedule (1F1B, eager-1F1B, interleaved with 2 chunks a stage, ZB-H1, eager-zb
+and ZBV (2 chunks a stage in a V) with their split backward, and auto's choice after its
+profiling pass), at PP2, PP4,
 PP2 x TP2 (with and without sequence parallelism) and PP2 x DP2, with uneven layer counts (7
 layers over PP2 with --decoder-first-pipeline-num-layers 4; 5 over PP4 with first 2), full
 recompute and Domino's schedule (3 batch x 2 hidden slices, sequence parallel) inside a stage;
 ZB-H1 also with fewer micro-batches than stages (3 over PP4), an odd count (5 over PP2) and full
-recompute under PP2 x TP2 with sequence parallelism (its W all-gathers the TP input). The
+recompute under PP2 x TP2 with sequence parallelism (its W all-gathers the TP input); ZBV also
+with fewer micro-batches than its V fills (2 P - 1: 3 over PP4, an odd 3 over PP2). The
 reference sees every DP rank's micro-batches; the pipeline's DP ranks average their gradients as
 the engine does. The slow tier adds PP4 x TP2 (sequence parallel) and PP2 x TP2 x DP2 on 8 ranks.
 
@@ -29,6 +31,7 @@ from configs import parallel_config
 from dist_utils import C, DistSuite, assert_close
 from megadomino.build import build_model, build_stage
 from megadomino.config.pipeline_plan import uniform_plan
+from megadomino.config.pipeline_split import placement_of
 from megadomino.distributed import ParallelDims, mappings
 from megadomino.pipeline.executor import Executor
 from megadomino.pipeline.runtime import PipelineRuntime
@@ -51,12 +54,24 @@ def reference_loss_and_grads(config, family, dims_ref, micro_batches):
     return model.full_state_dict(), total / len(micro_batches), model.full_grad_dict()
 
 
+def reduce_stage_grads(stage, dims) -> None:
+    """What the engine does after a step, by hand: SP's replicated-parameter gradients summed
+    over TP, every gradient averaged over DP."""
+    for model in stage:
+        mappings.allreduce_sequence_parallel_grads(model, dims.tp_group)
+        for param in model.parameters():
+            if dims.dp > 1 and param.grad is not None:
+                dist.all_reduce(param.grad, group=dims.dp_group)
+                param.grad /= dims.dp
+
+
 def check_pipeline(family: str, dims, dims_ref, schedule: str, num_layers: int, micro: int,
                    chunks: int = 1, first: int | None = None, **parallel):
     config = tiny_config(family, num_layers=num_layers, vocab_size=331)
     every = [batch(config, seed=100 + m, b=MBS)[:3] for m in range(micro * dims.dp)]
     full, ref_loss, ref_grads = reference_loss_and_grads(config, family, dims_ref, every)
-    plan = uniform_plan(num_layers, dims.world_size, dims.tp, dims.pp, chunks, first)
+    plan = uniform_plan(num_layers, dims.world_size, dims.tp, dims.pp, chunks, first,
+                        placement=placement_of(schedule))
     parallel_cfg = parallel_config(tensor_model_parallel_size=dims.tp,
                                    pipeline_model_parallel_size=dims.pp, **parallel)
     stage = build_stage(config, dims, plan, family, "cpu", parallel=parallel_cfg)
@@ -67,16 +82,13 @@ def check_pipeline(family: str, dims, dims_ref, schedule: str, num_layers: int, 
     for step in ("first", "second"):
         stage.zero_grad(set_to_none=True)
         loss = runtime.forward_backward(mine)
-        for model in stage:
-            mappings.allreduce_sequence_parallel_grads(model, dims.tp_group)
-            for param in model.parameters():
-                if dims.dp > 1 and param.grad is not None:
-                    dist.all_reduce(param.grad, group=dims.dp_group)
-                    param.grad /= dims.dp
+        reduce_stage_grads(stage, dims)
         if dims.dp > 1:
             dist.all_reduce(loss, group=dims.dp_group)
             loss /= dims.dp
         assert_close(loss, ref_loss, REL, f"{step} step's mean loss")
+        if runtime.tied_copy is not None:  # ZBV's V: both copies on stage 0, each the sum
+            assert torch.equal(runtime.tied.grad, runtime.tied_copy.grad)
         grads = stage_full_state(stage, grads=True)
         params = stage_full_state(stage)
         assert grads.keys() == params.keys(), sorted(set(params) - set(grads))
@@ -104,7 +116,7 @@ def _setup(world: int) -> dict:
 
 
 SCHEDULES = (("1f1b", 1), ("eager-1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("eager-zb", 1),
-             ("auto", 1))
+             ("zbv", 2), ("auto", 1))
 for family in ("gpt", "llama"):
     for name, chunks in SCHEDULES:
         layers, first = (8, None) if chunks > 1 else (7, 4)
@@ -125,6 +137,11 @@ for family in ("gpt", "llama"):
                5, 3, first=2, worlds=(4,))
     SUITE.case(f"{family}-pp2-odd-micro-zb-h1", check_pipeline, family, C.pp2, C.ref, "zb-h1",
                7, 5, first=4, worlds=(2,))
+    # ZBV with fewer micro-batches than its V fills (torch's order, cut to them)
+    SUITE.case(f"{family}-pp4-few-micro-zbv", check_pipeline, family, C.pp4, C.ref, "zbv", 8,
+               3, 2, worlds=(4,))
+    SUITE.case(f"{family}-pp2-odd-micro-zbv", check_pipeline, family, C.pp2, C.ref, "zbv", 4,
+               3, 2, worlds=(2,))
     SUITE.case(f"{family}-pp2tp2-recompute-zb-h1", check_pipeline, family, C.pp2tp2, C.ref,
                "zb-h1", 6, 3, sequence_parallel=True, recompute_granularity="full",
                recompute_method="uniform", recompute_num_layers=1, worlds=(4,))

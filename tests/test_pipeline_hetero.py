@@ -21,7 +21,7 @@ import tempfile
 
 import pytest
 import torch.distributed as dist
-from test_pipeline_equivalence import reference_loss_and_grads
+from test_pipeline_equivalence import reduce_stage_grads, reference_loss_and_grads
 from test_tp_equivalence import batch, tiny_config
 
 from configs import make_config, parallel_config
@@ -31,7 +31,7 @@ from megadomino.cli.arguments import parse_args
 from megadomino.config import ConfigError, ModelConfig
 from megadomino.config.pipeline_plan import PipelinePlan, Stage
 from megadomino.config.validate import validate
-from megadomino.distributed import ParallelDims, mappings
+from megadomino.distributed import ParallelDims
 from megadomino.pipeline.reshard.boundary import STRATEGY_OF
 from megadomino.pipeline.runtime import PipelineRuntime
 from megadomino.pipeline.stage import load_stage_full_state, stage_full_state
@@ -78,12 +78,7 @@ def check_hetero(family: str, dims, dims_ref, plan_name: str, schedule: str, mic
         check_strategy(runtime.transport, parallel["pipeline_reshard"])
     loss = runtime.forward_backward(every)
     assert_close(loss, ref_loss, REL, "mean loss")
-    for model in stage:
-        mappings.allreduce_sequence_parallel_grads(model, dims.tp_group)
-        for param in model.parameters():
-            if dims.dp > 1 and param.grad is not None:
-                dist.all_reduce(param.grad, group=dims.dp_group)
-                param.grad /= dims.dp
+    reduce_stage_grads(stage, dims)
     grads = stage_full_state(stage, grads=True)
     params = stage_full_state(stage)
     assert grads.keys() == params.keys(), sorted(set(params) - set(grads))

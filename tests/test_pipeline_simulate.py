@@ -4,7 +4,8 @@ schedules.bubble_fraction gives); the micro-batches a stage holds are its warm-u
 (1F1B: p - s, eager-1F1B: 2 (p - s) - 1); ZB-H1's step is the paper's (its bubble a third of
 1F1B's when F = B = W); eager-zb's is ZB-H1's over free links and no slower than ZB-H1's or
 eager-1F1B's over slow ones (B at least F); a slow link costs time, a buffered link (gloo over
-TCP) never more than a rendezvous (NCCL); the slowest stage sets the pace; a list that
+TCP) never more than a rendezvous (NCCL); ZBV's bubble is half ZB-H1's (F = B = W), every stage
+holding 1F1B's peak; the slowest stage sets the pace; a list that
 deadlocks is named, also one that only a collective boundary's posting order deadlocks."""
 
 from __future__ import annotations
@@ -149,3 +150,26 @@ def test_links_of_different_speeds():
         step = simulate(name, stages, micro, f, b, one_slow).step
         assert simulate(name, stages, micro, f, b, 0.1).step < step
         assert step < simulate(name, stages, micro, f, b, 3.0).step
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+def test_zbv_free_transfers_give_half_zb_h1s_bubble(stages, prefetch):
+    """ZBV (2 chunks a stage in a V), F = B = W = t a stage (t / 2 a chunk), free transfers,
+    m >= 2 P - 1 micro-batches: the step is (3 m + (P - 1) / 2) t, half ZB-H1's bubble; every
+    stage holds 2 P micro-batches of one chunk before their B (1F1B's peak, stage 0's P whole
+    stages); no message crosses the V's turn (a per-lane link of only the stages' neighbours
+    gives the single link's step)."""
+    times = ([1.0] * stages, [1.0] * stages)
+    for micro in range(2 * stages - 1, 13):
+        zbv = simulate("zbv", stages, micro, *times, 0.0, 2, prefetch, weight=[1.0] * stages)
+        zb = simulate("zb-h1", stages, micro, *times, 0.0, prefetch=prefetch,
+                      weight=[1.0] * stages)
+        assert zbv.step == pytest.approx(3 * micro + (stages - 1) / 2), micro
+        assert zbv.step - 3 * micro == pytest.approx((zb.step - 3 * micro) / 2)
+        assert zbv.busy == pytest.approx((3.0 * micro,) * stages)
+        assert zbv.in_flight == (2 * stages,) * stages
+    lanes = {(s, s + d): 0.3 for s in range(stages) for d in (-1, 1) if 0 <= s + d < stages}
+    single = simulate("zbv", stages, 8, *times, 0.3, 2, weight=[1.0] * stages).step
+    assert simulate("zbv", stages, 8, *times, lanes, 2, weight=[1.0] * stages).step == single
+    assert single > simulate("zbv", stages, 8, *times, 0.0, 2, weight=[1.0] * stages).step

@@ -2,11 +2,12 @@
 it): 30 AdamW steps, clipping on, mock data, fp32, dropout 0, give the losses and grad norms of
 the same run without PP (1e-5 relative): PP2 against DP2 (world 2), PP2 x DP2 (ZeRO stage 1)
 against DP4 and PP2 x TP2 (sequence parallel) against TP2 x DP2 (world 4), for each schedule
-(ZB-H1 and eager-zb included: their split backward under the engine; auto: its start-up
-choice) and both families, and with Domino's
-schedule inside the stages (PP2 x TP2); a vocabulary that pads (331), uneven layers (7 over
-PP2). Validation loss (forwards only through the pipeline) too. The run without PP has the same
-global batch: every step reads the same samples. bf16 and fp16 (loss scaling) at PP2 stay within
+(ZB-H1, eager-zb and ZBV included: their split backward under the engine; ZBV's two tied
+embedding copies on stage 0, summed on the rank; auto: its start-up choice) and both families,
+and with Domino's schedule inside the stages (PP2 x TP2); a vocabulary that pads (331), uneven
+layers (7 over PP2). Validation loss (forwards only through the pipeline) too. The run without PP
+has the same global batch: every step reads the same samples. bf16 and fp16 (loss scaling) at PP2
+stay within
 3e-2 of the run without PP; fp16 starts from a scale that does not overflow: at 2^32 the tied
 embedding's two fp16 gradient halves overflow as one sum without PP and not apart, so the runs
 would skip different steps. The default tier runs one family of each half-precision and world-4
@@ -40,7 +41,7 @@ def run(family: str, dims, layers: int, **changes) -> dict:
 def check_training(family: str, dims, dims_ref, schedule: str, layers: int, rel: float = REL,
                    **changes):
     pipeline = dict(changes, pipeline_schedule=schedule)
-    if schedule == "interleaved":
+    if schedule in ("interleaved", "zbv"):
         pipeline["virtual_pipeline_model_parallel_size"] = 2
     elif layers % 2:
         pipeline["decoder_first_pipeline_num_layers"] = layers // 2 + 1
@@ -73,8 +74,8 @@ def tier(family: str, default_family: str, world: int) -> dict:
 
 
 for family in ("gpt", "llama"):
-    for schedule in ("1f1b", "eager-1f1b", "interleaved", "zb-h1", "eager-zb", "auto"):
-        layers = 8 if schedule == "interleaved" else 7
+    for schedule in ("1f1b", "eager-1f1b", "interleaved", "zb-h1", "eager-zb", "zbv", "auto"):
+        layers = 8 if schedule in ("interleaved", "zbv") else 7
         SUITE.case(f"{family}-pp2-{schedule}", check_training, family, C.pp2, C.dp2, schedule,
                    layers, worlds=(2,))
     # Half precision: the stages sum in another order than one process, so only close. GPT's
@@ -95,6 +96,8 @@ SUITE.case("gpt-pp2tp2-domino", check_training, "gpt", C.pp2tp2, C.tp2dp2, "eage
 # the last W: ZeRO stage 1 over DP, and TP with sequence parallelism
 SUITE.case("gpt-pp2dp2-zero1-zb-h1", check_training, "gpt", C.pp2dp2, C.dp4, "zb-h1", 7,
            stage=1, worlds=(4,))
+SUITE.case("gpt-pp2dp2-zero1-zbv", check_training, "gpt", C.pp2dp2, C.dp4, "zbv", 8, stage=1,
+           worlds=(4,))
 SUITE.case("llama-pp2tp2-sp-zb-h1", check_training, "llama", C.pp2tp2, C.tp2dp2, "zb-h1", 4,
            sequence_parallel=True, worlds=(4,))
 

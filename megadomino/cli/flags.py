@@ -104,7 +104,8 @@ FLAGS: tuple[Flag, ...] = (
           "order (PP slowest); the schedule is --pipeline-schedule (docs/pipeline.md)."),
     _impl("--virtual-pipeline-model-parallel-size",
           "parallel.virtual_pipeline_model_parallel_size", int,
-          "Model chunks per pipeline stage, for --pipeline-schedule interleaved."),
+          "Model chunks per pipeline stage, for --pipeline-schedule interleaved (any count) or "
+          "zbv (2)."),
     _impl("--num-layers-per-virtual-pipeline-stage",
           "parallel.num_layers_per_virtual_pipeline_stage", int,
           "Layers per model chunk (chunks = layers / (pipeline size x this)), for "
@@ -116,13 +117,19 @@ FLAGS: tuple[Flag, ...] = (
           "weight-gradient passes, the weight gradients delayed into the bubbles; 1F1B's "
           "activation memory, about a third of its bubble), eager-zb (eager-1f1b's forwards "
           "with zb-h1's delayed weight gradients: both gains over slow links; eager-1f1b's "
-          "memory) (the two split ones not with Domino, --tp-comm-overlap or CUDA graphs), or "
-          "auto (at start-up each stage's forward, backward and split backward are timed on a "
-          "random micro-batch and a message over the links, and the schedule the pipeline "
-          "simulator predicts fastest runs; the start-up prints every prediction; with virtual "
+          "memory), zbv (the same paper's V-shaped zero-bubble schedule: 2 chunks a stage, "
+          "--virtual-pipeline-model-parallel-size 2, placed in a V, stage s holding virtual "
+          "stages s and 2P-1-s, so the last stage feeds its own second chunk and stage 0 "
+          "computes the loss; half zb-h1's bubble where forward, input- and weight-gradient "
+          "passes take alike, 1F1B's peak activation memory on every stage; any micro-batch "
+          "count; not with --pipeline-codec) (the split ones not with Domino, --tp-comm-overlap "
+          "or CUDA graphs), or auto (at start-up each stage's forward, backward and split "
+          "backward are timed on a random micro-batch and a message over the links, and the "
+          "schedule the pipeline simulator predicts fastest runs; the start-up prints every "
+          "prediction; with virtual "
           "stages the interleaved schedule). Default: interleaved with virtual stages (as in "
           "Megatron), else 1f1b.",
-          choices=("1f1b", "interleaved", "eager-1f1b", "zb-h1", "eager-zb", "auto")),
+          choices=("1f1b", "interleaved", "eager-1f1b", "zb-h1", "eager-zb", "zbv", "auto")),
     _impl("--no-overlap-p2p-communication", "parallel.overlap_p2p_communication", None,
           "Post each pipeline receive just before its compute needs it instead of one compute "
           "of its pass ahead (the default, under every schedule: the transfer then overlaps "

@@ -138,7 +138,9 @@ class ParallelConfig:
     """'1f1b', 'interleaved' (needs virtual stages), 'eager-1f1b' (Alpa's overlap-friendly
     1F1B: more warm-up forwards, each forward's send overlapping the next compute), 'zb-h1'
     (zero-bubble ZB-H1: 1F1B with split backwards, pipeline/schedules.py), 'eager-zb'
-    (eager-1F1B's forwards with ZB-H1's deferred weight gradients) or 'auto' (the one the
+    (eager-1F1B's forwards with ZB-H1's deferred weight gradients), 'zbv' (the V-shaped
+    zero-bubble schedule on 2 chunks a stage placed in a V, config/pipeline_split.py) or 'auto'
+    (the one the
     pipeline simulator predicts fastest from a start-up profile, pipeline/schedule_auto.py)."""
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False

@@ -8,10 +8,9 @@ pipeline/codec.py), checked before any process group, one line naming the flag:
   transport, whose every message has one size both ends know; --pipeline-plan's resharding
   transport cuts messages into tiles and is refused;
 - a hidden size of at most codec.MAX_HIDDEN (one quantization block a token row, int16 row
-  indices), even for int4 and auto (two values a byte);
-- with --save, a codec without state: checkpoints do not hold the adaptive settings and their
-  step count (--pipeline-codec-interval > 0) nor the error-feedback residuals yet, and a resume
-  without them would silently train otherwise than the run it continues.
+  indices), and an even one for int4 and auto (two values a byte).
+Checkpoints hold the codecs' state (train/checkpoint/pipeline_codec.py), so --save and --load
+take every codec.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ DEFAULT_DENSITY = 0.1
 DEFAULT_INTERVAL = 10
 
 
-def check_codec(parallel, model, save: str | None = None) -> None:
-    """The module docstring's rules on a ParallelConfig, its ModelConfig and --save."""
+def check_codec(parallel, model) -> None:
+    """The module docstring's rules on a ParallelConfig and its ModelConfig."""
     codec = parallel.pipeline_codec
     check(codec in PIPELINE_CODECS, "--pipeline-codec", codec,
           "one of " + ", ".join(PIPELINE_CODECS))
@@ -65,8 +64,3 @@ def check_codec(parallel, model, save: str | None = None) -> None:
     check(hidden % 2 == 0 or codec not in ("int4", "auto"), "--pipeline-codec", codec,
           f"none of int4 and auto with the odd --hidden-size {hidden} (int4 packs two values "
           "a byte)")
-    if save is not None and (interval > 0 or parallel.pipeline_codec_error_feedback):
-        raise ConfigError(f"--pipeline-codec {codec} with --save: checkpoints do not hold the "
-                          "codecs' adaptive settings or error-feedback residuals yet; use "
-                          "--pipeline-codec-interval 0 without --pipeline-codec-error-feedback "
-                          "(a fixed codec resumes exactly), or drop --save")

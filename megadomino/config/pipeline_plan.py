@@ -5,7 +5,8 @@ rank of that pipeline position: its DP x TP block), its TP degree and its layer 
 chunk (one chunk, or V under the interleaved schedule). `uniform_plan` builds Megatron's split:
 
     grid = arange(world).view(pp, dp, tp)       stage s holds grid[s] (ranks s*dp*tp ...)
-    layers: L / (P V) per chunk; chunk v of stage s holds virtual stage v P + s
+    layers: L / (P V) per chunk; chunk v of stage s holds virtual stage v P + s, or under the
+    ZBV schedule's V placement (2 chunks) stage s holds virtual stages s and 2 P - 1 - s
     --decoder-first/last-pipeline-num-layers: the first / last stage hold that many layers
     and the stages between split the rest evenly (V = 1 only)
 
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 
 from megadomino.config.check import ConfigError, check
 from megadomino.config.parallel import PIPELINE_RESHARD
-from megadomino.config.pipeline_split import layer_split
+from megadomino.config.pipeline_split import holder, layer_split, placement_of, virtual_stage
 
 AUTO = "auto"
 """--pipeline-plan's value for a plan made at start-up from measured links and speeds."""
@@ -75,7 +76,8 @@ class Stage:
 @dataclass(frozen=True)
 class PipelinePlan:
     """The stages in pipeline order, over a model of `num_layers` layers; every stage holds
-    `chunks` model chunks (virtual stages), the chunk v of stage s being virtual stage v P + s."""
+    `chunks` model chunks (virtual stages), placed as `placement` says (pipeline_split.py:
+    "loop", chunk v of stage s is virtual stage v P + s; "v", ZBV's V)."""
 
     stages: tuple[Stage, ...]
     num_layers: int
@@ -83,6 +85,21 @@ class PipelinePlan:
     """A --pipeline-plan file's: a micro-batch is the whole pipeline's, each stage splitting it
     over its DP ranks (the resharding transport joins the stages); False: Megatron's, each DP
     rank runs its own micro-batches through its own column of stages."""
+    placement: str = "loop"
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        """The virtual stage chunk `chunk` of `stage` holds (pipeline_split.virtual_stage)."""
+        return virtual_stage(stage, chunk, self.size, self.placement)
+
+    def holder(self, virtual: int) -> tuple[int, int]:
+        """The (stage, chunk) holding virtual stage `virtual`."""
+        return holder(virtual, self.size, self.placement)
+
+    @property
+    def last_stage(self) -> int:
+        """The stage holding the last virtual stage (the output layer and the loss): the last
+        stage, or stage 0 under the V placement."""
+        return self.holder(self.size * self.chunks - 1)[0]
 
     @property
     def size(self) -> int:
@@ -125,16 +142,18 @@ def same_layout(first: Stage, second: Stage) -> bool:
 
 
 def uniform_plan(num_layers: int, world: int, tp: int, pp: int, chunks: int = 1,
-                 first: int | None = None, last: int | None = None) -> PipelinePlan:
-    """Megatron's plan: stage s holds ranks [s * world / pp, (s + 1) * world / pp), TP `tp`."""
+                 first: int | None = None, last: int | None = None,
+                 placement: str = "loop") -> PipelinePlan:
+    """Megatron's plan: stage s holds ranks [s * world / pp, (s + 1) * world / pp), TP `tp`,
+    its chunks placed as `placement` says (pipeline_split.py)."""
     if world % pp:
         raise ConfigError(f"world size {world} is not divisible by "
                           f"--pipeline-model-parallel-size={pp}")
     per_stage = world // pp
-    split = layer_split(num_layers, pp, chunks, first, last)
+    split = layer_split(num_layers, pp, chunks, first, last, placement)
     stages = tuple(Stage(s, tuple(range(s * per_stage, (s + 1) * per_stage)), tp,
                          tuple(split[s])) for s in range(pp))
-    return PipelinePlan(stages, num_layers)
+    return PipelinePlan(stages, num_layers, placement=placement)
 
 
 def resolve_plan(config, world_size: int, read: PipelinePlan | None = None) -> PipelinePlan:
@@ -152,7 +171,8 @@ def resolve_plan(config, world_size: int, read: PipelinePlan | None = None) -> P
                         parallel.pipeline_model_parallel_size,
                         parallel.virtual_chunks(model.num_layers),
                         parallel.decoder_first_pipeline_num_layers,
-                        parallel.decoder_last_pipeline_num_layers)
+                        parallel.decoder_last_pipeline_num_layers,
+                        placement_of(parallel.pipeline_schedule))
 
 
 def read_plan(path: str, num_layers: int) -> PipelinePlan:
@@ -334,8 +354,8 @@ def check_flags_beside_plan(name: str, parallel, model) -> None:
         (parallel.tensor_model_parallel_size != 1, "--tensor-model-parallel-size",
          "each stage's TP degree is the plan's 'tp'"),
         (parallel.virtual_chunks(model.num_layers) > 1 or parallel.pipeline_schedule
-         == "interleaved", "virtual stages / --pipeline-schedule interleaved",
-         "the interleaved schedule needs a uniform plan"),
+         in ("interleaved", "zbv"), "virtual stages / --pipeline-schedule interleaved or zbv",
+         "their schedules need a uniform plan"),
         (parallel.decoder_first_pipeline_num_layers is not None
          or parallel.decoder_last_pipeline_num_layers is not None,
          "--decoder-first/last-pipeline-num-layers", "the plan gives every stage's layers"),

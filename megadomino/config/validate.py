@@ -26,7 +26,7 @@ from megadomino.config.parallel import ParallelConfig, check_degrees, check_gpus
 from megadomino.config.pipeline_auto import check_auto
 from megadomino.config.pipeline_codec import check_codec
 from megadomino.config.pipeline_plan import AUTO, PipelinePlan, plan_rules
-from megadomino.config.pipeline_split import layer_split
+from megadomino.config.pipeline_split import layer_split, placement_of
 from megadomino.config.train import (
     DATALOADER_TYPES,
     FP8_AUTO,
@@ -53,7 +53,7 @@ def validate(config: Config, world_size: int | None = None, gpus_per_node: int |
     for tp in plan_rules(config, world_size, plan, gpus_per_node):  # each plan stage's TP
         validate_layers(config.model, config.parallel, tp, config.train.precision.fp8)
     check_auto(config, world_size if plan is None else None)  # a planned plan: plan_rules'
-    check_codec(config.parallel, config.model, config.train.checkpoint.save)
+    check_codec(config.parallel, config.model)
     if world_size is not None:
         _world_rules(config, world_size, gpus_per_node)
     check_diloco(config, world_size, gpus_per_node)
@@ -92,9 +92,10 @@ def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe
                           f"the Domino schedule bypasses: {which} runs with --zero-stage 1 only")
 
 
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1", "eager-zb", "auto")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1", "eager-zb", "zbv", "auto")
 """--pipeline-schedule's values; 'auto' is picked at start-up among those the stages can run
-(pipeline/schedule_auto.py): with virtual stages the interleaved schedule."""
+(pipeline/schedule_auto.py): with virtual stages the interleaved schedule (zbv places the
+chunks in a V, which is fixed when the stages are built, before auto's profile)."""
 
 
 def _pipeline_rules(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -122,13 +123,19 @@ def _pipeline_rules(model: ModelConfig, parallel: ParallelConfig) -> None:
     check(not interleaved or chunks > 1, "--pipeline-schedule", parallel.pipeline_schedule,
           "'interleaved' only with virtual stages (--virtual-pipeline-model-parallel-size or "
           "--num-layers-per-virtual-pipeline-stage)")
-    check(interleaved or parallel.pipeline_schedule == "auto" or chunks == 1,
+    zbv = parallel.pipeline_schedule == "zbv"
+    check(not zbv or pp == 1 or (chunks == 2 and parallel.pipeline_codec == "none"),
+          "--pipeline-schedule", "zbv", "run with exactly 2 model chunks a stage (its V: "
+          "--virtual-pipeline-model-parallel-size 2) and no --pipeline-codec (the codecs' links "
+          "are the loop placement's)")
+    check(interleaved or zbv or parallel.pipeline_schedule == "auto" or chunks == 1,
           "--pipeline-schedule", parallel.pipeline_schedule,
-          "'interleaved' with virtual stages (1f1b, eager-1f1b, zb-h1 and eager-zb run one "
-          "chunk a stage)")
+          "'interleaved' or 'zbv' with virtual stages (1f1b, eager-1f1b, zb-h1 and eager-zb run "
+          "one chunk a stage)")
     if parallel.pipeline_plan is None:  # a plan gives each stage's layers (plan_rules)
         layer_split(model.num_layers, pp, chunks, parallel.decoder_first_pipeline_num_layers,
-                    parallel.decoder_last_pipeline_num_layers)
+                    parallel.decoder_last_pipeline_num_layers,
+                    placement_of(parallel.pipeline_schedule))
     if pp == 1 and parallel.pipeline_plan != AUTO:  # auto plans 2 stages or more
         return
     check(not parallel.domino_auto, "--domino-batch-slices", "auto", "an explicit plan with "
@@ -238,7 +245,8 @@ def _world_rules(config: Config, world_size: int, local_world_size: int | None) 
     batches = BatchSchedule.from_config(schedule, dp)
     batches.train_iterations(schedule)
     parallel.domino.validate(config.model.ffn_hidden_size, tp, schedule.micro_batch_size)
-    if parallel.virtual_chunks(config.model.num_layers) > 1 and pp > 1:  # interleaved
+    interleaved = parallel.pipeline_schedule != "zbv"  # zbv runs any micro-batch count
+    if parallel.virtual_chunks(config.model.num_layers) > 1 and pp > 1 and interleaved:
         global_batch, num_micro = batch_plan(schedule, dp)
         check(num_micro % pp == 0, "--global-batch-size", global_batch,
               f"a multiple of --micro-batch-size x data-parallel size x "

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megadomino.config.parallel import check_degrees, check_gpus_per_node
 from megadomino.config.pipeline_plan import PipelinePlan
+from megadomino.config.pipeline_split import holder
 from megadomino.distributed import comm
 
 
@@ -86,7 +87,7 @@ class ParallelDims:
         self.stages = tuple((tuple(block.flatten().tolist()), block.shape[1]) for block in blocks)
         """Each stage's (ranks, TP degree): what a checkpoint records of the plan."""
         self._writers_group, self._writers_made = None, False
-        self._channels: dict[int, dict] = {}
+        self._channels: dict[tuple[int, str], dict] = {}
         self.nccl = dict(nccl or {})
         """NCCL settings per group name (--nccl-communicator-config-path, config/nccl.py):
         the tp, dp, pp (the pipeline group and its channels) and embd groups are made with
@@ -189,11 +190,14 @@ class ParallelDims:
             self._writers_made = True
         return self._writers_group
 
-    def pipeline_channels(self, chunks: int) -> dict[tuple[str, int], object]:
+    def pipeline_channels(self, chunks: int, placement: str = "loop"
+                          ) -> dict[tuple[str, int], object]:
         """This rank's point-to-point channels of a same-layout pipeline: a group of two ranks
         for each (pass, boundary) it sends or receives on, keyed ("F" activations or "B"
-        gradients, b) for the boundary between stages b and b + 1 (mod P; the wrap-around
-        boundary P - 1 only with virtual stages, `chunks` > 1). Each channel carries one
+        gradients, b) as transport_p2p.channel names them: under the loop placement b is the
+        boundary between stages b and b + 1 (mod P; the wrap-around boundary P - 1 only with
+        virtual stages, `chunks` > 1), under ZBV's V placement each virtual boundary between
+        stages (not the V's turn, which stays on the last stage). Each channel carries one
         direction's messages of one pass, in one order on both ends.
 
         Why not the pipeline group: NCCL runs a communicator's operations one after the other
@@ -206,14 +210,19 @@ class ParallelDims:
         opened at once in one order on every rank (comm.open_links says why), and kept."""
         if not self.uniform:
             raise ValueError("pipeline channels join same-layout stages (Megatron's grid)")
-        if chunks not in self._channels:
+        if (chunks, placement) not in self._channels:
             stages = [ranks for ranks, _ in self.stages]
             count = len(stages)
-            boundaries = count if chunks > 1 else count - 1
+            ends = {}  # boundary -> (the stages of the virtual stages it joins), in order
+            for virtual in range(count * chunks - 1):
+                low, high = (holder(v, count, placement)[0] for v in (virtual, virtual + 1))
+                if low != high:
+                    ends.setdefault(virtual % count if placement == "loop" else virtual,
+                                    (low, high))
             mine, links = {}, []
-            for b in range(boundaries):
+            for b, (low, high) in ends.items():
                 for pass_ in ("F", "B"):
-                    pairs = list(zip(stages[b], stages[(b + 1) % count]))
+                    pairs = list(zip(stages[low], stages[high]))
                     group = _groups_containing(self.rank, [torch.tensor(pair) for pair in pairs],
                                                self.options("pp"), timeout=self.timeout)
                     if group is not None:
@@ -221,8 +230,8 @@ class ParallelDims:
                     links += [("p2p", group if self.rank in pair else None,
                                *(pair if pass_ == "F" else pair[::-1])) for pair in pairs]
             comm.open_links(links)
-            self._channels[chunks] = mine
-        return self._channels[chunks]
+            self._channels[chunks, placement] = mine
+        return self._channels[chunks, placement]
 
     def options(self, name: str):
         """`ProcessGroupNCCL.Options` for new groups of Megatron-LM's name `name` from the

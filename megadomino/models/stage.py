@@ -1,8 +1,9 @@
 """StageChunks: the model parts one rank holds under a pipeline plan, with its Stage.
 
 Chunk v of stage s is a GPTModel part (gpt.py: `layer_range`, `pre_process`, `post_process`)
-holding virtual stage v P + s's layers. The whole model is the one chunk of a one-stage plan's
-stage; megadomino.build draws every stage's chunks (`build_stage`).
+holding virtual stage v P + s's layers (under ZBV's V placement, chunk 0 virtual stage s and
+chunk 1 virtual stage 2 P - 1 - s: config/pipeline_split.py). The whole model is the one
+chunk of a one-stage plan's stage; megadomino.build draws every stage's chunks (`build_stage`).
 """
 
 from __future__ import annotations

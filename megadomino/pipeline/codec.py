@@ -21,9 +21,12 @@ rounding's gradient taken as the identity: a straight-through estimate).
 
 adatopk keeps a fixed k per token row (not per tensor): every message of a link has the same
 size, known on both ends (NCCL matches messages by order and hangs on a size mismatch), the
-indices fit int16 relative to their row (h <= 16384), and every token keeps the same share. Its
-backward sends the gradient only at the forward's kept indices (R k values, plus 4 R scales with
-int8 values): the exact gradient of the masked function x -> mask(x) * x, the mask held as a
+indices fit int16 relative to their row (h <= 16384), and every token keeps the same share. The
+select and the packing are megadomino.kernels' row_topk: on GPU its Triton kernel (exact radix
+select per row, ties broken by lowest index, indices ascending), on CPU torch.topk per row; the
+codec needs no order, only that the sender keeps the very indices it sends. The backward
+sends the gradient only at the forward's kept indices (R k values, plus 4 R scales with int8
+values): the exact gradient of the masked function x -> mask(x) * x, the mask held as a
 constant, as both ends hold the indices from the forward until that backward. With
 --pipeline-codec-grad-topk the gradient instead goes as its own top-k (the forward's format):
 an approximation. At k = h the decoded tensor is the input exactly (native values).
@@ -44,6 +47,7 @@ import torch
 from megadomino.config.pipeline_codec import MAX_HIDDEN
 from megadomino.kernels.block_dequantize import dequantize
 from megadomino.kernels.block_quantize import quantize
+from megadomino.kernels.row_topk import row_topk
 
 CODECS = ("none", "int8", "int4", "adatopk")
 BITS = {"int8": 8, "int4": 4}
@@ -125,11 +129,21 @@ def _views(wire: torch.Tensor, parts: list[tuple[str, torch.dtype, int]]) -> dic
 
 
 def top_k(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices (R, k), int64, of the k entries of largest magnitude of each row of x (R, h)
-    (torch.topk per row; at k = h every index)."""
-    if k == x.shape[1]:
-        return torch.arange(k, device=x.device).expand(x.shape[0], k)
-    return torch.topk(x.abs(), k, dim=1, sorted=False).indices
+    """The indices (R, k), int64, of the k entries of largest magnitude of each row of x (R h,
+    contiguous) that adatopk keeps (row_topk; at k = h every index)."""
+    return row_topk(x, k)[0]
+
+
+def _select(rows: torch.Tensor, k: int, views: dict, fmt: Format) -> torch.Tensor:
+    """Select and pack the top-k of `rows` (R, h): the indices into their section and the
+    values into theirs (int8 values: quantized from the kept ones); returns the kept indices
+    (R, k) as int64, the very array on the wire (the gradient is taken and put back at it)."""
+    indices = views["indices"].view(fmt.rows, k)
+    if fmt.values == "int8":
+        _put_values(views, row_topk(rows, k, indices=indices)[1], fmt)
+    else:
+        row_topk(rows, k, indices=indices, values=views["values"].view(fmt.rows, k))
+    return indices.long()
 
 
 def _put_values(views: dict, values: torch.Tensor, fmt: Format) -> None:
@@ -160,9 +174,9 @@ def encode(x: torch.Tensor, setting: Setting, fmt: Format, pass_: str,
         quantize(rows, BITS[setting.codec], fmt.hidden, out=(views["q"], views["scales"]))
         return wire, None
     if "indices" in views:
-        kept = top_k(rows, setting.k)
-        views["indices"].view(kept.shape).copy_(kept)
-    _put_values(views, rows.gather(1, kept), fmt)
+        kept = _select(rows.contiguous(), setting.k, views, fmt)
+    else:
+        _put_values(views, rows.gather(1, kept), fmt)
     return wire, (kept if pass_ == "F" else None)
 
 

@@ -24,12 +24,12 @@ ladder that brings its predicted transfer per step under the slowest stage's com
 Every N steps the ranks gather their timings (all_gather_object over the world), rank 0
 decides, and broadcasts the settings; every rank applies them from the next step on, so both
 ends of every link change at the same step boundary. The first N steps run the floor on every
-link (no timing has been seen yet). `state_dict` holds the settings and the steps since the
-last decision, with the transport's error-feedback residuals: a resumed run decides at the
-same steps and continues from the same settings (the training loop's checkpoints do not carry
-it yet: the validator refuses --save with an adaptive codec or error feedback). Timings are
-wall-clock: two runs (or a run and its resume) may decide differently; a fixed codec repeats
-exactly.
+link (no timing has been seen yet). `state_dict` holds the settings, the steps since the
+last decision and what they measured (the window's compute seconds and send timings), with
+the transport's error-feedback residuals: a resumed run decides at the same steps, from a
+whole window, and continues from the same settings (the training loop's checkpoints carry it:
+train/checkpoint/pipeline_codec.py). Timings are wall-clock: two runs, or a run and its
+resume, may decide differently; given the same decisions, the numbers repeat exactly.
 """
 
 from __future__ import annotations
@@ -170,14 +170,32 @@ class CodecRate:
         self.step_count += 1
         self.compute += compute_seconds
 
+    @property
+    def stateful(self) -> bool:
+        """Whether a resumed run needs `state_dict` to continue exactly: adaptive settings or
+        error-feedback residuals (a fixed codec without feedback has none)."""
+        return self.interval > 0 or self.transport.error_feedback
+
+    def identity(self) -> dict:
+        """What `state_dict` belongs to, in plain types: the codec flags, this rank's stage of
+        the stage count and the boundary activation's shape and dtype (the residuals')."""
+        fmt, transport = self.fmt, self.transport
+        return {"codec": self.codec, "density": self.density, "values": fmt.values,
+                "grad_topk": fmt.grad_topk, "error_feedback": transport.error_feedback,
+                "interval": self.interval, "stage": transport.stage, "stages": transport.stages,
+                "shape": list(transport.shape), "dtype": str(fmt.dtype)}
+
     def state_dict(self) -> dict:
+        """The settings, the decision window so far (steps, compute seconds, the transport's
+        timings) and the transport's residuals; no collective."""
         return {"settings": [(s.codec, s.k) for s in self.settings], "steps": self.steps,
-                "step_count": self.step_count, "transport": self.transport.state_dict()}
+                "compute": self.compute, "step_count": self.step_count,
+                "transport": self.transport.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.transport.apply(tuple(Setting(codec, k) for codec, k in state["settings"]))
         self.steps, self.step_count = state["steps"], state["step_count"]
-        self.compute = 0.0
+        self.compute = state["compute"]
         self.transport.load_state_dict(state["transport"])
 
 

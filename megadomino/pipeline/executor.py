@@ -28,6 +28,11 @@ For each action, in order and nothing else:
                    are deferred into the chunk's WeightGradStore
   weight           tp/wgrad.py's W: the weight gradients the micro-batch's B deferred
 
+Local hand-off (the V placement, ZBV's: the last stage holds virtual stages P - 1 and P): where
+the next virtual stage is this rank's other chunk, a forward's output becomes that chunk's input
+at once (a leaf that requires grad, on the output's storage, which no send frees), and a
+backward's input gradient that chunk's output gradient; the lists have no transfer there.
+
 Parameter gradients accumulate wherever autograd puts them (`.grad`, or the data-parallel
 engine's hooks); reducing them is the caller's (pipeline/runtime.py). Every kept tensor is
 released once its last use has run, so an executor holds exactly the activations in flight.
@@ -60,6 +65,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from megadomino.config.pipeline_split import holder, virtual_stage
 from megadomino.pipeline.schedules import Action
 from megadomino.pipeline.transport_protocol import Transport
 from megadomino.tp.wgrad import WeightGradStore, backward_weight
@@ -89,17 +95,29 @@ class Executor:
     split backwards (a `weight` action), for which each chunk gets a WeightGradStore (its
     parameters point to it while it lives). `free_outputs` (the default): a sent output's
     storage is freed once its send was waited (module docstring); off, it is kept until its
-    backward (what tests compare the freeing with)."""
+    backward (what tests compare the freeing with). `placement`: where the chunks sit in the
+    model (config/pipeline_split.py)."""
 
     def __init__(self, chunks: nn.ModuleList, transport: Transport | None, stage: int,
                  stages: int, split_backward: bool = False, slowdown: float = 1.0,
-                 free_outputs: bool = True):
+                 free_outputs: bool = True, placement: str = "loop"):
         self.chunks, self.transport, self.free_outputs = chunks, transport, free_outputs
         self.stage, self.stages, self.slowdown = stage, stages, slowdown
+        self.placement = placement
         self.stores = [WeightGradStore.of(chunk) for chunk in chunks] if split_backward else None
 
     def _is_last(self, chunk: int) -> bool:
-        return self.stage == self.stages - 1 and chunk == len(self.chunks) - 1
+        last = self.stages * len(self.chunks) - 1
+        return virtual_stage(self.stage, chunk, self.stages, self.placement) == last
+
+    def _on_rank(self, chunk: int, step: int) -> int | None:
+        """This rank's chunk holding the virtual stage `step` (+1 or -1) from `chunk`'s, or
+        None where another stage holds it or the model ends (module docstring's hand-off)."""
+        virtual = virtual_stage(self.stage, chunk, self.stages, self.placement) + step
+        if not 0 <= virtual < self.stages * len(self.chunks):
+            return None
+        stage, local = holder(virtual, self.stages, self.placement)
+        return local if stage == self.stage else None
 
     def run(self, actions: Sequence[Action], batches: Sequence[MicroBatch],
             loss_scale: float = 1.0, train: bool = True,
@@ -165,10 +183,13 @@ class Executor:
                 state.losses[micro] = out.detach().float()
                 if state.train:
                     out = state.for_backward(out)
+            following = self._on_rank(chunk, 1)
+            if following is not None:  # the V's turn: the next chunk's input, on this rank
+                state.kept[("in", micro, following)] = out.detach().requires_grad_(state.train)
             if state.train:
                 state.kept[("x", micro, chunk)] = x
                 state.kept[("out", micro, chunk)] = out
-            elif not self._is_last(chunk):
+            elif not self._is_last(chunk) and following is None:
                 state.kept[("out", micro, chunk)] = out
         elif action.op == "backward":
             self._backward(micro, chunk, state)
@@ -183,8 +204,9 @@ class Executor:
         elif action.op == "wait":
             handle, tensor = state.pending.pop(key + (action.waits,))
             handle.wait()
+            # (a send waited late, ZBV's, may find its output's backward run and the output gone)
             if action.waits == "send" and action.pass_ == "F" and state.train \
-                    and self.free_outputs:
+                    and self.free_outputs and ("out", micro, chunk) in state.kept:
                 free_storage(state.kept[("out", micro, chunk)])
             if action.waits == "recv" and action.pass_ == "F":
                 state.kept[("in", micro, chunk)] = tensor.requires_grad_(state.train)
@@ -206,7 +228,9 @@ class Executor:
         else:
             backward_of(out, grad)
         if x is not None:
-            state.kept[("dx", micro, chunk)] = x.grad
+            before = self._on_rank(chunk, -1)
+            key = ("dx", micro, chunk) if before is None else ("dy", micro, before)
+            state.kept[key] = x.grad
 
     def _send(self, action: Action, micro: int, chunk: int, state: _State) -> None:
         if action.pass_ == "F":

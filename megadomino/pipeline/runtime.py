@@ -37,7 +37,10 @@ rank as it computes (schedules.schedule's `loading`): CUDA loads a kernel at its
 (lazily, its default) and the load waits for the device's queued work, which a prefetched
 receive keeps queued until its peer sends, while the peer may wait on this rank. The kernels are
 those of the step itself (the engine's fused gradient accumulation, the codecs), which no pass
-at start-up sees alike. The computes and their order are the same, and so are the numbers.
+at start-up sees alike. The computes and their order are the schedule's, and so are the
+numbers, but for ZBV, whose order needs a send in flight: its loading step runs the
+micro-batches one after the other (schedules.py's `one_at_a_time`), the same computes in
+another order (its gradients summed in another order).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from megadomino.pipeline.schedules import (
     schedule,
     with_transfers,
 )
-from megadomino.pipeline.stage import embedding_group, tied_embedding
+from megadomino.pipeline.stage import embedding_group, sum_tied, tied_copy, tied_embedding
 from megadomino.pipeline.transport_delay import DelayedTransport
 from megadomino.pipeline.transport_p2p import P2PTransport
 from megadomino.pipeline.transport_reshard import ReshardTransport
@@ -115,13 +118,17 @@ class PipelineRuntime:
                                                                 micro_batch_size)
         self.executor = Executor(chunks, self.transport, stage.index, plan.size,
                                  split_backward=self.schedule_name in SPLIT_BACKWARD,
-                                 slowdown=parallel.slowdown(dims.rank))
+                                 slowdown=parallel.slowdown(dims.rank),
+                                 placement=plan.placement)
         self._actions: dict[tuple[int, bool], list] = {}
         self._counts_run: set[int] = set()  # the micro-batch counts a step has run with
         tied = plan.size > 1 and not model.untie_embeddings_and_output_weights
-        self.embedding_group = embedding_group(plan, dims) if tied else None
+        # the V placement holds both ends on stage 0: its two copies are summed on the rank
+        self.embedding_group = (embedding_group(plan, dims) if tied and plan.last_stage != 0
+                                else None)
         self.tied = tied_embedding(chunks, plan)
-        last = plan.stages[-1].ranks
+        self.tied_copy = tied_copy(chunks, plan)
+        last = plan.stages[plan.last_stage].ranks
         self.loss_source = (None if plan.size == 1 else last[stage.ranks.index(dims.rank)]
                             if dims.uniform else last[0])
 
@@ -211,8 +218,7 @@ class PipelineRuntime:
                                        timeline=timeline)
         self._codec_step_end(timeline)
         with timers("wait") if timers is not None else contextlib.nullcontext():
-            if self.tied is not None:
-                comm.all_reduce(engine.accumulated_grad(self.tied), group=self.embedding_group)
+            sum_tied(self.tied, self.tied_copy, self.embedding_group, engine.accumulated_grad)
             engine.reduce_gradients()
             return self.step_loss(losses, mean=token_scale is None)
 
@@ -224,8 +230,7 @@ class PipelineRuntime:
         losses = self.executor.run(self._step_actions(len(batches), changed), batches,
                                    loss_weights=shard_weights, timeline=timeline)
         self._codec_step_end(timeline)
-        if self.tied is not None and self.tied.grad is not None:
-            comm.all_reduce(self.tied.grad, group=self.embedding_group)
+        sum_tied(self.tied, self.tied_copy, self.embedding_group, lambda param: param.grad)
         return self.step_loss(losses)
 
     def _codec_step(self) -> tuple[list | None, bool]:
@@ -246,19 +251,25 @@ class PipelineRuntime:
     def evaluate(self, batches: Sequence[MicroBatch], per_token: bool = False) -> torch.Tensor:
         """The sum of the micro-batches' losses (`per_token`: of their token losses' sums) of
         forwards only, any number of micro-batches (eval mode is the caller's): every forward
-        in the order of the training schedule, no backward."""
+        in the order of the training schedule, no backward (under the V placement chunk 0's
+        forwards, then chunk 1's); the codecs' state untouched (transport_codec.py's
+        evaluation)."""
         plan, stage = self.plan, self.stage.index
-        name = "interleaved" if plan.chunks > 1 and len(batches) % plan.size == 0 else None
+        name = ("interleaved" if plan.chunks > 1 and len(batches) % plan.size == 0
+                and plan.placement == "loop" else None)
         if name is None and plan.chunks > 1:
             order = [("F", m, v) for v in range(plan.chunks) for m in range(len(batches))]
         else:
             order = [c for c in compute_order(name or "1f1b", plan.size, stage, len(batches),
                                               plan.chunks) if c[0] == "F"]
-        actions = with_transfers([[c] for c in order], plan.size, stage, plan.chunks)
+        actions = with_transfers([[c] for c in order], plan.size, stage, plan.chunks,
+                                 placement=plan.placement)
         batches, shard_weights = self.shards(batches, per_token)
-        losses = self.executor.run(actions, batches, train=False,
-                                   token_scale=1.0 if per_token else None,
-                                   loss_weights=shard_weights)
+        with (self.codec.transport.evaluation() if self.codec is not None
+              else contextlib.nullcontext()):
+            losses = self.executor.run(actions, batches, train=False,
+                                       token_scale=1.0 if per_token else None,
+                                       loss_weights=shard_weights)
         return self.step_loss(losses, mean=False)
 
     def shards(self, batches: Sequence[MicroBatch], per_token: bool = False
@@ -322,5 +333,5 @@ def _transport(plan: PipelinePlan, stage, dims, model: ModelConfig, parallel: Pa
     seq = model.seq_length
     if parallel.sequence_parallel and dims.tp > 1:
         seq //= dims.tp
-    return P2PTransport(plan, stage, dims.rank, dims.pipeline_channels(plan.chunks),
+    return P2PTransport(plan, stage, dims.rank, dims.pipeline_channels(plan.chunks, plan.placement),
                         (seq, micro_batch_size, model.hidden_size), dtype, device, num_micro)

@@ -21,7 +21,11 @@ eager-1F1B, ZB-H1 before eager-zb.
 
 Candidates (`candidates`): with one chunk a stage 1F1B, eager-1F1B, ZB-H1 and eager-zb (the last
 two unless their split backward is refused: tp/wgrad.py's check_split_backward); with virtual
-stages the interleaved schedule, the one schedule that runs a stage's V chunks.
+stages the interleaved schedule, the one schedule that runs a stage's V chunks as they are
+placed. ZBV is no candidate: its V placement gives a stage other layers (virtual stages s and
+2 P - 1 - s instead of s and P + s), fixed when the stages are built, before this profile; it
+runs when asked for (--pipeline-schedule zbv, --virtual-pipeline-model-parallel-size 2), and the
+simulator predicts it from the same per-virtual-stage times (simulate.run with its lists).
 
 What the pass leaves: the chunks' weights and the RNG streams (the default generators and the
 TP tracker's) as they were, the chunks' gradients None, so that the run trains as the chosen

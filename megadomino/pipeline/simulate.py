@@ -10,9 +10,9 @@ The model, the same rules the executor and the transports follow:
   the list (a split backward, schedules.SPLIT_BACKWARD) `backward[s]` / V, any other backward
   their sum; without `weight`, W takes no time.
 - `send` and `recv` post a message and return at once; a message is identified by its pass, the
-  boundary it crosses (between virtual stages b and b + 1, on the link from stage b mod P to
-  stage (b + 1) mod P) and its micro-batch, as tests/test_pipeline_schedules.py's deadlock check
-  keys it.
+  boundary it crosses (between virtual stages b and b + 1, on the link between the stages that
+  hold them: b mod P and (b + 1) mod P, or under ZBV's V placement, `placement`, pipeline_split.py's
+  holders) and its micro-batch, as tests/test_pipeline_schedules.py's deadlock check keys it.
 - A message moves once both its send and its receive are posted (a rendezvous: gloo and NCCL
   move a message only into a posted receive; `run` also models a send buffered at once), and
   then takes `link` seconds (or, with `link` a mapping, `link[(from stage, to stage)]`: links
@@ -44,6 +44,7 @@ import heapq
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from megadomino.config.pipeline_split import holder, placement_of, virtual_stage
 from megadomino.pipeline.schedules import Action, schedule
 
 SENDS = ("rendezvous", "handed", "buffered")
@@ -66,9 +67,10 @@ class Prediction:
         return tuple(1.0 - busy / self.step if self.step > 0 else 0.0 for busy in self.busy)
 
 
-def message(stages: int, stage: int, action: Action) -> tuple[str, int, int]:
+def message(stages: int, stage: int, action: Action,
+            placement: str = "loop") -> tuple[str, int, int]:
     """The message a send, receive or wait of `stage` names: (pass, boundary, micro-batch)."""
-    virtual = (action.chunk or 0) * stages + stage
+    virtual = virtual_stage(stage, action.chunk or 0, stages, placement)
     op = action.waits if action.op == "wait" else action.op
     below = virtual if (action.pass_ == "F") == (op == "send") else virtual - 1
     return action.pass_, below, action.micro
@@ -87,7 +89,7 @@ def simulate(name: str, stages: int, micro: int, forward: Sequence[float],
     lists = [schedule(name, stages, s, micro, chunks, prefetch) for s in range(stages)]
     return run(lists, stages, [f / chunks for f in forward], [b / chunks for b in backward],
                link, weight=None if weight is None else [w / chunks for w in weight],
-               collectives=collectives)
+               collectives=collectives, placement=placement_of(name))
 
 
 def _seconds(times: Sequence[float | Sequence[float]] | None, stage: int, chunk: int) -> float:
@@ -100,7 +102,7 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
         backward: Sequence[float | Sequence[float]],
         link: float | Mapping[tuple[int, int], float], *, sends: str = "rendezvous",
         weight: Sequence[float | Sequence[float]] | None = None,
-        collectives: Collection[tuple[str, int]] = ()) -> Prediction:
+        collectives: Collection[tuple[str, int]] = (), placement: str = "loop") -> Prediction:
     """Every stage's `lists[s]` against a clock: `forward[s]` / `backward[s]` / `weight[s]`
     seconds a compute action of stage s (or `forward[s][v]` of its chunk v; a backward's time
     as the module docstring says), `link` seconds a message (module docstring). `sends`, when a
@@ -111,7 +113,8 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
                   socket buffer);
       buffered    once its send is posted; the send's wait ends at once.
     `collectives`: the (pass, boundary) whose messages are collectives, moved in posting order
-    once both ends posted them (module docstring)."""
+    once both ends posted them (module docstring). `placement`: where the chunks sit
+    (pipeline_split.py; the lists' schedule's)."""
     if sends not in SENDS:
         raise ValueError(f"sends must be one of {SENDS}, not {sends!r}")
     clock, at = [0.0] * stages, [0] * stages
@@ -124,7 +127,7 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
         clock[stage] = max(clock[stage], when)
         heapq.heappush(ready, (clock[stage], stage))
 
-    messages = _Messages(stages, link, sends, frozenset(collectives), wake)
+    messages = _Messages(stages, link, sends, frozenset(collectives), wake, placement)
     done, blocked = messages.done, messages.blocked
     while ready:
         _, s = heapq.heappop(ready)
@@ -140,10 +143,10 @@ def run(lists: Sequence[Sequence[Action]], stages: int, forward: Sequence[float 
                 held[s] += {"forward": 1, "backward": -1}.get(action.op, 0)
                 peak[s] = max(peak[s], held[s])
             elif action.op in ("send", "recv"):
-                messages.post(message(stages, s, action), 0 if action.op == "send" else 1,
-                              clock[s])
+                messages.post(message(stages, s, action, placement),
+                              0 if action.op == "send" else 1, clock[s])
             else:
-                side = (action.waits, message(stages, s, action))
+                side = (action.waits, message(stages, s, action, placement))
                 if side not in done:
                     blocked.setdefault(side, []).append(s)
                     at[s] += 1  # resumes after the wait once the message has moved
@@ -165,8 +168,10 @@ class _Messages:
     module docstring's rules). `wake(stage, when)` resumes a stage blocked on a message."""
 
     def __init__(self, stages: int, link: float | Mapping[tuple[int, int], float], sends: str,
-                 collectives: frozenset[tuple[str, int]], wake: Callable[[int, float], None]):
+                 collectives: frozenset[tuple[str, int]], wake: Callable[[int, float], None],
+                 placement: str = "loop"):
         self.stages, self.links, self.sends, self.collectives = stages, link, sends, collectives
+        self.placement = placement
         self.wake = wake
         self.posted: dict[tuple, list[float | None]] = {}  # message -> [send, receive] posted
         self.done: dict[tuple, float] = {}              # (side, message) -> its wait may end
@@ -182,7 +187,7 @@ class _Messages:
 
     def lane(self, key: tuple) -> tuple[int, int]:
         """The link a message crosses: (from stage, to stage)."""
-        low, high = key[1] % self.stages, (key[1] + 1) % self.stages
+        low, high = (holder(b, self.stages, self.placement)[0] for b in (key[1], key[1] + 1))
         return (low, high) if key[0] == "F" else (high, low)
 
     def seconds(self, lane: tuple[int, int]) -> float:

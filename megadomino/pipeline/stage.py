@@ -8,16 +8,22 @@ Tied embedding (GPT, `untie_embeddings_and_output_weights` off): the first and l
 hold `word_embeddings.weight` (equal at start); the runtime sums their gradients over the
 embedding group (those two stages' ranks at the same (dp, tp) position), as Megatron's embedding
 group does, so both copies take the same optimizer steps. The last stage's copy is marked
-`pipeline_duplicate` (by the builder) so the grad norm counts it once.
+`pipeline_duplicate` (by the builder) so the grad norm counts it once. Under ZBV's V placement
+stage 0 holds both ends, in two chunks: the two copies are summed on the rank (`sum_tied`), the
+second (chunk 1's) the duplicate. Two copies rather than one shared parameter: a parameter
+belongs to one chunk's WeightGradStore (tp/wgrad.py), and each chunk defers its own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megadomino.config.pipeline_plan import PipelinePlan
+from megadomino.distributed import comm
 from megadomino.models.gpt import gather_full
 
 
@@ -42,6 +48,32 @@ def tied_embedding(chunks: nn.ModuleList, plan: PipelinePlan) -> nn.Parameter | 
         if model.word_embeddings is not None:
             return model.word_embeddings.weight
     return None
+
+
+def tied_copy(chunks: nn.ModuleList, plan: PipelinePlan) -> nn.Parameter | None:
+    """The second copy of the tied word embedding on this rank (the V placement's stage 0:
+    chunk 1's, beside tied_embedding's chunk 0), or None."""
+    if tied_embedding(chunks, plan) is None or len(chunks) < 2:
+        return None
+    last = chunks[-1].word_embeddings
+    return last.weight if last is not None and chunks[0].word_embeddings is not None else None
+
+
+def sum_tied(tied: nn.Parameter | None, copy: nn.Parameter | None, group,
+             grad_of: Callable[[nn.Parameter], torch.Tensor | None]) -> None:
+    """Sum the tied embedding's gradient (`grad_of(param)`: where it accumulated) over its
+    copies: over `group` (the embedding group), or with the rank's second `copy`, which then
+    holds the sum too. Nothing where this rank holds no copy or no gradient."""
+    grad = grad_of(tied) if tied is not None else None
+    if grad is None:
+        return
+    if group is not None:
+        comm.all_reduce(grad, group=group)
+    if copy is not None:
+        other = grad_of(copy)
+        if other is not None:
+            grad += other
+            other.copy_(grad)
 
 
 def stage_full_state(chunks: nn.ModuleList, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -22,6 +22,10 @@ the same slot, so it is an approximation for samples that do not repeat (AQ-SGD 
 buffer per sample instead). The adatopk gradient at the kept indices has none: it is exact
 for the masked function. `state_dict` holds the residuals (a resumed run continues exactly).
 
+Evaluation (`evaluation()`: validation, and the forward that checks a checkpoint's weights)
+neither reads nor renews the residuals and times no send: the codec state is the training
+steps' alone, so that saving a checkpoint or evaluating leaves training as it would have been.
+
 Timing (`timed`, for the adaptive rate): each send is timed from the flush that starts
 it to its completion, by a watcher thread (gloo's point-to-point works report completion only
 to a wait, and a work waited twice hangs, so the watcher is the one that waits it and the send's
@@ -32,6 +36,7 @@ the sends so far: the transfers' own times, no probe traffic.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -92,6 +97,16 @@ class CodecTransport:
         self._timings: list[tuple[int, str, int, float]] = []
         self._lock = threading.Lock()
         self._watch: queue.Queue | None = None
+        self._evaluating = False
+
+    @contextlib.contextmanager
+    def evaluation(self):
+        """Inside: messages without error feedback, sends untimed (module docstring)."""
+        self._evaluating = True
+        try:
+            yield
+        finally:
+            self._evaluating = False
 
     def apply(self, settings: tuple[Setting, ...]) -> None:
         """Take `settings` from the next message on (every rank at the same step boundary)."""
@@ -162,7 +177,7 @@ class CodecTransport:
                 chunk: int, kept: torch.Tensor | None = None):
         """The message of `tensor`; with error feedback the residual added first and renewed
         (not for the adatopk gradient at the kept indices: module docstring)."""
-        feedback = self.error_feedback and kept is None
+        feedback = self.error_feedback and kept is None and not self._evaluating
         key = (pass_, micro, chunk)
         if feedback and key in self.residuals:
             tensor = tensor + self.residuals[key]
@@ -178,8 +193,9 @@ class CodecTransport:
         `sent_bytes` and, `timed`, watched from the next flush."""
         nbytes = wire.numel() * wire.element_size()
         self.sent_bytes[(pass_, boundary)] = self.sent_bytes.get((pass_, boundary), 0) + nbytes
-        sent = _Sent(handle, wire, self.timed and not wire.is_cuda)
-        if self.timed:
+        timed = self.timed and not self._evaluating
+        sent = _Sent(handle, wire, timed and not wire.is_cuda)
+        if timed:
             self._unflushed.append((sent, boundary, pass_, nbytes))
         return sent
 
@@ -216,10 +232,16 @@ class CodecTransport:
 
     def state_dict(self) -> dict:
         """The codec state that a resumed run needs beside the settings (codec_rate.py's):
-        the error-feedback residuals."""
+        the error-feedback residuals and the send timings not yet handed over (`timings()`),
+        which the next decision reads."""
+        with self._lock:
+            timings = list(self._timings)
         return {"residuals": {key: value.detach().cpu().clone()
-                              for key, value in self.residuals.items()}}
+                              for key, value in self.residuals.items()},
+                "timings": timings}
 
     def load_state_dict(self, state: dict) -> None:
         self.residuals = {key: value.to(self.inner.device)
                           for key, value in state["residuals"].items()}
+        with self._lock:
+            self._timings = [tuple(timing) for timing in state["timings"]]

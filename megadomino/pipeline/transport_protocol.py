@@ -10,11 +10,14 @@ returning a handle with `wait()`:
     send_grad(tensor, micro, chunk)          to the previous virtual stage
     recv_grad(micro, chunk)                  -> (handle, buffer) from the next one
 
-`chunk` is the local model chunk the tensor belongs to (virtual stage chunk * P + stage); the
-last stage's chunk v feeds the first stage's chunk v + 1. `flush()` starts what was posted since
-the last flush, as one batch. Two implement it: transport_p2p.py's `P2PTransport` between stages
-of one layout, transport_reshard.py's `ReshardTransport` between stages of different layouts
-(--pipeline-plan), on the cross-mesh resharding plans of reshard/.
+`chunk` is the local model chunk the tensor belongs to (virtual stage chunk * P + stage, or
+under ZBV's V placement stage and 2 P - 1 - stage: config/pipeline_split.py); under the loop
+placement the last stage's chunk v feeds the first stage's chunk v + 1, under the V chunk 1 of
+stage s feeds chunk 1 of stage s - 1 (the V's turn on the last stage moves no message).
+`flush()` starts what was posted since the last flush, as one batch. Two implement it:
+transport_p2p.py's `P2PTransport` between stages of one layout, transport_reshard.py's
+`ReshardTransport` between stages of different layouts (--pipeline-plan), on the cross-mesh
+resharding plans of reshard/.
 
 Every message has its own tag (direction, chunk, micro-batch), so gloo matches them whatever the
 posting order; backends that ignore tags (NCCL) match in posting order, which the schedules keep

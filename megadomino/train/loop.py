@@ -22,8 +22,8 @@ the end of the run and when an early stop (`train.stopping`) ends it. A checkpoi
 latest (`latest_checkpointed_iteration.txt`) only once a forward pass from its weights gave a
 finite loss: a diverged step stops the run with the previous checkpoint still the one a requeued
 job resumes (`_save`). `--load` resumes from
-the counters, optimizer and RNG states a checkpoint holds, so that a resumed run repeats the
-uninterrupted one's losses exactly (`train.checkpoint`).
+the counters, optimizer and RNG states a checkpoint holds (and the pipeline codecs' state), so
+that a resumed run repeats the uninterrupted one's losses exactly (`train.checkpoint`).
 
 The device is the current CUDA device when CUDA is available, else the CPU; whoever initialised
 the process group chose the backend to match.
@@ -44,6 +44,7 @@ from megadomino.overlap.cuda_graph import release_layers
 from megadomino.train.checkpoint import (
     TRACKER,
     AsyncCheckpointer,
+    CodecState,
     TrainingState,
     checkpoint_dir,
     latest_iteration,
@@ -155,7 +156,8 @@ def _iteration(run: Run, iteration: int, first: bool, stop: StopConditions,
         with run.reporter.outside_training():
             _save(checkpoint, state, run.model, run.engine, dims, run.log,
                   functools.partial(run.step.probe, run.train_data,
-                                    state.consumed_train_samples - batch), saver)
+                                    state.consumed_train_samples - batch), saver,
+                  codec=run.step.pipeline.codec)
     if last:
         run.lr.settle()
     return reason
@@ -175,16 +177,19 @@ def _evaluate(run: Run, iteration: int, manual_gc: ManualGC) -> None:
 
 def _save(config: CheckpointConfig, state: TrainingState, model: nn.Module,
           engine: ZeroPlusPlus, dims: ParallelDims, log: Callable[[str], None],
-          probe: Callable[[], float], saver: AsyncCheckpointer | None = None) -> None:
+          probe: Callable[[], float], saver: AsyncCheckpointer | None = None,
+          codec: CodecState | None = None) -> None:
     """Save, then promote the checkpoint to latest once a forward pass from the saved weights
     (`probe`: the last batch again) gives a finite loss. The step that produced the weights may
     have diverged though its own loss, taken before it, was finite: then NonFiniteLossError, and
     the iteration file keeps naming the last good checkpoint, which a requeued job resumes.
     With `saver` (--async-save) the files are written in the background from a snapshot taken
-    here, and the promotion waits for them (`AsyncCheckpointer`)."""
+    here, and the promotion waits for them (`AsyncCheckpointer`). `codec`: the pipeline
+    codecs, whose state the checkpoint holds (the probe leaves it untouched)."""
     if dims.rank == 0:  # a large checkpoint takes minutes
         log(f" saving checkpoint {checkpoint_dir(config.save, state.iteration)}")
-    options = dict(save_rng=not config.no_save_rng, save_optim=not config.no_save_optim)
+    options = dict(save_rng=not config.no_save_rng, save_optim=not config.no_save_optim,
+                   codec=codec)
     if saver is not None:
         path = saver.start(state, model, engine, **options)
     else:

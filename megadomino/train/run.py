@@ -8,9 +8,9 @@ whole model, the one chunk of a one-stage plan) and, with `--domino`, its plan t
 anything hooks its parameters; the start-up summary; `--load`'s weights into the whole model;
 the pipeline runtime, at every pipeline degree (at PP 1 one stage, no transport; with
 `--pipeline-schedule auto` its schedule picked by timing the chunks, before anything hooks their
-parameters); the data-parallel engine, which takes the parameters over, and its optimizer state;
-the CUDA graphs (after the engine: they read the parameters' storage as the engine left it); the
-stepper and the reporter.
+parameters); the data-parallel engine, which takes the parameters over, its optimizer state
+and the pipeline codecs' state; the CUDA graphs (after the engine: they read the parameters'
+storage as the engine left it); the stepper and the reporter.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ from megadomino.train.checkpoint import (
     checkpoint_dir,
     latest_iteration,
     load_checkpoint,
+    load_codec_state,
     load_optimizer_state,
+    shard_path,
 )
 from megadomino.train.fp8_linears import resolve_fp8_linears
 from megadomino.train.lr_schedule import LRSchedule
@@ -158,10 +160,7 @@ def build_run(config: Config, dims: ParallelDims, family: str, log: Callable[[st
     for line in pipeline.start_lines() if dims.rank == 0 else ():
         log(f" {line}")
     engine = build_engine(model, dims, config)
-    checkpoint = train_config.checkpoint
-    if state.iteration > 0 and not checkpoint.no_load_optim:  # resumed a training run
-        with _loading(checkpoint.load):
-            load_optimizer_state(checkpoint.load, state.iteration, engine, dims, log)
+    _load_training_state(train_config.checkpoint, state.iteration, engine, pipeline, dims, log)
     if config.parallel.enable_cuda_graph:
         capture_layers(model, mbs, log=log)  # after the engine (module docstring)
     if plan.size > 1:  # the stages start step 1 together: its waits are the schedule's, not
@@ -284,6 +283,22 @@ def _resume(config: CheckpointConfig, model: nn.Module, dims: ParallelDims,
         log(f" no checkpoint in --load={config.load} ({TRACKER} is missing): starting from "
             f"{start}")
     return TrainingState()
+
+
+def _load_training_state(config: CheckpointConfig, iteration: int, engine: ZeroPlusPlus,
+                         pipeline: PipelineRuntime, dims: ParallelDims,
+                         log: Callable[[str], None]) -> None:
+    """A resumed training run's (`iteration` > 0) state beyond the weights, once the engine
+    is built on them: the optimizer's (unless --no-load-optim) and the pipeline codecs'
+    (checkpoint/pipeline_codec.py: they start afresh when the checkpoint's do not fit)."""
+    if iteration == 0:
+        return
+    with _loading(config.load):
+        if not config.no_load_optim:
+            load_optimizer_state(config.load, iteration, engine, dims, log)
+        source = checkpoint_dir(config.load, iteration)
+        load_codec_state(source, shard_path(source, dims.tp_rank, dims.pp_rank, dims.pp),
+                         pipeline.codec, dims, log)
 
 
 def _check_grid(config: ParallelConfig, dims: ParallelDims) -> None:

@@ -4,7 +4,8 @@ plus offsets past 2^31, a tensor on another GPU than the current one, and the ro
 (quantized data read and written in place in payload rows) of tests/test_kernels.py; and the
 fused FP8 cast (kernels/fp8_cast.py) on random inputs (tests/test_fp8_kernel.py), and the
 bias-gradient kernel (kernels/bias_grad.py, tests/test_bias_grad_kernel.py) at the default tiles
-and at layer sizes. Skipped
+and at layer sizes; and the row top-k (kernels/row_topk.py, tests/test_row_topk_kernel.py) against
+its exact oracle and torch.topk, alone and as the adatopk codec's select. Skipped
 without CUDA; `python -m pytest tests/gpu/test_gpu_kernels.py -q` runs it."""
 
 from __future__ import annotations
@@ -155,3 +156,25 @@ def test_gelu_bias_backward(rows: int, cols: int, dtype: str) -> None:
     from test_bias_grad_kernel import check_gelu
     check_gelu("cuda", False, rows, cols, dtype, block=(64, 128))
 
+
+
+@pytest.mark.parametrize("rows,hidden", [(8192, 2048), (512, 8192), (128, 16384), (1000, 1000),
+                                         (4097, 37)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["distinct", "ties", "special"])
+def test_row_topk(rows: int, hidden: int, dtype: str, kind: str) -> None:
+    """kernels/row_topk.py on CUDA (tests/test_row_topk_kernel.py's checks): the exact oracle's
+    indices at k = 1, 3, h / 10, h - 1, h, the values bit for bit, torch.topk's set where the
+    k-th magnitude has no tie."""
+    from test_row_topk_kernel import check_row_topk
+    check_row_topk("cuda", False, rows, hidden, dtype, kind)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["distinct", "ties"])
+@pytest.mark.parametrize("values", ["native", "int8"])
+def test_adatopk_codec_on_the_kernel(dtype: str, kind: str, values: str) -> None:
+    """The codec's adatopk round trip on CUDA (its select: the kernel) against the torch.topk
+    path on CPU, at a gpt3-1.3b row (h = 2048)."""
+    from test_row_topk_kernel import check_codec
+    check_codec("cuda", False, 2048, 2048, dtype, kind, values)

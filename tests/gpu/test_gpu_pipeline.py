@@ -3,11 +3,12 @@ references as its CPU twins, fp32 with TF32 off at 1e-4 relative, plus one bf16 
 case per area (each step's loss within 2% of the same run in fp32, 10 steps). The gpu tier:
 `python -m pytest tests --tier gpu -q`; a world needs as many GPUs.
 
-World 2: PP2 under 1F1B, the interleaved schedule, ZB-H1, eager-zb and auto against the model
-without PP (mean loss and every full gradient, tests/test_pipeline_equivalence.py); sent outputs
-freed (1F1B, ZB-H1) bit for bit the stage keeping them, holding less; auto through the loop bit
-for bit its choice's run (tests/test_pipeline_schedule_auto.py, deterministic kernels); the
-training loop at PP2 against DP2 (losses, grad norms, validation loss:
+World 2: PP2 under 1F1B, the interleaved schedule, ZB-H1, eager-zb, ZBV (also with 3
+micro-batches) and auto against the model without PP (mean loss and every full gradient,
+tests/test_pipeline_equivalence.py); sent outputs freed (1F1B, ZB-H1) bit for bit the stage keeping
+them, holding less; auto through the loop bit for bit its choice's run
+(tests/test_pipeline_schedule_auto.py, deterministic kernels); the training loop at PP2 against DP2
+(losses, grad norms, validation loss:
 tests/test_pipeline_training.py); --rampup-batch-size and --decoupled-lr against the run
 without PP (tests/test_pipeline_features.py); bf16 at PP2.
 World 3: heterogeneous plans (tests/test_pipeline_hetero.py): a TP boundary (TP2 -> TP1, with
@@ -19,13 +20,13 @@ resumed at PP3 (another TP and PP), and back.
 boundary's groups), worlds 3 and 4: TP2 -> TP1, TP1 -> TP2, DP2 -> DP1, TP1 -> TP2 -> TP1 and
 DP2 -> TP2, each strategy once on each plan, the schedules and families in turn, against the
 model without PP; the loop through TP1 -> TP2 (broadcast) and TP2 -> TP1 (scatter-gather).
-World 4: PP2 x TP2 (sequence parallel, eager-1F1B, auto; Domino's schedule; recompute), PP2 x
-DP2 (interleaved) and PP4 (1F1B uneven, interleaved, ZB-H1, eager-zb) against the model
-without PP; auto resolving one schedule on every rank of PP2 x DP2 and PP4; ZB-H1 at PP4 with
-its sent outputs freed; the loop at PP2 x DP2 with ZeRO stage 1, PP2 x TP2 against TP2 x DP2,
-Domino in the stages; the per-token loss and --overlap-param-gather at PP2 x DP2,
---decoupled-lr at PP4; plans of 4 ranks: TP1 -> TP2 -> TP1 sharing GPT's tied embedding,
-TP2 -> DP2 and DP1 -> DP3 (batch splits 2 + 1 and 2 + 2 + 1; plans added here).
+World 4: PP2 x TP2 (sequence parallel, eager-1F1B, auto; Domino's schedule; recompute), PP2 x DP2
+(interleaved, ZBV) and PP4 (1F1B uneven, interleaved, ZB-H1, eager-zb, ZBV, ZBV with 3
+micro-batches) against the model without PP; auto resolving one schedule on every rank of PP2 x DP2
+and PP4; ZB-H1 at PP4 with its sent outputs freed; the loop at PP2 x DP2 with ZeRO stage 1, PP2 x
+TP2 against TP2 x DP2, Domino in the stages; the per-token loss and --overlap-param-gather at PP2 x
+DP2, --decoupled-lr at PP4; plans of 4 ranks: TP1 -> TP2 -> TP1 sharing GPT's tied embedding, TP2 ->
+DP2 and DP1 -> DP3 (batch splits 2 + 1 and 2 + 2 + 1; plans added here).
 
 The twins' cases run unchanged; the setup swaps the twins' CPU-bound helpers in each rank
 (tests/gpu/gpu_twins.py says how): equivalence and hetero build their models and stages on an
@@ -173,8 +174,9 @@ _adopt(features.SUITE, "feat", 2, ("rampup_llama_pp2_interleaved", "decoupled_lr
 SUITE.case("bf16-gpt-pp2-eager-1f1b", track_bf16_pipeline, "gpt", C.pp2, "eager-1f1b", 7, 4,
            worlds=(2,), timeout=LOOP)
 _adopt(equivalence.SUITE, "eq", 2, ("gpt-pp2-zb-h1", "llama-pp2-eager-zb", "llama-pp2-auto",
-                                     "gpt-pp2-1f1b-outputs-freed", "gpt-pp2-zb-h1-outputs-freed"),
-       PASS)
+                                     "gpt-pp2-1f1b-outputs-freed", "gpt-pp2-zb-h1-outputs-freed",
+                                     "gpt-pp2-zbv", "llama-pp2-odd-micro-zbv"), PASS)
+_adopt(training.SUITE, "train", 2, ("gpt-pp2-zbv",), LOOP, rel=FP32_REL)
 _adopt(schedule_auto.SUITE, "auto", 2, ("gpt-pp2-trains-as-its-choice",), LOOP,
        wrap=deterministic)
 
@@ -193,11 +195,13 @@ _adopt(equivalence.SUITE, "eq", 4, ("gpt-pp2tp2-sp-eager-1f1b", "llama-pp2dp2-in
                                      "gpt-pp4-1f1b", "llama-pp4-interleaved",
                                      "gpt-pp2tp2-domino", "llama-pp2tp2-recompute",
                                      "llama-pp4-zb-h1", "gpt-pp4-eager-zb", "gpt-pp2tp2-sp-auto",
-                                     "llama-pp4-zb-h1-outputs-freed"), PASS)
+                                     "llama-pp4-zb-h1-outputs-freed", "llama-pp4-zbv",
+                                     "gpt-pp4-few-micro-zbv", "llama-pp2dp2-zbv"), PASS)
 _adopt(schedule_auto.SUITE, "auto", 4, ("gpt-pp2dp2-resolves-alike",
                                          "llama-pp4-resolves-alike"), PASS)
 _adopt(training.SUITE, "train", 4, ("gpt-pp2dp2-zero1", "llama-pp2tp2-sp",
-                                    "gpt-pp2tp2-domino"), LOOP, rel=FP32_REL)
+                                    "gpt-pp2tp2-domino", "gpt-pp2dp2-zero1-zbv"), LOOP,
+       rel=FP32_REL)
 _adopt(features.SUITE, "feat", 4, ("per_token_loss_llama_pp2dp2_eager", "decoupled_lr_gpt_pp4"),
        LOOP)
 _adopt(features.SUITE, "feat", 4, ("overlap_param_gather_gpt_pp2dp2",), LOOP, wrap=deterministic)

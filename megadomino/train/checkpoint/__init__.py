@@ -2,10 +2,11 @@
 resume, loading at another TP degree), `files` writes them atomically and verifies them against
 the manifest, `rng` captures and restores every random generator of a rank, `async_save` writes
 them from a background thread (--async-save), `diloco` adds DiLoCo's outer state and each site's
-own inner state."""
+own inner state, `pipeline_codec` the pipeline boundary codecs' state of every rank."""
 
 from megadomino.train.checkpoint.async_save import AsyncCheckpointer
 from megadomino.train.checkpoint.files import TRACKER, CheckpointError, Manifest
+from megadomino.train.checkpoint.pipeline_codec import CodecState, load_codec_state
 from megadomino.train.checkpoint.shards import (
     SHARD,
     TrainingState,
@@ -21,6 +22,7 @@ from megadomino.train.checkpoint.shards import (
 __all__ = [
     "SHARD",
     "AsyncCheckpointer",
+    "CodecState",
     "TRACKER",
     "CheckpointError",
     "Manifest",
@@ -28,6 +30,7 @@ __all__ = [
     "checkpoint_dir",
     "latest_iteration",
     "load_checkpoint",
+    "load_codec_state",
     "load_optimizer_state",
     "promote_checkpoint",
     "save_checkpoint",

@@ -35,6 +35,7 @@ from torch import nn
 from megadomino.distributed import ParallelDims
 from megadomino.train.checkpoint import shards
 from megadomino.train.checkpoint.files import gather_all
+from megadomino.train.checkpoint.pipeline_codec import CodecState
 from megadomino.zero import ZeroPlusPlus
 
 
@@ -68,13 +69,15 @@ class AsyncCheckpointer:
         return self._target is not None
 
     def start(self, state: shards.TrainingState, model: nn.Module, engine: ZeroPlusPlus,
-              *, save_rng: bool = True, save_optim: bool = True) -> Path:
-        """Snapshot the checkpoint of `state.iteration` and start writing it; returns its
-        directory. Collective over the world (after finishing any save in flight)."""
+              *, save_rng: bool = True, save_optim: bool = True,
+              codec: CodecState | None = None) -> Path:
+        """Snapshot the checkpoint of `state.iteration` (with `codec`'s state: the pipeline
+        codecs') and start writing it; returns its directory. Collective over the world (after
+        finishing any save in flight)."""
         self.finish()
         target, files, error = shards.checkpoint_files(
             self.directory, state, model, engine, self.dims, save_rng=save_rng,
-            save_optim=save_optim)
+            save_optim=save_optim, codec=codec)
         files = snapshot(files)
         self._target, self._iteration, self._promote = target, state.iteration, False
         self._written, self._error = {}, error

@@ -8,6 +8,8 @@ Layout of `--save DIR`:
     DIR/iter_0000010/mp_rank_01/model_optim_rng.pt        TP rank 1
     DIR/iter_0000010/mp_rank_01/optim_dp_rank_001.pt      with ZeRO: TP rank 1, DP rank 1
     DIR/iter_0000010/mp_rank_01/diloco_dp_rank_001.pt     with DiLoCo: its state (diloco.py)
+    DIR/iter_0000010/mp_rank_00_001/codec_dp_rank_000.pt  with a pipeline codec that has state:
+                                                          its state (pipeline_codec.py)
     DIR/iter_0000010/manifest.json                        size and CRC-32 of each file above
     DIR/release/mp_rank_00/model_optim_rng.pt             weights only (converters), iteration 0
 
@@ -87,6 +89,7 @@ from megadomino.train.checkpoint.files import (
     write_tracker,
 )
 from megadomino.train.checkpoint.megatron import detect_megatron, load_megatron_checkpoint
+from megadomino.train.checkpoint.pipeline_codec import CodecState, codec_files
 from megadomino.train.checkpoint.rng import capture_rng_state, restore_rng_state
 from megadomino.train.pad_rows import without_pad_rows, zero_pad_rows_in_zero_state_
 from megadomino.zero import ZeroPlusPlus
@@ -166,17 +169,19 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
                     engine: ZeroPlusPlus | None, dims: ParallelDims, *,
                     save_rng: bool = True, release: bool = False,
                     save_optim: bool = True, promote: bool = True,
-                    megatron_dist: bool = False) -> Path:
+                    megatron_dist: bool = False, codec: CodecState | None = None) -> Path:
     """Write the checkpoint of `state.iteration` (or a weights-only 'release' one) and return its
     directory. Collective over the world. `engine` None or `save_optim` False leaves the
     optimizer out; the engine is needed for the weights at stage 3 either way. `promote`
     False leaves the iteration file as it is: the training loop promotes a checkpoint
     (`promote_checkpoint`) only once its weights gave a finite loss. `megatron_dist`
     (--ckpt-format torch_dist): the directory also gets Megatron-LM's torch_dist files of the
-    weights and counters (interop.megatron_dist), which Megatron-LM loads."""
+    weights and counters (interop.megatron_dist), which Megatron-LM loads. `codec`: the
+    pipeline runtime's codecs, whose state a training checkpoint holds (pipeline_codec.py)."""
     target, files, error = checkpoint_files(directory, state, model, engine, dims,
                                             save_rng=save_rng, release=release,
-                                            save_optim=save_optim, megatron_dist=megatron_dist)
+                                            save_optim=save_optim, megatron_dist=megatron_dist,
+                                            codec=codec)
     written, write_error = write_files(target, files, dims)
     publish(directory, target, written, error or write_error, dims,
             promote="release" if release else state.iteration if promote else None)
@@ -185,7 +190,8 @@ def save_checkpoint(directory: str | os.PathLike, state: TrainingState, model: n
 
 def checkpoint_files(directory: str | os.PathLike, state: TrainingState, model: nn.Module,
                      engine: ZeroPlusPlus | None, dims: ParallelDims, *, save_rng: bool = True,
-                     release: bool = False, save_optim: bool = True, megatron_dist: bool = False
+                     release: bool = False, save_optim: bool = True, megatron_dist: bool = False,
+                     codec: CodecState | None = None
                      ) -> tuple[Path, dict[Path, dict], str | None]:
     """(the checkpoint's directory, the files this rank writes, path -> object, the error that
     kept one from being made). Collective over the world (RNG and FP8 states gathered over DP;
@@ -233,6 +239,9 @@ def checkpoint_files(directory: str | os.PathLike, state: TrainingState, model: 
     if save_optim and not release:  # DiLoCo's outer state and the other sites' inner state
         files.update(diloco_files(shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp),
                                   engine, dims))
+    if not release:  # the pipeline codecs' settings and residuals, every rank's
+        files.update(codec_files(shard_path(target, dims.tp_rank, dims.pp_rank, dims.pp),
+                                 codec, dims))
     return target, files, error
 
 
