@@ -42,6 +42,8 @@ setup(
         "sentencepiece",
         "safetensors",
         "tokenizers",
+        # --nccl-communicator-config-path's YAML (Megatron-LM's format)
+        "pyyaml",
     ],
     extras_require={
         "test": [
