@@ -20,7 +20,8 @@
 # UNIFORM_DENSITY (default DENSITY: the density the adaptive run's slow link falls to when it
 # binds; set it from that run's choice); the no-communication limit (uncompressed, links
 # unlimited). Then the frontier, FRONTIER_ITERS (100) steps each: fixed top-k at each of
-# FRONTIER_DENSITIES (0.02 0.05 0.1) and int8 and int4 fixed on every link. Each run's rank 0
+# FRONTIER_DENSITIES (0.02 0.05 0.1), int8 and int4 fixed on every link, and top-k at DENSITY
+# with its kept values in int4 (--pipeline-codec-values int4). Each run's rank 0
 # log is OUT_DIR/NAME.log (every step's loss and time: the issue's step-300 loss, time to the
 # uncompressed run's step-300 loss and the bytes a step follow from them and the codecs'
 # formulas, docs/pipeline_codec.md); the load average at each start in OUT_DIR/load.json.
@@ -64,5 +65,7 @@ for density in $FRONTIER_DENSITIES; do
 done
 run frontier-int8 "$FRONTIER_ITERS" on --pipeline-codec int8 --pipeline-codec-interval 0
 run frontier-int4 "$FRONTIER_ITERS" on --pipeline-codec int4 --pipeline-codec-interval 0
+run frontier-topk-int4 "$FRONTIER_ITERS" on --pipeline-codec adatopk --pipeline-codec-values int4 \
+  --pipeline-codec-density "$DENSITY" --pipeline-codec-interval 0
 set_limits on
 echo "raw logs in $OUT_DIR" >&2

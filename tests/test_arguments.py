@@ -91,6 +91,8 @@ MAPPED = [
     (("--pipeline-model-parallel-size", "2", "--pipeline-codec", "adatopk",
       "--pipeline-codec-values", "int8"), "parallel.pipeline_codec_values", "int8"),
     (("--pipeline-model-parallel-size", "2", "--pipeline-codec", "adatopk",
+      "--pipeline-codec-values", "int4"), "parallel.pipeline_codec_values", "int4"),
+    (("--pipeline-model-parallel-size", "2", "--pipeline-codec", "adatopk",
       "--pipeline-codec-grad-topk"), "parallel.pipeline_codec_grad_topk", True),
     (("--pipeline-model-parallel-size", "2", "--pipeline-codec", "int8",
       "--pipeline-codec-error-feedback"), "parallel.pipeline_codec_error_feedback", True),

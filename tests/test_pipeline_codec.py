@@ -9,18 +9,22 @@ codec_rate.py) on gloo, PP2 (2 ranks) and PP3 (3 ranks), GPT fp32, 1F1B, 4 micro
   (1F1B and eager-1F1B each);
 - bytes on the wire: each boundary's bytes sent per step equal the formulas written out here
   (4 R + R h for int8, 4 R + R h / 2 for int4, R k (4 + 2) and R k 4 for adatopk's fp32
-  activation and gradient, 4 R + 3 R k and 4 R + R k with int8 values);
+  activation and gradient, 4 R + 3 R k and 4 R + R k with int8 values, 4 R + 2 R k + R k' / 2
+  and 4 R + R k' / 2 with int4 values, k' = k + k % 2, at an even and an odd k);
 - resume: int4 with error feedback, the codec's state saved after 2 steps and loaded into a
   fresh runtime gives steps 3 and 4 the uninterrupted run's losses bit for bit (and without it,
   other losses); through the training loop's checkpoints: test_pipeline_codec_checkpoint.py;
 - adaptive (--pipeline-codec auto, every 2 steps): every rank holds the same decisions, taken
   at steps 2 and 4, and the step after each sends each boundary's decided setting's bytes.
-Without a process group: int8 / int4 decode to the ZeRO++ torch reference's values, within
-scale / 2 of the input; the rate rule's choices on hand-made link times; bad codec flags end
+Without a process group: int8 / int4, and adatopk's int8 / int4 values (odd k included, the
+activation and its gradient at the kept indices), decode to the ZeRO++ torch reference's values,
+within scale / 2 of the input; the rate rule's choices on hand-made link times; bad codec flags end
 in one line naming the flag.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -126,16 +130,19 @@ def check_masked_gradient(dims, dims_ref, schedule: str):
         assert_close(grad, ref_grads[name], REL, f"grad {name}")
 
 
-def check_bytes(dims, dims_ref, codec: str, values: str = "native"):
+def check_bytes(dims, dims_ref, codec: str, values: str = "native", density: float = 0.25):
     config = _config(dims.pp)
     h, rows = config.hidden_size, config.seq_length * MBS
-    k = h // 4
+    k = math.ceil(density * h)
+    packed = rows * ((k + 1) // 2)  # int4 values: an odd k padded to even, two a byte
     expected = {"int8": (4 * rows + rows * h,) * 2,
                 "int4": (4 * rows + rows * h // 2,) * 2,
-                "adatopk": (rows * k * (4 + 2), rows * k * 4) if values == "native"
-                else (4 * rows + 3 * rows * k, 4 * rows + rows * k)}[codec]
+                "adatopk": {"native": (rows * k * (4 + 2), rows * k * 4),
+                            "int8": (4 * rows + 3 * rows * k, 4 * rows + rows * k),
+                            "int4": (4 * rows + 2 * rows * k + packed, 4 * rows + packed)}[values],
+                }[codec]
     _, _, runtime = _run(dims, _full_state(config, dims_ref), pipeline_codec=codec,
-                         pipeline_codec_interval=0, pipeline_codec_density=0.25,
+                         pipeline_codec_interval=0, pipeline_codec_density=density,
                          pipeline_codec_values=values)
     sent = runtime.codec.transport.sent_bytes
     stage = dims.pp_rank
@@ -208,9 +215,11 @@ for world in (2, 3):
     SUITE.case(f"pp{world}-resume", check_resume, C.pp, C.ref, worlds=(world,))
     SUITE.case(f"pp{world}-adaptive", check_adaptive, C.pp, C.ref, worlds=(world,))
 for codec, values in (("int8", "native"), ("int4", "native"), ("adatopk", "native"),
-                      ("adatopk", "int8")):
+                      ("adatopk", "int8"), ("adatopk", "int4")):
     SUITE.case(f"pp3-bytes-{codec}-{values}", check_bytes, C.pp, C.ref, codec, values,
                worlds=(3,))
+SUITE.case("pp3-bytes-adatopk-int4-odd-k", check_bytes, C.pp, C.ref, "adatopk", "int4", 0.22,
+           worlds=(3,))  # k = 11 of 48
 
 test_pipeline_codec = SUITE.test()
 
@@ -230,6 +239,50 @@ def test_quantized_boundary_is_the_zeropp_reference(codec, dtype):
     assert torch.equal(out, dequantize_reference(q, scales, x.numel(), bits, h, dtype).view_as(x))
     bound = scales[:, None] / 2 + x.abs().float() * torch.finfo(dtype).eps  # + the cast
     assert ((out.float() - x.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("values", ["int8", "int4"])
+@pytest.mark.parametrize("k", [12, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_topk_values_are_the_zeropp_reference(values, k, dtype):
+    """adatopk's quantized values: the activation at its kept indices, and the gradient sent
+    back at them, decode to the ZeRO++ torch reference of each row of kept values (int4: an
+    odd row padded with a zero, which leaves the row's scale absmax / 7), zero elsewhere."""
+    torch.manual_seed(3)
+    rows, h = 24, 48
+    bits, block = (8, k) if values == "int8" else (4, k + k % 2)
+    x = (torch.randn(rows, h) * torch.logspace(-3, 2, rows)[:, None]).to(dtype)
+    g = (torch.randn(rows, h) * torch.logspace(2, -3, rows)[:, None]).to(dtype)
+    fmt, setting = Format(rows, h, dtype, values=values), Setting("adatopk", k)
+    wire, sent = encode(x, setting, fmt, "F")
+    assert wire.numel() == message_bytes(setting, fmt, "F") == 4 * rows + rows * (
+        2 * k + block * bits // 8)
+    out, grad = torch.empty_like(x), torch.empty_like(g)
+    received = decode(wire, setting, fmt, "F", out)
+    assert torch.equal(sent, top_k(x, k)) and torch.equal(received, sent)
+    wire_b, _ = encode(g, setting, fmt, "B", received)
+    assert wire_b.numel() == message_bytes(setting, fmt, "B") == 4 * rows + rows * block * bits // 8
+    decode(wire_b, setting, fmt, "B", grad, sent)
+    for tensor, decoded in ((x, out), (g, grad)):
+        kept = tensor.gather(1, sent)
+        q, scales = quantize_reference(torch.nn.functional.pad(kept, (0, block - k)), bits, block)
+        assert torch.equal(scales, kept.float().abs().amax(1) / (2 ** (bits - 1) - 1))
+        want = dequantize_reference(q, scales, rows * block, bits, block, dtype).view(rows, block)
+        assert torch.equal(decoded, torch.zeros_like(tensor).scatter_(1, sent, want[:, :k]))
+        bound = scales[:, None] / 2 + kept.abs().float() * torch.finfo(dtype).eps  # + the cast
+        assert ((decoded.gather(1, sent).float() - kept.float()).abs() <= bound).all()
+
+
+def test_rate_rule_finds_the_largest_k_with_int4_values():
+    """int4 values cost 2.5 bytes an entry over two entries, 3 for the first of an odd pair."""
+    fmt = Format(rows=100, hidden=64, dtype=torch.bfloat16, values="int4")
+    link = {"F": (4, 2.0**-10), "B": (4, 2.0**-10)}  # exact per-byte times
+    up = {k: 400 + 200 * k + 100 * ((k + 1) // 2) for k in (10, 11)}  # the slower direction
+    assert [message_bytes(Setting("adatopk", k), fmt, "F") for k in (10, 11)] == list(up.values())
+    assert choose("adatopk", fmt, 0.01, link, 4 * up[11] * 2.0**-10) == Setting("adatopk", 11)
+    assert choose("adatopk", fmt, 0.01, link, 4 * (up[11] - 1) * 2.0**-10) == \
+        Setting("adatopk", 10)
+    assert choose("adatopk", fmt, 0.01, link, 4 * up[10] * 2.0**-10) == Setting("adatopk", 10)
 
 
 def test_rate_rule_takes_the_least_compression_that_fits():

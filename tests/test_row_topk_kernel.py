@@ -7,7 +7,7 @@ h), fp32, bf16 and fp16, with distinct magnitudes and with many ties:
 - the values are x at those indices bit for bit, and the indices ascend;
 - against torch.topk: the kept magnitudes are always the same multiset, and the kept set is
   torch.topk's wherever the row has no tie at the k-th magnitude;
-- the codec's adatopk round trip (native and int8 values) with the kernel as its select: the
+- the codec's adatopk round trip (native, int8 and int4 values) with the kernel as its select: the
   decoded activation and the gradient put back at the kept indices are the torch.topk path's
   bit for bit on rows without ties, and x (g) masked to the oracle's set with ties.
 
@@ -139,7 +139,7 @@ def cases() -> dict[str, tuple]:
         out[f"topk-{index_dtype}"] = (check_row_topk, 2, 1000, "bf16", "ties", index_dtype)
     for dtype in ("fp32", "bf16"):
         for kind in ("distinct", "ties"):
-            for values in ("native", "int8"):
+            for values in ("native", "int8", "int4"):
                 out[f"codec-{dtype}-{kind}-{values}"] = (check_codec, 5, 1000, dtype, kind,
                                                          values)
     return out

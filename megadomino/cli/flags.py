@@ -195,8 +195,9 @@ FLAGS: tuple[Flag, ...] = (
           "compression of --pipeline-codec that fits; the first steps run the most). 0: every "
           "link at the codec's fixed setting. Default 10."),
     _ours("--pipeline-codec-values", "parallel.pipeline_codec_values", str,
-          "adatopk's kept values: native (default: the activation's dtype) or int8 (a scale "
-          "per token row); indices are int16, relative to their row.",
+          "adatopk's kept values: native (default: the activation's dtype), int8 or int4 (the "
+          "ZeRO++ quantizer, a scale per token row; int4 packs two a byte); indices are int16, "
+          "relative to their row.",
           choices=CODEC_VALUES),
     _ours("--pipeline-codec-grad-topk", "parallel.pipeline_codec_grad_topk", None,
           "adatopk's gradient as its own top-k instead of at the forward's kept indices (an "

@@ -117,8 +117,8 @@ class ParallelConfig:
     transfers' own timings (pipeline/codec_rate.py); 0: fixed, every link at the codec's
     setting (auto needs > 0)."""
     pipeline_codec_values: str = "native"
-    """--pipeline-codec-values: adatopk's kept values as the activation's dtype ('native') or
-    'int8' with a scale per row."""
+    """--pipeline-codec-values: adatopk's kept values as the activation's dtype ('native'),
+    'int8' or 'int4' (the ZeRO++ quantizer, a scale per row)."""
     pipeline_codec_grad_topk: bool = False
     """--pipeline-codec-grad-topk: adatopk's gradient as its own top-k instead of at the
     forward's kept indices (an approximation of the masked function's gradient)."""

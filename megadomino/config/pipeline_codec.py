@@ -8,7 +8,8 @@ pipeline/codec.py), checked before any process group, one line naming the flag:
   transport, whose every message has one size both ends know; --pipeline-plan's resharding
   transport cuts messages into tiles and is refused;
 - a hidden size of at most codec.MAX_HIDDEN (one quantization block a token row, int16 row
-  indices), and an even one for int4 and auto (two values a byte).
+  indices), and an even one for int4 and auto (two values a byte; adatopk's int4 values pad
+  an odd k instead).
 Checkpoints hold the codecs' state (train/checkpoint/pipeline_codec.py), so --save and --load
 take every codec.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 from megadomino.config.check import ConfigError, check
 
 PIPELINE_CODECS = ("none", "int8", "int4", "adatopk", "auto")
-CODEC_VALUES = ("native", "int8")
+CODEC_VALUES = ("native", "int8", "int4")
 MAX_HIDDEN = 16384
 DEFAULT_DENSITY = 0.1
 DEFAULT_INTERVAL = 10

@@ -10,8 +10,9 @@ sections ordered by item size, largest first, so that each starts aligned withou
     int4      R fp32 scales | R h / 2 bytes (two values a byte)   4 R + R h / 2 bytes
     adatopk   per row the k entries of largest magnitude:
               values (native: the activation's dtype) | R k int16 indices   R k (itemsize + 2)
-              with --pipeline-codec-values int8:
+              with --pipeline-codec-values int8, int4 (k' = k + k % 2: two values a byte):
               R fp32 scales | R k int16 indices | R k int8 values         4 R + 3 R k
+              R fp32 scales | R k int16 indices | R k' / 2 bytes          4 R + 2 R k + R k' / 2
 
 int8 and int4 are the ZeRO++ quantizer of megadomino.kernels (block_quantize / block_dequantize:
 the Triton kernels on GPU, their torch references on CPU, bit-identical) with one block per token
@@ -25,16 +26,22 @@ indices fit int16 relative to their row (h <= 16384), and every token keeps the 
 select and the packing are megadomino.kernels' row_topk: on GPU its Triton kernel (exact radix
 select per row, ties broken by lowest index, indices ascending), on CPU torch.topk per row; the
 codec needs no order, only that the sender keeps the very indices it sends. The backward
-sends the gradient only at the forward's kept indices (R k values, plus 4 R scales with int8
-values): the exact gradient of the masked function x -> mask(x) * x, the mask held as a
+sends the gradient only at the forward's kept indices (R k values, plus 4 R scales with
+quantized values): the exact gradient of the masked function x -> mask(x) * x, the mask held as a
 constant, as both ends hold the indices from the forward until that backward. With
 --pipeline-codec-grad-topk the gradient instead goes as its own top-k (the forward's format):
 an approximation. At k = h the decoded tensor is the input exactly (native values).
 
+Quantized values (--pipeline-codec-values int8, int4) go through the same ZeRO++ quantizer,
+one block per token row of kept values: block_size k (int4: k', an odd row padded with a zero,
+which leaves the row's absmax, so its scale, unchanged and is dropped on decode). The gradient
+at the kept indices is quantized the same way (as a quantized boundary's: straight-through).
+
 Bytes: top-k costs (itemsize + 2) bytes a kept entry: with bf16 values 4 (6 with int32 indices,
 which is why the indices are row-relative int16), so it sends fewer bytes than int8 (1 byte an
 entry plus 4 a row) only below density 1/4 (1/6 with int32 indices); with int8 values 3 bytes an
-entry, below 1/3 of int8's bytes, 1/6 of int4's.
+entry, below 1/3 of int8's bytes, 1/6 of int4's; with int4 values 2.5, below 2/5 of int8's,
+1/5 of int4's.
 """
 
 from __future__ import annotations
@@ -68,8 +75,8 @@ class Setting:
 @dataclass(frozen=True)
 class Format:
     """What both ends of every link know: the activation's rows (R) and width h (at most
-    MAX_HIDDEN), its dtype, adatopk's value format ('native' or 'int8') and whether its
-    gradient goes as its own top-k."""
+    MAX_HIDDEN), its dtype, adatopk's value format ('native', 'int8' or 'int4') and whether
+    its gradient goes as its own top-k."""
 
     rows: int
     hidden: int
@@ -86,6 +93,11 @@ class Format:
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
+    def value_block(self, k: int) -> int:
+        """Quantized values per row on the wire, one quantizer block: k, padded to even at
+        int4 (two values a byte)."""
+        return k + k % 2 if self.values == "int4" else k
+
     def k_of(self, density: float) -> int:
         """adatopk's entries per row at `density` (at least 1, at most h)."""
         return min(self.hidden, max(1, math.ceil(density * self.hidden)))
@@ -96,17 +108,23 @@ def sections(setting: Setting, fmt: Format, pass_: str) -> list[tuple[str, torch
     'F' (activation) or 'B' (gradient)."""
     rows, hidden = fmt.rows, fmt.hidden
     if setting.codec in BITS:
-        quantized = rows * hidden if setting.codec == "int8" else rows * hidden // 2
-        return [("scales", torch.float32, rows),
-                ("q", torch.int8 if setting.codec == "int8" else torch.uint8, quantized)]
+        return [("scales", torch.float32, rows), _quantized("q", rows * hidden, setting.codec)]
     if setting.codec != "adatopk":
         raise ValueError(f"codec {setting.codec!r} has no message format")
     entries = rows * setting.k
     parts = [("indices", torch.int16, entries)] if pass_ == "F" or fmt.grad_topk else []
-    if fmt.values == "int8":
-        return [("scales", torch.float32, rows)] + parts + [("values", torch.int8, entries)]
+    if fmt.values in BITS:
+        return [("scales", torch.float32, rows)] + parts + [
+            _quantized("values", rows * fmt.value_block(setting.k), fmt.values)]
     return sorted([("values", fmt.dtype, entries)] + parts,
                   key=lambda part: -torch.empty((), dtype=part[1]).element_size())
+
+
+def _quantized(name: str, count: int, quantizer: str) -> tuple[str, torch.dtype, int]:
+    """The section of `count` values quantized by `quantizer` (a key of BITS): int8 one a
+    byte, int4 two (count even)."""
+    bits = BITS[quantizer]
+    return name, torch.int8 if bits == 8 else torch.uint8, count * bits // 8
 
 
 def message_bytes(setting: Setting, fmt: Format, pass_: str) -> int:
@@ -136,10 +154,10 @@ def top_k(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _select(rows: torch.Tensor, k: int, views: dict, fmt: Format) -> torch.Tensor:
     """Select and pack the top-k of `rows` (R, h): the indices into their section and the
-    values into theirs (int8 values: quantized from the kept ones); returns the kept indices
+    values into theirs (quantized values: from the kept ones); returns the kept indices
     (R, k) as int64, the very array on the wire (the gradient is taken and put back at it)."""
     indices = views["indices"].view(fmt.rows, k)
-    if fmt.values == "int8":
+    if fmt.values in BITS:
         _put_values(views, row_topk(rows, k, indices=indices)[1], fmt)
     else:
         row_topk(rows, k, indices=indices, values=views["values"].view(fmt.rows, k))
@@ -147,17 +165,22 @@ def _select(rows: torch.Tensor, k: int, views: dict, fmt: Format) -> torch.Tenso
 
 
 def _put_values(views: dict, values: torch.Tensor, fmt: Format) -> None:
-    """Write the (R, k) kept values into their section (int8: per-row scales)."""
-    if fmt.values == "int8":
-        quantize(values, 8, values.shape[1], out=(views["values"], views["scales"]))
+    """Write the (R, k) kept values into their section (quantized: per-row scales)."""
+    if fmt.values in BITS:
+        block = fmt.value_block(values.shape[1])
+        if block > values.shape[1]:  # int4, odd k: a zero column
+            values = torch.nn.functional.pad(values, (0, 1))
+        quantize(values, BITS[fmt.values], block, out=(views["values"], views["scales"]))
     else:
         views["values"].view(values.shape).copy_(values)
 
 
 def _get_values(views: dict, shape: tuple[int, int], fmt: Format) -> torch.Tensor:
-    if fmt.values == "int8":
-        return dequantize(views["values"], views["scales"], shape[0] * shape[1], 8, shape[1],
-                          fmt.dtype).view(shape)
+    """The (R, k) kept values of their section (quantized: dequantized, the pad dropped)."""
+    if fmt.values in BITS:
+        block = fmt.value_block(shape[1])
+        return dequantize(views["values"], views["scales"], shape[0] * block, BITS[fmt.values],
+                          block, fmt.dtype).view(shape[0], block)[:, :shape[1]]
     return views["values"].view(shape)
 
 

@@ -9,7 +9,8 @@ ladder that brings its predicted transfer per step under the slowest stage's com
 
     ladder    none, then the flag's codec: int8; int4; adatopk at any k from h down to the
               density's k (the floor); auto: none, int8, int4, then adatopk (with int8 values
-              at k < h / 6 it sends fewer bytes than int4) -- least bytes last
+              at k < h / 6 it sends fewer bytes than int4, with int4 values at k < h / 5)
+              -- least bytes last
     transfer  for each direction of the link: its messages per step x the setting's message
               bytes (codec.message_bytes) x the link's seconds per byte, the median over the
               window's sends of their own time over their bytes (transport_codec.py's timings:
@@ -62,14 +63,19 @@ def _per_step(setting: Setting, fmt: Format, link: dict) -> float:
 
 def _largest_k(fmt: Format, link: dict, budget: float, k_min: int) -> int:
     """adatopk's largest k (k_min at least, h at most) whose transfer fits `budget` (message
-    bytes are affine in k)."""
+    bytes are affine in k, or at int4 values in k rounded up to even: the slope over two
+    entries, one less where an odd k's pad overshoots)."""
     best = fmt.hidden
     for pass_, (count, per_byte) in link.items():
         if count * per_byte <= 0:
             continue
+        allowed = budget / (count * per_byte)
         base = message_bytes(Setting("adatopk", 0), fmt, pass_)
-        step = message_bytes(Setting("adatopk", 1), fmt, pass_) - base
-        best = min(best, int((budget / (count * per_byte) - base) // step))
+        step = (message_bytes(Setting("adatopk", 2), fmt, pass_) - base) / 2
+        k = int((allowed - base) // step)
+        if k > 0 and message_bytes(Setting("adatopk", k), fmt, pass_) > allowed:
+            k -= 1
+        best = min(best, k)
     return max(k_min, best)
 
 

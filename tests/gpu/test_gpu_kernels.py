@@ -172,7 +172,7 @@ def test_row_topk(rows: int, hidden: int, dtype: str, kind: str) -> None:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["distinct", "ties"])
-@pytest.mark.parametrize("values", ["native", "int8"])
+@pytest.mark.parametrize("values", ["native", "int8", "int4"])
 def test_adatopk_codec_on_the_kernel(dtype: str, kind: str, values: str) -> None:
     """The codec's adatopk round trip on CUDA (its select: the kernel) against the torch.topk
     path on CPU, at a gpt3-1.3b row (h = 2048)."""
