@@ -71,8 +71,8 @@
 #                --peer megatron --rounds 3, ours beside megatron-core's own training step
 #                (benchmarks/megatron_pretrain.py; carry .peerwhl/) on the same shapes
 #   pp-prefetch  gpt3-1.3b PP 2 on GPUs 0,1, 16 micro-batches of 4 (1F1B), 3 rounds beside
-#                megatron-core's 1F1B: receives prefetched (the default), not prefetched
-#                (--no-overlap-p2p-communication), and prefetched with the pipeline's NCCL kernels
+#                megatron-core's 1F1B: receives not prefetched (NCCL's default), prefetched
+#                (--overlap-p2p-communication), and prefetched with the pipeline's NCCL kernels
 #                capped at 2 thread blocks (benchmarks/nccl_pp_max_ctas2.yaml) -> $OUT/pp_prefetch.json
 #   mfu-1.3b     issue 19's gpt3-1.3b command (TP=1, micro-batch 4, dropout as the preset has it):
 #                eager, compiled pieces, and each with the layers in CUDA graphs, one call
@@ -209,8 +209,8 @@ for name in "$@"; do
         --iters 6 --comm-overlap --peers megatron --auto --out "$OUT/domino_link_$tag.json" ;;
     pp-prefetch) step pp-prefetch 540 env CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/bench_pretrain.py \
         --preset gpt3-1.3b --tp 1 --pp 2 --micro-batch-size 4 --accumulation 16 --iters 12 \
-        --rounds 3 --peer megatron --variants '' ' --no-overlap-p2p-communication' \
-        ' --nccl-communicator-config-path benchmarks/nccl_pp_max_ctas2.yaml' \
+        --rounds 3 --peer megatron --variants '' ' --overlap-p2p-communication' \
+        ' --overlap-p2p-communication --nccl-communicator-config-path benchmarks/nccl_pp_max_ctas2.yaml' \
         --out "$OUT/pp_prefetch.json" ;;
     e2e) step e2e 400 python3 benchmarks/bench_pretrain.py --preset gpt3-6.7b --num-layers 8 \
            --tp "$GPUS" --iters 10 --micro-batch-size 4 \

@@ -184,6 +184,7 @@ MAPPED = [
      "parallel.enable_cuda_graph", True),
     (("--no-gradient-accumulation-fusion",), "parallel.gradient_accumulation_fusion", False),
     (("--no-overlap-p2p-communication",), "parallel.overlap_p2p_communication", False),
+    (("--overlap-p2p-communication",), "parallel.overlap_p2p_communication", True),
     (("--save", "/ckpt"), "train.checkpoint.save", "/ckpt"),
     (("--save-interval", "50"), "train.checkpoint.save_interval", 50),
     (("--load", "/ckpt"), "train.checkpoint.load", "/ckpt"),

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from megadomino.config import Config, ModelConfig
+from megadomino.config import Config, ModelConfig, ParallelConfig
 from megadomino.config.flops import layer_params
 from megadomino.config.tree import build
 from megadomino.distributed import ParallelDims
@@ -191,3 +191,17 @@ def test_the_slow_rank_flag_names_one_rank():
     parallel = ParallelConfig(emulate_slow_rank="2:1.5")
     assert [parallel.slowdown(rank) for rank in range(4)] == [1.0, 1.0, 1.5, 1.0]
     assert ParallelConfig().slowdown(0) == 1.0
+
+
+@pytest.mark.parametrize("flag, gloo, nccl", [(None, True, False), (True, True, True),
+                                              (False, False, False)])
+def test_receives_prefetched_by_backend_unless_the_flag_says(flag, gloo, nccl):
+    """Unset, pipeline receives are prefetched on gloo only (an NCCL receive holds SMs through
+    the compute it overlaps); --overlap-p2p-communication / --no-... decide on both. The
+    placement's workload prices what the runtime will run."""
+    parallel = ParallelConfig(overlap_p2p_communication=flag)
+    assert (parallel.prefetches_receives(nccl=False), parallel.prefetches_receives(nccl=True)) \
+        == (gloo, nccl)
+    config = dataclasses.replace(_config(MODELS["gpt tied"][1]), parallel=parallel)
+    assert Workload.from_config(config, nccl=True).prefetch is nccl
+    assert Workload.from_config(config).prefetch is gloo

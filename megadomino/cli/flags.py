@@ -132,8 +132,14 @@ FLAGS: tuple[Flag, ...] = (
           choices=("1f1b", "interleaved", "eager-1f1b", "zb-h1", "eager-zb", "zbv", "auto")),
     _impl("--no-overlap-p2p-communication", "parallel.overlap_p2p_communication", None,
           "Post each pipeline receive just before its compute needs it instead of one compute "
-          "of its pass ahead (the default, under every schedule: the transfer then overlaps "
-          "the computes between; --pipeline-schedule eager-1f1b always does).", const=False),
+          "of its pass ahead (--overlap-p2p-communication; --pipeline-schedule eager-1f1b "
+          "always does). Default: ahead on gloo, just before on NCCL, where a posted receive "
+          "holds SMs through the compute it overlaps (docs/pipeline.md).", const=False),
+    _ours("--overlap-p2p-communication", "parallel.overlap_p2p_communication", None,
+          "Post each pipeline receive one compute of its pass ahead, on NCCL too, so that the "
+          "transfer overlaps the computes between: for slow links between GPU hosts, where "
+          "the transfer outweighs the SMs the waiting receive holds (docs/pipeline.md).",
+          const=True),
     _impl("--nccl-communicator-config-path", "parallel.nccl_communicator_config_path", str,
           "A YAML file of NCCL settings per process group by Megatron-LM's names (tp, dp, pp: "
           "the pipeline group and its P2P channels, embd), each of min_ctas, max_ctas, "

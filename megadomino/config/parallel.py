@@ -129,11 +129,12 @@ class ParallelConfig:
     """--nics-per-node: network interfaces per node, the GPUs spread evenly over them; the
     resharding cost model balances a boundary's senders per NIC (1: per host; --gpus-per-node:
     per device). None: one."""
-    overlap_p2p_communication: bool = True
-    """Each pipeline receive is posted one compute of its pass ahead (schedules.with_transfers'
-    `prefetch`), so that the transfer overlaps the computes between (gloo and NCCL move a
-    message only once its receive is posted); --no-overlap-p2p-communication (Megatron's flag)
-    posts it just before it is needed. Eager-1F1B always prefetches."""
+    overlap_p2p_communication: bool | None = None
+    """True (--overlap-p2p-communication): each pipeline receive is posted one compute of its
+    pass ahead (schedules.with_transfers' `prefetch`), so that the transfer overlaps the computes
+    between (gloo and NCCL move a message only once its receive is posted); False
+    (--no-overlap-p2p-communication, Megatron's flag): posted just before it is needed; None:
+    `prefetches_receives` decides by the backend. Eager-1F1B always prefetches."""
     pipeline_schedule: str = "1f1b"
     """'1f1b', 'interleaved' (needs virtual stages), 'eager-1f1b' (Alpa's overlap-friendly
     1F1B: more warm-up forwards, each forward's send overlapping the next compute), 'zb-h1'
@@ -181,6 +182,16 @@ class ParallelConfig:
         """The layers' linears own their weights' whole backward: gradient-accumulation fusion
         on and no Domino schedule (which hands weight gradients to autograd itself)."""
         return self.gradient_accumulation_fusion and not (self.domino.enabled or self.domino_auto)
+
+    def prefetches_receives(self, nccl: bool) -> bool:
+        """Whether pipeline receives are posted one compute ahead: the flag when given, else on
+        gloo only. A gloo receive waits on a host thread and costs the computes nothing; an NCCL
+        receive is a kernel that holds its thread blocks (SMs) from its launch until its message
+        arrives, so posted ahead it slows the compute it overlaps by more than a fast link's
+        transfer takes (docs/pipeline.md, "Prefetched receives")."""
+        if self.overlap_p2p_communication is not None:
+            return self.overlap_p2p_communication
+        return not nccl
 
     def slowdown(self, rank: int) -> float:
         """--emulate-slow-rank's factor on `rank` (1.0: full speed); the validator checked the

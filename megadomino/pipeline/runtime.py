@@ -111,7 +111,7 @@ class PipelineRuntime:
             comm.barrier(group=dims.pp_group)  # NCCL: a group's first operation is a collective
         # one stage has no pipeline schedule: its list is 1F1B's F0 B0 F1 B1 ...
         self.schedule_name = schedule_name if plan.size > 1 else "1f1b"
-        self.prefetch = parallel.overlap_p2p_communication
+        self.prefetch = parallel.prefetches_receives(self.device.type == "cuda")
         self.auto = None
         if self.schedule_name == AUTO:  # before the executor, which the choice configures
             self.schedule_name, self.auto = self._pick_schedule(model, parallel,

@@ -140,7 +140,9 @@ class Workload:
     prefetch: bool = True
 
     @classmethod
-    def from_config(cls, config) -> Workload:
+    def from_config(cls, config, nccl: bool = False) -> Workload:
+        """The run's workload; `nccl`: the stages talk over NCCL (whether receives are
+        prefetched, ParallelConfig.prefetches_receives)."""
         model, parallel, schedule = config.model, config.parallel, config.train.schedule
         vocab, seq = model.padded_vocab_size(1), model.seq_length
         tied = 0 if model.untie_embeddings_and_output_weights else vocab * model.hidden_size
@@ -156,7 +158,7 @@ class Workload:
             micro_batch=schedule.micro_batch_size, micro_batches=micro_batches,
             # --pipeline-schedule auto picks its schedule once the plan runs: priced as 1F1B
             schedule=(parallel.pipeline_schedule if parallel.pipeline_schedule in SCHEDULES
-                      else "1f1b"), prefetch=parallel.overlap_p2p_communication)
+                      else "1f1b"), prefetch=parallel.prefetches_receives(nccl))
 
     def stage_params(self, start: int, end: int) -> int:
         return ((end - start) * self.layer_params + (self.first_params if start == 0 else 0)

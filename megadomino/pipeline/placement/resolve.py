@@ -56,7 +56,7 @@ def resolve_auto(config: Config, log: Callable[[str], None] = print,
                                   DTYPES[config.train.precision.params_dtype],
                                   delay=parallel.pipeline_link_delay,
                                   slowdown=parallel.slowdown(dist.get_rank()))
-    work = Workload.from_config(config)
+    work = Workload.from_config(config, nccl=dist.get_backend() == "nccl")
     placement = plan_placement(parallel.pipeline_planner, work, machine, rules_of(config))
     plan = placement.plan
     text = plan_file(plan)
