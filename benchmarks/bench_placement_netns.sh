@@ -4,7 +4,7 @@
 # (benchmarks/text_corpus.py), beside the no-communication limit (ours without rate limits).
 #
 #   sudo bash benchmarks/bench_placement_netns.sh
-#   python3 benchmarks/bench_placement.py report OUT_DIR --warmup 5 --tokens T   # again, later
+#   python3 benchmarks/bench_placement.py report OUT_DIR --warmup 2 --tokens T   # again, later
 #
 # Sites (scripts/lib/netns.sh's netns_sites_up: each site's uplink and downlink limited, a star
 # through a switch namespace): A = ranks 0, 1 at 100 Mbit/s, C = rank 2 at 10 Mbit/s, B = rank 3
@@ -18,17 +18,19 @@
 # rounds, each running rank-order, dt-fm, ours and nocomm once (interleaved, so that load drifts
 # cancel in the paired ratios), WARMUP + STEPS iterations each, rank 0's log OUT_DIR/roundN-
 # PLAN.log and the 1-minute load average at its start in OUT_DIR/load.json; then the report.
-# Bounded: RUN_TIMEOUT seconds a run (default 600). On the repository's 2-core machine the
-# rank-order plan takes about 18 s a step at the default size (ours about 9 s, the limit about
-# 4 s), so the defaults take about 80 minutes; ROUNDS, STEPS and MODEL_FLAGS trade that against
-# the spread (the 2026-11-28 report ran one round of 4 steps).
+# Bounded: RUN_TIMEOUT seconds a run (default 600). The default size (4 layers, hidden 128,
+# sequence 128, 4 micro-batches of 16 a step, a 512-piece tokenizer) makes the step mostly
+# communication: on the repository's 2-core machine the rank-order plan takes about 8 s a
+# step and the limit under 1 s, so the defaults take about 30 minutes.
 #
-# Environment: ROUNDS (3), WARMUP (5), STEPS (20), SLOW_RANK (3), RUN_TIMEOUT (600), HOST_OF
+# Environment: ROUNDS (3), WARMUP (2), STEPS (20), SLOW_RANK (3), RUN_TIMEOUT (600), HOST_OF
 # ("0 0 1 2": each rank's site, 0 = A, 1 = C, 2 = B), PYTHON
 # (python3, one that imports megadomino), OUT_DIR (a temporary directory), CORPUS_DIR (where
-# text_corpus.py's files are, made there when missing; default OUT_DIR/corpus), MODEL_FLAGS
-# (the model and batch: default below, sized so that the planned run's step is at least 4.5x
-# the no-communication limit's on the testbed; the report says whether it is).
+# text_corpus.py's files are, made there when missing; default OUT_DIR/corpus), VOCAB (the
+# corpus tokenizer's pieces when it is made: 512, so that the output layer is a small part of
+# the compute), MODEL_FLAGS (the model and batch: default below, sized so that the planned
+# run's step is at least 4.5x the no-communication limit's on the testbed; the report says
+# whether it is).
 # Needs root (ip netns, tc). Traffic only reaches the namespaces' addresses and their loopbacks;
 # the namespaces and every process started in them are removed on any exit.
 set -euo pipefail
@@ -36,14 +38,15 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 ROUNDS=${ROUNDS:-3}
-WARMUP=${WARMUP:-5}
+WARMUP=${WARMUP:-2}
 STEPS=${STEPS:-20}
 SLOW_RANK=${SLOW_RANK:-3}
 RUN_TIMEOUT=${RUN_TIMEOUT:-600}
 OUT_DIR=${OUT_DIR:-$(mktemp -d)}
 CORPUS_DIR=${CORPUS_DIR:-$OUT_DIR/corpus}
-MODEL_FLAGS=${MODEL_FLAGS:-"--num-layers 8 --hidden-size 256 --num-attention-heads 8 \
---seq-length 256 --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size 32 \
+VOCAB=${VOCAB:-512}
+MODEL_FLAGS=${MODEL_FLAGS:-"--num-layers 4 --hidden-size 128 --num-attention-heads 4 \
+--seq-length 128 --max-position-embeddings 128 --micro-batch-size 16 --global-batch-size 64 \
 --untie-embeddings-and-output-weights"}
 SUBNET=10.234.71
 SITES=(100mbit 10mbit 100mbit)  # A, C, B
@@ -51,7 +54,7 @@ read -r -a HOST_OF <<<"${HOST_OF:-0 0 1 2}"  # rank -> site (bench_codec_netns.s
 mkdir -p "$OUT_DIR"
 source scripts/lib/netns.sh
 
-text_corpus_flags "$CORPUS_DIR" "$PYTHON"
+text_corpus_flags "$CORPUS_DIR" "$PYTHON" "$VOCAB"
 read -r -a MODEL <<<"$MODEL_FLAGS"
 FLAGS=("${MODEL[@]}" "${TEXT_FLAGS[@]}"
        --lr 1e-4 --log-interval 1 --eval-iters 0 --eval-interval 100000

@@ -2,7 +2,8 @@
 ranks, links in the 8 Mbit/s - 10 Gbit/s tiers: for a given chain the dynamic-programming layer
 cut equals brute force; OP-Fence's and DT-FM's searches equal an independent enumeration of
 their own spaces on their own objectives; the brute-force oracle is never beaten on the
-objective it shares with OP-Fence; and the gaps (OP-Fence to the oracle, DT-FM's local search
+objective it shares with OP-Fence (and is OP-Fence's own search up to ALL_CHAINS_RANKS ranks);
+and the gaps (OP-Fence to the oracle, DT-FM's local search
 to its exhaustive search) are printed (`pytest -s`). No timings: costs are arithmetic."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megadomino.pipeline.placement.chains import (
 from megadomino.pipeline.placement.cost import Machine, Workload, boundary_times, stage_costs
 from megadomino.pipeline.placement.cut import best_cut, brute_cut
 from megadomino.pipeline.placement.planners import (
+    ALL_CHAINS_RANKS,
     Costs,
     best_per_count,
     brute_force,
@@ -270,3 +272,16 @@ def test_op_fences_heuristic_never_beats_its_exhaustive_search(name):
         assert best <= costs.key(chain)[:2] or _close(best, costs.key(chain)[:2])
         print(f"{name}: S={count} op-fence heuristic / exhaustive bottleneck = "
               f"{cut.bottleneck / exact[count][0].bottleneck:.3f}")
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].world <= ALL_CHAINS_RANKS])
+def test_op_fence_searches_every_chain_up_to_all_chains_ranks(name):
+    """Up to ALL_CHAINS_RANKS ranks OP-Fence's plan is the oracle's: a stage may join ranks of
+    different clusters (a batch split across a slow link) when the cost model says it pays."""
+    machine, work, rules = CASES[name], workload(), Rules(6, 4, False)
+    ours, oracle = op_fence(work, machine, rules), brute_force(work, machine, rules)
+    assert ours.plan == oracle.plan and ours.estimate.step == oracle.estimate.step
+    clustered = op_fence(work, machine, rules, exhaustive=True)
+    assert ours.estimate.step <= clustered.estimate.step * (1 + 1e-12)
+    print(f"{name}: op-fence over the clusters' chains / over every chain = "
+          f"{clustered.estimate.step / ours.estimate.step:.3f}")

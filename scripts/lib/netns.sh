@@ -120,13 +120,13 @@ wait_ranks() {
   fi
 }
 
-# text_corpus_flags DIR PYTHON: make benchmarks/text_corpus.py's corpus in DIR if it is not
-# there, and set TEXT_FLAGS to the data and tokenizer flags that read it (the netns benchmarks'
-# real text).
+# text_corpus_flags DIR PYTHON [VOCAB]: make benchmarks/text_corpus.py's corpus in DIR (its
+# tokenizer of VOCAB pieces, default 8000) if it is not there, and set TEXT_FLAGS to the data
+# and tokenizer flags that read it (the netns benchmarks' real text).
 text_corpus_flags() {
-  local dir=$1 python=$2
+  local dir=$1 python=$2 vocab=${3:-8000}
   if [ ! -f "$dir/tok.model" ]; then
-    "$python" benchmarks/text_corpus.py --out "$dir"
+    "$python" benchmarks/text_corpus.py --out "$dir" --vocab-size "$vocab"
   fi
   TEXT_FLAGS=(--data-path "$dir/corpus_text_document" --tokenizer-type SentencePieceTokenizer
               --tokenizer-model "$dir/tok.model")

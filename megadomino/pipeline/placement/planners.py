@@ -12,7 +12,10 @@ rank that calls one with the same inputs gets the same plan.
                oracle the other two are measured against (slow beyond 8 ranks)
 
 Each planner searches every chain of its space on its own objective for each stage count (at
-most EXHAUSTIVE_RANKS ranks for DT-FM; OP-Fence's space is clusters' orders times splits), and
+most EXHAUSTIVE_RANKS ranks for DT-FM; OP-Fence's space is every chain up to ALL_CHAINS_RANKS
+ranks, where that search takes under a second, and the clusters' orders times splits beyond:
+a stage may then not span clusters, which costs plans whose batch-split stages join ranks
+across a slow link when that is faster), and
 then picks the stage count whose plan the shared cost model (cost.predict: the simulator) gives
 the least step time: a deeper pipeline divides the work further but fills and drains longer,
 which a per-micro-batch objective cannot see. Where our OP-Fence may differ from FusionLLM's:
@@ -48,6 +51,9 @@ from megadomino.pipeline.placement.cut import Cut, best_cut
 from megadomino.pipeline.reshard.layout import part_range
 
 PLANNERS = ("op-fence", "dt-fm", "brute-force")
+ALL_CHAINS_RANKS = 6
+"""Up to this many ranks OP-Fence searches every ordered partition of the ranks (4,683 at 6
+ranks, about a third of a second; 545,835 at 8), beyond only the clusters' chains."""
 
 
 @dataclass(frozen=True)
@@ -134,11 +140,16 @@ def _least_step(planner: str, found: dict[int, tuple[float, Chain, tuple]], work
 def op_fence(work: Workload, machine: Machine, rules: Rules,
              groups: tuple[tuple[int, ...], ...] | None = None,
              exhaustive: bool | None = None) -> Placement:
-    """OP-Fence (module docstring; `exhaustive`: chains.op_fence_chains'). When no chain of the
-    clusters meets the rules (a tied embedding's first and last stage of one size, a stage
+    """OP-Fence (module docstring): every chain up to ALL_CHAINS_RANKS ranks, unless `groups`
+    or `exhaustive` (chains.op_fence_chains') ask for the clusters' chains. When no chain of
+    the clusters meets the rules (a tied embedding's first and last stage of one size, a stage
     count asked for), the ranks are taken as one cluster, whose splits hold every size."""
     costs, note = Costs(work, machine), ""
-    best = best_per_count(op_fence_chains(machine, rules, groups, exhaustive), costs)
+    if groups is None and exhaustive is None and machine.world <= ALL_CHAINS_RANKS:
+        chains = all_chains(machine, rules)
+    else:
+        chains = op_fence_chains(machine, rules, groups, exhaustive)
+    best = best_per_count(chains, costs)
     if not best:
         note = "no chain of the bandwidth clusters meets the rules: planned as one cluster"
         best = best_per_count(op_fence_chains(
