@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import statistics
 import sys
@@ -82,13 +83,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="JSON of the run (rank 0 writes it)")
+    parser.add_argument("--veth", default=None,
+                        help="emulated hosts (bench_reshard_train_netns.sh): this network "
+                             "namespace's interface, whose bytes each row counts")
+    parser.add_argument("--host-of", type=int, nargs="+", default=None,
+                        help="with --veth: each rank's host; the first rank of a host reads "
+                             "its interface")
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if min(args.seq, args.micro_batch, args.hidden, args.iters, args.rounds) < 1 \
             or args.warmup < 0:
         parser.error("--seq, --micro-batch, --hidden, --iters and --rounds take >= 1, "
                      "--warmup >= 0")
+    if (args.veth is None) != (args.host_of is None):
+        parser.error("--veth and --host-of go together")
     return args
+
+
+def wire(veth: str | None) -> tuple[int, int]:
+    """(tx, rx) bytes of this namespace's `veth` so far; (0, 0) without one."""
+    if veth is None:
+        return 0, 0
+    stats = f"/sys/class/net/{veth}/statistics"
+    return tuple(int(open(f"{stats}/{way}_bytes").read()) for way in ("tx", "rx"))
+
+
+def reads_wire(args: argparse.Namespace) -> str | None:
+    """This rank's interface when it is the first rank of its host, else None."""
+    if args.veth is None:
+        return None
+    rank = dist.get_rank()
+    return args.veth if args.host_of.index(args.host_of[rank]) == rank else None
 
 
 def pipeline_plan(name: str) -> PipelinePlan:
@@ -218,7 +243,10 @@ def measure_plan(name: str, args: argparse.Namespace, device: torch.device,
                 route = ways[boundary].route
                 once = functools.partial(_transfer_index, transport, boundary, direction,
                                          tensor)
+                before = wire(reads_wire(args))
                 seconds = timed(once, args, device)
+                after = wire(reads_wire(args))
+                transfers = args.warmup + args.rounds * args.iters
                 nbytes = busiest_bytes(route, itemsize)
                 rows.append({
                     "plan": name, "boundary": boundary, "direction": direction,
@@ -228,8 +256,39 @@ def measure_plan(name: str, args: argparse.Namespace, device: torch.device,
                     "ms": statistics.median(seconds) * 1e3,
                     "busiest_bytes": nbytes, "p2p_ms": p2p.seconds(nbytes) * 1e3,
                     "predicted_ms": route.plan.predicted_time() * 1e3 if route.plan else None,
-                    "describe": route.describe()})
+                    "describe": route.describe(),
+                    "wire": [(b - a) / transfers for a, b in zip(before, after)],
+                    "activation_bytes": math.prod(shape) * itemsize})
     return rows
+
+
+def gather_wire(rows: list[dict], args: argparse.Namespace) -> None:
+    """Each row's interface bytes per transfer by host, {host: [tx, rx]}, from the ranks that
+    read them (collective over the world); without --veth, nothing."""
+    mine = {args.host_of[dist.get_rank()]: [row.pop("wire") for row in rows]} \
+        if reads_wire(args) else {}
+    for row in rows:
+        row.pop("wire", None)
+    if args.veth is None:
+        return
+    every: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, mine)
+    hosts = {host: counts for part in every for host, counts in part.items()}
+    for index, row in enumerate(rows):
+        row["wire_per_host"] = {host: counts[index] for host, counts in sorted(hosts.items())}
+
+
+def print_wire(rows: list[dict]) -> None:
+    """Bytes each host's link carried per transfer, in activations (one activation: the
+    whole (seq, batch, hidden) tensor); TCP/IP headers and the timing's barriers add a few
+    percent."""
+    print("host link bytes per transfer, in activations (tx / rx per host)")
+    for row in rows:
+        hosts = "  ".join(f"host {host}: {tx / row['activation_bytes']:.2f} / "
+                          f"{rx / row['activation_bytes']:.2f}"
+                          for host, (tx, rx) in row["wire_per_host"].items())
+        print(f"{row['plan']:<12} {row['boundary']} {row['direction']:<10} "
+              f"{row['strategy']:<14} {row['runs']:<14} {hosts}")
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -317,9 +376,12 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
     p2p = PointToPoint(args, device)
     rows = [row for name in names for row in measure_plan(name, args, device, p2p)]
+    gather_wire(rows, args)
     add_ratios(rows)
     if rank == 0:
         print_table(rows, p2p.rows())
+        if args.veth is not None:
+            print_wire(rows)
         lines = targets(rows)
         print("\n".join(lines))
         run = {"device": (torch.cuda.get_device_name(device) if device.type == "cuda"

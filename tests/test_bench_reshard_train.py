@@ -98,3 +98,22 @@ def test_defaults_are_a_gpt3_1_3b_boundary():
     args = bench.parse_args(["--device", "cuda"])
     assert (args.seq, args.micro_batch, args.hidden, args.dtype) == (2048, 4, 2048, "bfloat16")
     assert {sum(len(ranks) for ranks, _ in stages) for stages in bench.PLANS.values()} == {3, 4}
+
+
+def test_veth_counts_each_hosts_interface_bytes(tmp_path):
+    """--veth / --host-of (bench_reshard_train_netns.sh): the first rank of each host reads
+    its interface around every row; here the loopback of one host, which every transfer
+    crosses, so each row counts bytes both ways and prints the host table."""
+    out = tmp_path / "wire.json"
+    proc = torchrun(tmp_path, *TINY, "--plans", "tp1_tp2", "--veth", "lo", "--host-of", "0",
+                    "0", "0", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert all(list(row["wire_per_host"]) == ["0"] and min(row["wire_per_host"]["0"]) > 0
+               and row["activation_bytes"] == TILE for row in rows)
+    assert "host link bytes per transfer, in activations" in proc.stdout
+
+
+def test_veth_needs_the_host_map():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--veth", "lo"])
