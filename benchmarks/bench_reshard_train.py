@@ -5,6 +5,9 @@ GPU link over the point-to-point bandwidth this run measures at that message siz
 
     torchrun --standalone --nproc_per_node 3 benchmarks/bench_reshard_train.py --out rt3.json
     torchrun --standalone --nproc_per_node 4 benchmarks/bench_reshard_train.py --out rt4.json
+    # the same on GPUs with each row's kernel timeline (where a transfer's time goes)
+    torchrun --standalone --nproc_per_node 3 benchmarks/bench_reshard_train.py \
+        --plans dp2_dp1 --profile --out rt3_profile.json
     # CPU, gloo, a tiny shape (tests/test_bench_reshard_train.py)
     torchrun --nproc_per_node 3 benchmarks/bench_reshard_train.py --device cpu --seq 8 \
         --micro-batch 2 --hidden 16 --out rt_cpu.json
@@ -42,6 +45,10 @@ import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timeline import profile_summary  # noqa: E402
 
 from megadomino.config.pipeline_plan import PipelinePlan, Stage
 from megadomino.distributed import comm
@@ -83,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="JSON of the run (rank 0 writes it)")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: after each row's rounds, profile --iters more transfers "
+                             "(benchmarks/timeline.py: NCCL, copy and compute busy ms, idle, "
+                             "top kernels and host ops; each rank's in its row's 'profile')")
     parser.add_argument("--veth", default=None,
                         help="emulated hosts (bench_reshard_train_netns.sh): this network "
                              "namespace's interface, whose bytes each row counts")
@@ -97,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "--warmup >= 0")
     if (args.veth is None) != (args.host_of is None):
         parser.error("--veth and --host-of go together")
+    if args.profile and args.device != "cuda":
+        parser.error("--profile profiles CUDA kernels: it needs --device cuda")
     return args
 
 
@@ -247,6 +260,7 @@ def measure_plan(name: str, args: argparse.Namespace, device: torch.device,
                 seconds = timed(once, args, device)
                 after = wire(reads_wire(args))
                 transfers = args.warmup + args.rounds * args.iters
+                profile = profiled(once, args) if args.profile else None
                 nbytes = busiest_bytes(route, itemsize)
                 rows.append({
                     "plan": name, "boundary": boundary, "direction": direction,
@@ -258,8 +272,19 @@ def measure_plan(name: str, args: argparse.Namespace, device: torch.device,
                     "predicted_ms": route.plan.predicted_time() * 1e3 if route.plan else None,
                     "describe": route.describe(),
                     "wire": [(b - a) / transfers for a, b in zip(before, after)],
+                    "profile": profile,
                     "activation_bytes": math.prod(shape) * itemsize})
     return rows
+
+
+def profiled(once, args: argparse.Namespace) -> list[dict]:
+    """Every rank's timeline summary of `--iters` more transfers (rank order): where a
+    transfer's time goes (NCCL kernels, copies, idle GPU, host calls). Collective."""
+    comm.barrier()
+    summary = profile_summary(lambda: [once(index) for index in range(args.iters)], host=True)
+    every: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, summary)
+    return every
 
 
 def gather_wire(rows: list[dict], args: argparse.Namespace) -> None:

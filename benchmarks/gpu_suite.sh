@@ -34,6 +34,10 @@
 #                strategy, gpt3-1.3b's activation (seq 2048, micro-batch 4, bf16), 3 rounds,
 #                against the busiest link's bytes at the P2P bandwidth measured in the same run
 #                -> $OUT/reshard_train_3.json (and _4.json)
+#   reshard-profile
+#                the 3-GPU plans TP2 -> TP1 and DP2 -> DP1 with --profile: each row's kernel
+#                timeline on every rank (NCCL, copies, idle, host calls), to see where a batch-
+#                split boundary's time goes -> $OUT/reshard_profile_3.json
 #   zero         benchmarks/bench_zero.py: ZeRO-3 vs ZeRO++ (and its parts) on 4 GPUs as 2 x 2
 #                (2 GPUs: 2 x 1),
 #                GPT-3 1.3B at micro-batch 4 (GPU-bound), with the one-deep reducer beside
@@ -152,6 +156,9 @@ for name in "$@"; do
             benchmarks/bench_reshard_train.py --out "$OUT/reshard_train_$n.json"
         fi
       done ;;
+    reshard-profile) step reshard-profile 240 torchrun --standalone --nproc_per_node 3 \
+                       benchmarks/bench_reshard_train.py --plans tp2_tp1 dp2_dp1 --profile \
+                       --out "$OUT/reshard_profile_3.json" ;;
     zero) step zero 200 torchrun --standalone --nproc_per_node "$GPUS" benchmarks/bench_zero.py \
             --steps 8 --warmup 3 --micro-batch-size 4 --configs "plain dp" zero3 qwz qwz+hpz \
             zero++ "zero++ depth1" "zero3 x1" "zero++ x1" --out "$OUT/zero.json" ;;

@@ -117,3 +117,8 @@ def test_veth_counts_each_hosts_interface_bytes(tmp_path):
 def test_veth_needs_the_host_map():
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--veth", "lo"])
+
+
+def test_profile_needs_cuda():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--profile"])
