@@ -351,8 +351,9 @@ def predict(model: ModelConfig, layout: Layout, rates: Rates) -> ScaleEstimate:
     weight = None
     if layout.schedule in SPLIT_BACKWARD:  # B and W each a forward's worth, as cost.predict
         backward, weight = list(forward), list(forward)
+    # receives posted just before their compute: NCCL's default (prefetches_receives)
     run = simulate(layout.schedule, layout.pp, layout.micro_batches, forward, backward,
-                   boundary_seconds(rates, work, layout), weight=weight)
+                   boundary_seconds(rates, work, layout), prefetch=False, weight=weight)
     last_backward = backward[0] + (weight[0] if weight else 0.0)
     dp = dp_seconds(rates, work, layout, last_backward, forward[0] + last_backward)
     updated = first_stage_params(work, layout) / layout.tp
