@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_reshard import wire  # noqa: E402
 from timeline import profile_summary  # noqa: E402
 
 from megadomino.config.pipeline_plan import PipelinePlan, Stage
@@ -111,14 +112,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.profile and args.device != "cuda":
         parser.error("--profile profiles CUDA kernels: it needs --device cuda")
     return args
-
-
-def wire(veth: str | None) -> tuple[int, int]:
-    """(tx, rx) bytes of this namespace's `veth` so far; (0, 0) without one."""
-    if veth is None:
-        return 0, 0
-    stats = f"/sys/class/net/{veth}/statistics"
-    return tuple(int(open(f"{stats}/{way}_bytes").read()) for way in ("tx", "rx"))
 
 
 def reads_wire(args: argparse.Namespace) -> str | None:
@@ -256,9 +249,10 @@ def measure_plan(name: str, args: argparse.Namespace, device: torch.device,
                 route = ways[boundary].route
                 once = functools.partial(_transfer_index, transport, boundary, direction,
                                          tensor)
-                before = wire(reads_wire(args))
+                veth = reads_wire(args)
+                before = wire(veth) if veth else (0, 0)
                 seconds = timed(once, args, device)
-                after = wire(reads_wire(args))
+                after = wire(veth) if veth else (0, 0)
                 transfers = args.warmup + args.rounds * args.iters
                 profile = profiled(once, args) if args.profile else None
                 nbytes = busiest_bytes(route, itemsize)
@@ -290,10 +284,8 @@ def profiled(once, args: argparse.Namespace) -> list[dict]:
 def gather_wire(rows: list[dict], args: argparse.Namespace) -> None:
     """Each row's interface bytes per transfer by host, {host: [tx, rx]}, from the ranks that
     read them (collective over the world); without --veth, nothing."""
-    mine = {args.host_of[dist.get_rank()]: [row.pop("wire") for row in rows]} \
-        if reads_wire(args) else {}
-    for row in rows:
-        row.pop("wire", None)
+    counts = [row.pop("wire") for row in rows]
+    mine = {args.host_of[dist.get_rank()]: counts} if reads_wire(args) else {}
     if args.veth is None:
         return
     every: list[dict] = [{} for _ in range(dist.get_world_size())]
