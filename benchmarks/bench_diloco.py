@@ -9,8 +9,10 @@ run: the reference loss), `nocomm` (DiLoCo whose first outer step would come aft
 same ranks and data, nothing crossing the link, the no-communication limit) and
 `diloco-hH-DTYPE` (DiLoCo, H inner steps, pseudo-gradients sent as DTYPE). Throughput is the
 `run ended` line's tokens/s (training time only); the loss is the final validation loss, every
-run evaluated on the same batches after the same tokens. A DiLoCo run that ended (`run ended`)
-had every outer step's replica checksums equal: a difference stops the run with an error.
+run evaluated on the same batches after the same tokens: a DiLoCo run of I iterations against
+plain DP's validation at iteration I (the unshaped run evaluates at every DiLoCo run's
+length). A DiLoCo run that ended (`run ended`) had every outer step's replica checksums equal: a
+difference stops the run with an error.
 
 Targets (issue 43): plain DP at most 25% of the limit with its all-reduce at least 3x an inner
 step (the link is slow for this model); DiLoCo at the largest H at least 90% of the limit, over
@@ -26,13 +28,15 @@ from pathlib import Path
 
 ENDED = re.compile(r"run ended: iterations? (?:\d+-)?(\d+) of (\d+) in [\d.]+ s, ([\d.]+) "
                    r"tokens/s(?:.*validation loss ([\d.E+-]+))?")
+VALID = re.compile(r"validation at iteration (\d+) \| loss ([\d.E+-]+)")
 INTER = re.compile(r"per iteration: ([\d.]+) MB intra-node, ([\d.]+) MB inter-node")
 RUN = re.compile(r"diloco-h(\d+)-(\w+)")
 
 
 def read_run(path: Path) -> dict:
     """What rank 0's log says of one run: iterations, tokens/s, final validation loss (None
-    without evaluation), MB per iteration across nodes (mean of its log lines)."""
+    without evaluation), the validation loss at each iteration evaluated, MB per iteration
+    across nodes (mean of its log lines)."""
     text = path.read_text(errors="replace")
     ended = ENDED.search(text)
     if ended is None:
@@ -40,6 +44,8 @@ def read_run(path: Path) -> dict:
     inter = [float(match.group(2)) for match in INTER.finditer(text)]
     return {"iterations": int(ended.group(1)), "tokens_per_s": float(ended.group(3)),
             "valid_loss": float(ended.group(4)) if ended.group(4) else None,
+            "valid_at": {int(match.group(1)): float(match.group(2))
+                         for match in VALID.finditer(text)},
             "inter_mb_per_iter": sum(inter) / len(inter) if inter else 0.0}
 
 
@@ -51,14 +57,17 @@ def report(out_dir: Path) -> dict:
         if needed not in runs:
             raise SystemExit(f"{out_dir}: no {needed}.log")
     limit = runs["nocomm"]["tokens_per_s"]
-    reference = runs["plain-unshaped"]["valid_loss"]
+    reference = runs["plain-unshaped"]["valid_at"]
     for name, run in runs.items():
         run["of_limit"] = run["tokens_per_s"] / limit
         match = RUN.fullmatch(name)
         if match:
             run["inner_steps"], run["dtype"] = int(match.group(1)), match.group(2)
             run["outer_steps"] = run["iterations"] // run["inner_steps"]
-            run["loss_vs_plain"] = run["valid_loss"] / reference - 1
+            if run["iterations"] not in reference:
+                raise SystemExit(f"{out_dir}: plain-unshaped.log has no validation at iteration "
+                                 f"{run['iterations']}, the length of {name}")
+            run["loss_vs_plain"] = run["valid_loss"] / reference[run["iterations"]] - 1
     diloco = {name: run for name, run in runs.items() if "inner_steps" in run}
     if not diloco:
         raise SystemExit(f"{out_dir}: no diloco-hH-DTYPE.log")

@@ -2,26 +2,28 @@
 # DiLoCo across a slow link (issue 43; megadomino/zero/diloco.py): two network namespaces are two
 # sites, one CPU rank each (DP=2, gloo), joined by a veth pair that tc limits to RATE each way
 # (tbf where the kernel has no netem: no added latency). On real text (benchmarks/text_corpus.py)
-# it trains, each run ITERS iterations unless said otherwise:
+# it trains:
 #   plain           plain DP over the limited link, PLAIN_ITERS iterations (its step time)
-#   plain-unshaped  plain DP over the unlimited link (the reference loss)
+#   plain-unshaped  plain DP over the unlimited link, as long as the longest DiLoCo run and
+#                   evaluated at each one's length (the reference loss at equal tokens)
 #   nocomm          DiLoCo whose first outer step would come after the run (nothing crosses the
-#                   link: the no-communication limit)
-#   diloco-hH-D     DiLoCo, H inner steps for each H in H_VALUES, pseudo-gradients as D in DTYPES
+#                   link: the no-communication limit), NOCOMM_ITERS iterations (its step time)
+#   diloco-hH-D     DiLoCo, H inner steps for each H in H_VALUES, pseudo-gradients as D in
+#                   DTYPES, OUTER_STEPS x H iterations
 # then benchmarks/bench_diloco.py's report: throughput against the limit, final validation loss
 # against plain DP's, and the targets (it exits 1 when one is missed).
 #
 #   sudo bash benchmarks/bench_diloco_netns.sh
 #   python3 benchmarks/bench_diloco.py report OUT_DIR     # again, later
 #
-# With the defaults (a 3.3M-parameter GPT, 2048 tokens a rank a step) plain DP's all-reduce over
-# 10 Mbit/s takes several inner steps; the whole benchmark takes about two hours on two cores
-# (ITERS 1000: 20 outer steps at H = 50).
-# Environment: RATE (10mbit), ITERS (1000), PLAIN_ITERS (20), H_VALUES ("10 50"), DTYPES (bf16;
-# e.g. "bf16 int8"), EVAL_ITERS (20), RUN_TIMEOUT seconds a run (3600), PYTHON (python3, one
-# that imports megadomino), OUT_DIR (a temporary directory: every rank's log, report.txt and
-# results.json), CORPUS_DIR (text_corpus.py's files, made there when missing; default
-# OUT_DIR/corpus), MODEL_FLAGS (the model and batch, default below).
+# With the defaults (a 3.3M-parameter GPT, 4096 tokens a rank a step, an inner step about 1.4 s
+# on one core) plain DP's all-reduce over 10 Mbit/s takes about 8 inner steps and an int8
+# pseudo-gradient exchange about 3; the whole benchmark takes about 70 minutes on two cores.
+# Environment: RATE (10mbit), OUTER_STEPS (20), PLAIN_ITERS (20), NOCOMM_ITERS (300), H_VALUES
+# ("10 50"), DTYPES (int8; e.g. "bf16 int8"), EVAL_ITERS (20), RUN_TIMEOUT seconds a run (3600),
+# PYTHON (python3, one that imports megadomino), OUT_DIR (a temporary directory: every rank's
+# log, report.txt and results.json), CORPUS_DIR (text_corpus.py's files, made there when
+# missing; default OUT_DIR/corpus), MODEL_FLAGS (the model and batch, default below).
 # Needs root (ip netns, tc). Traffic only reaches the two namespaces' addresses and their
 # loopbacks; the namespaces, the link and every process started in them are removed on any exit.
 set -euo pipefail
@@ -29,16 +31,17 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 RATE=${RATE:-10mbit}
-ITERS=${ITERS:-1000}
+OUTER_STEPS=${OUTER_STEPS:-20}
 PLAIN_ITERS=${PLAIN_ITERS:-20}
+NOCOMM_ITERS=${NOCOMM_ITERS:-300}
 H_VALUES=${H_VALUES:-"10 50"}
-DTYPES=${DTYPES:-bf16}
+DTYPES=${DTYPES:-int8}
 EVAL_ITERS=${EVAL_ITERS:-20}
 RUN_TIMEOUT=${RUN_TIMEOUT:-3600}
 OUT_DIR=${OUT_DIR:-$(mktemp -d)}
 CORPUS_DIR=${CORPUS_DIR:-$OUT_DIR/corpus}
 MODEL_FLAGS=${MODEL_FLAGS:-"--num-layers 4 --hidden-size 192 --num-attention-heads 4 \
---seq-length 256 --max-position-embeddings 256 --micro-batch-size 8 --global-batch-size 16"}
+--seq-length 256 --max-position-embeddings 256 --micro-batch-size 16 --global-batch-size 32"}
 SUBNET=10.235.43
 mkdir -p "$OUT_DIR"
 source scripts/lib/netns.sh
@@ -77,14 +80,23 @@ limit() {
   limit_link "$NS_B" "$VETH_B" "$1"
 }
 
+# plain DP as long as the longest DiLoCo run, evaluated at every DiLoCo run's length (their gcd)
+read -r -a HS <<<"$H_VALUES"
+longest=0 every=0
+for h in "${HS[@]}"; do
+  iters=$((OUTER_STEPS * h)) a=$every
+  ((iters > longest)) && longest=$iters
+  b=$iters; while ((a > 0)); do read -r a b <<<"$((b % a)) $a"; done; every=$b
+done
+
 limit none
-train plain-unshaped "$ITERS" "$EVAL_ITERS"
+train plain-unshaped "$longest" "$EVAL_ITERS" --eval-interval "$every"
 limit "$RATE"
 train plain "$PLAIN_ITERS" 0
-train nocomm "$ITERS" 0 --diloco-inner-steps $((ITERS + 1))
-for h in $H_VALUES; do
+train nocomm "$NOCOMM_ITERS" 0 --diloco-inner-steps $((NOCOMM_ITERS + 1))
+for h in "${HS[@]}"; do
   for dtype in $DTYPES; do
-    train "diloco-h$h-$dtype" "$ITERS" "$EVAL_ITERS" --diloco-inner-steps "$h" \
+    train "diloco-h$h-$dtype" $((OUTER_STEPS * h)) "$EVAL_ITERS" --diloco-inner-steps "$h" \
       --diloco-pseudo-grad-dtype "$dtype"
   done
 done
