@@ -57,6 +57,13 @@ LOG_TAIL = 4000  # characters of a dead rank's output shown in a failure
 BOTH = frozenset({"main", "slow"})  # a world's cases outside and inside their slow_worlds
 
 
+def tier(variant: str, default_variant: str, world: int) -> dict:
+    """`SUITE.case` keywords: at `world` in the default tier for `default_variant` (say a model
+    family), in the slow tier for the others, whose code paths the default one shares."""
+    return {"worlds": (world,)} if variant == default_variant else {"worlds": (),
+                                                                     "slow_worlds": (world,)}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from test_tp_equivalence import batch, tiny_config
 
 from configs import parallel_config
-from dist_utils import C, DistSuite, assert_close
+from dist_utils import C, DistSuite, assert_close, tier
 from megadomino.build import build_model, build_stage
 from megadomino.config.pipeline_plan import uniform_plan
 from megadomino.config.pipeline_split import placement_of
@@ -122,10 +122,13 @@ for family in ("gpt", "llama"):
         layers, first = (8, None) if chunks > 1 else (7, 4)
         SUITE.case(f"{family}-pp2-{name}", check_pipeline, family, C.pp2, C.ref, name, layers,
                    4, chunks, first, worlds=(2,))
+        # each schedule on each world-4 mesh once in the default tier (one family each), the
+        # other family in the slow tier: the schedule and the mesh code are the family's own
         SUITE.case(f"{family}-pp2tp2-sp-{name}", check_pipeline, family, C.pp2tp2, C.ref, name,
-                   layers, 4, chunks, first, sequence_parallel=True, worlds=(4,))
+                   layers, 4, chunks, first, sequence_parallel=True,
+                   **tier(family, "llama", 4))
         SUITE.case(f"{family}-pp2dp2-{name}", check_pipeline, family, C.pp2dp2, C.ref, name,
-                   layers, 2, chunks, first, worlds=(4,))
+                   layers, 2, chunks, first, **tier(family, "gpt", 4))
         pp4_layers, pp4_first = (8, None) if chunks > 1 else (5, 2)
         SUITE.case(f"{family}-pp4-{name}", check_pipeline, family, C.pp4, C.ref, name,
                    pp4_layers, 4 if chunks > 1 else 6, chunks, pp4_first, worlds=(4,))

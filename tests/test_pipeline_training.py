@@ -10,15 +10,15 @@ has the same global batch: every step reads the same samples. bf16 and fp16 (los
 stay within
 3e-2 of the run without PP; fp16 starts from a scale that does not overflow: at 2^32 the tied
 embedding's two fp16 gradient halves overflow as one sum without PP and not apart, so the runs
-would skip different steps. The default tier runs one family of each half-precision and world-4
-case; the slow tier the other (`tier`)."""
+would skip different steps. The default tier runs one family of each schedule, half-precision and
+world-4 case; the slow tier the other (dist_utils.tier)."""
 
 from __future__ import annotations
 
 from test_tp_equivalence import tiny_config
 
 from configs import make_config
-from dist_utils import C, DistSuite
+from dist_utils import C, DistSuite, tier
 from megadomino.distributed import ParallelDims
 from megadomino.train.loop import train
 
@@ -66,18 +66,14 @@ def _setup(world: int) -> dict:
             "pp2tp2": ParallelDims(tp=2, pp=2), "tp2dp2": ParallelDims(tp=2)}
 
 
-def tier(family: str, default_family: str, world: int) -> dict:
-    """A case of `world` in the default tier for `default_family`, in the slow tier for the other
-    (the same schedule code; the default tier runs each family at each world)."""
-    return {"worlds": (world,)} if family == default_family else {"worlds": (),
-                                                                   "slow_worlds": (world,)}
-
-
 for family in ("gpt", "llama"):
-    for schedule in ("1f1b", "eager-1f1b", "interleaved", "zb-h1", "eager-zb", "zbv", "auto"):
+    # each schedule's steps in the default tier once, the families alternating (both run
+    # every schedule's single step in test_pipeline_equivalence.py)
+    for index, schedule in enumerate(("1f1b", "eager-1f1b", "interleaved", "zb-h1", "eager-zb",
+                                      "zbv", "auto")):
         layers = 8 if schedule in ("interleaved", "zbv") else 7
         SUITE.case(f"{family}-pp2-{schedule}", check_training, family, C.pp2, C.dp2, schedule,
-                   layers, worlds=(2,))
+                   layers, **tier(family, ("gpt", "llama")[index % 2], 2))
     # Half precision: the stages sum in another order than one process, so only close. GPT's
     # tied embedding is the case fp16's scale matters for (see the docstring).
     SUITE.case(f"{family}-pp2-bf16", check_training, family, C.pp2, C.dp2, "eager-1f1b", 7,

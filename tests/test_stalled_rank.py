@@ -129,6 +129,7 @@ def driver_args(plan: list) -> list[str]:
             str(TIMEOUT_MINUTES)]
 
 
+@pytest.mark.slow  # a long fault test: the default tier has the stop itself
 def test_only_the_stopped_rank_is_named_by_ranks_entering_apart(tmp_path):
     """Rank 0 enters the all-reduce first; rank 2 stops 4 s later (so rank 0's collective times
     out, at 6 s, before rank 2 has been silent for 3 s); rank 1 enters 5 s after rank 0, alive
@@ -148,6 +149,7 @@ def test_only_the_stopped_rank_is_named_by_ranks_entering_apart(tmp_path):
     assert took <= TIMEOUT_MINUTES * 60 + GRACE, f"the live ranks took {took:.1f} s to exit"
 
 
+@pytest.mark.slow  # a long fault test: the default tier has the stop itself
 def test_a_live_rank_waiting_elsewhere_is_not_named(tmp_path):
     """Rank 1 stays alive outside the all-reduce that rank 0 waits in: rank 0's collective times
     out and its line says that every rank still beats, naming none."""
