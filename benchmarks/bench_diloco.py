@@ -14,6 +14,10 @@ plain DP's validation at iteration I (the unshaped run evaluates at every DiLoCo
 length). A DiLoCo run that ended (`run ended`) had every outer step's replica checksums equal: a
 difference stops the run with an error.
 
+The spread: each run's tokens/s over consecutive blocks of BLOCK iterations (the log windows
+within a block averaged by time; the largest H, so that a DiLoCo block holds one outer step),
+median and range over the blocks after the first (start-up), beside the run's whole mean.
+
 Targets (issue 43): plain DP at most 25% of the limit with its all-reduce at least 3x an inner
 step (the link is slow for this model); DiLoCo at the largest H at least 90% of the limit, over
 at least 20 outer steps; its final loss within 2% of plain DP's over the unshaped link.
@@ -29,8 +33,22 @@ from pathlib import Path
 ENDED = re.compile(r"run ended: iterations? (?:\d+-)?(\d+) of (\d+) in [\d.]+ s, ([\d.]+) "
                    r"tokens/s(?:.*validation loss ([\d.E+-]+))?")
 VALID = re.compile(r"validation at iteration (\d+) \| loss ([\d.E+-]+)")
+WINDOW = re.compile(r"iteration +(\d+)/ *\d+ \|.*?\| ([\d.]+) tokens/s")
 INTER = re.compile(r"per iteration: ([\d.]+) MB intra-node, ([\d.]+) MB inter-node")
 RUN = re.compile(r"diloco-h(\d+)-(\w+)")
+BLOCK = 50  # iterations a throughput block
+
+
+def blocks(windows: list[tuple[int, float]], block: int = BLOCK) -> list[float]:
+    """tokens/s of each whole block of `block` iterations after the first, from the log
+    windows' (last iteration, tokens/s): the harmonic mean of the windows ending in it (equal
+    windows: the block's tokens over its time)."""
+    end = max((iteration for iteration, _ in windows), default=0)
+    grouped: dict[int, list[float]] = {}
+    for iteration, rate in windows:
+        grouped.setdefault((iteration - 1) // block, []).append(rate)
+    return [len(rates) / sum(1 / rate for rate in rates)
+            for index, rates in sorted(grouped.items()) if 0 < index and (index + 1) * block <= end]
 
 
 def read_run(path: Path) -> dict:
@@ -42,11 +60,14 @@ def read_run(path: Path) -> dict:
     if ended is None:
         raise SystemExit(f"{path}: no 'run ended' line (the run failed or was cut short)")
     inter = [float(match.group(2)) for match in INTER.finditer(text)]
+    spread = sorted(blocks([(int(m.group(1)), float(m.group(2))) for m in WINDOW.finditer(text)]))
     return {"iterations": int(ended.group(1)), "tokens_per_s": float(ended.group(3)),
             "valid_loss": float(ended.group(4)) if ended.group(4) else None,
             "valid_at": {int(match.group(1)): float(match.group(2))
                          for match in VALID.finditer(text)},
-            "inter_mb_per_iter": sum(inter) / len(inter) if inter else 0.0}
+            "inter_mb_per_iter": sum(inter) / len(inter) if inter else 0.0,
+            "block_tokens_per_s": {"median": spread[len(spread) // 2], "min": spread[0],
+                                   "max": spread[-1], "blocks": len(spread)} if spread else None}
 
 
 def report(out_dir: Path) -> dict:
@@ -88,13 +109,17 @@ def report(out_dir: Path) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| run | iterations | tokens/s | of the limit | MB/iter across | outer steps | "
-             "final loss | vs plain DP |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| run | iterations | tokens/s | of the limit | {BLOCK}-iteration blocks: median "
+             "(range) | MB/iter across | outer steps | final loss | vs plain DP |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, run in result["runs"].items():
         loss = "-" if run["valid_loss"] is None else f"{run['valid_loss']:.4f}"
         versus = f"{100 * run['loss_vs_plain']:+.2f}%" if "loss_vs_plain" in run else "-"
+        spread = run["block_tokens_per_s"]
+        spread = "-" if spread is None else (f"{spread['median']:.0f} ({spread['min']:.0f}-"
+                                             f"{spread['max']:.0f}, {spread['blocks']})")
         lines.append(f"| {name} | {run['iterations']} | {run['tokens_per_s']:.0f} | "
-                     f"{100 * run['of_limit']:.1f}% | {run['inter_mb_per_iter']:.3f} | "
+                     f"{100 * run['of_limit']:.1f}% | {spread} | {run['inter_mb_per_iter']:.3f} | "
                      f"{run.get('outer_steps', '-')} | {loss} | {versus} |")
     lines.append(f"\nplain DP's all-reduce: {result['all_reduce_vs_inner_step']:.1f}x an inner "
                  "step; every DiLoCo run ended, so every outer step's checksums were equal")

@@ -20,13 +20,16 @@ def _log(tokens_per_s: float, iters: int, loss: float | None, inter_mb: float,
          validations: tuple[tuple[int, float], ...] = ()) -> str:
     valid = "".join(f" validation at iteration {at} | loss {value:.6E} | ppl 1.0E+00\n"
                     for at, value in validations + (((iters, loss),) if loss else ()))
+    windows = "".join(f" iteration {it:8d}/{iters:8d} | loss 5.0E+00 | 100.0 ms/iter | "
+                      f"{tokens_per_s:.0f} tokens/s | peak mem 1.0 GiB\n"
+                      for it in range(10, iters + 1, 10))
     ended = (f" run ended: iterations 1-{iters} of {iters} in 12.0 s, {tokens_per_s:.0f} "
              f"tokens/s | train loss 5.000000E+00")
     if loss is not None:
         ended += f" | validation loss {loss:.6E} (iteration {iters})"
     zero = (" ZeRO-0 per rank: held 2.1 MiB (params 0.5), transient peak 0.5 MiB | per "
             f"iteration: 0.00 MB intra-node, {inter_mb:.2f} MB inter-node")
-    return f"{zero}\n{zero}\n{valid}{ended}\n"
+    return f"{windows}{zero}\n{zero}\n{valid}{ended}\n"
 
 
 def _write(directory, runs: dict) -> None:
@@ -51,7 +54,9 @@ def test_report_meets_the_targets(tmp_path):
     assert runs["diloco-h50-bf16"]["loss_vs_plain"] == pytest.approx(0.015)
     assert result["all_reduce_vs_inner_step"] == pytest.approx(1000 / 180 - 1)
     assert all(result["targets"].values()), result["targets"]
-    assert "| diloco-h50-bf16 | 1000 | 950 | 95.0% | 0.130 | 20 | 4.0600 | +1.50% |" in \
+    assert runs["plain"]["block_tokens_per_s"] is None  # 20 iterations: no whole block
+    assert ("| diloco-h50-bf16 | 1000 | 950 | 95.0% | 950 (950-950, 19) | 0.130 | 20 | 4.0600 | "
+            "+1.50% |") in \
         bench_diloco.table(result)
 
 
@@ -80,3 +85,9 @@ def test_a_run_plain_dp_was_not_evaluated_at_stops_the_report(tmp_path):
                       "nocomm": (1000, 300, None, 0.0), "diloco-h10-bf16": (880, 200, 4.1, 0.66)})
     with pytest.raises(SystemExit, match="no validation at iteration 200, the length of diloco"):
         bench_diloco.report(tmp_path)
+
+
+def test_blocks_are_whole_and_skip_the_first():
+    windows = [(it, 100.0 if it <= 50 else 200.0 if it % 50 else 50.0) for it in range(10, 171, 10)]
+    # blocks 51-100 and 101-150: four windows at 200 tokens/s and one at 50, by time: 125
+    assert bench_diloco.blocks(windows) == [pytest.approx(125.0)] * 2
