@@ -18,12 +18,14 @@
 #
 # With the defaults (a 3.3M-parameter GPT, 4096 tokens a rank a step, an inner step about 1.4 s
 # on one core) plain DP's all-reduce over 10 Mbit/s takes about 8 inner steps and an int8
-# pseudo-gradient exchange about 3; the whole benchmark takes about 70 minutes on two cores.
+# pseudo-gradient exchange about 3; the whole benchmark takes about 75 minutes on two cores.
 # Environment: RATE (10mbit), OUTER_STEPS (20), PLAIN_ITERS (20), NOCOMM_ITERS (300), H_VALUES
 # ("10 50"), DTYPES (int8; e.g. "bf16 int8"), EVAL_ITERS (20), RUN_TIMEOUT seconds a run (3600),
 # PYTHON (python3, one that imports megadomino), OUT_DIR (a temporary directory: every rank's
 # log, report.txt and results.json), CORPUS_DIR (text_corpus.py's files, made there when
-# missing; default OUT_DIR/corpus), MODEL_FLAGS (the model and batch, default below).
+# missing; default OUT_DIR/corpus), MODEL_FLAGS (the model and batch, default below),
+# DILOCO_FLAGS (more flags of every DiLoCo run, e.g. "--diloco-outer-lr 1.0
+# --diloco-outer-momentum 0"; default none: DiLoCo's outer defaults).
 # Needs root (ip netns, tc). Traffic only reaches the two namespaces' addresses and their
 # loopbacks; the namespaces, the link and every process started in them are removed on any exit.
 set -euo pipefail
@@ -36,6 +38,7 @@ PLAIN_ITERS=${PLAIN_ITERS:-20}
 NOCOMM_ITERS=${NOCOMM_ITERS:-300}
 H_VALUES=${H_VALUES:-"10 50"}
 DTYPES=${DTYPES:-int8}
+read -r -a DILOCO <<<"${DILOCO_FLAGS:-}"
 EVAL_ITERS=${EVAL_ITERS:-20}
 RUN_TIMEOUT=${RUN_TIMEOUT:-3600}
 OUT_DIR=${OUT_DIR:-$(mktemp -d)}
@@ -93,11 +96,11 @@ limit none
 train plain-unshaped "$longest" "$EVAL_ITERS" --eval-interval "$every"
 limit "$RATE"
 train plain "$PLAIN_ITERS" 0
-train nocomm "$NOCOMM_ITERS" 0 --diloco-inner-steps $((NOCOMM_ITERS + 1))
+train nocomm "$NOCOMM_ITERS" 0 --diloco-inner-steps $((NOCOMM_ITERS + 1)) ${DILOCO[@]+"${DILOCO[@]}"}
 for h in "${HS[@]}"; do
   for dtype in $DTYPES; do
     train "diloco-h$h-$dtype" $((OUTER_STEPS * h)) "$EVAL_ITERS" --diloco-inner-steps "$h" \
-      --diloco-pseudo-grad-dtype "$dtype"
+      --diloco-pseudo-grad-dtype "$dtype" ${DILOCO[@]+"${DILOCO[@]}"}
   done
 done
 status=0
