@@ -16,7 +16,7 @@
 #   sudo bash benchmarks/bench_diloco_netns.sh
 #   python3 benchmarks/bench_diloco.py report OUT_DIR     # again, later
 #
-# With the defaults (a 3.3M-parameter GPT, 4096 tokens a rank a step, an inner step about 1.4 s
+# With the defaults (a 3.3M-parameter GPT, 4096 tokens a rank a step, an inner step about 1.5 s
 # on one core) plain DP's all-reduce over 10 Mbit/s takes about 8 inner steps and an int8
 # pseudo-gradient exchange about 3; the whole benchmark takes about 75 minutes on two cores.
 # Environment: RATE (10mbit), OUTER_STEPS (20), PLAIN_ITERS (20), NOCOMM_ITERS (300), H_VALUES
