@@ -43,7 +43,8 @@ def _overlap(a: list[list[float]], b: list[list[float]]) -> float:
 def profile_summary(step: Callable[[], object], top: int = 12, host: bool = False,
                     trace: str | None = None) -> dict:
     """One profiled step: busy ms of compute kernels, NCCL kernels and memcpy, NCCL under
-    compute, GPU idle inside the span, and the `top` kernels by total ms ([ms, count]).
+    compute, GPU idle inside the span, how many kernels, copies and sets ran (`gpu_events`), and
+    the `top` kernels by total ms ([ms, count]).
     host=True also records the CPU side and adds the `top` host ops by self time
     (`top_host_ops`: [self ms, count]; CUDA runtime calls such as cudaStreamSynchronize or
     cudaMalloc appear there), to find what keeps the GPU idle."""
@@ -84,6 +85,7 @@ def profile_summary(step: Callable[[], object], top: int = 12, host: bool = Fals
             "nccl_busy_ms": _busy(comm_u) / 1e3, "memcpy_busy_ms": _busy(copies_u) / 1e3,
             "nccl_under_compute_ms": _overlap(comm_u, compute_u) / 1e3,
             "gpu_idle_ms": (span - _busy(everything)) / 1e3,
+            "gpu_events": len(comm) + len(compute) + len(copies),
             "top_kernels": {name: [round(ms, 3), n] for name, (ms, n) in ranked},
             **({"top_host_ops": host_ops} if host else {})}
 

@@ -703,6 +703,8 @@ NO_DROPOUT = ("--enable-cuda-graph", "--hidden-dropout", "0", "--attention-dropo
      "--domino-batch-slices auto times the plans eagerly"),
     ((*NO_DROPOUT, "--zero-stage", "3"), "--enable-cuda-graph captures the layers, but "
      "--zero-stage 3"),
+    ((*NO_DROPOUT, "--fp8-format", "hybrid", "--use-distributed-optimizer",
+      "--fp8-param-gather"), "--fp8-param-gather hands each step's gathered codes"),
 ])
 def test_cuda_graph_rules(argv, named):
     with pytest.raises(ConfigError, match=named):
@@ -714,6 +716,14 @@ def test_cuda_graph_with_dropout_parses():
     parsed = parse("--enable-cuda-graph")
     assert field(parsed, "parallel.enable_cuda_graph")
     assert field(parsed, "model.hidden_dropout") == 0.1
+
+
+def test_cuda_graph_takes_fp8_linears():
+    """Captured FP8 linears cast their weights at every replay (tests/gpu/test_gpu_cuda_graph.py
+    trains them graphed against eager), auto included (it times the roles graphed)."""
+    for linears in ("all", "auto"):
+        config, _ = parse(*NO_DROPOUT, "--fp8-format", "hybrid", "--fp8-linears", linears)
+        validate(config, 1)
 
 
 def test_cuda_graph_allows_data_parallelism():

@@ -8,8 +8,8 @@ weight make it cast again; the gathered codes' transpose is made once per gather
 buffers bump the parameters' version counters (stages 0, 1 and 3); compiled casts compile in the
 first step only.
 
-The reference is `_Uncached`: the state with the cache taken out (cast_weight is plain cast),
-i.e. the linear as it was before the cache."""
+The reference is `_Uncached`: the state with the cache off (`cache_weight` False: cast_weight is
+plain cast, as CUDA graphs run it), i.e. the linear as it was before the cache."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from megadomino.config.train import E4M3
 from megadomino.distributed import ParallelDims
 from megadomino.distributed.random import model_parallel_seed
 from megadomino.tp import fp8
-from megadomino.tp.fp8 import WEIGHT, FP8State, fp8_linear, fp8_states, quantize
+from megadomino.tp.fp8 import FP8State, fp8_linear, fp8_states, quantize
 from megadomino.zero import ZeroConfig, ZeroPlusPlus
 
 pytestmark = [pytest.mark.usefixtures("single_process_group"),
@@ -36,10 +36,12 @@ pytestmark = [pytest.mark.usefixtures("single_process_group"),
 
 
 class _Uncached(FP8State):
-    """The weight cast at every forward, the gathered codes' transpose made at every forward."""
+    """The weight cast at every forward (`cache_weight` off, as for linears captured in CUDA
+    graphs), the gathered codes' transpose made at every forward."""
 
-    def cast_weight(self, weight, record, transposed):
-        return self.cast(WEIGHT, weight, record, transposed)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cache_weight = False
 
     def gathered_transpose(self):
         return self.gathered_weight[0].t().contiguous()

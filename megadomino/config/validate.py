@@ -75,6 +75,10 @@ def _parallel_rules(model: ModelConfig, parallel: ParallelConfig, fp8: FP8Recipe
         raise ConfigError("--domino-batch-slices auto times the plans eagerly, not as the "
                           "graphs --enable-cuda-graph replays: give an explicit plan "
                           "(--domino-batch-slices N --domino-hidden-slices K) with it")
+    if parallel.zero.fp8_param_gather and parallel.enable_cuda_graph:
+        raise ConfigError("--fp8-param-gather hands each step's gathered codes to the linears "
+                          "from the host, which the layers' CUDA graphs would not see: drop "
+                          "--enable-cuda-graph or --fp8-param-gather")
     if parallel.zero.stage == 3 and parallel.enable_cuda_graph:
         raise ConfigError("--enable-cuda-graph captures the layers, but --zero-stage 3 gathers "
                           "each layer's parameters from host-side hooks: use --zero-stage 1 "
@@ -201,9 +205,7 @@ def _fp8_rules(parallel: ParallelConfig, fp8: FP8Recipe) -> None:
            "--domino-hidden-slices": (plan.hidden_slices, plan.hidden_slices > 1, domino),
            "--domino-explicit-backward": (True, plan.explicit_backward, domino),
            "--tp-comm-overlap": (True, parallel.tp_comm_overlap,
-                                 "its fused all-gather / reduce-scatter GEMMs are high-precision"),
-           "--enable-cuda-graph": (True, parallel.enable_cuda_graph,
-                                   "the FP8 path is not yet verified under CUDA graph capture")}
+                                 "its fused all-gather / reduce-scatter GEMMs are high-precision")}
     for flag, (value, on, reason) in why.items():
         check(not on, flag, value, f"off with --fp8-format: {reason}")
     check(not (fp8.recipe == "delayed" and parallel.recompute_granularity == "full"),

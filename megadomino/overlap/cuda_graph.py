@@ -25,6 +25,12 @@ Dropout is captured: the default generator and the TP RNG tracker's streams (whi
 swaps in graph-safely, `distributed.random`) are registered with the graphs, so each replay draws
 new masks and advances every stream as an eager micro-batch would.
 
+FP8 linears (`--fp8-format`) are captured with their casts, amaxes and delayed-scaling steps
+(all device-side); their weights are cast at every replay (FP8State.cache_weight off: the cached
+cast is the host's decision, which replays skip), and their scaling buffers are put back after the
+warm-up and capture, so the first replay starts from the state an eager step would (a resumed
+one's included).
+
 Domino slicing (`--domino-*`): what is captured is Domino's schedule over the layers, its async
 TP collectives and waits included, run by a DominoRunner in capture mode
 (overlap/domino/schedule.py): there the schedule's autograd node takes the layers' parameters as
@@ -37,7 +43,8 @@ is no longer host-bound. The eager Domino runner stays the fallback.
 Limits, refused up front by the validator (megadomino.config.validate) with the flag named: no
 activation recompute (it saves and restores RNG states by copying them on the host; Domino's
 full recompute is refused alike), no ZeRO stage 3 (its per-layer gather hooks run on the host),
-no `--domino-batch-slices auto` (its start-up timing runs the plans eagerly).
+no `--domino-batch-slices auto` (its start-up timing runs the plans eagerly), no
+`--fp8-param-gather` (the host hands each step's gathered codes to the linears).
 
 Shapes are static: a call whose input shape differs from the captured one (or in eval mode /
 without grad) runs the layers eagerly through the block's previous runner, same math.
@@ -53,6 +60,7 @@ from torch import nn
 from megadomino.config import ConfigError
 from megadomino.distributed import random as tp_random
 from megadomino.overlap.domino.schedule import DominoRunner
+from megadomino.tp.fp8 import fp8_states
 
 
 class _LayerStack(nn.Module):
@@ -111,12 +119,13 @@ class _Captured:
     """The static buffers and graphs of one captured callable (capture())."""
 
     def __init__(self, module: nn.Module, sample: tuple[torch.Tensor, ...], warmup: int,
-                 generators: list[torch.Generator]):
+                 generators: list[torch.Generator], buffers: list[torch.Tensor]):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.inputs = sample
         wrt = [t for t in (*sample, *self.params) if t.requires_grad]
         streams = [torch.cuda.default_generators[torch.cuda.current_device()], *generators]
         states = [generator.get_state() for generator in streams]
+        saved = [buffer.clone() for buffer in buffers]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy initialisation, autotuning, communicators
@@ -143,6 +152,8 @@ class _Captured:
         self.grads = [next(grads) if t.requires_grad else None for t in (*sample, *self.params)]
         for generator, state in zip(streams, states):  # warm-up and capture draw nothing
             generator.set_state(state)
+        for buffer, value in zip(buffers, saved):  # nor advance any state, in place
+            buffer.copy_(value)
 
 
 def _as_tuple(value) -> tuple[torch.Tensor, ...]:
@@ -150,7 +161,7 @@ def _as_tuple(value) -> tuple[torch.Tensor, ...]:
 
 
 def capture(module: nn.Module, sample: tuple[torch.Tensor, ...], warmup: int = 3,
-            generators: list[torch.Generator] = ()):
+            generators: list[torch.Generator] = (), buffers: list[torch.Tensor] = ()):
     """`module`'s forward on tensors shaped like `sample` and its backward (gradients of the
     inputs that require one and of every trainable parameter), captured in two CUDA graphs that
     share one memory pool; returns a function of the same arguments that replays them under
@@ -160,8 +171,10 @@ def capture(module: nn.Module, sample: tuple[torch.Tensor, ...], warmup: int = 3
     TP RNG tracker's streams, swapped in graph-safely by its fork), registered with both graphs
     so that dropout replays advance them as eager calls would. `warmup` eager forward and
     backward calls run first on a side stream (gradients discarded); the generators are put back
-where they were, so a graphed run draws the masks an eager one draws."""
-    captured = _Captured(module, tuple(sample), warmup, list(generators))
+where they were, so a graphed run draws the masks an eager one draws. `buffers`: state the
+    module's training forward advances (FP8 linears' scaling buffers), put back in place after
+    the warm-up and capture alike (the graphs keep their addresses)."""
+    captured = _Captured(module, tuple(sample), warmup, list(generators), list(buffers))
 
     def replay(*args: torch.Tensor):
         outputs = _Replay.apply(captured, *args, *captured.params)
@@ -248,8 +261,12 @@ def capture_layers(model, micro_batch_size: int, warmup: int = 3, log=print) -> 
     sample = (x, *rotary) if rotary is not None else (x,)
     stack = layer_stack(block)
     stack.train(block.training)
+    states = list(fp8_states(stack).values())
+    for state in states:  # the replays run none of the host's checks (tp/fp8.py)
+        state.cache_weight = False
     torch.cuda.synchronize(device)
-    graphed = capture(stack, sample, warmup, tp_random.tracker_of(dims).generators())
+    graphed = capture(stack, sample, warmup, tp_random.tracker_of(dims).generators(),
+                      [buffer for state in states for buffer in state.buffers()])
     torch.cuda.synchronize(device)
     layers = GraphedLayers(graphed, sample, _workspace_guard(model))
     block.runner = GraphedRunner(block, layers, block.runner)

@@ -58,6 +58,12 @@ per step of M micro-batches: 1 under tensorwise, 2 under delayed's defaults (his
 most_recent, interval 1), up to min(M, history_len + 1) under `max`. This assumes a linear's TP
 peers change their weight shards when it does (they step together). The codes take 2 bytes per
 weight element from the first forward on; nothing of them is saved, load_state_dict drops them.
+
+Under CUDA graphs (`--enable-cuda-graph`, overlap/cuda_graph.py) the host's bookkeeping runs only
+while the layers are captured, not at the replays, so a captured linear casts its weight at every
+call (`FP8State.cache_weight` False: one cast kernel per weight and micro-batch, a few
+microseconds on the GPU). Everything else is device-side already: the steps' closing, the scales
+read from their buffers, the amaxes written into the history, the TP amax all-reduce.
 """
 
 from __future__ import annotations
@@ -177,6 +183,9 @@ class FP8State(nn.Module):
         self.recipe, self.amax_group, self.compiled = recipe, amax_group, compiled
         self.weight_current_scaling = False
         """Set by ZeRO's FP8 parameter gather: the WEIGHT role is cast with current scaling."""
+        self.cache_weight = True
+        """Whether the weight's cast is reused while it provably holds (cast_weight); cleared
+        for linears captured in CUDA graphs, whose replays run none of the host's checks."""
         self.gathered_weight = None
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history",
@@ -303,6 +312,8 @@ class FP8State(nn.Module):
         """cast(WEIGHT, weight, record, transposed), made once per weight value and WEIGHT scale
         and reused after (module docstring); a recording call under delayed writes the weight's
         amax into the history all the same."""
+        if not self.cache_weight:
+            return self.cast(WEIGHT, weight, record, transposed)
         delayed = self._delayed(WEIGHT)
         value = self._weight_value(weight)
         key = (value, self._scale_key if delayed else None)

@@ -12,7 +12,11 @@ fc1, fc2) is timed at this run's shapes, forward + backward (dx and dW), as the 
     bf16: torch's F.linear in the model's dtype;
     FP8:  tp.fp8.fp8_linear with an FP8State of the run's recipe (casts, transposes, amaxes and,
           under delayed, the step's closing and TP amax all-reduce included), its weight cast
-          once per `min(micro-batches a step, 8)` calls, as a step's micro-batches reuse it.
+          once per `min(micro-batches a step, 8)` calls, as a step's micro-batches reuse it;
+    with --enable-cuda-graph both sides are timed as the graphs run them: forward and backward
+          captured and replayed, the weight cast at every call, the host's launches out of the
+          time (eager, an FP8 linear's dozens of launches are what its time measures at these
+          shapes).
 
 The roles are timed in interleaved passes, the median of each, the slowest rank's time
 (overlap.domino.autotune's start-up timer, as --domino's plans are). The rule: a role runs FP8
@@ -31,11 +35,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from megadomino.config import Config, FP8Recipe, ModelConfig
 from megadomino.config.train import FP8_AUTO, FP8_ROLES
 from megadomino.distributed import comm
 from megadomino.models.blocks import DTYPES
+from megadomino.overlap.cuda_graph import capture
 from megadomino.overlap.domino.autotune import interleaved_medians, time_step
 from megadomino.tp.fp8 import FP8State, fp8_linear
 
@@ -75,6 +81,8 @@ class LinearTimes:
     passes: int
     dtype: str = "bf16"
     """The model's dtype, the high-precision side ('bf16', 'fp16' or 'fp32')."""
+    graphed: bool = False
+    """Timed as CUDA-graph replays (--enable-cuda-graph: the host's launches drop out)."""
 
     def line(self) -> str:
         """'fp8 linears auto: FP8 in <roles>, <dtype> in <roles> (...): <every role's times>'."""
@@ -87,32 +95,66 @@ class LinearTimes:
             for role, (m, k, n), high, low in zip(FP8_ROLES, self.shapes, self.bf16_ms,
                                                   self.fp8_ms))
         return (f"fp8 linears auto: {choice} (FP8 where it takes at most {RULE}x "
-                f"{self.dtype}'s time); timed each GEMM's forward+backward [MxKxN], median of "
+                f"{self.dtype}'s time); timed each GEMM's forward+backward [MxKxN]"
+                f"{' as CUDA-graph replays' if self.graphed else ''}, median of "
                 f"{self.passes} passes, slowest rank: {rows}")
 
 
-def _timer(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-           recipe: FP8Recipe | None, fp8_state: Callable[[], FP8State], per_step: int,
-           generator: torch.Generator) -> Callable[[], float]:
-    """One pass of one role in bf16 (`recipe` None) or FP8: ms per forward + backward."""
+class _RoleLinear(nn.Module):
+    """One role's linear: F.linear in the model's dtype, or fp8_linear with `state`."""
+
+    def __init__(self, weight: torch.Tensor, state: FP8State | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.state = state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.state is None:
+            return F.linear(x, self.weight)
+        return fp8_linear(x, self.weight, None, self.state)
+
+
+def role_case(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+              recipe: FP8Recipe | None, fp8_state: Callable[[], FP8State], per_step: int,
+              generator: torch.Generator, graphed: bool = False):
+    """One role's timed case in bf16 (`recipe` None) or FP8: (linear, x, grad, iters) for
+    time_step(linear, x, grad, None, per_step, iters), a pass of whole steps. Eager, the weight is
+    cast once per `per_step` calls, as a step's micro-batches reuse it; `graphed` (CUDA), the
+    forward and backward are captured (overlap/cuda_graph.capture) and replayed, the weight cast
+    at every call, as --enable-cuda-graph runs the layers."""
     m, k, n = shape
     x = torch.randn(m, k, device=device, dtype=dtype, generator=generator).requires_grad_()
-    weight = (torch.randn(n, k, device=device, dtype=dtype, generator=generator) * 0.02
-              ).requires_grad_()
+    module = _RoleLinear(torch.randn(n, k, device=device, dtype=dtype, generator=generator) * 0.02,
+                         fp8_state() if recipe is not None else None)
     grad = torch.randn(m, n, device=device, dtype=dtype, generator=generator)
-    state = fp8_state() if recipe is not None else None
+    iters = per_step * math.ceil(4 / per_step)
+    weight, state = module.weight, module.state
+    if graphed:
+        if state is not None:
+            state.cache_weight = False
+        replay = capture(module, (x,), warmup=2,
+                         buffers=list(state.buffers()) if state is not None else [])
+
+        def graphed_linear(x: torch.Tensor, _rotary) -> torch.Tensor:
+            weight.grad = None
+            return replay(x)
+
+        return graphed_linear, x, grad, iters
     calls = [0]
 
     def linear(x: torch.Tensor, _rotary) -> torch.Tensor:
         weight.grad = None
-        if state is None:
-            return F.linear(x, weight)
-        if calls[0] % per_step == 0:  # a step's first micro-batch: a new weight value to cast
-            torch.autograd.graph.increment_version(weight)
+        if state is not None and calls[0] % per_step == 0:  # a step's first micro-batch: a new
+            torch.autograd.graph.increment_version(weight)  # weight value to cast
         calls[0] += 1
-        return fp8_linear(x, weight, None, state)
+        return module(x)
 
-    iters = per_step * math.ceil(4 / per_step)  # whole steps, so every pass casts alike
+    return linear, x, grad, iters
+
+
+def _timer(case, per_step: int) -> Callable[[], float]:
+    """One pass of role_case's `case`: ms per forward + backward."""
+    linear, x, grad, iters = case
     return lambda: time_step(linear, x, grad, None, per_step, iters)
 
 
@@ -131,7 +173,9 @@ def time_linears(config: Config, dims, micro_batches: int, device: torch.device,
 
     generator = torch.Generator(device=device).manual_seed(1234)  # not the model's generator
     per_step = max(1, min(micro_batches, 8))
-    timers = [_timer(shapes[role], dtype, device, recipe, fp8_state, per_step, generator)
+    graphed = config.parallel.enable_cuda_graph and device.type == "cuda"
+    timers = [_timer(role_case(shapes[role], dtype, device, recipe, fp8_state, per_step,
+                               generator, graphed), per_step)
               for role in FP8_ROLES for recipe in (None, fp8)]
     measured = interleaved_medians(timers, rounds, device, dims.world_size).tolist()
     bf16_ms, fp8_ms = measured[0::2], measured[1::2]
@@ -141,7 +185,7 @@ def time_linears(config: Config, dims, micro_batches: int, device: torch.device,
         comm.broadcast(chosen, src=0)
     return LinearTimes(tuple(shapes[role] for role in FP8_ROLES), tuple(bf16_ms), tuple(fp8_ms),
                        tuple(role for role, on in zip(FP8_ROLES, chosen.tolist()) if on),
-                       rounds, DTYPE_NAMES[model.params_dtype])
+                       rounds, DTYPE_NAMES[model.params_dtype], graphed)
 
 
 def resolve_fp8_linears(config: Config, dims, micro_batches: int, log: Callable[[str], None],

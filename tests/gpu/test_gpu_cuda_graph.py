@@ -5,7 +5,9 @@ the graphs draw as eager calls do) and bf16 (bound: bf16 rounding), at
 TP = 1 (one GPU) and at TP = each power-of-two GPU count from 2 up with sequence parallelism and
 the fused symmetric-memory GEMM + communication (`--tp-comm-overlap`), and at TP = half the GPUs x
 DP 2 (the DP gradient hooks then run on two streams: megadomino/distributed/streams.py), there also
-with the distributed optimizer (ZeRO stage 1).
+with the distributed optimizer (ZeRO stage 1); and with FP8 linears (hybrid, delayed and
+tensorwise scaling; fp32, whose graphed losses must be the eager run's, and bf16; the fused
+communication off, which FP8 refuses).
 The gpu tier: `python -m pytest tests --tier gpu -q`."""
 
 from __future__ import annotations
@@ -23,25 +25,27 @@ DTYPES = {"fp32": ("float32", 1e-5), "bf16": ("bfloat16", 2e-2)}
 
 
 def _losses(family: str, dims: ParallelDims, dtype: str, graph: bool, sp: bool,
-            zero_stage: int = 0, dropout: float = 0.0) -> list[float]:
+            zero_stage: int = 0, dropout: float = 0.0, fp8: str | None = None) -> list[float]:
     preset = "gpt-tiny" if family == "gpt" else "llama-tiny"
     extra = {} if family == "gpt" else {"num_query_groups": 2 if dims.tp <= 2 else dims.tp}
     model_config = ModelConfig.preset(preset, **extra, hidden_dropout=dropout,
                                       attention_dropout=dropout,
                                       seq_length=64, params_dtype=dtype)
-    config = make_config(model_config, sequence_parallel=sp, tp_comm_overlap=sp,
+    recipe = {"format": "hybrid", "recipe": fp8} if fp8 else {}
+    config = make_config(model_config, sequence_parallel=sp, tp_comm_overlap=sp and not fp8,
                          enable_cuda_graph=graph, tensor_model_parallel_size=dims.tp,
                          micro_batch_size=2, global_batch_size=4 * dims.dp, train_iters=ITERS,
                          lr=3e-3, lr_warmup_iters=2, log_interval=ITERS, mock_data=True,
-                         bf16=dtype == "bfloat16", stage=zero_stage)
+                         bf16=dtype == "bfloat16", stage=zero_stage, **recipe)
     history = train(config, dims, family, log=lambda _line: None)
     return history["losses"]
 
 
 def check_graphed_equals_eager(family: str, dims: ParallelDims, dtype: str, rel: float,
-                               sp: bool, zero_stage: int = 0, dropout: float = 0.0) -> None:
-    eager = _losses(family, dims, dtype, False, sp, zero_stage, dropout)
-    graphed = _losses(family, dims, dtype, True, sp, zero_stage, dropout)
+                               sp: bool, zero_stage: int = 0, dropout: float = 0.0,
+                               fp8: str | None = None) -> None:
+    eager = _losses(family, dims, dtype, False, sp, zero_stage, dropout, fp8)
+    graphed = _losses(family, dims, dtype, True, sp, zero_stage, dropout, fp8)
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=rel, atol=0)
     assert eager[-1] < eager[0], f"did not learn: {eager[0]:.3f} -> {eager[-1]:.3f}"
 
@@ -84,6 +88,14 @@ def _cases() -> dict[str, tuple]:
                 # warm-up's draws undone)
                 add(f"{family}-tp{tp}-sp{sp}-fp32-dropout", world, check_graphed_equals_eager,
                     family, dims, "float32", DTYPES["fp32"][1], sp, 0, 0.1)
+                # FP8 linears (hybrid): the replays cast each weight; the warm-up's advance of
+                # the delayed scaling state undone (fp32: the eager run's numbers)
+                for recipe in ("delayed", "tensorwise"):
+                    add(f"{family}-tp{tp}-sp{sp}-fp32-fp8-{recipe}", world,
+                        check_graphed_equals_eager, family, dims, "float32",
+                        DTYPES["fp32"][1], sp, 0, 0.0, recipe)
+                add(f"{family}-tp{tp}-sp{sp}-bf16-fp8-delayed", world, check_graphed_equals_eager,
+                    family, dims, "bfloat16", DTYPES["bf16"][1], sp, 0, 0.0, "delayed")
                 if tp < world:  # the distributed optimizer's reducer hooks too (fp32)
                     add(f"{family}-tp{tp}-sp{sp}-fp32-zero1", world, check_graphed_equals_eager,
                         family, dims, "float32", DTYPES["fp32"][1], sp, 1)
