@@ -34,30 +34,12 @@ import argparse
 import json
 import os
 import shutil
-import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megadomino.config import ModelConfig
 from megadomino.distributed import comm
@@ -71,6 +53,9 @@ from megadomino.interop.megatron import (
 )
 from megadomino.models.gpt import gather_full
 
+if TYPE_CHECKING:
+    from megadomino.interop.megatron_dcp import Stacked
+
 COMMON = "common.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -82,18 +67,24 @@ DIST_BACKENDS = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
 
 
+def _dcp():
+    """The torch.distributed.checkpoint side (interop/megatron_dcp.py), imported at its first
+    use: importing torch.distributed.checkpoint costs about 0.6 s, which every process that
+    imports the training loop would otherwise pay."""
+    from megadomino.interop import megatron_dcp
+    return megatron_dcp
+
+
 class DistReader:
     """The tensors of one torch_dist iteration directory, read whole, one key at a time."""
 
     def __init__(self, iteration_dir: Path):
         self.directory = iteration_dir
         try:
-            metadata = FileSystemReader(str(iteration_dir)).read_metadata()
+            self.tensors = _dcp().tensor_metadata(iteration_dir)
         except Exception as err:
             raise MegatronCheckpointError(f"{iteration_dir}/.metadata is unreadable: "
                                           f"{err}") from None
-        self.tensors = {key: meta for key, meta in metadata.state_dict_metadata.items()
-                        if isinstance(meta, TensorStorageMetadata)}
         common_path = iteration_dir / COMMON
         self.common = load_pickle(common_path, mmap=False) if common_path.exists() else {}
 
@@ -118,34 +109,9 @@ class DistReader:
         sizes, offsets = list(meta.size), [0] * len(meta.size)
         if layer is not None:
             sizes[0], offsets[0] = 1, layer
-        state = {key: torch.empty(sizes, dtype=meta.properties.dtype)}
-        with warnings.catch_warnings():  # no_dist is meant: each rank reads what it needs
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=FileSystemReader(str(self.directory)),
-                     planner=_BlockLoadPlanner({key: offsets}), no_dist=True)
-        return state[key] if layer is None else state[key][0]
-
-
-class _BlockLoadPlanner(DefaultLoadPlanner):
-    """Reads into each destination tensor the block of the saved tensor that starts at
-    `offsets[key]` and has the destination's shape (DefaultLoadPlanner reads whole tensors)."""
-
-    def __init__(self, offsets: dict[str, list[int]]):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.offsets = offsets
-
-    def create_local_plan(self) -> LoadPlan:
-        items = []
-        for key, tensor in self.state_dict.items():
-            block = ChunkStorageMetadata(offsets=torch.Size(self.offsets[key]),
-                                         sizes=tensor.shape)
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key],
-                                                      [block])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        # the destination is the block itself; the read item's offsets are relative to it
-        return self.state_dict[index.fqn]
+        block = torch.empty(sizes, dtype=meta.properties.dtype)
+        _dcp().read_block(self.directory, key, offsets, block)
+        return block if layer is None else block[0]
 
 
 def megatron_args(config: ModelConfig, tp: int, iteration: int, consumed_train_samples: int,
@@ -234,10 +200,6 @@ def _agree(error: str | None) -> None:
         raise OSError(f"torch_dist checkpoint: a writer {error}")
 
 
-Stacked = dict[str, list[tuple[int, torch.Tensor]]]
-"""A stacked key's rows this rank holds: (first global layer, the rows of consecutive layers)."""
-
-
 def _megatron_tensors(model: torch.nn.Module,
                       dims) -> tuple[dict[str, torch.Tensor | list], Stacked]:
     """Megatron-core's torch_dist entries of `model` (collective over TP): the full tensors
@@ -280,48 +242,6 @@ def _runs(rows: dict[int, torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
     return [(first, torch.stack(parts)) for first, parts in runs]
 
 
-class _StagePlanner(DefaultSavePlanner):
-    """Saves every whole entry as the default planner does (unflattened), and each stacked
-    key as the runs of rows this rank holds, chunks of the global tensor [num_layers, ...] at
-    their layer offsets; the coordinator's global plan checks the chunks of all the writers
-    tile each tensor."""
-
-    def __init__(self, stacked: Stacked, num_layers: int):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.stacked, self.num_layers = stacked, num_layers
-
-    def create_local_plan(self) -> SavePlan:
-        items = [self._whole(key, value) for key, value in self.state_dict.items()]
-        for key, runs in self.stacked.items():
-            for first, rows in runs:
-                offsets = torch.Size((first,) + (0,) * (rows.dim() - 1))
-                items.append(WriteItem(
-                    index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=rows.shape),
-                        properties=TensorProperties.create_from_tensor(rows),
-                        size=torch.Size((self.num_layers,) + tuple(rows.shape[1:])))))
-        self.plan = SavePlan(items)
-        return self.plan
-
-    @staticmethod
-    def _whole(key: str, value: Any) -> WriteItem:
-        if not isinstance(value, torch.Tensor):
-            return WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
-        zeros = torch.Size((0,) * value.dim())
-        return WriteItem(index=MetadataIndex(key, zeros), type=WriteItemType.TENSOR,
-                         tensor_data=TensorWriteData(
-                             chunk=ChunkStorageMetadata(offsets=zeros, sizes=value.shape),
-                             properties=TensorProperties.create_from_tensor(value),
-                             size=value.shape))
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        if index.fqn in self.stacked:
-            return next(rows for first, rows in self.stacked[index.fqn]
-                        if first == index.offset[0])
-        return super().lookup_object(index)
-
-
 def _write(tensors: dict[str, torch.Tensor | list], stacked: Stacked, num_layers: int,
            common: dict[str, Any] | None, target: Path, writers) -> str | None:
     """Write this writer's part into `target` (with `common`: common.pt and metadata.json
@@ -329,10 +249,7 @@ def _write(tensors: dict[str, torch.Tensor | list], stacked: Stacked, num_layers
     when this rank writes alone."""
     try:
         target.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():  # no_dist is meant when rank 0 writes alone
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(tensors, checkpoint_id=str(target), no_dist=writers is None,
-                     process_group=writers, planner=_StagePlanner(stacked, num_layers))
+        _dcp().save(tensors, stacked, num_layers, target, writers)
         if common is not None:
             torch.save(common, target / COMMON)
             (target / DIST_METADATA).write_text(json.dumps(DIST_BACKENDS))
