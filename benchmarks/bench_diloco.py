@@ -4,14 +4,15 @@ rank 0's log of each run and prints the table and the targets.
     python3 benchmarks/bench_diloco.py report OUT_DIR [--json FILE]
 
 Runs (OUT_DIR/NAME.log, pretrain_gpt.py's log lines): `plain` (plain DP over the limited link,
-a few iterations: its step time), `plain-unshaped` (plain DP over the unlimited link, the whole
-run: the reference loss), `nocomm` (DiLoCo whose first outer step would come after the run: the
-same ranks and data, nothing crossing the link, the no-communication limit) and
+a few iterations: its step time), `plain-unshaped-I` (plain DP over the unlimited link, I
+iterations: the reference loss of every DiLoCo run of I iterations), `nocomm` (DiLoCo whose
+first outer step would come after the run: the same ranks and data, nothing crossing the link,
+the no-communication limit) and
 `diloco-hH-DTYPE` (DiLoCo, H inner steps, pseudo-gradients sent as DTYPE). Throughput is the
 `run ended` line's tokens/s (training time only); the loss is the final validation loss, every
 run evaluated on the same batches after the same tokens: a DiLoCo run of I iterations against
-plain DP's validation at iteration I (the unshaped run evaluates at every DiLoCo run's
-length). A DiLoCo run that ended (`run ended`) had every outer step's replica checksums equal: a
+plain DP's run of I iterations, whose learning-rate schedule (warm-up and decay over the run) is
+the same. A DiLoCo run that ended (`run ended`) had every outer step's replica checksums equal: a
 difference stops the run with an error.
 
 The spread: each run's tokens/s over consecutive blocks of BLOCK iterations (the log windows
@@ -32,7 +33,6 @@ from pathlib import Path
 
 ENDED = re.compile(r"run ended: iterations? (?:\d+-)?(\d+) of (\d+) in [\d.]+ s, ([\d.]+) "
                    r"tokens/s(?:.*validation loss ([\d.E+-]+))?")
-VALID = re.compile(r"validation at iteration (\d+) \| loss ([\d.E+-]+)")
 WINDOW = re.compile(r"iteration +(\d+)/ *\d+ \|.*?\| ([\d.]+) tokens/s")
 INTER = re.compile(r"per iteration: ([\d.]+) MB intra-node, ([\d.]+) MB inter-node")
 RUN = re.compile(r"diloco-h(\d+)-(\w+)")
@@ -53,8 +53,7 @@ def blocks(windows: list[tuple[int, float]], block: int = BLOCK) -> list[float]:
 
 def read_run(path: Path) -> dict:
     """What rank 0's log says of one run: iterations, tokens/s, final validation loss (None
-    without evaluation), the validation loss at each iteration evaluated, MB per iteration
-    across nodes (mean of its log lines)."""
+    without evaluation), MB per iteration across nodes (mean of its log lines)."""
     text = path.read_text(errors="replace")
     ended = ENDED.search(text)
     if ended is None:
@@ -63,8 +62,6 @@ def read_run(path: Path) -> dict:
     spread = sorted(blocks([(int(m.group(1)), float(m.group(2))) for m in WINDOW.finditer(text)]))
     return {"iterations": int(ended.group(1)), "tokens_per_s": float(ended.group(3)),
             "valid_loss": float(ended.group(4)) if ended.group(4) else None,
-            "valid_at": {int(match.group(1)): float(match.group(2))
-                         for match in VALID.finditer(text)},
             "inter_mb_per_iter": sum(inter) / len(inter) if inter else 0.0,
             "block_tokens_per_s": {"median": spread[len(spread) // 2], "min": spread[0],
                                    "max": spread[-1], "blocks": len(spread)} if spread else None}
@@ -74,21 +71,21 @@ def report(out_dir: Path) -> dict:
     """Every run of OUT_DIR, and the targets."""
     runs = {path.stem: read_run(path) for path in sorted(out_dir.glob("*.log"))
             if "-rank" not in path.stem}
-    for needed in ("plain", "plain-unshaped", "nocomm"):
+    for needed in ("plain", "nocomm"):
         if needed not in runs:
             raise SystemExit(f"{out_dir}: no {needed}.log")
     limit = runs["nocomm"]["tokens_per_s"]
-    reference = runs["plain-unshaped"]["valid_at"]
     for name, run in runs.items():
         run["of_limit"] = run["tokens_per_s"] / limit
         match = RUN.fullmatch(name)
         if match:
             run["inner_steps"], run["dtype"] = int(match.group(1)), match.group(2)
             run["outer_steps"] = run["iterations"] // run["inner_steps"]
-            if run["iterations"] not in reference:
-                raise SystemExit(f"{out_dir}: plain-unshaped.log has no validation at iteration "
-                                 f"{run['iterations']}, the length of {name}")
-            run["loss_vs_plain"] = run["valid_loss"] / reference[run["iterations"]] - 1
+            reference = runs.get(f"plain-unshaped-{run['iterations']}", {}).get("valid_loss")
+            if reference is None:
+                raise SystemExit(f"{out_dir}: no evaluated plain-unshaped-{run['iterations']}"
+                                 f".log, the reference of {name}")
+            run["loss_vs_plain"] = run["valid_loss"] / reference - 1
     diloco = {name: run for name, run in runs.items() if "inner_steps" in run}
     if not diloco:
         raise SystemExit(f"{out_dir}: no diloco-hH-DTYPE.log")

@@ -4,8 +4,8 @@
 # (tbf where the kernel has no netem: no added latency). On real text (benchmarks/text_corpus.py)
 # it trains:
 #   plain           plain DP over the limited link, PLAIN_ITERS iterations (its step time)
-#   plain-unshaped  plain DP over the unlimited link, as long as the longest DiLoCo run and
-#                   evaluated at each one's length (the reference loss at equal tokens)
+#   plain-unshaped-I  plain DP over the unlimited link, one run of I iterations for each DiLoCo
+#                   run length I (the reference loss at equal tokens and the same LR schedule)
 #   nocomm          DiLoCo whose first outer step would come after the run (nothing crosses the
 #                   link: the no-communication limit), NOCOMM_ITERS iterations (its step time)
 #   diloco-hH-D     DiLoCo, H inner steps for each H in H_VALUES, pseudo-gradients as D in
@@ -22,7 +22,8 @@
 # Environment: RATE (10mbit), OUTER_STEPS (20), PLAIN_ITERS (20), NOCOMM_ITERS (300), H_VALUES
 # ("10 50"), DTYPES (int8; e.g. "bf16 int8"), EVAL_ITERS (20), RUN_TIMEOUT seconds a run (3600),
 # PYTHON (python3, one that imports megadomino), OUT_DIR (a temporary directory: every rank's
-# log, report.txt and results.json), CORPUS_DIR (text_corpus.py's files, made there when
+# log, report.txt and results.json), RESUME (1: keep every run whose log in OUT_DIR has ended,
+# so a pass cut short goes on where it stopped), CORPUS_DIR (text_corpus.py's files, made there when
 # missing; default OUT_DIR/corpus), MODEL_FLAGS (the model and batch, default below),
 # DILOCO_FLAGS (more flags of every DiLoCo run, e.g. "--diloco-outer-lr 1.0
 # --diloco-outer-momentum 0"; default none: DiLoCo's outer defaults).
@@ -65,6 +66,10 @@ train() {
   local name=$1 iters=$2 eval_iters=$3 rank ns veth pids=()
   shift 3
   PORT=$((PORT + 1))
+  if [ "${RESUME:-}" = 1 ] && grep -q "run ended" "$OUT_DIR/$name.log" 2>/dev/null; then
+    echo "$name: kept from an earlier pass" >&2
+    return
+  fi
   echo "$name: $iters iterations, $(cut -d' ' -f1 /proc/loadavg) load" >&2
   for rank in 0 1; do
     if [ "$rank" -eq 0 ]; then ns=$NS_A veth=$VETH_A; else ns=$NS_B veth=$VETH_B; fi
@@ -83,17 +88,12 @@ limit() {
   limit_link "$NS_B" "$VETH_B" "$1"
 }
 
-# plain DP as long as the longest DiLoCo run, evaluated at every DiLoCo run's length (their gcd)
+# plain DP over the unlimited link for each DiLoCo run length: the same tokens and LR schedule
 read -r -a HS <<<"$H_VALUES"
-longest=0 every=0
-for h in "${HS[@]}"; do
-  iters=$((OUTER_STEPS * h)) a=$every
-  ((iters > longest)) && longest=$iters
-  b=$iters; while ((a > 0)); do read -r a b <<<"$((b % a)) $a"; done; every=$b
-done
-
 limit none
-train plain-unshaped "$longest" "$EVAL_ITERS" --eval-interval "$every"
+for iters in $(for h in "${HS[@]}"; do echo $((OUTER_STEPS * h)); done | sort -nu); do
+  train "plain-unshaped-$iters" "$iters" "$EVAL_ITERS"
+done
 limit "$RATE"
 train plain "$PLAIN_ITERS" 0
 train nocomm "$NOCOMM_ITERS" 0 --diloco-inner-steps $((NOCOMM_ITERS + 1)) ${DILOCO[@]+"${DILOCO[@]}"}

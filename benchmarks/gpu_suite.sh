@@ -22,6 +22,13 @@
 #   fp8-text-gather
 #                benchmarks/bench_fp8_text.py on GPUs 0,1: ZeRO 1 bf16 against FP8 (hybrid,
 #                delayed) with --fp8-param-gather, 200 steps of real text (carry .text/)
+#   fp8-text-graphs
+#                benchmarks/bench_fp8_text.py on GPU 0: gpt3-1.3b at micro-batch 4, both arms
+#                --enable-cuda-graph, bf16 against FP8 (hybrid, delayed), 200 steps of real
+#                text (carry .text/)
+#   fp8-linear   benchmarks/bench_fp8_linear.py: each gpt3-1.3b linear's forward + backward at
+#                micro-batch 1 and 4, bf16 and FP8 (eager, compiled casts, tensorwise): the
+#                wall time against the GPU's busy time and launches (where FP8's time goes)
 #   tests-cpu    the default tier on this machine's torch (2.11, the oldest declared) and CPUs
 #   kernels      tests/gpu/test_gpu_kernels.py only (1 GPU)
 #   quant        benchmarks/bench_quant.py: our kernels vs DeepSpeed's quantizer, one GPU
@@ -195,6 +202,14 @@ for name in "$@"; do
         --data .text --nproc-per-node 2 --iters 200 --timeout 200 \
         --both=--use-distributed-optimizer \
         --fp8-args="--fp8-format hybrid --fp8-param-gather" --out "$OUT/fp8_text_gather.json" ;;
+    fp8-text-graphs)
+      if [ ! -d .text ]; then echo "fp8-text-graphs: carry .text (text_corpus.py --out .text)"; \
+        exit 2; fi
+      step fp8-text-graphs 330 python3 benchmarks/bench_fp8_text.py --data .text \
+        --preset gpt3-1.3b --num-layers 24 --micro-batch-size 4 --iters 200 --timeout 150 \
+        --both=--enable-cuda-graph --out "$OUT/fp8_text_graphs.json" ;;
+    fp8-linear) step fp8-linear 300 python3 benchmarks/bench_fp8_linear.py \
+        --micro-batch-size 1 4 --micro-batches 4 --out "$OUT/fp8_linear.json" ;;
     fp8-gather) step fp8-gather 420 torchrun --standalone --nproc_per_node "$GPUS" \
                   benchmarks/bench_zero.py --steps 8 --warmup 3 --rounds 3 --micro-batch-size 4 \
                   --configs "zero3 fp8" "zero3 fp8 gather" "zero1 fp8" "zero1 fp8 gather" \
