@@ -23,8 +23,8 @@
 # ("10 50"), DTYPES (int8; e.g. "bf16 int8"), EVAL_ITERS (20), RUN_TIMEOUT seconds a run (3600),
 # PYTHON (python3, one that imports megadomino), OUT_DIR (a temporary directory: every rank's
 # log, report.txt and results.json), RESUME (1: keep every run whose log in OUT_DIR has ended,
-# so a pass cut short goes on where it stopped), CORPUS_DIR (text_corpus.py's files, made there when
-# missing; default OUT_DIR/corpus), MODEL_FLAGS (the model and batch, default below),
+# so a pass cut short goes on where it stopped), CORPUS_DIR (text_corpus.py's files, made there
+# when missing; default OUT_DIR/corpus), MODEL_FLAGS (the model and batch, default below),
 # DILOCO_FLAGS (more flags of every DiLoCo run, e.g. "--diloco-outer-lr 1.0
 # --diloco-outer-momentum 0"; default none: DiLoCo's outer defaults).
 # Needs root (ip netns, tc). Traffic only reaches the two namespaces' addresses and their

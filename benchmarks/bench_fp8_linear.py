@@ -35,7 +35,7 @@ from megadomino.config import FP8Recipe, ModelConfig  # noqa: E402
 from megadomino.config.train import FP8_ROLES  # noqa: E402
 from megadomino.overlap.domino.autotune import time_step  # noqa: E402
 from megadomino.tp.fp8 import FP8State  # noqa: E402
-from megadomino.train.fp8_linears import role_case, role_shapes  # noqa: E402
+from megadomino.train.fp8_linears import calls_per_cast, role_case, role_shapes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timeline import profile_summary  # noqa: E402
@@ -74,7 +74,7 @@ def main() -> None:
         sys.exit("bench_fp8_linear.py needs CUDA")
     device = torch.device("cuda", 0)
     model = ModelConfig.preset(args.preset, seq_length=args.seq_length)
-    per_step = max(1, min(args.micro_batches, 8))
+    per_step = calls_per_cast(args.micro_batches)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "args": vars(args), "rows": []}
     for micro_batch in args.micro_batch_size:

@@ -50,6 +50,12 @@ RULE = 0.98
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
+def calls_per_cast(micro_batches: int) -> int:
+    """How many calls the timed FP8 linear reuses a weight cast for: a step's micro-batches on a
+    rank, at most 8 (a pass of whole steps stays short)."""
+    return max(1, min(micro_batches, 8))
+
+
 def role_shapes(model: ModelConfig, tp: int, tokens: int) -> dict[str, tuple[int, int, int]]:
     """Each role's GEMM (M, K, N) on one TP rank: y [M, N] = x [M, K] @ W^T, W this rank's
     shard [N, K]; `tokens`: M."""
@@ -172,7 +178,7 @@ def time_linears(config: Config, dims, micro_batches: int, device: torch.device,
         return FP8State(fp8, device, amax_group, config.parallel.compile_layer_pieces)
 
     generator = torch.Generator(device=device).manual_seed(1234)  # not the model's generator
-    per_step = max(1, min(micro_batches, 8))
+    per_step = calls_per_cast(micro_batches)
     graphed = config.parallel.enable_cuda_graph and device.type == "cuda"
     timers = [_timer(role_case(shapes[role], dtype, device, recipe, fp8_state, per_step,
                                generator, graphed), per_step)
